@@ -1,0 +1,244 @@
+"""Typed configuration of the MoE layer.
+
+Tutel-style dicts (``gate_type={'type': 'top', 'k': 2}``, ``experts={'type': 'ffn', ...}``) are parsed
+once, at the edge, by :func:`gate_config_from_dict` / :func:`expert_config_from_dict`; everything
+inside the layer reads these dataclasses. Unknown keys and bad values raise ``ValueError`` naming
+the key and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+__all__ = [
+    "GateConfig",
+    "ExpertConfig",
+    "MoEConfig",
+    "gate_config_from_dict",
+    "expert_config_from_dict",
+    "GATE_TYPES",
+    "EXPERT_TYPES",
+    "AUX_LOSSES",
+]
+
+GATE_TYPES = ("top", "cosine_top", "sigmoid", "custom")
+EXPERT_TYPES = ("ffn", "glu", "custom")
+GLU_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gpt_oss")
+AUX_LOSSES = ("gshard", "switch", "load_importance", "deepseek", "none")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+@dataclass
+class GateConfig:
+    """One gate (router).
+
+    type: "top" (linear logits, softmax top-k: Switch k=1, GShard k>=2), "cosine_top" (cosine
+        router), "sigmoid" (DeepSeek-V3: sigmoid scores, selection bias, group-limited top-k,
+        route scale) or "custom" (``module`` returns logits [T, E]).
+    k: experts per token. capacity_factor: see dynamoe.ops.capacity (0 = dropless).
+    fp32_gate: compute logits in fp32 (without changing the parameters' dtype).
+    gate_noise: std of training-time logit noise (Tutel: noise * randn / E).
+    normalize: renormalise the top-k weights; None = the layer's ``normalize_gate`` for softmax
+        gates (only when k > 1, as Switch keeps the raw probability), True for sigmoid gates.
+    """
+
+    type: str = "top"
+    k: int = 2
+    capacity_factor: float = 1.0
+    fp32_gate: bool = False
+    gate_noise: float = 0.0
+    normalize: Optional[bool] = None
+    # sigmoid (DeepSeek) routing
+    n_group: int = 1
+    topk_group: int = 1
+    route_scale: float = 1.0
+    # cosine router
+    proj_dim: int = 256
+    init_t: float = 0.5
+    # custom: an nn.Module instance, or a class called as
+    # module(model_dim=..., num_global_experts=..., **module_kwargs) (Tutel's protocol)
+    module: Any = None
+    module_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_choice("gate type", self.type, GATE_TYPES)
+        _check_int("gate k", self.k, 1)
+        _check_float("capacity_factor", self.capacity_factor)
+        _check_float("gate_noise", self.gate_noise)
+        if self.gate_noise < 0:
+            raise ValueError(f"gate_noise must be >= 0, got {self.gate_noise}")
+        _check_int("n_group", self.n_group, 1)
+        _check_int("topk_group", self.topk_group, 1)
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group must be <= n_group={self.n_group}, got {self.topk_group}")
+        _check_float("route_scale", self.route_scale)
+        _check_int("proj_dim", self.proj_dim, 1)
+        if self.type == "custom" and self.module is None:
+            raise ValueError("gate type 'custom' needs 'module': an nn.Module (or class) returning logits [T, E]")
+        if self.type != "custom" and self.module is not None:
+            raise ValueError(f"gate 'module' is only allowed with type 'custom', got type {self.type!r}")
+
+
+@dataclass
+class ExpertConfig:
+    """The routed experts (and optional shared experts).
+
+    type: "ffn" (fc1 -> activation -> fc2, Tutel's layout and names), "glu" (gate/up/down:
+        SwiGLU, GeGLU, GPT-OSS clamped SwiGLU) or "custom" (``module``; see dynamoe.moe.experts).
+    num_experts_per_device: local experts L (E = L on one process).
+    hidden_size_per_expert: F.
+    activation_fn: ffn activation, a callable or "relu"/"gelu"/"silu"; glu_activation for "glu".
+    num_shared_experts / shared_hidden_size: always-on experts added to the routed output.
+    """
+
+    type: str = "ffn"
+    num_experts_per_device: int = 1
+    hidden_size_per_expert: int = 0
+    activation_fn: Union[str, Callable, None] = "relu"
+    has_fc1_bias: bool = True
+    has_fc2_bias: bool = True
+    output_dim: Optional[int] = None
+    glu_activation: str = "silu"
+    glu_bias: bool = False
+    gpt_oss_alpha: float = 1.702
+    gpt_oss_limit: float = 7.0
+    num_shared_experts: int = 0
+    shared_hidden_size: Optional[int] = None
+    module: Any = None
+    module_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_choice("experts type", self.type, EXPERT_TYPES)
+        _check_int("num_experts_per_device", self.num_experts_per_device, 1)
+        if self.type != "custom":
+            _check_int("hidden_size_per_expert", self.hidden_size_per_expert, 1)
+        if self.type == "glu":
+            _check_choice("glu_activation", self.glu_activation, GLU_ACTIVATIONS)
+        if isinstance(self.activation_fn, str):
+            _check_choice("activation_fn", self.activation_fn, ("relu", "gelu", "silu"))
+        elif self.activation_fn is not None and not callable(self.activation_fn):
+            raise ValueError(f"activation_fn must be a callable or one of ['relu', 'gelu', 'silu'], got {self.activation_fn!r}")
+        if self.output_dim is not None:
+            _check_int("output_dim", self.output_dim, 1)
+        _check_int("num_shared_experts", self.num_shared_experts, 0)
+        if self.type == "custom" and self.module is None:
+            raise ValueError("experts type 'custom' needs 'module': an nn.Module (or class) following dynamoe.moe.experts.ExpertsProtocol")
+        if self.type == "custom" and self.num_shared_experts:
+            raise ValueError("shared experts go with 'ffn' or 'glu' experts; add them inside a custom module instead")
+
+
+@dataclass
+class MoEConfig:
+    """Everything the layer needs, validated once."""
+
+    model_dim: int
+    gates: list = field(default_factory=lambda: [GateConfig()])
+    experts: ExpertConfig = field(default_factory=ExpertConfig)
+    is_postscore: bool = True
+    batch_prioritized_routing: bool = False
+    normalize_gate: bool = True
+    aux_loss: str = "gshard"
+    z_loss_coef: float = 0.0
+    a2a_ffn_overlap_degree: int = 1
+    parallel_type: str = "adaptive:1"
+    use_2dh: bool = False
+    dtype: Optional[torch.dtype] = None
+    device: Any = None
+
+    def __post_init__(self) -> None:
+        _check_int("model_dim", self.model_dim, 1)
+        if isinstance(self.gates, GateConfig):
+            self.gates = [self.gates]
+        if not self.gates or not all(isinstance(g, GateConfig) for g in self.gates):
+            raise ValueError("gates must be a non-empty list of GateConfig")
+        if not isinstance(self.experts, ExpertConfig):
+            raise ValueError(f"experts must be an ExpertConfig, got {type(self.experts).__name__}")
+        _check_choice("aux_loss", self.aux_loss, AUX_LOSSES)
+        _check_float("z_loss_coef", self.z_loss_coef)
+        _check_int("a2a_ffn_overlap_degree", self.a2a_ffn_overlap_degree, 1)
+        parse_parallel_type(self.parallel_type)
+        num_experts = self.experts.num_experts_per_device
+        for g in self.gates:
+            if g.k > num_experts:
+                raise ValueError(f"gate k={g.k} exceeds the number of experts ({num_experts})")
+            if g.type == "sigmoid" and num_experts % g.n_group:
+                raise ValueError(f"n_group={g.n_group} must divide the number of experts ({num_experts})")
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts_per_device
+
+
+def parse_parallel_type(parallel_type: str) -> int:
+    """'data' | 'model' | 'auto' | 'adaptive:R' -> adaptive degree R (data=1, model/auto=-1 placeholder)."""
+    if parallel_type in ("data", "model", "auto"):
+        return {"data": 1, "model": -1, "auto": 1}[parallel_type]
+    if isinstance(parallel_type, str) and parallel_type.startswith("adaptive:"):
+        try:
+            r = int(parallel_type.split(":", 1)[1])
+        except ValueError:
+            r = -2
+        if r >= 0:
+            return r
+    raise ValueError(f"parallel_type must be 'data', 'model', 'auto' or 'adaptive:R' (R >= 0), got {parallel_type!r}")
+
+
+_GATE_ALIASES = {"top_k": "k"}
+_EXPERT_ALIASES = {"count_per_node": "num_experts_per_device", "num_local_experts": "num_experts_per_device"}
+
+
+def _from_dict(cls, d: dict, what: str, aliases: dict):
+    """Map a Tutel dict onto ``cls``. For type 'custom', unknown keys are options of the user's
+    module class (Tutel passes them to its constructor); elsewhere they are errors."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} must be a dict, got {type(d).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)} - {"module_kwargs"}
+    kwargs: dict = {}
+    extra: dict = dict(d.get("module_kwargs", {}))
+    custom = d.get("type") == "custom"
+    for key, value in d.items():
+        if key == "module_kwargs":
+            continue
+        if custom and key == "top_k":  # Tutel hands top_k to custom gates too
+            extra[key] = value
+        key = aliases.get(key, key)
+        if key in names:
+            kwargs[key] = value
+        elif custom:
+            extra[key] = value
+        else:
+            raise ValueError(f"unknown {what} key {key!r}; allowed: {sorted(names | set(aliases))}")
+    if extra:
+        kwargs["module_kwargs"] = extra
+    return cls(**kwargs)
+
+
+def gate_config_from_dict(d: dict) -> GateConfig:
+    """Parse a Tutel gate dict, e.g. ``{'type': 'top', 'k': 2, 'capacity_factor': 0, 'fp32_gate': True}``."""
+    d = dict(d)
+    if "capacity_factor" in d and not isinstance(d["capacity_factor"], bool):
+        d["capacity_factor"] = float(d["capacity_factor"])
+    return _from_dict(GateConfig, d, "gate_type", _GATE_ALIASES)
+
+
+def expert_config_from_dict(d: dict) -> ExpertConfig:
+    """Parse a Tutel experts dict, e.g. ``{'type': 'ffn', 'num_experts_per_device': 2, 'hidden_size_per_expert': 1024}``."""
+    return _from_dict(ExpertConfig, dict(d), "experts", _EXPERT_ALIASES)

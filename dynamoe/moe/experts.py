@@ -1,0 +1,196 @@
+"""Expert networks. Each acts on both layouts of a dispatch plan:
+
+* ``forward(x_LCD, ctx)`` -- padded: [L local experts, C slots, D] -> [L, C, O] (Tutel's protocol);
+* ``forward_ragged(x_ND, counts)`` -- rows sorted by expert, ``counts[l]`` rows for expert l -> [N, O].
+
+Legend: L local experts, C capacity, N routed rows, D model dim, F expert hidden dim, O output dim.
+
+Custom experts (extension point): any ``nn.Module`` with ``forward(x_LCD, ctx)`` works; one that also
+defines ``forward_ragged(x_ND, counts)`` is run dropless without padding. ``ctx`` is the MoE layer
+(``ctx.model_dim``, ``ctx.num_local_experts``, ``ctx.num_global_experts``, ``ctx.sharded_count``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..ops.grouped_mm import grouped_mm
+from .config import ExpertConfig
+
+__all__ = ["ExpertsProtocol", "FFNExperts", "GLUExperts", "SharedExperts", "build_experts", "glu_activation"]
+
+
+@runtime_checkable
+class ExpertsProtocol(Protocol):
+    def forward(self, x_LCD: Tensor, ctx) -> Tensor: ...
+
+
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+
+def _activation(fn) -> Callable[[Tensor], Tensor]:
+    if fn is None:
+        return F.relu
+    return _ACTIVATIONS[fn] if isinstance(fn, str) else fn
+
+
+def _uniform_(t: Tensor, fan_in: int) -> None:
+    # nn.Linear's default init, per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    with torch.no_grad():
+        t.uniform_(-bound, bound)
+
+
+def glu_activation(gate: Tensor, up: Tensor, kind: str, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+    """act(gate) * up. ``gpt_oss``: clamp gate above at ``limit`` and up to +-limit, then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    if kind == "silu":
+        return F.silu(gate) * up
+    if kind == "gelu":
+        return F.gelu(gate) * up
+    if kind == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    if kind == "gpt_oss":
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    raise ValueError(f"glu activation must be one of ['silu', 'gelu', 'gelu_tanh', 'gpt_oss'], got {kind!r}")
+
+
+def _bmm(x_LCI: Tensor, w: Tensor, bias_LO: Tensor | None, trans_w: bool) -> Tensor:
+    w = w.transpose(1, 2) if trans_w else w
+    if bias_LO is None:
+        return torch.bmm(x_LCI, w)
+    return torch.baddbmm(bias_LO.unsqueeze(1), x_LCI, w)
+
+
+class FFNExperts(nn.Module):
+    """fc1 -> activation -> fc2 per expert, with Tutel's parameter names and shapes:
+    ``batched_fc1_w`` [L, F, D], ``batched_fc1_bias`` [L, F], ``batched_fc2_w`` [L, F, O],
+    ``batched_fc2_bias`` [L, O]. Biases are fused into the matmuls (addmm / baddbmm)."""
+
+    def __init__(self, model_dim: int, hidden_size: int, num_local_experts: int, activation_fn=None,
+                 has_fc1_bias: bool = True, has_fc2_bias: bool = True, output_dim: int | None = None,
+                 dtype=None, device=None):
+        super().__init__()
+        L, D, F_, O = num_local_experts, model_dim, hidden_size, output_dim or model_dim
+        kw = dict(dtype=dtype, device=device)
+        self.model_dim, self.hidden_size, self.output_dim, self.num_local_experts = D, F_, O, L
+        self.activation_fn = _activation(activation_fn)
+        self.batched_fc1_w = nn.Parameter(torch.empty(L, F_, D, **kw))
+        self.batched_fc2_w = nn.Parameter(torch.empty(L, F_, O, **kw))
+        self.batched_fc1_bias = nn.Parameter(torch.empty(L, F_, **kw)) if has_fc1_bias else None
+        self.batched_fc2_bias = nn.Parameter(torch.empty(L, O, **kw)) if has_fc2_bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _uniform_(self.batched_fc1_w, self.model_dim)
+        _uniform_(self.batched_fc2_w, self.hidden_size)
+        if self.batched_fc1_bias is not None:
+            _uniform_(self.batched_fc1_bias, self.model_dim)
+        if self.batched_fc2_bias is not None:
+            _uniform_(self.batched_fc2_bias, self.hidden_size)
+
+    def extra_repr(self) -> str:
+        return (f"model_dim={self.model_dim}, hidden_size={self.hidden_size}, output_dim={self.output_dim}, "
+                f"local_experts={self.num_local_experts}, bias={self.batched_fc1_bias is not None}/{self.batched_fc2_bias is not None}")
+
+    def forward(self, x_LCD: Tensor, ctx=None) -> Tensor:
+        h_LCF = self.activation_fn(_bmm(x_LCD, self.batched_fc1_w, self.batched_fc1_bias, trans_w=True))
+        return _bmm(h_LCF, self.batched_fc2_w, self.batched_fc2_bias, trans_w=False)
+
+    def forward_ragged(self, x_ND: Tensor, counts: Sequence[int]) -> Tensor:
+        h_NF = grouped_mm(x_ND, self.batched_fc1_w, counts, self.batched_fc1_bias, trans_w=True)
+        h_NF = self.activation_fn(h_NF)
+        return grouped_mm(h_NF, self.batched_fc2_w, counts, self.batched_fc2_bias, trans_w=False)
+
+
+class GLUExperts(nn.Module):
+    """Gated experts: y = down(act(gate(x)) * up(x)). Layout as transformers' fused MoE experts:
+    ``gate_up_proj`` [L, 2F, D] (gate rows first, then up rows), ``down_proj`` [L, O, F], optional
+    ``gate_up_proj_bias`` [L, 2F] and ``down_proj_bias`` [L, O] (GPT-OSS)."""
+
+    def __init__(self, model_dim: int, hidden_size: int, num_local_experts: int, activation: str = "silu",
+                 bias: bool = False, alpha: float = 1.702, limit: float = 7.0, output_dim: int | None = None,
+                 dtype=None, device=None):
+        super().__init__()
+        L, D, F_, O = num_local_experts, model_dim, hidden_size, output_dim or model_dim
+        kw = dict(dtype=dtype, device=device)
+        self.model_dim, self.hidden_size, self.output_dim, self.num_local_experts = D, F_, O, L
+        self.activation, self.alpha, self.limit = activation, alpha, limit
+        glu_activation(torch.zeros(1), torch.zeros(1), activation)  # validate early
+        self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * F_, D, **kw))
+        self.down_proj = nn.Parameter(torch.empty(L, O, F_, **kw))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(L, 2 * F_, **kw)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(L, O, **kw)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _uniform_(self.gate_up_proj, self.model_dim)
+        _uniform_(self.down_proj, self.hidden_size)
+        if self.gate_up_proj_bias is not None:
+            _uniform_(self.gate_up_proj_bias, self.model_dim)
+            _uniform_(self.down_proj_bias, self.hidden_size)
+
+    def extra_repr(self) -> str:
+        return (f"model_dim={self.model_dim}, hidden_size={self.hidden_size}, local_experts={self.num_local_experts}, "
+                f"activation={self.activation}, bias={self.gate_up_proj_bias is not None}")
+
+    def _act(self, gu: Tensor) -> Tensor:
+        gate, up = gu.split(self.hidden_size, dim=-1)
+        return glu_activation(gate, up, self.activation, self.alpha, self.limit)
+
+    def forward(self, x_LCD: Tensor, ctx=None) -> Tensor:
+        h_LCF = self._act(_bmm(x_LCD, self.gate_up_proj, self.gate_up_proj_bias, trans_w=True))
+        return _bmm(h_LCF, self.down_proj, self.down_proj_bias, trans_w=True)
+
+    def forward_ragged(self, x_ND: Tensor, counts: Sequence[int]) -> Tensor:
+        h_NF = self._act(grouped_mm(x_ND, self.gate_up_proj, counts, self.gate_up_proj_bias, trans_w=True))
+        return grouped_mm(h_NF, self.down_proj, counts, self.down_proj_bias, trans_w=True)
+
+
+class SharedExperts(nn.Module):
+    """Always-on dense expert(s) added to the routed output (DeepSeek's ``shared_experts``): one
+    MLP whose hidden size is ``num_shared * F`` unless given. GLU uses HF's names
+    (``gate_proj``, ``up_proj``, ``down_proj``); FFN uses ``fc1``/``fc2``."""
+
+    def __init__(self, cfg: ExpertConfig, model_dim: int, dtype=None, device=None):
+        super().__init__()
+        hidden = cfg.shared_hidden_size or cfg.num_shared_experts * cfg.hidden_size_per_expert
+        out = cfg.output_dim or model_dim
+        kw = dict(dtype=dtype, device=device)
+        self.is_glu = cfg.type == "glu"
+        if self.is_glu:
+            self.activation, self.alpha, self.limit = cfg.glu_activation, cfg.gpt_oss_alpha, cfg.gpt_oss_limit
+            self.gate_proj = nn.Linear(model_dim, hidden, bias=cfg.glu_bias, **kw)
+            self.up_proj = nn.Linear(model_dim, hidden, bias=cfg.glu_bias, **kw)
+            self.down_proj = nn.Linear(hidden, out, bias=cfg.glu_bias, **kw)
+        else:
+            self.activation_fn = _activation(cfg.activation_fn)
+            self.fc1 = nn.Linear(model_dim, hidden, bias=cfg.has_fc1_bias, **kw)
+            self.fc2 = nn.Linear(hidden, out, bias=cfg.has_fc2_bias, **kw)
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        if self.is_glu:
+            return self.down_proj(glu_activation(self.gate_proj(x_TD), self.up_proj(x_TD), self.activation, self.alpha, self.limit))
+        return self.fc2(self.activation_fn(self.fc1(x_TD)))
+
+
+def build_experts(cfg: ExpertConfig, model_dim: int, dtype=None, device=None) -> nn.Module:
+    L = cfg.num_experts_per_device
+    if cfg.type == "ffn":
+        return FFNExperts(model_dim, cfg.hidden_size_per_expert, L, cfg.activation_fn, cfg.has_fc1_bias,
+                          cfg.has_fc2_bias, cfg.output_dim, dtype, device)
+    if cfg.type == "glu":
+        return GLUExperts(model_dim, cfg.hidden_size_per_expert, L, cfg.glu_activation, cfg.glu_bias,
+                          cfg.gpt_oss_alpha, cfg.gpt_oss_limit, cfg.output_dim, dtype, device)
+    module = cfg.module
+    if isinstance(module, type):
+        module = module(model_dim=model_dim, num_experts_per_device=L, sharded_count=1, **cfg.module_kwargs)
+    if not isinstance(module, nn.Module) or not callable(getattr(module, "forward", None)):
+        raise ValueError(f"custom experts 'module' must be an nn.Module (or a class building one) with forward(x_LCD, ctx), got {type(module).__name__}")
+    return module

@@ -1,0 +1,124 @@
+"""Gates: a module that turns tokens into logits, and the scoring policy that turns logits into a
+:class:`Routing` (ids, weights, scores).
+
+Legend: T tokens, D model dim, E experts, K experts per token, P cosine projection dim.
+
+Parameter names follow Tutel (``wg``, ``cosine_projector``, ``sim_matrix``, ``temperature``) so
+state dicts carry over; the DeepSeek selection bias is HF's ``e_score_correction_bias``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..ops.routing import sigmoid_group_topk, softmax_topk
+from .config import GateConfig
+
+__all__ = ["Routing", "LinearGate", "CosineGate", "build_gate", "route"]
+
+
+@dataclass
+class Routing:
+    """The gate's decision, as plain data.
+
+    ids_TK: int64 chosen experts, best first. weights_TK: fp32 combine weights.
+    scores_TE: fp32 softmax probabilities (or sigmoid scores), used by the balance losses; None at
+        inference when no loss needs them. logits_TE: the gate's raw output (for the z-loss).
+    """
+
+    ids_TK: Tensor
+    weights_TK: Tensor
+    scores_TE: Optional[Tensor]
+    logits_TE: Tensor
+
+
+class LinearGate(nn.Module):
+    """logits = x @ wg^T. With ``fp32_gate`` the product is computed in fp32 from fp32 copies, so
+    the parameter keeps whatever dtype the model has (Tutel's ``wg.float()`` mutates it)."""
+
+    def __init__(self, model_dim: int, num_experts: int, fp32_gate: bool = False, selection_bias: bool = False,
+                 dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.fp32_gate = fp32_gate
+        self.wg = nn.Linear(model_dim, num_experts, bias=False, dtype=torch.float32 if fp32_gate else dtype, device=device)
+        if selection_bias:
+            # DeepSeek-V3: added to the scores only to choose experts; updated by the aux-loss-free rule.
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        w = self.wg.weight
+        if self.fp32_gate:
+            return F.linear(x_TD.float(), w.float())
+        return F.linear(x_TD.to(w.dtype), w)
+
+
+class CosineGate(nn.Module):
+    """Cosine router (Tutel's ``cosine_top``): logits = cos(proj(x), sim_e) / temperature, with the
+    learned temperature clamped to at least 0.01."""
+
+    def __init__(self, model_dim: int, num_experts: int, fp32_gate: bool = False, proj_dim: int = 256,
+                 init_t: float = 0.5, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.fp32_gate = fp32_gate
+        self.temperature = nn.Parameter(torch.log(torch.full([1], 1.0 / init_t, device=device)))
+        self.cosine_projector = nn.Linear(model_dim, proj_dim, dtype=dtype, device=device)
+        self.sim_matrix = nn.Parameter(torch.empty(proj_dim, num_experts, dtype=dtype, device=device))
+        nn.init.normal_(self.sim_matrix, 0, 0.01)
+        self.clamp_max = math.log(1.0 / 0.01)
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        proj, sim = self.cosine_projector, self.sim_matrix
+        if self.fp32_gate:
+            x_TP = F.linear(x_TD.float(), proj.weight.float(), proj.bias.float())
+            sim = sim.float()
+        else:
+            x_TP = proj(x_TD.to(proj.weight.dtype))
+        logits_TE = F.normalize(x_TP, dim=1) @ F.normalize(sim, dim=0)
+        return logits_TE * torch.clamp(self.temperature, max=self.clamp_max).exp().to(logits_TE.dtype)
+
+
+def build_gate(cfg: GateConfig, model_dim: int, num_experts: int, dtype=None, device=None) -> nn.Module:
+    """The logits module for one gate config."""
+    if cfg.type in ("top", "sigmoid"):
+        return LinearGate(model_dim, num_experts, cfg.fp32_gate, cfg.type == "sigmoid", dtype, device)
+    if cfg.type == "cosine_top":
+        return CosineGate(model_dim, num_experts, cfg.fp32_gate, cfg.proj_dim, cfg.init_t, dtype, device)
+    module = cfg.module
+    if isinstance(module, type):
+        module = module(model_dim=model_dim, num_global_experts=num_experts, **cfg.module_kwargs)
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"custom gate 'module' must be an nn.Module or a class building one, got {type(module).__name__}")
+    return module
+
+
+def route(gate: nn.Module, cfg: GateConfig, x_TD: Tensor, top_k: int, normalize_gate: bool,
+          training: bool, need_scores: bool) -> Routing:
+    """Run ``gate`` on ``x_TD`` and apply ``cfg``'s scoring policy with ``top_k`` experts per token."""
+    logits_TE = gate(x_TD)
+    T, E = x_TD.size(0), None
+    if not isinstance(logits_TE, Tensor) or logits_TE.dim() != 2 or logits_TE.size(0) != T:
+        got = tuple(logits_TE.shape) if isinstance(logits_TE, Tensor) else type(logits_TE).__name__
+        raise ValueError(f"gate must return logits [tokens={T}, experts], got {got}")
+    E = logits_TE.size(1)
+    noisy_TE = logits_TE
+    if training and cfg.gate_noise > 0:
+        noisy_TE = logits_TE + cfg.gate_noise * torch.randn_like(logits_TE) / E
+    if cfg.type == "sigmoid":
+        bias = getattr(gate, "e_score_correction_bias", None)
+        renorm = True if cfg.normalize is None else cfg.normalize
+        weights_TK, ids_TK, scores_TE = sigmoid_group_topk(
+            noisy_TE, top_k, bias, cfg.n_group, cfg.topk_group, renorm, cfg.route_scale
+        )
+    else:
+        renorm = (normalize_gate and top_k > 1) if cfg.normalize is None else cfg.normalize
+        weights_TK, ids_TK, scores_TE = softmax_topk(noisy_TE, top_k, renorm, need_probs=need_scores)
+        if cfg.route_scale != 1.0:
+            weights_TK = weights_TK * cfg.route_scale
+    return Routing(ids_TK, weights_TK, scores_TE, logits_TE)

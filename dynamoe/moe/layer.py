@@ -1,0 +1,288 @@
+"""The MoE layer: gate -> dispatch plan -> experts -> combine.
+
+Legend: T tokens, D model dim, O output dim, E experts, K experts per token, C capacity.
+
+Every forward takes the run-time switches ``top_k``, ``capacity_factor``, ``a2a_ffn_overlap_degree``,
+``adaptive_r`` and ``megablocks_size`` (or ``layout``). They apply to that call only -- nothing is
+stored -- and none allocates parameters, so switching is free.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..ops.routing import check_top_k
+from . import losses
+from .config import MoEConfig, parse_parallel_type
+from .dispatch import (DispatchPlan, RoutingStats, build_plan, combine_padded, combine_ragged, dispatch_padded,
+                       dispatch_ragged)
+from .experts import SharedExperts, build_experts
+from .gates import Routing, build_gate, route
+
+__all__ = ["MoELayer", "LAYOUTS"]
+
+LAYOUTS = ("padded", "ragged")
+# Below this many assignments per expert the ragged layout is chosen automatically (decode, small
+# batches): padding would cost more than it saves.
+_SMALL_BATCH_ROWS_PER_EXPERT = 4
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts layer over ``config`` (see :class:`dynamoe.moe.MoEConfig`).
+
+    ``forward(x)`` takes [..., D] and returns [..., O] with two attributes: ``y.l_aux`` (the
+    configured balance loss, plus ``z_loss_coef`` * router z-loss) and ``y.routing_stats``
+    (:class:`RoutingStats`: per-expert load, kept and dropped counts, capacity, layout).
+    """
+
+    def __init__(self, config: MoEConfig, scan_expert_func: Callable | None = None,
+                 result_func: Callable | None = None, group=None, seeds=None):
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
+        world = _world_size(group)
+        if world > 1:
+            raise ValueError(
+                f"group has {world} ranks: expert parallelism over processes is provided by dynamoe.parallel, "
+                "which this version does not include yet; build the layer with group=None on each process"
+            )
+        self.config = config
+        self.group = group
+        self.result_func = result_func
+        self.model_dim = config.model_dim
+        self.num_local_experts = config.num_experts
+        self.sharded_count = 1
+        self.world_size = 1
+        self.register_buffer("_num_global_experts", torch.tensor(config.num_experts))
+        kw = dict(dtype=config.dtype, device=config.device)
+
+        if seeds is not None and len(seeds) > 1 and seeds[1] is not None:
+            torch.manual_seed(seeds[1])
+        self.experts = build_experts(config.experts, config.model_dim, **kw)
+        self.shared_experts = SharedExperts(config.experts, config.model_dim, **kw) if config.experts.num_shared_experts else None
+        for n, p in self.experts.named_parameters():
+            p._dynamoe_expert = True
+            if scan_expert_func is not None:
+                scan_expert_func(n, p)
+
+        gates = []
+        for gi, gcfg in enumerate(config.gates):
+            if seeds is not None and seeds[0] is not None:
+                torch.manual_seed(seeds[0] + gi)
+            gates.append(build_gate(gcfg, config.model_dim, config.num_experts, **kw))
+        self.gates = nn.ModuleList(gates)
+        if seeds is not None and len(seeds) > 2 and seeds[2] is not None:
+            torch.manual_seed(seeds[2])
+        # Assignments per expert since the last update_routing_bias() (training only).
+        self.register_buffer("_load_since_update", torch.zeros(config.num_experts, dtype=torch.int64, device=config.device), persistent=False)
+        self.l_aux: Optional[Tensor] = None  # the last forward's loss, as Tutel exposes it
+
+    # ---- Tutel-compatible helpers -------------------------------------------------------------
+    @staticmethod
+    def global_expert_count(num_local_experts: int, group=None) -> int:
+        world = _world_size(group)
+        if num_local_experts == 0:
+            raise ValueError("num_local_experts must be non-zero")
+        if num_local_experts > 0:
+            return num_local_experts * world
+        if world % -num_local_experts:
+            raise ValueError(f"{-num_local_experts} devices should share an expert, but the world has {world}")
+        return world // -num_local_experts
+
+    @property
+    def num_global_experts(self) -> int:
+        return self.config.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.config.gates[0].k
+
+    def get_parameter_iterator(self, param_type: str):
+        if param_type == "gate":
+            return self.gates.named_parameters()
+        if param_type == "local_experts":
+            return self.experts.named_parameters()
+        raise ValueError(f"param_type must be 'gate' or 'local_experts', got {param_type!r}")
+
+    def extra_repr(self) -> str:
+        gates = [f"{g.type}(k={g.k}, capacity_factor={g.capacity_factor})" for g in self.config.gates]
+        return f"gates={gates}, num_experts={self.num_global_experts}, model_dim={self.model_dim}"
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "_num_global_experts"
+        if key in state_dict and int(state_dict[key]) != self.num_global_experts:
+            raise ValueError(f"checkpoint has {int(state_dict[key])} experts in {prefix or 'the layer'}, this layer has {self.num_global_experts}")
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # ---- training hooks -----------------------------------------------------------------------
+    @torch.no_grad()
+    def update_routing_bias(self, rate: float = 1e-3) -> None:
+        """Auxiliary-loss-free balancing step (DeepSeek-V3): nudge every sigmoid gate's selection
+        bias by ``rate`` toward balance, using the load seen since the last call. Call once per
+        optimizer step."""
+        if not math.isfinite(rate) or rate < 0:
+            raise ValueError(f"rate must be a finite number >= 0, got {rate}")
+        for gate in self.gates:
+            bias = getattr(gate, "e_score_correction_bias", None)
+            if bias is not None:
+                losses.update_selection_bias(bias, self._load_since_update, rate)
+        self._load_since_update.zero_()
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(self, input: Tensor, gate_index: int = 0, capacity_factor: float | None = None,
+                top_k: int | None = None, a2a_ffn_overlap_degree: int | None = None, reserve_dims: int = 1,
+                inequivalent_tokens: bool = False, adaptive_r: int | None = None,
+                megablocks_size: int | None = None, layout: str | None = None) -> Tensor:
+        """Route ``input`` [..., D] through the experts.
+
+        Per-call switches (None = the configured default; nothing is remembered):
+            top_k: experts per token, 1..E. capacity_factor: >0 padded capacity, 0 dropless,
+            <0 capped dropless. a2a_ffn_overlap_degree: chunks of the capacity dim (C is rounded up
+            to a multiple of it). adaptive_r: parallel degree (0 or 1 on one process).
+            megablocks_size: 0 forces the padded layout, >0 the ragged (dropless-style) layout.
+            layout: "padded" | "ragged" (alternative to megablocks_size).
+        """
+        cfg = self.config
+        x_TD, out_shape, orig_dtype = self._check_input(input, reserve_dims)
+        if not isinstance(gate_index, int) or not 0 <= gate_index < len(self.gates):
+            raise ValueError(f"gate_index must be in [0, {len(self.gates)}), got {gate_index!r}")
+        gcfg = cfg.gates[gate_index]
+        E = self.num_global_experts
+        k = check_top_k(gcfg.k if top_k is None else top_k, E)
+        cf = gcfg.capacity_factor if capacity_factor is None else capacity_factor
+        if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf):
+            raise ValueError(f"capacity_factor must be a finite number, got {cf!r}")
+        overlap = cfg.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else a2a_ffn_overlap_degree
+        if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 1:
+            raise ValueError(f"a2a_ffn_overlap_degree must be an int >= 1, got {overlap!r}")
+        r = parse_parallel_type(cfg.parallel_type) if adaptive_r is None else adaptive_r
+        if r not in (0, 1, -1):  # one process: local (0) or the single shard (1); 'model' == 1
+            raise ValueError(f"adaptive_r must be in [0, 1] on a single process, got {adaptive_r!r}")
+        chosen_layout = self._pick_layout(layout, megablocks_size, cf, x_TD.size(0) * k, E)
+
+        T = x_TD.size(0)
+        if T == 0:
+            return self._finish(x_TD.new_zeros(0, self._out_dim()), out_shape, orig_dtype,
+                                x_TD.new_zeros((), dtype=torch.float32), self._empty_stats(k, cf, chosen_layout))
+
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            routing = route(self.gates[gate_index], gcfg, x_TD, k, cfg.normalize_gate, self.training,
+                            need_scores=cfg.aux_loss != "none" or cfg.batch_prioritized_routing)
+            priority = routing.scores_TE.max(dim=1).values if cfg.batch_prioritized_routing else None
+            plan = build_plan(routing.ids_TK, routing.weights_TK, E, float(cf), priority, alignment=overlap)
+            l_aux, loss_terms = self._losses(routing, gcfg)
+
+        y_TO = self._experts_and_combine(x_TD, plan, chosen_layout)
+        if self.shared_experts is not None:
+            y_TO = y_TO + self.shared_experts(x_TD)
+        if self.training:
+            self._load_since_update += torch.tensor(plan.load, device=self._load_since_update.device)
+        stats = RoutingStats(
+            load=torch.tensor(plan.load), kept=torch.tensor(plan.counts), dropped=plan.num_dropped,
+            capacity=plan.capacity, top_k=k, capacity_factor=float(cf), layout=chosen_layout, losses=loss_terms,
+        )
+        return self._finish(y_TO, out_shape, orig_dtype, l_aux, stats)
+
+    # ---- pieces of forward --------------------------------------------------------------------
+    def _check_input(self, input: Tensor, reserve_dims: int):
+        if not isinstance(input, Tensor):
+            raise ValueError(f"input must be a torch.Tensor, got {type(input).__name__}")
+        if not input.is_floating_point():
+            raise ValueError(f"input must be a floating-point tensor, got {input.dtype}")
+        if isinstance(reserve_dims, bool) or not isinstance(reserve_dims, int) or reserve_dims < 1:
+            raise ValueError(f"reserve_dims must be an int >= 1, got {reserve_dims!r}")
+        if input.dim() < reserve_dims + 1:
+            raise ValueError(f"input must have at least {reserve_dims + 1} dims ([tokens..., model_dim]), got shape {tuple(input.shape)}")
+        feature_shape = input.shape[-reserve_dims:]
+        if math.prod(feature_shape) != self.model_dim:
+            raise ValueError(f"input's last {reserve_dims} dim(s) {tuple(feature_shape)} must hold model_dim={self.model_dim} features")
+        if reserve_dims > 1 and self._out_dim() != self.model_dim:
+            raise ValueError("reserve_dims > 1 needs output_dim == model_dim")
+        if not bool(torch.isfinite(input).all()):
+            raise ValueError("input contains non-finite values (NaN or Inf)")
+        x = input.reshape(-1, self.model_dim)
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        else:
+            p = next(self.experts.parameters(), None)
+            if p is not None and p.is_floating_point():
+                x = x.to(p.dtype)
+        out_tail = list(feature_shape) if reserve_dims > 1 else [self._out_dim()]
+        return x, list(input.shape[:-reserve_dims]) + out_tail, input.dtype
+
+    def _out_dim(self) -> int:
+        return getattr(self.experts, "output_dim", None) or self.model_dim
+
+    def _pick_layout(self, layout, megablocks_size, cf, rows, E) -> str:
+        if layout is not None and megablocks_size is not None:
+            raise ValueError("pass either layout or megablocks_size, not both")
+        if layout is not None and layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {list(LAYOUTS)} or None, got {layout!r}")
+        if megablocks_size is not None:
+            if isinstance(megablocks_size, bool) or not isinstance(megablocks_size, int) or megablocks_size < 0:
+                raise ValueError(f"megablocks_size must be an int >= 0 (0 = padded, >0 = ragged), got {megablocks_size!r}")
+            layout = "ragged" if megablocks_size > 0 else "padded"
+        can_ragged = hasattr(self.experts, "forward_ragged")
+        if layout == "ragged" and not can_ragged:
+            raise ValueError(f"layout 'ragged' needs experts with forward_ragged(); {type(self.experts).__name__} has none")
+        if layout is None:
+            small = rows <= _SMALL_BATCH_ROWS_PER_EXPERT * E
+            layout = "ragged" if can_ragged and (cf == 0 or small or not self._padded_pays()) else "padded"
+        return layout
+
+    def _padded_pays(self) -> bool:
+        # On CPU the padded layout only adds work (zero rows); it pays on accelerators, where one
+        # batched matmul over fixed shapes beats a loop of small ones.
+        p = next(self.experts.parameters(), None)
+        return p is not None and p.device.type != "cpu"
+
+    def _experts_and_combine(self, x_TD: Tensor, plan: DispatchPlan, layout: str) -> Tensor:
+        post = self.config.is_postscore
+        if plan.order_N.numel() == 0:
+            return x_TD.new_zeros(plan.num_tokens, self._out_dim())
+        if layout == "ragged":
+            y_NO = self.experts.forward_ragged(dispatch_ragged(x_TD, plan, prescale=not post), plan.counts)
+            return combine_ragged(y_NO, plan, postscore=post)
+        x_ECD = dispatch_padded(x_TD, plan, prescale=not post)
+        y_ECO = self.experts(x_ECD, self)
+        return combine_padded(y_ECO, plan, postscore=post)
+
+    def _losses(self, routing: Routing, gcfg) -> tuple[Tensor, dict]:
+        kind = self.config.aux_loss
+        terms: dict[str, Tensor] = {}
+        s, ids = routing.scores_TE, routing.ids_TK
+        if kind == "gshard":
+            terms["gshard"] = losses.gshard_loss(s, ids)
+        elif kind == "switch":
+            terms["switch"] = losses.switch_loss(s, ids)
+        elif kind == "deepseek":
+            terms["deepseek_expert"] = losses.deepseek_expert_loss(s, ids)
+        elif kind == "load_importance":
+            terms["load_importance"] = losses.load_importance_loss(s, routing.logits_TE, ids, gcfg.gate_noise)
+        l_aux = sum(terms.values()) if terms else routing.weights_TK.new_zeros(())
+        if self.config.z_loss_coef:
+            terms["z_loss"] = losses.router_z_loss(routing.logits_TE)
+            l_aux = l_aux + self.config.z_loss_coef * terms["z_loss"]
+        return l_aux, terms
+
+    def _empty_stats(self, k, cf, layout) -> RoutingStats:
+        zeros = torch.zeros(self.num_global_experts, dtype=torch.int64)
+        return RoutingStats(load=zeros, kept=zeros.clone(), dropped=0, capacity=0, top_k=k,
+                            capacity_factor=float(cf), layout=layout)
+
+    def _finish(self, y_TO: Tensor, out_shape, orig_dtype, l_aux: Tensor, stats: RoutingStats):
+        y = y_TO.reshape(out_shape).to(orig_dtype)
+        y.l_aux = l_aux
+        y.routing_stats = stats
+        self.l_aux = l_aux
+        return self.result_func(y) if self.result_func is not None else y
+
+
+def _world_size(group) -> int:
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)

@@ -1,0 +1,27 @@
+"""Pure tensor ops of the MoE data flow, each with a plain reference beside its fast path.
+
+Tutel-compatible names: ``qwen3_moe_scaled_topk``, ``deepseek_moe_sigmoid_scaled_topk``.
+"""
+from .capacity import capacity, expert_slots
+from .grouped_mm import grouped_mm, grouped_mm_reference
+from .routing import (
+    check_top_k,
+    deepseek_moe_sigmoid_scaled_topk,
+    qwen3_moe_scaled_topk,
+    sigmoid_group_topk,
+    softmax_topk,
+    softmax_topk_reference,
+)
+
+__all__ = [
+    "capacity",
+    "expert_slots",
+    "grouped_mm",
+    "grouped_mm_reference",
+    "check_top_k",
+    "softmax_topk",
+    "softmax_topk_reference",
+    "sigmoid_group_topk",
+    "qwen3_moe_scaled_topk",
+    "deepseek_moe_sigmoid_scaled_topk",
+]
