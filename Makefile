@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -q
 
 helloworld: $(STAMP)
 	$(PY) -m dynamoe.examples.helloworld --batch_size 4 --num_tokens 256 --model_dim 256 --hidden_size 512 --num_local_experts 4 --top 2 --num_steps 10

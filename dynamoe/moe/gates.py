@@ -98,15 +98,14 @@ def build_gate(cfg: GateConfig, model_dim: int, num_experts: int, dtype=None, de
     return module
 
 
-def route(gate: nn.Module, cfg: GateConfig, x_TD: Tensor, top_k: int, normalize_gate: bool,
+def route(gate: nn.Module, cfg: GateConfig, x_TD: Tensor, num_experts: int, top_k: int, normalize_gate: bool,
           training: bool, need_scores: bool) -> Routing:
     """Run ``gate`` on ``x_TD`` and apply ``cfg``'s scoring policy with ``top_k`` experts per token."""
     logits_TE = gate(x_TD)
-    T, E = x_TD.size(0), None
-    if not isinstance(logits_TE, Tensor) or logits_TE.dim() != 2 or logits_TE.size(0) != T:
+    T, E = x_TD.size(0), num_experts
+    if not isinstance(logits_TE, Tensor) or tuple(logits_TE.shape) != (T, E):
         got = tuple(logits_TE.shape) if isinstance(logits_TE, Tensor) else type(logits_TE).__name__
-        raise ValueError(f"gate must return logits [tokens={T}, experts], got {got}")
-    E = logits_TE.size(1)
+        raise ValueError(f"gate must return logits [tokens={T}, experts={E}], got {got}")
     noisy_TE = logits_TE
     if training and cfg.gate_noise > 0:
         noisy_TE = logits_TE + cfg.gate_noise * torch.randn_like(logits_TE) / E

@@ -165,12 +165,13 @@ class MoELayer(nn.Module):
         chosen_layout = self._pick_layout(layout, megablocks_size, cf, x_TD.size(0) * k, E)
 
         T = x_TD.size(0)
-        if T == 0:
-            return self._finish(x_TD.new_zeros(0, self._out_dim()), out_shape, orig_dtype,
+        if T == 0:  # an empty batch stays in the autograd graph, so backward() works as usual
+            y_empty = x_TD.new_zeros(0, self._out_dim()) + x_TD.sum() * 0
+            return self._finish(y_empty, out_shape, orig_dtype,
                                 x_TD.new_zeros((), dtype=torch.float32), self._empty_stats(k, cf, chosen_layout))
 
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            routing = route(self.gates[gate_index], gcfg, x_TD, k, cfg.normalize_gate, self.training,
+            routing = route(self.gates[gate_index], gcfg, x_TD, E, k, cfg.normalize_gate, self.training,
                             need_scores=cfg.aux_loss != "none" or cfg.batch_prioritized_routing)
             priority = routing.scores_TE.max(dim=1).values if cfg.batch_prioritized_routing else None
             plan = build_plan(routing.ids_TK, routing.weights_TK, E, float(cf), priority, alignment=overlap)

@@ -10,7 +10,9 @@ with ``trans_w=True`` ``x_e @ w[e].T`` (``w`` is [E, O, I], the nn.Linear layout
   in an autograd Function whose backward does the same per group -- never ``w[e]`` indexing under
   autograd, whose backward would allocate a full-size zero gradient per expert. On CPU this beats
   ``torch._grouped_mm`` (see docs/benchmarks.md), and empty experts cost nothing (decode).
-* ``"torch"``: ``torch._grouped_mm`` with int32 offsets, no host sync; the default on CUDA.
+* ``"torch"``: ``torch._grouped_mm`` with int32 offsets, no host sync; the default on CUDA. Shapes
+  it does not take (strides not 16-byte aligned; on CPU, a backward through the [E, I, O] layout)
+  run on the loop instead.
 """
 from __future__ import annotations
 
@@ -89,6 +91,19 @@ class _LoopGroupedMM(torch.autograd.Function):
         return gx, gw, gb, None, None
 
 
+def _torch_can_run(x_NI: Tensor, w: Tensor, trans_w: bool) -> bool:
+    """torch._grouped_mm needs 16-byte-aligned strides, and on CPU its backward needs the
+    transposed (Linear) weight layout."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x_NI.device.type == "cpu" and not trans_w and torch.is_grad_enabled() and (x_NI.requires_grad or w.requires_grad):
+        return False
+    size = x_NI.element_size()
+    w_view = w.transpose(-2, -1) if trans_w else w
+    strides = [x_NI.stride(0)] + [s for s in w_view.stride() if s != 1]
+    return all((s * size) % 16 == 0 for s in strides) and x_NI.stride(1) == 1
+
+
 def _torch_grouped_mm(x_NI: Tensor, w: Tensor, counts: Sequence[int] | Tensor, bias: Tensor | None, trans_w: bool) -> Tensor:
     if isinstance(counts, Tensor):
         counts_E = counts.to(device=x_NI.device)
@@ -131,11 +146,9 @@ def grouped_mm(
         raise ValueError(f"x has {x_NI.size(1)} features but w expects {in_features}")
     backend = backend or default_backend(x_NI.device)
     if backend == "torch":
-        # torch's CPU backward only supports the transposed (Linear) weight layout.
-        if not hasattr(torch, "_grouped_mm") or (x_NI.device.type == "cpu" and not trans_w and torch.is_grad_enabled()):
-            backend = "loop"
-        else:
+        if _torch_can_run(x_NI, w, trans_w):
             return _torch_grouped_mm(x_NI, w, counts, bias, trans_w)
+        backend = "loop"  # shapes torch's kernel does not take
     if backend != "loop":
         raise ValueError(f"backend must be 'loop', 'torch' or None, got {backend!r}")
     return _LoopGroupedMM.apply(x_NI, w, bias, counts, trans_w)

@@ -1,0 +1,61 @@
+"""Tutel's helloworld on dynamoe: one ``moe_layer`` trained with SGD on a toy objective.
+
+Usage: python -m dynamoe.examples.helloworld --batch_size 4 --num_tokens 256 --model_dim 256 \
+           --hidden_size 512 --num_local_experts 4 --top 2 --num_steps 10 [--eval] [--capacity_factor 0]
+
+The per-call switches (capacity_factor, a2a_ffn_overlap_degree, adaptive_r from --parallel_type,
+megablocks_size) are passed to every forward, as Tutel's forward accepts them.
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from ..moe import moe_layer
+from ..moe.config import parse_parallel_type
+from ._common import (DTYPES, ExampleModel, build_parser, ffn_flops_per_row, make_data, moe_forward_flops, parse_args,
+                      print_param_counts, run_loop)
+
+
+def build_model(args, dtype=None) -> ExampleModel:
+    """The MoE layer exactly as Tutel's helloworld builds it; ``dtype`` defaults to ``--dtype``."""
+    moe = moe_layer(
+        gate_type={"type": "top", "k": args.top, "fp32_gate": args.fp32_gate, "capacity_factor": args.capacity_factor},
+        experts={"type": args.expert_type, "num_experts_per_device": args.num_local_experts,
+                 "hidden_size_per_expert": args.hidden_size, "activation_fn": lambda x: F.relu(x)},
+        model_dim=args.model_dim,
+        scan_expert_func=lambda name, param: setattr(param, "skip_allreduce", True),
+        seeds=(args.seed + 1, args.seed + 1, args.seed + 1),
+        a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
+        parallel_type=args.parallel_type,
+        dtype=dtype or DTYPES[args.dtype],  # dynamoe extension: build in place, no global default dtype
+        device=args.device,
+    )
+    print_param_counts(moe)
+    return ExampleModel(moe)
+
+
+def flops_fn(args):
+    per_row = ffn_flops_per_row(args.model_dim, args.hidden_size, args.expert_type)
+    return lambda stats: moe_forward_flops(stats, args.model_dim, per_row)
+
+
+def print_benchmark_line(args) -> None:
+    print(f"[Benchmark] dtype = {args.dtype}, model_dim = {args.model_dim}, hidden_size = {args.hidden_size}, "
+          f"samples = {args.batch_size * args.num_tokens}, num_local_experts = {args.num_local_experts}, "
+          f"topK = {args.top}, a2a_ffn_overlap_degree = {args.a2a_ffn_overlap_degree}, "
+          f"parallel_type = `{args.parallel_type}`, device = `{args.device}`")
+
+
+def main(argv=None) -> list[float]:
+    args = parse_args(build_parser(__doc__.splitlines()[0]), argv)
+    model = build_model(args)
+    print(model)
+    x, target = make_data(args, DTYPES[args.dtype])
+    print_benchmark_line(args)
+    switches = dict(capacity_factor=args.capacity_factor, a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
+                    adaptive_r=parse_parallel_type(args.parallel_type), megablocks_size=args.megablocks_size)
+    return run_loop(args, model, x, target, flops_fn(args), switches)
+
+
+if __name__ == "__main__":
+    main()
