@@ -65,6 +65,8 @@ def ref_expert(layer, e: int, v: torch.Tensor) -> torch.Tensor:
         h = g * torch.sigmoid(g) * u
     elif ex.activation == "gelu":
         h = F.gelu(g) * u
+    elif ex.activation == "relu":
+        h = torch.clamp(g, min=0) * u
     elif ex.activation == "gpt_oss":
         g = torch.minimum(g, torch.full_like(g, ex.limit))
         u = torch.maximum(torch.minimum(u, torch.full_like(u, ex.limit)), torch.full_like(u, -ex.limit))

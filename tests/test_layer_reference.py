@@ -14,6 +14,8 @@ def make_layer(gate="top", k=2, cf=1.0, experts="ffn", E=4, D=16, F=24, dtype=to
     expert_kw = {}
     if experts == "gpt_oss":
         experts, expert_kw = "glu", dict(glu_activation="gpt_oss", glu_bias=True, gpt_oss_limit=0.5)
+    elif experts == "reglu":
+        experts, expert_kw = "glu", dict(glu_activation="relu")
     shared = kw.pop("shared", 0)
     cfg = MoEConfig(
         model_dim=D,
@@ -65,7 +67,7 @@ def test_matches_reference(gate, k, cf, layout):
 
 
 @pytest.mark.parametrize("layout", ["ragged", "padded"])
-@pytest.mark.parametrize("experts", ["ffn", "glu", "gpt_oss"])
+@pytest.mark.parametrize("experts", ["ffn", "glu", "gpt_oss", "reglu"])
 @pytest.mark.parametrize("options", [
     {}, {"is_postscore": False}, {"batch_prioritized_routing": True}, {"normalize_gate": False}, {"shared": 1},
 ])
@@ -101,3 +103,40 @@ def test_layouts_agree_exactly_and_output_dim():
     assert a.shape == (33, 11)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     check_against_reference(layer, x, atol=1e-5)
+
+
+@pytest.mark.parametrize("experts", ["ffn", "glu"])
+@pytest.mark.parametrize("act", ["relu", "silu", "gelu"])
+def test_inference_path_equals_autograd_path(experts, act):
+    """no_grad takes scratch buffers, in-place activations and the out= reuse; results must not move."""
+    from dynamoe.ops import release_scratch, scratch_bytes
+
+    layer = MoELayer(MoEConfig(model_dim=16, gates=[GateConfig(k=2, capacity_factor=0.0)],
+                               experts=ExpertConfig(type=experts, num_experts_per_device=4, hidden_size_per_expert=24,
+                                                    activation_fn=act, glu_activation=act)))
+    x = torch.randn(30, 16)
+    y_grad = layer(x)
+    with torch.no_grad():
+        y1 = layer(x)
+        y2 = layer(x[:7])  # smaller batch reuses the same scratch
+        y3 = layer(x)
+    torch.testing.assert_close(y1, y_grad)
+    torch.testing.assert_close(y3, y_grad)
+    torch.testing.assert_close(y2, y_grad[:7])
+    assert y1.data_ptr() != y3.data_ptr()  # outputs are never scratch
+    assert scratch_bytes() > 0
+    release_scratch()
+    assert scratch_bytes() == 0
+
+
+@pytest.mark.parametrize("layout", ["ragged", "padded"])
+def test_autocast_with_fp32_weights(layout):
+    layer = make_layer(cf=0.0)
+    x = torch.randn(12, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x, layout=layout)
+    assert y.dtype == torch.float32
+    y.sum().backward()
+    assert layer.experts.batched_fc1_w.grad.dtype == torch.float32
+    y_ref, _, _ = reference_moe(layer, x.detach())
+    torch.testing.assert_close(y, y_ref, atol=5e-2, rtol=5e-2)

@@ -52,3 +52,48 @@ def test_torch_backend_falls_back_on_unaligned_shapes():
     counts = [2, 1]
     x, w = torch.randn(3, 5), torch.randn(2, 5, 3)
     torch.testing.assert_close(grouped_mm(x, w, counts, backend="torch"), grouped_mm_reference(x, w, counts))
+
+
+@pytest.mark.parametrize("trans_w", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_scale_forward_and_gradients(trans_w, bias):
+    counts = [3, 0, 4]
+    E, I, O = 3, 8, 4
+    x = torch.randn(7, I, dtype=torch.float64, requires_grad=True)
+    w = (torch.randn(E, O, I) if trans_w else torch.randn(E, I, O)).double().requires_grad_()
+    b = torch.randn(E, O, dtype=torch.float64, requires_grad=True) if bias else None
+    s = torch.rand(7, dtype=torch.float64, requires_grad=True)
+    args = (x, w, b, s) if bias else (x, w, s)
+
+    def ours(*a):
+        return grouped_mm(a[0], a[1], counts, a[2] if bias else None, trans_w=trans_w, row_scale=a[-1])
+
+    def ref(*a):
+        return grouped_mm_reference(a[0], a[1], counts, a[2] if bias else None, trans_w=trans_w, row_scale=a[-1])
+
+    torch.testing.assert_close(ours(*args), ref(*args))
+    assert torch.autograd.gradcheck(ours, args)
+
+
+def test_out_buffer_is_inference_only():
+    counts = [2, 3]
+    x, w = torch.randn(5, 4), torch.randn(2, 4, 4)
+    out = torch.empty(5, 4)
+    with torch.no_grad():
+        y = grouped_mm(x, w, counts, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(y, grouped_mm_reference(x, w, counts))
+    with pytest.raises(ValueError, match="inference only"):
+        grouped_mm(x, w.requires_grad_(), counts, out=out)
+    with pytest.raises(ValueError, match="out must be"):
+        grouped_mm(x, w.detach(), counts, out=torch.empty(5, 3))
+
+
+def test_weights_follow_activation_dtype():
+    counts = [2, 3]
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    w = torch.randn(2, 8, 4, requires_grad=True)
+    y = grouped_mm(x, w, counts)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert w.grad.dtype == torch.float32

@@ -41,8 +41,8 @@ def main(argv=None) -> list[float]:
 
     def after_step(i, kw, stats) -> None:
         moved = [n for n, p in model.named_parameters() if p.data_ptr() != pointers[n]]
-        print(f"    setting: top_k = {kw['top_k']}, capacity_factor = {kw['capacity_factor']}, layout = {kw['layout']}"
-              f" -> {format_stats(stats)}; parameters moved: {len(moved)}")
+        print(f"    switch: {format_stats(stats)}, parameters moved = {len(moved)}")
+        assert (stats.top_k, stats.capacity_factor, stats.layout) == (kw["top_k"], kw["capacity_factor"], kw["layout"])
         assert not moved, f"switching moved parameter storage: {moved}"
 
     losses = run_loop(args, model, x, target, flops_fn(args), switches, after_step=after_step)

@@ -4,7 +4,8 @@ Typed API: ``MoELayer(MoEConfig(...))``. Tutel-compatible API: ``moe_layer(gate_
 experts=...)``.
 """
 from .config import ExpertConfig, GateConfig, MoEConfig, expert_config_from_dict, gate_config_from_dict
-from .dispatch import DispatchPlan, RoutingStats, build_plan
+from .dispatch import (DispatchPlan, RoutingStats, build_plan, combine_padded, combine_ragged, dispatch_padded,
+                       dispatch_ragged)
 from .experts import ExpertsProtocol, FFNExperts, GLUExperts, SharedExperts
 from .gates import CosineGate, LinearGate, Routing
 from .layer import MoELayer
@@ -14,7 +15,8 @@ from .tutel_compat import moe_layer
 
 __all__ = [
     "MoELayer", "moe_layer", "MoEConfig", "GateConfig", "ExpertConfig", "gate_config_from_dict",
-    "expert_config_from_dict", "Routing", "RoutingStats", "DispatchPlan", "build_plan", "LinearGate",
+    "expert_config_from_dict", "Routing", "RoutingStats", "DispatchPlan", "build_plan", "dispatch_ragged", "dispatch_padded",
+    "combine_ragged", "combine_padded", "LinearGate",
     "CosineGate", "FFNExperts", "GLUExperts", "SharedExperts", "ExpertsProtocol", "gshard_loss", "switch_loss",
     "load_importance_loss", "deepseek_expert_loss", "deepseek_device_loss", "router_z_loss",
     "update_selection_bias",

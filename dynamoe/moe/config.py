@@ -27,7 +27,7 @@ __all__ = [
 
 GATE_TYPES = ("top", "cosine_top", "sigmoid", "custom")
 EXPERT_TYPES = ("ffn", "glu", "custom")
-GLU_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gpt_oss")
+GLU_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "gpt_oss")
 AUX_LOSSES = ("gshard", "switch", "load_importance", "deepseek", "none")
 
 
@@ -187,15 +187,18 @@ class MoEConfig:
         return self.experts.num_experts_per_device
 
 
-def parse_parallel_type(parallel_type: str) -> int:
-    """'data' | 'model' | 'auto' | 'adaptive:R' -> adaptive degree R (data=1, model/auto=-1 placeholder)."""
-    if parallel_type in ("data", "model", "auto"):
-        return {"data": 1, "model": -1, "auto": 1}[parallel_type]
+def parse_parallel_type(parallel_type: str, sharded_count: int = 1) -> int:
+    """'data' | 'model' | 'auto' | 'adaptive:R' -> the adaptive degree R (Tutel's meaning: 'data' = 1,
+    'model' = ``sharded_count``, 'auto' = 1, 'adaptive:R' = R >= 0)."""
+    if parallel_type in ("data", "auto"):
+        return 1
+    if parallel_type == "model":
+        return sharded_count
     if isinstance(parallel_type, str) and parallel_type.startswith("adaptive:"):
         try:
             r = int(parallel_type.split(":", 1)[1])
         except ValueError:
-            r = -2
+            r = -1
         if r >= 0:
             return r
     raise ValueError(f"parallel_type must be 'data', 'model', 'auto' or 'adaptive:R' (R >= 0), got {parallel_type!r}")

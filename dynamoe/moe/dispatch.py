@@ -57,7 +57,14 @@ class DispatchPlan:
     weight_N: Tensor    # combine weight of each row (fp32)
     expert_N: Tensor    # expert of each row
     slot_N: Tensor      # slot of each row within its expert
+    load_E: Tensor      # int64 [E] on the routing device: routed per expert
     _slot_index_N: Optional[Tensor] = None
+
+    def stats(self, capacity_factor: float, layout: str, losses: dict | None = None) -> RoutingStats:
+        """The :class:`RoutingStats` of this plan (CPU tensors, no device sync beyond the plan's own)."""
+        return RoutingStats(load=torch.tensor(self.load), kept=torch.tensor(self.counts), dropped=self.num_dropped,
+                            capacity=self.capacity, top_k=self.top_k, capacity_factor=capacity_factor,
+                            layout=layout, losses=losses or {})
 
     @property
     def num_dropped(self) -> int:
@@ -90,14 +97,14 @@ def build_plan(ids_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity_fa
         num_tokens=T, num_experts=num_experts, top_k=K, capacity=C, load=load, counts=counts,
         order_N=order, token_N=order % T if K > 1 else order,
         weight_N=weights_TK.t().reshape(-1).index_select(0, order),
-        expert_N=ids_flat.index_select(0, order), slot_N=slots_flat.index_select(0, order),
+        expert_N=ids_flat.index_select(0, order), slot_N=slots_flat.index_select(0, order), load_E=load_E,
     )
 
 
-def dispatch_ragged(x_TD: Tensor, plan: DispatchPlan, prescale: bool = False) -> Tensor:
+def dispatch_ragged(x_TD: Tensor, plan: DispatchPlan, prescale: bool = False, out: Tensor | None = None) -> Tensor:
     """Rows of x in expert order, [N, D]. With ``prescale`` each row is multiplied by its weight
-    (Tutel's ``is_postscore=False``)."""
-    x_ND = x_TD.index_select(0, plan.token_N)
+    (Tutel's ``is_postscore=False``). ``out``: optional [N, D] buffer (inference only)."""
+    x_ND = x_TD.index_select(0, plan.token_N) if out is None else torch.index_select(x_TD, 0, plan.token_N, out=out)
     if prescale:
         x_ND = x_ND * plan.weight_N.to(x_ND.dtype).unsqueeze(1)
     return x_ND
@@ -115,8 +122,8 @@ def combine_ragged(y_NO: Tensor, plan: DispatchPlan, postscore: bool = True) -> 
     """y[t] = sum over t's kept assignments of weight * row output; [T, O] in y_NO's dtype."""
     if postscore:
         y_NO = y_NO * plan.weight_N.to(y_NO.dtype).unsqueeze(1)
-    out = y_NO.new_zeros(plan.num_tokens, y_NO.size(1))
-    return out.index_add(0, plan.token_N, y_NO)
+    # in place on a fresh buffer: an out-of-place index_add would first copy the zeros
+    return y_NO.new_zeros(plan.num_tokens, y_NO.size(1)).index_add_(0, plan.token_N, y_NO)
 
 
 def combine_padded(y_ECO: Tensor, plan: DispatchPlan, postscore: bool = True) -> Tensor:

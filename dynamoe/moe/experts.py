@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.grouped_mm import grouped_mm
+from ..ops.scratch import scratch
 from .config import ExpertConfig
 
 __all__ = ["ExpertsProtocol", "FFNExperts", "GLUExperts", "SharedExperts", "build_experts", "glu_activation"]
@@ -38,6 +39,29 @@ def _activation(fn) -> Callable[[Tensor], Tensor]:
     return _ACTIVATIONS[fn] if isinstance(fn, str) else fn
 
 
+def _needs_grad(*ts: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def _hidden_out(x_ND: Tensor, cols: int, *params: Tensor | None) -> Tensor | None:
+    """Scratch for the [N, cols] hidden activations at CPU inference (see dynamoe.ops.scratch)."""
+    if x_ND.device.type != "cpu" or _needs_grad(x_ND, *params):
+        return None
+    return scratch("moe_hidden", x_ND.size(0), cols, x_ND.dtype, x_ND.device)
+
+
+def _activate_(h: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """Apply a built-in activation in place where autograd allows it (a fresh [N, F] buffer costs
+    more than the activation itself on CPU): ReLU always (its backward uses its output), SiLU and
+    GELU only without autograd. Other callables run as given."""
+    if fn is F.relu:
+        return F.relu(h, inplace=True)
+    if not _needs_grad(h):
+        if fn is F.silu:
+            return F.silu(h, inplace=True)
+    return fn(h)
+
+
 def _uniform_(t: Tensor, fan_in: int) -> None:
     # nn.Linear's default init, per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
@@ -46,7 +70,7 @@ def _uniform_(t: Tensor, fan_in: int) -> None:
 
 
 def glu_activation(gate: Tensor, up: Tensor, kind: str, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
-    """act(gate) * up. ``gpt_oss``: clamp gate above at ``limit`` and up to +-limit, then
+    """act(gate) * up (SwiGLU, GeGLU, ReGLU). ``gpt_oss``: clamp gate above at ``limit`` and up to +-limit, then
     (up + 1) * gate * sigmoid(alpha * gate)."""
     if kind == "silu":
         return F.silu(gate) * up
@@ -54,11 +78,13 @@ def glu_activation(gate: Tensor, up: Tensor, kind: str, alpha: float = 1.702, li
         return F.gelu(gate) * up
     if kind == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
+    if kind == "relu":  # ReGLU
+        return F.relu(gate) * up
     if kind == "gpt_oss":
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-    raise ValueError(f"glu activation must be one of ['silu', 'gelu', 'gelu_tanh', 'gpt_oss'], got {kind!r}")
+    raise ValueError(f"glu activation must be one of ['silu', 'gelu', 'gelu_tanh', 'relu', 'gpt_oss'], got {kind!r}")
 
 
 def _bmm(x_LCI: Tensor, w: Tensor, bias_LO: Tensor | None, trans_w: bool) -> Tensor:
@@ -69,6 +95,8 @@ def _bmm(x_LCI: Tensor, w: Tensor, bias_LO: Tensor | None, trans_w: bool) -> Ten
 
 
 class FFNExperts(nn.Module):
+    fuses_row_scale = True  # forward_ragged takes row_scale= and out=
+
     """fc1 -> activation -> fc2 per expert, with Tutel's parameter names and shapes:
     ``batched_fc1_w`` [L, F, D], ``batched_fc1_bias`` [L, F], ``batched_fc2_w`` [L, F, O],
     ``batched_fc2_bias`` [L, O]. Biases are fused into the matmuls (addmm / baddbmm)."""
@@ -103,13 +131,20 @@ class FFNExperts(nn.Module):
         h_LCF = self.activation_fn(_bmm(x_LCD, self.batched_fc1_w, self.batched_fc1_bias, trans_w=True))
         return _bmm(h_LCF, self.batched_fc2_w, self.batched_fc2_bias, trans_w=False)
 
-    def forward_ragged(self, x_ND: Tensor, counts: Sequence[int]) -> Tensor:
-        h_NF = grouped_mm(x_ND, self.batched_fc1_w, counts, self.batched_fc1_bias, trans_w=True)
-        h_NF = self.activation_fn(h_NF)
-        return grouped_mm(h_NF, self.batched_fc2_w, counts, self.batched_fc2_bias, trans_w=False)
+    def forward_ragged(self, x_ND: Tensor, counts: Sequence[int], row_scale: Tensor | None = None,
+                       out: Tensor | None = None) -> Tensor:
+        """Rows sorted by expert -> [N, O]. ``row_scale`` [N] multiplies each output row (the
+        combine weight, fused into fc2); ``out`` is an optional inference-only output buffer."""
+        h_out = _hidden_out(x_ND, self.hidden_size, self.batched_fc1_w, self.batched_fc1_bias)
+        h_NF = grouped_mm(x_ND, self.batched_fc1_w, counts, self.batched_fc1_bias, trans_w=True, out=h_out)
+        h_NF = _activate_(h_NF, self.activation_fn)
+        return grouped_mm(h_NF, self.batched_fc2_w, counts, self.batched_fc2_bias, trans_w=False,
+                          row_scale=row_scale, out=out)
 
 
 class GLUExperts(nn.Module):
+    fuses_row_scale = True
+
     """Gated experts: y = down(act(gate(x)) * up(x)). Layout as transformers' fused MoE experts:
     ``gate_up_proj`` [L, 2F, D] (gate rows first, then up rows), ``down_proj`` [L, O, F], optional
     ``gate_up_proj_bias`` [L, 2F] and ``down_proj_bias`` [L, O] (GPT-OSS)."""
@@ -148,9 +183,18 @@ class GLUExperts(nn.Module):
         h_LCF = self._act(_bmm(x_LCD, self.gate_up_proj, self.gate_up_proj_bias, trans_w=True))
         return _bmm(h_LCF, self.down_proj, self.down_proj_bias, trans_w=True)
 
-    def forward_ragged(self, x_ND: Tensor, counts: Sequence[int]) -> Tensor:
-        h_NF = self._act(grouped_mm(x_ND, self.gate_up_proj, counts, self.gate_up_proj_bias, trans_w=True))
-        return grouped_mm(h_NF, self.down_proj, counts, self.down_proj_bias, trans_w=True)
+    def forward_ragged(self, x_ND: Tensor, counts: Sequence[int], row_scale: Tensor | None = None,
+                       out: Tensor | None = None) -> Tensor:
+        """Rows sorted by expert -> [N, O]; ``row_scale`` and ``out`` as in FFNExperts."""
+        h_out = _hidden_out(x_ND, 2 * self.hidden_size, self.gate_up_proj, self.gate_up_proj_bias)
+        gu_N2F = grouped_mm(x_ND, self.gate_up_proj, counts, self.gate_up_proj_bias, trans_w=True, out=h_out)
+        if not _needs_grad(gu_N2F) and self.activation == "silu":
+            gate, up = gu_N2F.split(self.hidden_size, dim=-1)
+            h_NF = F.silu(gate, inplace=True).mul_(up)  # stays a strided view: BLAS reads it as is
+        else:
+            h_NF = self._act(gu_N2F)
+        return grouped_mm(h_NF, self.down_proj, counts, self.down_proj_bias, trans_w=True,
+                          row_scale=row_scale, out=out)
 
 
 class SharedExperts(nn.Module):
@@ -193,4 +237,4 @@ def build_experts(cfg: ExpertConfig, model_dim: int, dtype=None, device=None) ->
         module = module(model_dim=model_dim, num_experts_per_device=L, sharded_count=1, **cfg.module_kwargs)
     if not isinstance(module, nn.Module) or not callable(getattr(module, "forward", None)):
         raise ValueError(f"custom experts 'module' must be an nn.Module (or a class building one) with forward(x_LCD, ctx), got {type(module).__name__}")
-    return module
+    return module.to(dtype=dtype, device=device) if (dtype is not None or device is not None) else module

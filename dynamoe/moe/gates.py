@@ -95,7 +95,7 @@ def build_gate(cfg: GateConfig, model_dim: int, num_experts: int, dtype=None, de
         module = module(model_dim=model_dim, num_global_experts=num_experts, **cfg.module_kwargs)
     if not isinstance(module, nn.Module):
         raise ValueError(f"custom gate 'module' must be an nn.Module or a class building one, got {type(module).__name__}")
-    return module
+    return module.to(dtype=dtype, device=device) if (dtype is not None or device is not None) else module
 
 
 def route(gate: nn.Module, cfg: GateConfig, x_TD: Tensor, num_experts: int, top_k: int, normalize_gate: bool,

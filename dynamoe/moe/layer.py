@@ -16,8 +16,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..ops.routing import check_top_k
+from ..ops.scratch import scratch
 from . import losses
-from .config import MoEConfig, parse_parallel_type
+from .config import MoEConfig
 from .dispatch import (DispatchPlan, RoutingStats, build_plan, combine_padded, combine_ragged, dispatch_padded,
                        dispatch_ragged)
 from .experts import SharedExperts, build_experts
@@ -159,9 +160,9 @@ class MoELayer(nn.Module):
         overlap = cfg.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else a2a_ffn_overlap_degree
         if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 1:
             raise ValueError(f"a2a_ffn_overlap_degree must be an int >= 1, got {overlap!r}")
-        r = parse_parallel_type(cfg.parallel_type) if adaptive_r is None else adaptive_r
-        if r not in (0, 1, -1):  # one process: local (0) or the single shard (1); 'model' == 1
-            raise ValueError(f"adaptive_r must be in [0, 1] on a single process, got {adaptive_r!r}")
+        valid_r = [0] + [d for d in range(1, self.sharded_count + 1) if self.sharded_count % d == 0]
+        if adaptive_r is not None and (isinstance(adaptive_r, bool) or adaptive_r not in valid_r):
+            raise ValueError(f"adaptive_r must be one of {valid_r} here (divisors of sharded_count={self.sharded_count}, or 0), got {adaptive_r!r}")
         chosen_layout = self._pick_layout(layout, megablocks_size, cf, x_TD.size(0) * k, E)
 
         T = x_TD.size(0)
@@ -181,11 +182,8 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             y_TO = y_TO + self.shared_experts(x_TD)
         if self.training:
-            self._load_since_update += torch.tensor(plan.load, device=self._load_since_update.device)
-        stats = RoutingStats(
-            load=torch.tensor(plan.load), kept=torch.tensor(plan.counts), dropped=plan.num_dropped,
-            capacity=plan.capacity, top_k=k, capacity_factor=float(cf), layout=chosen_layout, losses=loss_terms,
-        )
+            self._load_since_update += plan.load_E.to(self._load_since_update.device)
+        stats = plan.stats(capacity_factor=float(cf), layout=chosen_layout, losses=loss_terms)
         return self._finish(y_TO, out_shape, orig_dtype, l_aux, stats)
 
     # ---- pieces of forward --------------------------------------------------------------------
@@ -203,8 +201,11 @@ class MoELayer(nn.Module):
             raise ValueError(f"input's last {reserve_dims} dim(s) {tuple(feature_shape)} must hold model_dim={self.model_dim} features")
         if reserve_dims > 1 and self._out_dim() != self.model_dim:
             raise ValueError("reserve_dims > 1 needs output_dim == model_dim")
-        if not bool(torch.isfinite(input).all()):
-            raise ValueError("input contains non-finite values (NaN or Inf)")
+        # NaN/Inf anywhere makes the fp32 sum non-finite; only then pay for the elementwise check
+        # (a finite input whose sum overflows is not rejected).
+        if input.numel() and not bool(torch.isfinite(input.sum(dtype=torch.float64 if input.dtype == torch.float64 else torch.float32))):
+            if not bool(torch.isfinite(input).all()):
+                raise ValueError("input contains non-finite values (NaN or Inf)")
         x = input.reshape(-1, self.model_dim)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
@@ -245,12 +246,22 @@ class MoELayer(nn.Module):
         post = self.config.is_postscore
         if plan.order_N.numel() == 0:
             return x_TD.new_zeros(plan.num_tokens, self._out_dim())
-        if layout == "ragged":
-            y_NO = self.experts.forward_ragged(dispatch_ragged(x_TD, plan, prescale=not post), plan.counts)
-            return combine_ragged(y_NO, plan, postscore=post)
-        x_ECD = dispatch_padded(x_TD, plan, prescale=not post)
-        y_ECO = self.experts(x_ECD, self)
-        return combine_padded(y_ECO, plan, postscore=post)
+        if layout == "padded":
+            y_ECO = self.experts(dispatch_padded(x_TD, plan, prescale=not post), self)
+            return combine_padded(y_ECO, plan, postscore=post)
+        if getattr(self.experts, "fuses_row_scale", False):
+            # Built-in experts: the combine weight is folded into the last expert matmul. At CPU
+            # inference the [N, D] temporaries come from reusable scratch (dynamoe.ops.scratch) and
+            # the dispatch buffer, no longer needed after the first matmul, takes the output.
+            N, D, O = plan.order_N.numel(), self.model_dim, self._out_dim()
+            use_scratch = not torch.is_grad_enabled() and x_TD.device.type == "cpu"
+            buf = scratch("moe_rows", N, max(D, O), x_TD.dtype, x_TD.device) if use_scratch else None
+            x_ND = dispatch_ragged(x_TD, plan, prescale=not post, out=buf[:, :D] if buf is not None and D == O else None)
+            y_NO = self.experts.forward_ragged(x_ND, plan.counts, row_scale=plan.weight_N if post else None,
+                                               out=x_ND if (not torch.is_grad_enabled() and D == O) else None)
+            return combine_ragged(y_NO, plan, postscore=False)
+        x_ND = dispatch_ragged(x_TD, plan, prescale=not post)
+        return combine_ragged(self.experts.forward_ragged(x_ND, plan.counts), plan, postscore=post)
 
     def _losses(self, routing: Routing, gcfg) -> tuple[Tensor, dict]:
         kind = self.config.aux_loss

@@ -4,6 +4,7 @@ Tutel-compatible names: ``qwen3_moe_scaled_topk``, ``deepseek_moe_sigmoid_scaled
 """
 from .capacity import capacity, expert_slots
 from .grouped_mm import grouped_mm, grouped_mm_reference
+from .scratch import release_scratch, scratch_bytes
 from .routing import (
     check_top_k,
     deepseek_moe_sigmoid_scaled_topk,
@@ -18,6 +19,8 @@ __all__ = [
     "expert_slots",
     "grouped_mm",
     "grouped_mm_reference",
+    "release_scratch",
+    "scratch_bytes",
     "check_top_k",
     "softmax_topk",
     "softmax_topk_reference",

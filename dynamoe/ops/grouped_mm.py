@@ -29,48 +29,61 @@ def default_backend(device: torch.device) -> str:
     return "torch" if device.type == "cuda" and hasattr(torch, "_grouped_mm") else "loop"
 
 
-def grouped_mm_reference(x_NI: Tensor, w: Tensor, counts: Sequence[int], bias: Tensor | None = None, trans_w: bool = False) -> Tensor:
+def grouped_mm_reference(x_NI: Tensor, w: Tensor, counts: Sequence[int], bias: Tensor | None = None,
+                         trans_w: bool = False, row_scale: Tensor | None = None) -> Tensor:
     """Plain reference: a Python loop of matmuls, concatenated."""
     outs = []
     for e, x_e in enumerate(torch.split(x_NI, list(counts))):
         w_e = w[e].t() if trans_w else w[e]
         y = x_e @ w_e
         outs.append(y if bias is None else y + bias[e])
-    return torch.cat(outs) if outs else x_NI.new_empty(0, w.size(1 if trans_w else 2))
+    y = torch.cat(outs) if outs else x_NI.new_empty(0, w.size(1 if trans_w else 2))
+    return y if row_scale is None else y * row_scale.unsqueeze(1)
+
+
+def _per_group_mm(x_NI: Tensor, w: Tensor, bias: Tensor | None, counts: list[int], trans_w: bool, out: Tensor) -> None:
+    w_list = w.unbind(0)
+    b_list = bias.unbind(0) if bias is not None else None
+    for e, (x_e, o_e) in enumerate(zip(x_NI.split(counts), out.split(counts))):
+        if counts[e] == 0:
+            continue
+        w_e = w_list[e].t() if trans_w else w_list[e]
+        if b_list is None:
+            torch.mm(x_e, w_e, out=o_e)
+        else:
+            torch.addmm(b_list[e], x_e, w_e, out=o_e)
 
 
 class _LoopGroupedMM(torch.autograd.Function):
+    """y = (x_e @ w_e + b_e) * s, per group, with s an optional per-row scale (the MoE combine
+    weight folded into the last expert matmul, so no separate [N, O] product is allocated)."""
+
     @staticmethod
-    def forward(ctx, x_NI: Tensor, w: Tensor, bias: Tensor | None, counts: list[int], trans_w: bool) -> Tensor:
-        out_features = w.size(1) if trans_w else w.size(2)
-        out = x_NI.new_empty(x_NI.size(0), out_features)
-        w_list = w.unbind(0)
-        b_list = bias.unbind(0) if bias is not None else None
-        for e, (x_e, o_e) in enumerate(zip(x_NI.split(counts), out.split(counts))):
-            if counts[e] == 0:
-                continue
-            w_e = w_list[e].t() if trans_w else w_list[e]
-            if b_list is None:
-                torch.mm(x_e, w_e, out=o_e)
-            else:
-                torch.addmm(b_list[e], x_e, w_e, out=o_e)
-        ctx.save_for_backward(x_NI, w)
-        ctx.counts, ctx.trans_w, ctx.has_bias = counts, trans_w, bias is not None
+    def forward(ctx, x_NI, w, bias, row_scale_N, counts, trans_w, out):
+        if out is None:
+            out = x_NI.new_empty(x_NI.size(0), w.size(1) if trans_w else w.size(2))
+        _per_group_mm(x_NI, w, bias, counts, trans_w, out)
+        if row_scale_N is not None:
+            out.mul_(row_scale_N.to(out.dtype).unsqueeze(1))
+        ctx.save_for_backward(x_NI, w, bias, row_scale_N)
+        ctx.counts, ctx.trans_w = counts, trans_w
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_NO: Tensor):
-        x_NI, w = ctx.saved_tensors
+        x_NI, w, bias, s_N = ctx.saved_tensors
         counts, trans_w = ctx.counts, ctx.trans_w
+        need_x, need_w, need_b, need_s = ctx.needs_input_grad[:4]
         g_NO = g_NO.contiguous()
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        gx = x_NI.new_empty(x_NI.shape) if need_x else None
+        # gradient of the unscaled product u = x w + b is g * s
+        gu_NO = g_NO * s_N.to(g_NO.dtype).unsqueeze(1) if s_N is not None else g_NO
+        gx = x_NI.new_empty(x_NI.shape) if (need_x or need_s) else None
         gw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_w else None
         gb = g_NO.new_empty(w.size(0), g_NO.size(1)) if need_b else None
         w_list = w.unbind(0)
-        x_parts, g_parts = x_NI.split(counts), g_NO.split(counts)
-        gx_parts = gx.split(counts) if need_x else None
+        x_parts, gu_parts, g_parts = x_NI.split(counts), gu_NO.split(counts), g_NO.split(counts)
+        gx_parts = gx.split(counts) if gx is not None else None
         for e in range(len(counts)):
             if counts[e] == 0:
                 if need_w:
@@ -78,17 +91,28 @@ class _LoopGroupedMM(torch.autograd.Function):
                 if need_b:
                     gb[e].zero_()
                 continue
-            x_e, g_e = x_parts[e], g_parts[e]
-            if need_x:  # dL/dx_e = g_e @ w_e^T
-                torch.mm(g_e, w_list[e] if trans_w else w_list[e].t(), out=gx_parts[e])
-            if need_w:  # dL/dw_e = x_e^T g_e  (or its transpose for the Linear layout)
+            x_e, gu_e = x_parts[e], gu_parts[e]
+            if gx is not None:  # with a row scale this is first the *unscaled* g @ w^T (see below)
+                torch.mm(g_parts[e] if need_s else gu_e, w_list[e] if trans_w else w_list[e].t(), out=gx_parts[e])
+            if need_w:  # dL/dw_e = x_e^T gu_e  (or its transpose for the Linear layout)
                 if trans_w:
-                    torch.mm(g_e.t(), x_e, out=gw[e])
+                    torch.mm(gu_e.t(), x_e, out=gw[e])
                 else:
-                    torch.mm(x_e.t(), g_e, out=gw[e])
+                    torch.mm(x_e.t(), gu_e, out=gw[e])
             if need_b:
-                torch.sum(g_e, dim=0, out=gb[e])
-        return gx, gw, gb, None, None
+                torch.sum(gu_e, dim=0, out=gb[e])
+        gs = None
+        if need_s:
+            # dL/ds_n = <g_n, x_n w + b> = <g_n w^T, x_n> + <g_n, b_e>: reuses g w^T, no extra matmul
+            gs = (gx * x_NI).sum(1, dtype=torch.float32)
+            if bias is not None:
+                group = torch.repeat_interleave(torch.arange(len(counts), device=g_NO.device),
+                                                torch.tensor(counts, device=g_NO.device), output_size=g_NO.size(0))
+                gs += (g_NO * bias.index_select(0, group)).sum(1, dtype=torch.float32)
+            gs = gs.to(s_N.dtype)
+            if need_x:
+                gx.mul_(s_N.to(gx.dtype).unsqueeze(1))
+        return (gx if need_x else None), gw, gb, gs, None, None, None
 
 
 def _torch_can_run(x_NI: Tensor, w: Tensor, trans_w: bool) -> bool:
@@ -124,6 +148,8 @@ def grouped_mm(
     bias: Tensor | None = None,
     trans_w: bool = False,
     backend: str | None = None,
+    row_scale: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Per-group matmul of row blocks: rows ``[off_e, off_e + counts[e])`` of ``x`` times group e's weight.
 
@@ -133,6 +159,9 @@ def grouped_mm(
         counts: E row counts (Python ints).
         bias: optional [E, O], added per group.
         backend: "loop", "torch" or None (per device; see module docstring).
+        row_scale: optional [N] factor per output row (differentiable), applied after the bias.
+        out: optional [N, O] buffer to write into (loop backend, no autograd: e.g. reusing a
+            dispatch buffer at inference).
     Returns:
         [N, O] in x's dtype.
     """
@@ -144,11 +173,22 @@ def grouped_mm(
     in_features = w.size(2) if trans_w else w.size(1)
     if x_NI.size(1) != in_features:
         raise ValueError(f"x has {x_NI.size(1)} features but w expects {in_features}")
+    if row_scale is not None and tuple(row_scale.shape) != (x_NI.size(0),):
+        raise ValueError(f"row_scale must have shape [N={x_NI.size(0)}], got {tuple(row_scale.shape)}")
+    if out is not None:
+        out_features = w.size(1) if trans_w else w.size(2)
+        if tuple(out.shape) != (x_NI.size(0), out_features) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous [{x_NI.size(0)}, {out_features}] tensor, got {tuple(out.shape)}")
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_NI, w, bias, row_scale)):
+            raise ValueError("out= is for inference only (no autograd)")
+    if w.dtype != x_NI.dtype:  # autocast does not reach mm(out=): cast like it would (differentiably)
+        w = w.to(x_NI.dtype)
+        bias = bias.to(x_NI.dtype) if bias is not None else None
     backend = backend or default_backend(x_NI.device)
-    if backend == "torch":
-        if _torch_can_run(x_NI, w, trans_w):
-            return _torch_grouped_mm(x_NI, w, counts, bias, trans_w)
-        backend = "loop"  # shapes torch's kernel does not take
-    if backend != "loop":
+    if backend not in ("loop", "torch"):
         raise ValueError(f"backend must be 'loop', 'torch' or None, got {backend!r}")
-    return _LoopGroupedMM.apply(x_NI, w, bias, counts, trans_w)
+    if backend == "torch" and out is None and _torch_can_run(x_NI, w, trans_w):
+        y = _torch_grouped_mm(x_NI, w, counts, bias, trans_w)
+        return y if row_scale is None else y * row_scale.to(y.dtype).unsqueeze(1)
+    # the loop: also where shapes torch's kernel does not take end up
+    return _LoopGroupedMM.apply(x_NI, w, bias, row_scale, counts, trans_w, out)

@@ -1,0 +1,172 @@
+"""MoE layer timing against an HF-style per-expert loop and the FLOP / weight-read floors.
+
+Every number is measured in the same run, interleaved over rounds (method order rotates each
+round), and reported as a median. All methods use the same weights, dropless routing, FFN experts
+(fc1 -> ReLU -> fc2, no biases) so the floor is exactly "one matmul pair over T*k rows".
+
+    python benchmarks/moe_layer.py                      # all configs, fp32 and bf16
+    python benchmarks/moe_layer.py --configs A D1 --dtypes float32 --rounds 5
+
+Columns: ours / hf-loop / floor are median milliseconds; ratios are ours divided by the floor and
+hf-loop divided by ours. For decode configs (D1, D8) the floor is the cold weight-read floor:
+bytes of the distinct active experts' weights / measured memory read bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from dynamoe.moe import ExpertConfig, GateConfig, MoEConfig, MoELayer  # noqa: E402
+
+CONFIGS = {  # name: (T, D, F, E, k)
+    "A": (4096, 1024, 1024, 8, 2),
+    "C": (2048, 512, 512, 64, 8),
+    "D1": (1, 1024, 512, 64, 8),
+    "D8": (8, 1024, 512, 64, 8),
+}
+DECODE = {"D1", "D8"}
+
+
+def hf_loop(x, gate_w, w1_EFD, w2_EFD, k):
+    """transformers-style sparse MoE block: one-hot mask, loop over hit experts, index_add."""
+    logits = F.linear(x, gate_w)
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, ids = torch.topk(probs, k, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+    out = torch.zeros_like(x)
+    mask = F.one_hot(ids, num_classes=w1_EFD.size(0)).permute(2, 1, 0)  # [E, k, T]
+    for e in torch.nonzero(mask.sum(dim=(-1, -2)) > 0)[:, 0].tolist():
+        choice, tok = torch.where(mask[e])
+        h = F.relu(x[tok] @ w1_EFD[e].t()) @ w2_EFD[e]
+        out.index_add_(0, tok, h * w[tok, choice, None])
+    return out
+
+
+def floor_pair(x_rows, w1_DF, w2_FD):
+    return (x_rows @ w1_DF) @ w2_FD
+
+
+def read_bandwidth_gbs(dtype) -> float:
+    """Memory read bandwidth (GB/s) from summing a buffer much larger than the caches."""
+    buf = torch.ones(256 * 2**20 // torch.tensor([], dtype=dtype).element_size(), dtype=dtype)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    return buf.numel() * buf.element_size() / statistics.median(times) / 1e9
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_config(name, dtype, rounds, backward, bw_gbs):
+    T, D, Fh, E, k = CONFIGS[name]
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(model_dim=D, gates=[GateConfig(k=k, capacity_factor=0.0)],
+                               experts=ExpertConfig(num_experts_per_device=E, hidden_size_per_expert=Fh,
+                                                    has_fc1_bias=False, has_fc2_bias=False), aux_loss="none")).to(dtype)
+    gate_w = layer.gates[0].wg.weight
+    w1, w2 = layer.experts.batched_fc1_w, layer.experts.batched_fc2_w
+    decode = name in DECODE
+    # decode draws fresh tokens (and so fresh experts) each round; otherwise one batch
+    xs = [torch.randn(T, D, dtype=dtype) for _ in range(rounds + 1)]
+    x_rows = torch.randn(T * k, D, dtype=dtype)
+    w1_DF = torch.randn(D, Fh, dtype=dtype) / D ** 0.5
+    w2_FD = torch.randn(Fh, D, dtype=dtype) / Fh ** 0.5
+    if backward:
+        for t in (x_rows, w1_DF, w2_FD):
+            t.requires_grad_()
+
+    def ours(x):
+        if backward:
+            x = x.detach().requires_grad_()
+            y = layer(x)
+            y.backward(torch.ones_like(y))
+        else:
+            with torch.no_grad():
+                layer(x)
+
+    def hf(x):
+        if backward:
+            x = x.detach().requires_grad_()
+            y = hf_loop(x, gate_w, w1, w2, k)
+            y.backward(torch.ones_like(y))
+        else:
+            with torch.no_grad():
+                hf_loop(x, gate_w, w1, w2, k)
+
+    def floor(_x):
+        if backward:
+            y = floor_pair(x_rows, w1_DF, w2_FD)
+            y.backward(torch.ones_like(y))
+        else:
+            with torch.no_grad():
+                floor_pair(x_rows, w1_DF, w2_FD)
+
+    methods = {"ours": ours, "hf": hf}
+    if not decode:
+        methods["floor"] = floor
+    for fn in methods.values():  # warm-up
+        fn(xs[-1])
+    res = {m: [] for m in methods}
+    floors_ms = []
+    names = list(methods)
+    for r in range(rounds):
+        x = xs[r]
+        for i in range(len(names)):
+            m = names[(r + i) % len(names)]
+            if m in ("ours", "hf") and backward:
+                layer.zero_grad(set_to_none=True)
+            res[m].append(timed(lambda: methods[m](x)) * 1e3)
+        if decode:
+            with torch.no_grad():
+                ids = torch.topk(F.linear(x, gate_w).float(), k).indices
+            active = int(torch.unique(ids).numel())
+            nbytes = active * (w1[0].numel() + w2[0].numel()) * w1.element_size()
+            floors_ms.append(nbytes / (bw_gbs * 1e9) * 1e3)
+    med = {m: statistics.median(v) for m, v in res.items()}
+    med_floor = statistics.median(floors_ms) if decode else med["floor"]
+    return med["ours"], med["hf"], med_floor
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--no-backward", action="store_true", help="forward only")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cpus")
+    bw = {}
+    for dt in args.dtypes:
+        bw[dt] = read_bandwidth_gbs(getattr(torch, dt))
+        print(f"# read bandwidth ({dt}): {bw[dt]:.1f} GB/s")
+    print(f"{'config':7} {'dtype':9} {'pass':8} {'ours ms':>9} {'hf-loop ms':>10} {'floor ms':>9} {'ours/floor':>10} {'hf/ours':>8}  floor kind")
+    passes = ["fwd"] + ([] if args.no_backward else ["fwd+bwd"])
+    for name in args.configs:
+        for dt in args.dtypes:
+            for ps in passes:
+                if name in DECODE and ps == "fwd+bwd":
+                    continue
+                ours, hf, floor = run_config(name, getattr(torch, dt), args.rounds, ps == "fwd+bwd", bw[dt])
+                kind = "cold weight read" if name in DECODE else "matmul pair over T*k rows"
+                print(f"{name:7} {dt:9} {ps:8} {ours:9.2f} {hf:10.2f} {floor:9.2f} {ours / floor:10.2f} {hf / ours:8.2f}  {kind}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The examples run in-process with tiny sizes: they train (finite, falling loss), honour their flags,
+reject bad flag values through argparse, and the module entry point works."""
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dynamoe.examples import (helloworld, helloworld_amp, helloworld_custom_gate_expert, helloworld_from_scratch,
+                              helloworld_switch)
+from dynamoe.moe import moe_layer
+
+TINY = ["--batch_size", "2", "--num_tokens", "16", "--model_dim", "16", "--num_local_experts", "4",
+        "--num_steps", "3", "--device", "cpu"]
+HIDDEN = ["--hidden_size", "32"]
+STEP_RE = re.compile(r"^STEP-(\d+): loss = (\S+), step_time = (\S+) sec, perf = (\S+) tflops\.$", re.M)
+
+
+def printed_losses(out: str) -> list[float]:
+    return [float(m.group(2)) for m in STEP_RE.finditer(out)]
+
+
+def last_routing(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("[Routing] last step:"))
+
+
+@pytest.mark.parametrize("module, extra", [
+    (helloworld, HIDDEN),
+    (helloworld_switch, HIDDEN),
+    (helloworld_amp, HIDDEN),
+    (helloworld_custom_gate_expert, []),
+    (helloworld_from_scratch, HIDDEN),
+], ids=lambda v: getattr(v, "__name__", "").rsplit(".", 1)[-1] or None)
+def test_example_trains(module, extra, capsys):
+    losses = module.main(TINY + extra + ["--lr", "0.1"])
+    out = capsys.readouterr().out
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    assert printed_losses(out) == pytest.approx(losses, abs=1e-5)
+    assert losses[-1] < losses[0]
+    assert "[Summary] Average step_time over the last 3 step(s)" in out
+    assert re.search(r"dropped = \d+, load = \[", last_routing(out))
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--eval"], None),
+    (["--capacity_factor", "0"], "dropped = 0"),
+    (["--megablocks_size", "1"], "layout = ragged"),
+    (["--megablocks_size", "0"], "layout = padded"),
+    (["--dtype", "bfloat16", "--fp32_gate"], None),
+    (["--expert_type", "glu", "--l_aux_wt", "0.01"], None),
+    (["--a2a_ffn_overlap_degree", "3", "--capacity_factor", "0", "--parallel_type", "adaptive:0"], "dropped = 0"),
+])
+def test_helloworld_flags(flags, expect, capsys):
+    losses = helloworld.main(TINY + HIDDEN + flags)
+    out = capsys.readouterr().out
+    assert all(math.isfinite(v) for v in losses)
+    if "--eval" in flags:  # no update: the same loss every step
+        assert len(set(losses)) == 1
+    if expect:
+        assert expect in last_routing(out)
+    if "--a2a_ffn_overlap_degree" in flags:  # capacity is rounded up to a multiple of the degree
+        assert int(re.search(r"capacity = (\d+)", last_routing(out)).group(1)) % 3 == 0
+
+
+def test_helloworld_glu_counts_three_matmuls():
+    from dynamoe.examples._common import ffn_flops_per_row
+    assert ffn_flops_per_row(16, 32, "glu") == 3 * 2 * 16 * 32
+    assert ffn_flops_per_row(16, 32, "ffn") == 2 * 2 * 16 * 32
+
+
+def test_switch_visits_settings_without_moving_parameters(capsys):
+    helloworld_switch.main(TINY + HIDDEN + ["--num_steps", "6"])
+    out = capsys.readouterr().out
+    switch_lines = [line for line in out.splitlines() if line.strip().startswith("switch:")]
+    assert len(switch_lines) == 6
+    assert all(line.endswith("parameters moved = 0") for line in switch_lines)
+    assert {"layout = padded", "layout = ragged"} <= {m for line in switch_lines for m in re.findall(r"layout = \w+", line)}
+    assert {"top_k = 1", "top_k = 2"} <= {m for line in switch_lines for m in re.findall(r"top_k = \d+", line)}
+    assert "[Check]" in out
+
+
+def test_amp_keeps_fp32_master_weights(capsys):
+    helloworld_amp.main(TINY + HIDDEN)
+    assert "[AMP] autocast(cpu, dtype=bfloat16), master weights ['torch.float32']" in capsys.readouterr().out
+
+
+def test_custom_modules_receive_options(capsys):
+    helloworld_custom_gate_expert.main(TINY + ["--num_steps", "1"])
+    out = capsys.readouterr().out
+    assert "CustomGate(" in out and "CustomExpert(" in out
+    layer = moe_layer(
+        gate_type={"type": "custom", "module": helloworld_custom_gate_expert.CustomGate, "top_k": 1},
+        experts={"type": "custom", "module": helloworld_custom_gate_expert.CustomExpert,
+                 "num_experts_per_device": 3, "my_activ_type": "none"},
+        model_dim=8,
+    )
+    assert layer.gates[0].top_k == 1 and layer.experts.my_activation is None
+    assert layer.experts.W.shape == (3, 8, 8)
+
+
+def test_from_scratch_matches_moe_layer():
+    """The hand-assembled data flow computes what MoELayer computes (same weights, ragged layout)."""
+    torch.manual_seed(0)
+    D, F, E, k = 16, 32, 4, 2
+    scratch = helloworld_from_scratch.ScratchMoE(D, F, E, k, capacity_factor=1.0)
+    layer = moe_layer(gate_type={"type": "top", "k": k, "capacity_factor": 1.0}, model_dim=D,
+                      experts={"type": "ffn", "num_experts_per_device": E, "hidden_size_per_expert": F})
+    with torch.no_grad():
+        layer.gates[0].wg.weight.copy_(scratch.wg.weight)
+        layer.experts.batched_fc1_w.copy_(scratch.fc1_w)
+        layer.experts.batched_fc1_bias.copy_(scratch.fc1_b)
+        layer.experts.batched_fc2_w.copy_(scratch.fc2_w)
+        layer.experts.batched_fc2_bias.copy_(scratch.fc2_b)
+    x = torch.randn(2, 16, D)
+    y_ref, y = layer(x, layout="ragged"), scratch(x)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(y.l_aux, y_ref.l_aux)
+    assert y.routing_stats.dropped == y_ref.routing_stats.dropped
+
+
+BAD_FLAGS = [
+    (helloworld, ["--top", "9"], "--top"),
+    (helloworld, ["--batch_size", "0"], "--batch_size"),
+    (helloworld, ["--capacity_factor", "nan"], "--capacity_factor"),
+    (helloworld, ["--megablocks_size", "-1"], "--megablocks_size"),
+    (helloworld, ["--parallel_type", "adaptive:2"], "--parallel_type"),
+    (helloworld, ["--dtype", "int8"], "--dtype"),
+    (helloworld_switch, ["--top", "5"], "--top"),
+    (helloworld_custom_gate_expert, ["--hidden_size", "32"], "--hidden_size"),
+    (helloworld_from_scratch, ["--num_local_experts", "-2"], "--num_local_experts"),
+]
+if not torch.cuda.is_available():
+    BAD_FLAGS.append((helloworld, ["--device", "cuda"], "--device"))
+
+
+@pytest.mark.parametrize("module, bad, flag", BAD_FLAGS, ids=[" ".join(b) for _, b, _ in BAD_FLAGS])
+def test_bad_flag_is_an_argparse_error(module, bad, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        module.main(TINY + bad)
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_module_entry_point():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "dynamoe.examples.helloworld", *TINY, *HIDDEN, "--num_steps", "2"],
+                          capture_output=True, text=True, timeout=120, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr
+    assert len(printed_losses(proc.stdout)) == 2 and "[Summary]" in proc.stdout
