@@ -71,7 +71,7 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def run_config(name, dtype, rounds, backward, bw_gbs):
+def run_config(name, dtype, rounds, backward, bw_gbs, warmup):
     T, D, Fh, E, k = CONFIGS[name]
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(model_dim=D, gates=[GateConfig(k=k, capacity_factor=0.0)],
@@ -118,8 +118,9 @@ def run_config(name, dtype, rounds, backward, bw_gbs):
     methods = {"ours": ours, "hf": hf}
     if not decode:
         methods["floor"] = floor
-    for fn in methods.values():  # warm-up
-        fn(xs[-1])
+    for _ in range(warmup):  # oneDNN builds kernels per shape on first use: keep that out of the timing
+        for fn in methods.values():
+            fn(xs[-1])
     res = {m: [] for m in methods}
     floors_ms = []
     names = list(methods)
@@ -146,6 +147,7 @@ def main(argv=None):
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls of every method before timing")
     p.add_argument("--no-backward", action="store_true", help="forward only")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -163,7 +165,7 @@ def main(argv=None):
             for ps in passes:
                 if name in DECODE and ps == "fwd+bwd":
                     continue
-                ours, hf, floor = run_config(name, getattr(torch, dt), args.rounds, ps == "fwd+bwd", bw[dt])
+                ours, hf, floor = run_config(name, getattr(torch, dt), args.rounds, ps == "fwd+bwd", bw[dt], args.warmup)
                 kind = "cold weight read" if name in DECODE else "matmul pair over T*k rows"
                 print(f"{name:7} {dt:9} {ps:8} {ours:9.2f} {hf:10.2f} {floor:9.2f} {ours / floor:10.2f} {hf / ours:8.2f}  {kind}", flush=True)
 

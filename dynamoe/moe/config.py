@@ -53,7 +53,7 @@ class GateConfig:
     type: "top" (linear logits, softmax top-k: Switch k=1, GShard k>=2), "cosine_top" (cosine
         router), "sigmoid" (DeepSeek-V3: sigmoid scores, selection bias, group-limited top-k,
         route scale) or "custom" (``module`` returns logits [T, E]).
-    k: experts per token. capacity_factor: see dynamoe.ops.capacity (0 = dropless).
+    k: experts per token. capacity_factor: see dynamoe.ops.slots (0 = dropless).
     fp32_gate: compute logits in fp32 (without changing the parameters' dtype).
     gate_noise: std of training-time logit noise (Tutel: noise * randn / E).
     normalize: renormalise the top-k weights; None = the layer's ``normalize_gate`` for softmax

@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..ops.capacity import capacity as capacity_rule
-from ..ops.capacity import expert_slots
+from ..ops.slots import capacity as capacity_rule
+from ..ops.slots import expert_slots
 
 __all__ = ["DispatchPlan", "RoutingStats", "build_plan", "dispatch_ragged", "dispatch_padded", "combine_ragged", "combine_padded"]
 
@@ -80,7 +80,7 @@ class DispatchPlan:
 
 def build_plan(ids_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity_factor: float,
                priority_T: Tensor | None = None, alignment: int = 1) -> DispatchPlan:
-    """Apply the capacity rule (dynamoe.ops.capacity) to a routing decision.
+    """Apply the capacity rule (dynamoe.ops.slots) to a routing decision.
 
     One host synchronisation (the per-expert load) decides the capacity and the row counts.
     """

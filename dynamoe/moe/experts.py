@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.grouped_mm import grouped_mm
+from ..ops.grouped_matmul import grouped_mm
 from ..ops.scratch import scratch
 from .config import ExpertConfig
 

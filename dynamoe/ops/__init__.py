@@ -2,8 +2,8 @@
 
 Tutel-compatible names: ``qwen3_moe_scaled_topk``, ``deepseek_moe_sigmoid_scaled_topk``.
 """
-from .capacity import capacity, expert_slots
-from .grouped_mm import grouped_mm, grouped_mm_reference
+from .slots import capacity, expert_slots
+from .grouped_matmul import grouped_mm, grouped_mm_reference
 from .scratch import release_scratch, scratch_bytes
 from .routing import (
     check_top_k,

@@ -41,17 +41,50 @@ def grouped_mm_reference(x_NI: Tensor, w: Tensor, counts: Sequence[int], bias: T
     return y if row_scale is None else y * row_scale.unsqueeze(1)
 
 
+def _groups(counts: list[int]):
+    """(group, row offset, rows) of the non-empty groups: with many experts and few tokens (decode)
+    most groups are empty, and building views for them would cost more than the matmuls."""
+    off = 0
+    for e, c in enumerate(counts):
+        if c:
+            yield e, off, c
+        off += c
+
+
+# oneDNN (CPU bf16/fp16 matmuls) builds a kernel per distinct row count: ~3x the cost of the
+# matmul itself. Row counts per expert change every step, so on CPU half precision each group's
+# rows go through matmuls of bucketed sizes -- at most ~70 distinct shapes per weight, all cached
+# after warm-up (docs/benchmarks.md). fp32 (MKL) has no such cost and runs one matmul per group.
+_ROW_BUCKETS = (1024, 512, 256, 64)
+
+
+def _chunked(x: Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _row_chunks(off: int, rows: int, chunked: bool):
+    """(offset, rows) pieces covering [off, off + rows)."""
+    if not chunked:
+        yield off, rows
+        return
+    end = off + rows
+    for b in _ROW_BUCKETS:
+        while end - off >= b:
+            yield off, b
+            off += b
+    if off < end:
+        yield off, end - off
+
+
 def _per_group_mm(x_NI: Tensor, w: Tensor, bias: Tensor | None, counts: list[int], trans_w: bool, out: Tensor) -> None:
-    w_list = w.unbind(0)
-    b_list = bias.unbind(0) if bias is not None else None
-    for e, (x_e, o_e) in enumerate(zip(x_NI.split(counts), out.split(counts))):
-        if counts[e] == 0:
-            continue
-        w_e = w_list[e].t() if trans_w else w_list[e]
-        if b_list is None:
-            torch.mm(x_e, w_e, out=o_e)
-        else:
-            torch.addmm(b_list[e], x_e, w_e, out=o_e)
+    chunked = _chunked(x_NI)
+    for e, off, c in _groups(counts):
+        w_e = w[e].t() if trans_w else w[e]  # no autograd here: a view, not a gradient buffer
+        for o, n in _row_chunks(off, c, chunked):
+            if bias is None:
+                torch.mm(x_NI.narrow(0, o, n), w_e, out=out.narrow(0, o, n))
+            else:
+                torch.addmm(bias[e], x_NI.narrow(0, o, n), w_e, out=out.narrow(0, o, n))
 
 
 class _LoopGroupedMM(torch.autograd.Function):
@@ -81,26 +114,26 @@ class _LoopGroupedMM(torch.autograd.Function):
         gx = x_NI.new_empty(x_NI.shape) if (need_x or need_s) else None
         gw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_w else None
         gb = g_NO.new_empty(w.size(0), g_NO.size(1)) if need_b else None
-        w_list = w.unbind(0)
-        x_parts, gu_parts, g_parts = x_NI.split(counts), gu_NO.split(counts), g_NO.split(counts)
-        gx_parts = gx.split(counts) if gx is not None else None
-        for e in range(len(counts)):
-            if counts[e] == 0:
-                if need_w:
-                    gw[e].zero_()
-                if need_b:
-                    gb[e].zero_()
-                continue
-            x_e, gu_e = x_parts[e], gu_parts[e]
-            if gx is not None:  # with a row scale this is first the *unscaled* g @ w^T (see below)
-                torch.mm(g_parts[e] if need_s else gu_e, w_list[e] if trans_w else w_list[e].t(), out=gx_parts[e])
-            if need_w:  # dL/dw_e = x_e^T gu_e  (or its transpose for the Linear layout)
-                if trans_w:
-                    torch.mm(gu_e.t(), x_e, out=gw[e])
-                else:
-                    torch.mm(x_e.t(), gu_e, out=gw[e])
+        for e in (e for e, c in enumerate(counts) if c == 0):  # experts that got no rows
+            if need_w:
+                gw[e].zero_()
             if need_b:
-                torch.sum(gu_e, dim=0, out=gb[e])
+                gb[e].zero_()
+        chunked = _chunked(x_NI)
+        for e, off, c in _groups(counts):
+            if gx is not None:  # with a row scale this is first the *unscaled* g @ w^T (see below)
+                w_e = w[e] if trans_w else w[e].t()
+                for o, n in _row_chunks(off, c, chunked):
+                    torch.mm((g_NO if need_s else gu_NO).narrow(0, o, n), w_e, out=gx.narrow(0, o, n))
+            if need_w:  # dL/dw_e = x_e^T gu_e (or its transpose for the Linear layout), summed over chunks
+                for i, (o, n) in enumerate(_row_chunks(off, c, chunked)):
+                    a, b = (gu_NO.narrow(0, o, n), x_NI.narrow(0, o, n)) if trans_w else (x_NI.narrow(0, o, n), gu_NO.narrow(0, o, n))
+                    if i == 0:
+                        torch.mm(a.t(), b, out=gw[e])
+                    else:
+                        gw[e].addmm_(a.t(), b)
+            if need_b:
+                torch.sum(gu_NO.narrow(0, off, c), dim=0, out=gb[e])
         gs = None
         if need_s:
             # dL/ds_n = <g_n, x_n w + b> = <g_n w^T, x_n> + <g_n, b_e>: reuses g w^T, no extra matmul

@@ -97,3 +97,27 @@ def test_weights_follow_activation_dtype():
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert w.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("rows", [[1100, 0, 63], [64, 513, 1]])
+def test_bucketed_chunks_in_half_precision(rows):
+    """CPU bf16 splits each group into bucketed row chunks; results and grads must not change."""
+    from dynamoe.ops.grouped_matmul import _row_chunks
+
+    for c in rows:
+        pieces = list(_row_chunks(5, c, True))
+        assert sum(n for _, n in pieces) == c and (not pieces or pieces[0][0] == 5)
+        assert all(o2 == o1 + n1 for (o1, n1), (o2, _) in zip(pieces, pieces[1:]))
+    x = torch.randn(sum(rows), 16).bfloat16().requires_grad_()
+    w = torch.randn(3, 8, 16).bfloat16().requires_grad_()
+    s = torch.rand(sum(rows), requires_grad=True)
+    y = grouped_mm(x, w, rows, trans_w=True, row_scale=s)
+    g = torch.randn_like(y)
+    (y.float() * g.float()).sum().backward()
+    got = [x.grad.float(), w.grad.float(), s.grad.float()]
+    x64, w64, s64 = (t.detach().double().requires_grad_() for t in (x, w, s))
+    y64 = grouped_mm_reference(x64, w64, rows, trans_w=True, row_scale=s64)
+    (y64 * g.double()).sum().backward()
+    torch.testing.assert_close(y.double(), y64, atol=0.1, rtol=0.02)
+    for a, b in zip(got, [x64.grad, w64.grad, s64.grad]):
+        torch.testing.assert_close(a.double(), b, atol=0.5, rtol=0.05)
