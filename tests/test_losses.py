@@ -108,3 +108,15 @@ def test_aux_loss_free_bias_update():
         m(x)
         m.update_routing_bias(rate=0.05)
     assert max(m(x).routing_stats.load.tolist()) <= 16
+
+
+def test_layer_device_level_loss():
+    m = MoELayer(MoEConfig(model_dim=8, aux_loss="deepseek", device_loss_groups=2, device_loss_coef=0.5,
+                           gates=[GateConfig(type="sigmoid", k=2)],
+                           experts=ExpertConfig(num_experts_per_device=4, hidden_size_per_expert=8)))
+    y = m(torch.randn(16, 8))
+    t = y.routing_stats.losses
+    assert set(t) == {"deepseek_expert", "deepseek_device"}
+    torch.testing.assert_close(y.l_aux, t["deepseek_expert"] + 0.5 * t["deepseek_device"])
+    with pytest.raises(ValueError, match="device_loss_groups"):
+        MoEConfig(model_dim=8, device_loss_groups=3, experts=ExpertConfig(num_experts_per_device=4, hidden_size_per_expert=8))

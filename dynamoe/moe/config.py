@@ -157,6 +157,10 @@ class MoEConfig:
     normalize_gate: bool = True
     aux_loss: str = "gshard"
     z_loss_coef: float = 0.0
+    # DeepSeek device-level balance loss over this many equal groups of experts (0 = off), added
+    # to l_aux with weight device_loss_coef
+    device_loss_groups: int = 0
+    device_loss_coef: float = 1.0
     a2a_ffn_overlap_degree: int = 1
     parallel_type: str = "adaptive:1"
     use_2dh: bool = False
@@ -173,6 +177,10 @@ class MoEConfig:
             raise ValueError(f"experts must be an ExpertConfig, got {type(self.experts).__name__}")
         _check_choice("aux_loss", self.aux_loss, AUX_LOSSES)
         _check_float("z_loss_coef", self.z_loss_coef)
+        _check_int("device_loss_groups", self.device_loss_groups, 0)
+        _check_float("device_loss_coef", self.device_loss_coef)
+        if self.device_loss_groups and self.experts.num_experts_per_device % self.device_loss_groups:
+            raise ValueError(f"device_loss_groups={self.device_loss_groups} must divide the number of experts ({self.experts.num_experts_per_device})")
         _check_int("a2a_ffn_overlap_degree", self.a2a_ffn_overlap_degree, 1)
         parse_parallel_type(self.parallel_type)
         num_experts = self.experts.num_experts_per_device

@@ -173,7 +173,7 @@ class MoELayer(nn.Module):
 
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             routing = route(self.gates[gate_index], gcfg, x_TD, E, k, cfg.normalize_gate, self.training,
-                            need_scores=cfg.aux_loss != "none" or cfg.batch_prioritized_routing)
+                            need_scores=cfg.aux_loss != "none" or cfg.batch_prioritized_routing or cfg.device_loss_groups > 0)
             priority = routing.scores_TE.max(dim=1).values if cfg.batch_prioritized_routing else None
             plan = build_plan(routing.ids_TK, routing.weights_TK, E, float(cf), priority, alignment=overlap)
             l_aux, loss_terms = self._losses(routing, gcfg)
@@ -276,6 +276,9 @@ class MoELayer(nn.Module):
         elif kind == "load_importance":
             terms["load_importance"] = losses.load_importance_loss(s, routing.logits_TE, ids, gcfg.gate_noise)
         l_aux = sum(terms.values()) if terms else routing.weights_TK.new_zeros(())
+        if self.config.device_loss_groups:
+            terms["deepseek_device"] = losses.deepseek_device_loss(s, ids, self.config.device_loss_groups)
+            l_aux = l_aux + self.config.device_loss_coef * terms["deepseek_device"]
         if self.config.z_loss_coef:
             terms["z_loss"] = losses.router_z_loss(routing.logits_TE)
             l_aux = l_aux + self.config.z_loss_coef * terms["z_loss"]

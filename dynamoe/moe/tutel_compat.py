@@ -11,7 +11,7 @@ from .layer import MoELayer
 
 __all__ = ["moe_layer"]
 
-_EXTRA_KWARGS = ("aux_loss", "z_loss_coef", "dtype", "device")
+_EXTRA_KWARGS = ("aux_loss", "z_loss_coef", "device_loss_groups", "device_loss_coef", "dtype", "device")
 
 
 class moe_layer(MoELayer):  # noqa: N801 -- Tutel's name
@@ -28,7 +28,8 @@ class moe_layer(MoELayer):  # noqa: N801 -- Tutel's name
         result_func: applied to the output (which carries ``.l_aux`` and ``.routing_stats``).
         is_postscore, batch_prioritized_routing, normalize_gate, is_gshard_loss, parallel_type,
         a2a_ffn_overlap_degree, use_2dh, group, seeds: as in Tutel.
-        aux_loss, z_loss_coef, dtype, device: dynamoe extensions (see MoEConfig).
+        aux_loss, z_loss_coef, device_loss_groups, device_loss_coef, dtype, device: dynamoe
+            extensions (see MoEConfig).
     """
 
     def __init__(self, gate_type, model_dim: int, experts=None, scan_expert_func=None, result_func=None,

@@ -80,11 +80,21 @@ def _per_group_mm(x_NI: Tensor, w: Tensor, bias: Tensor | None, counts: list[int
     chunked = _chunked(x_NI)
     for e, off, c in _groups(counts):
         w_e = w[e].t() if trans_w else w[e]  # no autograd here: a view, not a gradient buffer
-        for o, n in _row_chunks(off, c, chunked):
+        for o, n in (_row_chunks(off, c, True) if chunked else ((off, c),)):
             if bias is None:
                 torch.mm(x_NI.narrow(0, o, n), w_e, out=out.narrow(0, o, n))
             else:
                 torch.addmm(bias[e], x_NI.narrow(0, o, n), w_e, out=out.narrow(0, o, n))
+
+
+def _forward_no_grad(x_NI, w, bias, row_scale_N, counts, trans_w, out) -> Tensor:
+    """The loop without an autograd node (inference): same math as _LoopGroupedMM.forward."""
+    if out is None:
+        out = x_NI.new_empty(x_NI.size(0), w.size(1) if trans_w else w.size(2))
+    _per_group_mm(x_NI, w, bias, counts, trans_w, out)
+    if row_scale_N is not None:
+        out.mul_(row_scale_N.to(out.dtype).unsqueeze(1))
+    return out
 
 
 class _LoopGroupedMM(torch.autograd.Function):
@@ -93,11 +103,7 @@ class _LoopGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_NI, w, bias, row_scale_N, counts, trans_w, out):
-        if out is None:
-            out = x_NI.new_empty(x_NI.size(0), w.size(1) if trans_w else w.size(2))
-        _per_group_mm(x_NI, w, bias, counts, trans_w, out)
-        if row_scale_N is not None:
-            out.mul_(row_scale_N.to(out.dtype).unsqueeze(1))
+        out = _forward_no_grad(x_NI, w, bias, row_scale_N, counts, trans_w, out)
         ctx.save_for_backward(x_NI, w, bias, row_scale_N)
         ctx.counts, ctx.trans_w = counts, trans_w
         return out
@@ -224,4 +230,6 @@ def grouped_mm(
         y = _torch_grouped_mm(x_NI, w, counts, bias, trans_w)
         return y if row_scale is None else y * row_scale.to(y.dtype).unsqueeze(1)
     # the loop: also where shapes torch's kernel does not take end up
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x_NI, w, bias, row_scale)):
+        return _forward_no_grad(x_NI, w, bias, row_scale, counts, trans_w, out)
     return _LoopGroupedMM.apply(x_NI, w, bias, row_scale, counts, trans_w, out)
