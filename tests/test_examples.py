@@ -1,5 +1,6 @@
-"""The examples run in-process with tiny sizes: they train (finite, falling loss), honour their flags,
-reject bad flag values through argparse, and the module entry point works."""
+"""The examples run in-process with tiny sizes: they train (finite, falling loss), honour their flags
+(Tutel's multi-process ones included), save and resume checkpoints, reject bad flag values through
+argparse, and the module entry point works."""
 import math
 import os
 import re
@@ -82,9 +83,15 @@ def test_switch_visits_settings_without_moving_parameters(capsys):
     assert "[Check]" in out
 
 
-def test_amp_keeps_fp32_master_weights(capsys):
-    helloworld_amp.main(TINY + HIDDEN)
-    assert "[AMP] autocast(cpu, dtype=bfloat16), master weights ['torch.float32']" in capsys.readouterr().out
+@pytest.mark.parametrize("flags, layout", [([], "ragged"), (["--megablocks_size", "1"], "ragged"),
+                                           (["--megablocks_size", "0"], "padded")])
+def test_amp_keeps_fp32_master_weights(flags, layout, capsys):
+    """Both layouts run under autocast with fp32 weights (unset picks ragged on CPU)."""
+    losses = helloworld_amp.main(TINY + HIDDEN + ["--lr", "0.1"] + flags)
+    out = capsys.readouterr().out
+    assert "[AMP] autocast(cpu, dtype=bfloat16), master weights ['torch.float32']" in out
+    assert f"layout = {layout}" in last_routing(out)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 
 
 def test_custom_modules_receive_options(capsys):
@@ -101,8 +108,9 @@ def test_custom_modules_receive_options(capsys):
     assert layer.experts.W.shape == (3, 8, 8)
 
 
-def test_from_scratch_matches_moe_layer():
-    """The hand-assembled data flow computes what MoELayer computes (same weights, ragged layout)."""
+@pytest.mark.parametrize("layout", ["ragged", "padded"])
+def test_from_scratch_matches_moe_layer(layout):
+    """The hand-assembled data flow computes what MoELayer computes (same weights, same layout)."""
     torch.manual_seed(0)
     D, F, E, k = 16, 32, 4, 2
     scratch = helloworld_from_scratch.ScratchMoE(D, F, E, k, capacity_factor=1.0)
@@ -115,10 +123,96 @@ def test_from_scratch_matches_moe_layer():
         layer.experts.batched_fc2_w.copy_(scratch.fc2_w)
         layer.experts.batched_fc2_bias.copy_(scratch.fc2_b)
     x = torch.randn(2, 16, D)
-    y_ref, y = layer(x, layout="ragged"), scratch(x)
+    y_ref, y = layer(x, layout=layout), scratch(x, layout=layout)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(y.l_aux, y_ref.l_aux)
-    assert y.routing_stats.dropped == y_ref.routing_stats.dropped
+    s, s_ref = y.routing_stats, y_ref.routing_stats
+    assert (s.layout, s.dropped, s.capacity) == (s_ref.layout, s_ref.dropped, s_ref.capacity)
+    assert torch.equal(s.kept, s_ref.kept) and torch.equal(s.load, s_ref.load)
+
+
+def test_from_scratch_megablocks_size_picks_layout(capsys):
+    helloworld_from_scratch.main(TINY + HIDDEN + ["--num_steps", "1", "--megablocks_size", "0"])
+    assert "layout = padded" in last_routing(capsys.readouterr().out)
+
+
+TUTEL_MULTIPROCESS_FLAGS = ["--local_rank", "0", "--allreduce_degree", "2", "--use_2dh"]
+
+
+@pytest.mark.parametrize("module, extra", [
+    (helloworld, HIDDEN),
+    (helloworld_switch, HIDDEN),
+    (helloworld_amp, HIDDEN),
+    (helloworld_custom_gate_expert, []),
+    (helloworld_from_scratch, HIDDEN),
+], ids=lambda v: getattr(v, "__name__", "").rsplit(".", 1)[-1] or None)
+def test_tutel_multiprocess_flags_are_accepted(module, extra, capsys):
+    """Tutel command lines run unchanged; on one process these flags change nothing."""
+    base = TINY + extra + ["--num_steps", "2"]
+    with_flags = module.main(base + TUTEL_MULTIPROCESS_FLAGS)
+    capsys.readouterr()
+    assert with_flags == module.main(base)
+
+
+def test_tutel_flags_parse_and_help():
+    from dynamoe.examples._common import build_parser
+    parser = build_parser("x")
+    args = parser.parse_args(["--local-rank", "3", "--allreduce_degree", "4", "--use_2dh", "--save_load_checkpoint"])
+    assert (args.local_rank, args.allreduce_degree, args.use_2dh, args.save_load_checkpoint) == (3, 4, True, True)
+    defaults = parser.parse_args([])
+    assert (defaults.local_rank, defaults.allreduce_degree, defaults.use_2dh) == (-1, 1, False)
+    assert (defaults.save_load_checkpoint, defaults.checkpoint_path) == (False, "./dynamoe-helloworld.ckpt")
+    text = " ".join(parser.format_help().split())
+    assert "ignored" in text and text.count("no effect on one process") >= 2
+
+
+def test_save_load_checkpoint_resumes(tmp_path, capsys):
+    """Run 1 saves; run 2 loads and starts exactly where run 1 stopped: its first loss is the loss
+    of run 1's final weights (= step 3 of an uninterrupted 4-step run)."""
+    ckpt = tmp_path / "hw.ckpt"
+    flags = TINY + HIDDEN + ["--lr", "0.1", "--save_load_checkpoint", "--checkpoint_path", str(ckpt)]
+    first = helloworld.main(flags)
+    out = capsys.readouterr().out
+    assert ckpt.is_file() and "not found: starting from fresh weights" in out
+    assert f"[Checkpoint] saved model and optimizer state to `{ckpt}` (3 training steps)" in out
+    assert [p.name for p in tmp_path.iterdir()] == ["hw.ckpt"]  # the temporary file was renamed away
+
+    uninterrupted = helloworld.main(TINY + HIDDEN + ["--lr", "0.1", "--num_steps", "4"])
+    capsys.readouterr()
+    resumed = helloworld.main(flags)
+    out = capsys.readouterr().out
+    assert f"[Checkpoint] loaded model and optimizer state from `{ckpt}` (3 training steps so far)" in out
+    assert resumed[0] == pytest.approx(uninterrupted[3], rel=1e-6)
+    assert resumed[0] != pytest.approx(first[0], rel=1e-6)
+    assert "(6 training steps)" in out
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from dynamoe.examples._common import load_checkpoint, save_checkpoint
+    path = str(tmp_path / "m.ckpt")
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_checkpoint(path, model, optimizer, steps=5)
+    before = open(path, "rb").read()
+
+    def crash(obj, f, *args, **kwargs):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, model, optimizer, steps=6)
+    monkeypatch.undo()
+    assert open(path, "rb").read() == before and os.listdir(tmp_path) == ["m.ckpt"]
+    assert load_checkpoint(path, model, optimizer) == 5
+
+
+def test_checkpoint_from_another_model_is_a_clear_error(tmp_path, capsys):
+    ckpt = str(tmp_path / "hw.ckpt")
+    common = ["--num_steps", "1", "--save_load_checkpoint", "--checkpoint_path", ckpt]
+    helloworld.main(TINY + HIDDEN + common)
+    with pytest.raises(SystemExit, match="does not fit this model") as exc:
+        helloworld.main(TINY + ["--hidden_size", "8"] + common)
+    assert ckpt in str(exc.value)
 
 
 BAD_FLAGS = [
@@ -128,6 +222,8 @@ BAD_FLAGS = [
     (helloworld, ["--megablocks_size", "-1"], "--megablocks_size"),
     (helloworld, ["--parallel_type", "adaptive:2"], "--parallel_type"),
     (helloworld, ["--dtype", "int8"], "--dtype"),
+    (helloworld, ["--allreduce_degree", "0"], "--allreduce_degree"),
+    (helloworld, ["--save_load_checkpoint", "--checkpoint_path", "/nonexistent-dir/x.ckpt"], "--checkpoint_path"),
     (helloworld_switch, ["--top", "5"], "--top"),
     (helloworld_custom_gate_expert, ["--hidden_size", "32"], "--hidden_size"),
     (helloworld_from_scratch, ["--num_local_experts", "-2"], "--num_local_experts"),

@@ -12,7 +12,8 @@ from dynamoe.ops import grouped_mm
 def test_layer_gradcheck(layout, experts, gate, cf):
     m = MoELayer(MoEConfig(model_dim=6, gates=[GateConfig(type=gate, k=2, capacity_factor=cf)],
                            experts=ExpertConfig(type=experts, num_experts_per_device=3, hidden_size_per_expert=5,
-                                                activation_fn="gelu", num_shared_experts=1))).double()
+                                                num_shared_experts=1,
+                                                **({"activation_fn": "gelu"} if experts == "ffn" else {"glu_activation": "gelu"})))).double()
     names = [n for n, _ in m.named_parameters()]
     values = [p.detach().clone().requires_grad_() for _, p in m.named_parameters()]
     x = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)

@@ -113,7 +113,7 @@ def test_inference_path_equals_autograd_path(experts, act):
 
     layer = MoELayer(MoEConfig(model_dim=16, gates=[GateConfig(k=2, capacity_factor=0.0)],
                                experts=ExpertConfig(type=experts, num_experts_per_device=4, hidden_size_per_expert=24,
-                                                    activation_fn=act, glu_activation=act)))
+                                                    **({"activation_fn": act} if experts == "ffn" else {"glu_activation": act}))))
     x = torch.randn(30, 16)
     y_grad = layer(x)
     with torch.no_grad():

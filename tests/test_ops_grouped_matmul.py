@@ -121,3 +121,21 @@ def test_bucketed_chunks_in_half_precision(rows):
     torch.testing.assert_close(y.double(), y64, atol=0.1, rtol=0.02)
     for a, b in zip(got, [x64.grad, w64.grad, s64.grad]):
         torch.testing.assert_close(a.double(), b, atol=0.5, rtol=0.05)
+
+
+def test_torch_backend_refusal_falls_back_and_is_remembered(monkeypatch):
+    import dynamoe.ops.grouped_matmul as gm
+
+    calls = []
+
+    def refuse(*a, **k):
+        calls.append(1)
+        raise RuntimeError("grouped gemm is not supported on this device")
+
+    monkeypatch.setattr(torch, "_grouped_mm", refuse)
+    monkeypatch.setattr(gm, "_TORCH_REFUSED", set())
+    counts = [2, 2]
+    x, w = torch.randn(4, 8), torch.randn(2, 8, 4)
+    for _ in range(2):
+        torch.testing.assert_close(grouped_mm(x, w, counts, backend="torch"), grouped_mm_reference(x, w, counts))
+    assert len(calls) == 1 and ("cpu", torch.float32) in gm._TORCH_REFUSED

@@ -57,18 +57,30 @@ def test_selection_bias_changes_choice_not_weight():
 
 
 def test_tutel_named_ops():
-    logits = torch.randn(5, 128)
-    w, ids = ops.qwen3_moe_scaled_topk(logits)
+    # Tutel's README: qwen3_moe_scaled_topk takes softmax probabilities, weights normalised to 1
+    probs = torch.softmax(torch.randn(5, 128), -1)
+    w, ids = ops.qwen3_moe_scaled_topk(probs)
     assert ids.shape == (5, 8)
-    torch.testing.assert_close(w.sum(-1), torch.ones(5))
-    torch.testing.assert_close(w, torch.softmax(logits, -1).gather(1, ids) / torch.softmax(logits, -1).gather(1, ids).sum(-1, keepdim=True))
+    top = probs.topk(8)
+    assert torch.equal(ids, top.indices)
+    torch.testing.assert_close(w, top.values / top.values.sum(-1, keepdim=True))
+    # optional output tensors and leading dims, as Tutel's op
+    v_out, k_out = torch.empty(2, 3, 8), torch.empty(2, 3, 8, dtype=torch.long)
+    w3, ids3 = ops.qwen3_moe_scaled_topk(torch.softmax(torch.randn(2, 3, 128), -1), v_out, k_out)
+    assert w3.data_ptr() == v_out.data_ptr() and ids3.data_ptr() == k_out.data_ptr()
+    # deepseek: Tutel's call is (logits, bias, None, None)
     logits = torch.randn(5, 256)
     bias = torch.randn(256) * 0.01
-    w, ids = ops.deepseek_moe_sigmoid_scaled_topk(logits, bias)
+    w, ids = ops.deepseek_moe_sigmoid_scaled_topk(logits, bias, None, None)
     assert ids.shape == (5, 8)
     torch.testing.assert_close(w.sum(-1), torch.full((5,), 2.5))
-    # at most 4 of the 8 groups (32 experts each) are used
-    assert all(len(set((ids[t] // 32).tolist())) <= 4 for t in range(5))
+    for t in range(5):
+        order, wt, _ = ref_sigmoid_choice(logits[t], 8, bias, 8, 4, True, 2.5)
+        assert sorted(ids[t].tolist()) == sorted(order)
+        got = dict(zip(ids[t].tolist(), w[t].tolist()))
+        assert all(got[e] == pytest.approx(float(v), rel=1e-5) for e, v in zip(order, wt))
+    with pytest.raises(ValueError, match="top_v_out"):
+        ops.deepseek_moe_sigmoid_scaled_topk(logits, bias, torch.empty(5, 7))
 
 
 @pytest.mark.parametrize("bad", [

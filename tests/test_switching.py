@@ -9,18 +9,18 @@ def storage(layer):
     return {n: (p.data_ptr(), tuple(p.shape)) for n, p in layer.named_parameters()}
 
 
-def fresh_like(layer, **gate_overrides):
+def fresh_like(layer, overlap=1, **gate_overrides):
     cfg = layer.config
     g = cfg.gates[0]
     new_gate = GateConfig(**{**{f: getattr(g, f) for f in ("type", "k", "capacity_factor", "fp32_gate")}, **gate_overrides})
-    fresh = MoELayer(MoEConfig(model_dim=cfg.model_dim, gates=[new_gate], experts=cfg.experts))
+    fresh = MoELayer(MoEConfig(model_dim=cfg.model_dim, gates=[new_gate], experts=cfg.experts, a2a_ffn_overlap_degree=overlap))
     fresh.load_state_dict(layer.state_dict())
     return fresh
 
 
 @pytest.mark.parametrize("switch", [
     dict(top_k=1), dict(top_k=3), dict(capacity_factor=0.0), dict(capacity_factor=-1.0), dict(capacity_factor=0.5),
-    dict(top_k=4, capacity_factor=0.0), dict(a2a_ffn_overlap_degree=2), dict(megablocks_size=0),
+    dict(top_k=4, capacity_factor=0.0), dict(a2a_ffn_overlap_degree=3), dict(megablocks_size=0),
     dict(megablocks_size=1), dict(adaptive_r=0),
 ])
 def test_switch_equals_fresh_layer_and_allocates_nothing(switch):
@@ -38,9 +38,14 @@ def test_switch_equals_fresh_layer_and_allocates_nothing(switch):
         overrides["k"] = switch["top_k"]
     if "capacity_factor" in switch:
         overrides["capacity_factor"] = switch["capacity_factor"]
-    fresh = fresh_like(layer, **overrides)
+    fresh = fresh_like(layer, switch.get("a2a_ffn_overlap_degree", 1), **overrides)
     torch.testing.assert_close(y_switched, fresh(x), atol=1e-6, rtol=1e-6)
-    assert y_switched.routing_stats.top_k == switch.get("top_k", 2)
+    stats = y_switched.routing_stats
+    assert stats.top_k == switch.get("top_k", 2)
+    if "megablocks_size" in switch:
+        assert stats.layout == ("ragged" if switch["megablocks_size"] else "padded")
+    if "a2a_ffn_overlap_degree" in switch:
+        assert stats.capacity % switch["a2a_ffn_overlap_degree"] == 0
 
 
 def test_capacity_factor_zero_per_call_overrides_gate_default():

@@ -1,10 +1,13 @@
-"""Shared pieces of the examples: Tutel's flags, their validation, the model wrapper and the
-training/eval loop that prints Tutel's ``STEP-i: loss = ..., step_time = ..., perf = ...`` lines."""
+"""Shared pieces of the examples: Tutel's flags, their validation, the model wrapper, the
+checkpoint (``--save_load_checkpoint``) and the training/eval loop that prints Tutel's
+``STEP-i: loss = ..., step_time = ..., perf = ...`` lines."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import math
+import os
+import pickle
 import time
 from typing import Callable, Iterable
 
@@ -12,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..moe import RoutingStats
 from ..moe.config import parse_parallel_type
-from ..moe.dispatch import RoutingStats
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SUMMARY_STEPS = 10  # Tutel averages the step time over the last 10 steps
@@ -40,8 +43,10 @@ def _finite_float(text: str) -> float:
 
 
 def build_parser(description: str, omit: Iterable[str] = (), **defaults) -> argparse.ArgumentParser:
-    """Tutel's example flags (plus ``--seed`` and ``--lr``). ``omit`` drops flags an example does not
-    use; ``defaults`` overrides default values."""
+    """Tutel's example flags (plus ``--seed``, ``--lr`` and ``--checkpoint_path``). ``omit`` drops
+    flags an example does not use; ``defaults`` overrides default values. The multi-process flags
+    (``--local_rank``, ``--allreduce_degree``, ``--use_2dh``) are accepted so Tutel command lines
+    run unchanged; on one process they have no effect."""
     omit = set(omit)
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
@@ -49,6 +54,8 @@ def build_parser(description: str, omit: Iterable[str] = (), **defaults) -> argp
         if name not in omit:
             p.add_argument(f"--{name}", *aliases, **kw)
 
+    add("local_rank", "--local-rank", type=int, default=-1,
+        help="set by distributed launchers; ignored (dynamoe examples run on one process)")
     add("batch_size", type=_positive_int, default=16)
     add("num_tokens", type=_positive_int, default=512)
     add("model_dim", type=_positive_int, default=2048)
@@ -59,6 +66,10 @@ def build_parser(description: str, omit: Iterable[str] = (), **defaults) -> argp
     add("top", type=_positive_int, default=2, help="experts per token (k)")
     add("l_aux_wt", type=_finite_float, default=0.0, help="weight of the balance loss")
     add("a2a_ffn_overlap_degree", type=_positive_int, default=1)
+    add("allreduce_degree", type=_positive_int, default=1,
+        help="Tutel's gradient all-reduce degree; accepted, but no effect on one process")
+    add("use_2dh", action="store_true",
+        help="Tutel's 2D-hierarchical all-to-all (passed to moe_layer); no effect on one process")
     add("num_steps", type=_positive_int, default=100)
     add("parallel_type", default="adaptive:1", help="'data', 'model', 'auto' or 'adaptive:R' (R in 0..1 on one process)")
     add("device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -66,10 +77,15 @@ def build_parser(description: str, omit: Iterable[str] = (), **defaults) -> argp
     add("capacity_factor", "--cap_factor", type=_finite_float, default=1.0,
         help=">0 padded capacity, 0 dropless, <0 capped dropless")
     add("megablocks_size", type=int, default=None,
-        help="0 forces the padded layout, >0 the ragged (dropless-style) one; unset lets the layer pick")
-    add("expert_type", choices=["ffn", "glu"], default="ffn")
+        help="0 forces the padded layout; >0 the ragged (dropless-style) one, with the capacity rounded up "
+             "to a multiple of it (Tutel); unset lets the layer pick")
+    add("expert_type", choices=["ffn", "glu"], default="ffn",
+        help="ffn: fc1 -> relu -> fc2 (Tutel's); glu: SwiGLU gate/up/down")
     add("lr", type=_finite_float, default=1e-5, help="SGD learning rate (Tutel's default)")
     add("seed", type=int, default=0)
+    add("save_load_checkpoint", action="store_true",
+        help="load model+optimizer state from --checkpoint_path at start if it exists; save it there at the end")
+    add("checkpoint_path", default="./dynamoe-helloworld.ckpt", help="used with --save_load_checkpoint")
     p.set_defaults(**defaults)
     return p
 
@@ -101,6 +117,12 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             if device.index is not None and device.index >= torch.cuda.device_count():
                 err(f"argument --device: {args.device!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
         args.device = device
+    if getattr(args, "save_load_checkpoint", False):
+        folder = os.path.dirname(os.path.abspath(args.checkpoint_path))
+        if not os.path.isdir(folder):
+            err(f"argument --checkpoint_path: folder {folder!r} does not exist")
+        if os.path.isdir(args.checkpoint_path):
+            err(f"argument --checkpoint_path: {args.checkpoint_path!r} is a folder, not a file")
     torch.manual_seed(args.seed)  # everything not seeded explicitly (layer init has its own seeds)
     return args
 
@@ -157,10 +179,51 @@ def format_stats(s: RoutingStats) -> str:
             f"capacity = {s.capacity}, dropped = {s.dropped}, load = {s.load.tolist()}")
 
 
+def load_checkpoint(path: str, model: nn.Module, optimizer, scaler=None) -> int:
+    """Restore what :func:`save_checkpoint` wrote, if ``path`` exists; returns the training steps it
+    had taken (0 when there is no file). A file that does not fit the model exits with a message."""
+    if not os.path.exists(path):
+        print(f"[Checkpoint] `{path}` not found: starting from fresh weights.")
+        return 0
+    try:
+        state = torch.load(path, map_location=next(model.parameters()).device, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+    except (RuntimeError, KeyError, TypeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        raise SystemExit(f"error: checkpoint `{path}` does not fit this model (saved by another example or with "
+                         f"other sizes?); delete it or pass another --checkpoint_path.\n{type(e).__name__}: {e}") from e
+    steps = int(state.get("steps", 0))
+    print(f"[Checkpoint] loaded model and optimizer state from `{path}` ({steps} training steps so far).")
+    return steps
+
+
+def save_checkpoint(path: str, model: nn.Module, optimizer, scaler=None, steps: int = 0) -> None:
+    """Write model + optimizer (+ GradScaler) state atomically: into a temporary file in the same
+    folder, then ``os.replace`` -- a crash mid-write never leaves a truncated checkpoint at ``path``."""
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "scaler": scaler.state_dict() if scaler is not None else None, "steps": steps}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    print(f"[Checkpoint] saved model and optimizer state to `{path}` ({steps} training steps).")
+
+
 def run_loop(args, model: nn.Module, x: Tensor, target: Tensor, flops_fn: Callable[[RoutingStats], int],
              switches: Callable[[int], dict] | dict | None = None, autocast_dtype: torch.dtype | None = None,
              after_step: Callable[[int, dict, RoutingStats], None] | None = None) -> list[float]:
-    """Tutel's loop: SGD on nll_loss (+ l_aux_wt * l_aux), or forward only with ``--eval``.
+    """Tutel's loop: SGD on nll_loss (+ l_aux_wt * l_aux), or forward only with ``--eval``. With
+    ``--save_load_checkpoint`` the model and optimizer start from ``--checkpoint_path`` (if the file
+    exists) and are saved there at the end.
 
     ``model(x, **switches)`` returns log-probs [batch, tokens] and leaves ``model.l_aux`` and
     ``model.routing_stats``; ``switches`` is a dict or a function of the step index. Returns the losses.
@@ -168,6 +231,8 @@ def run_loop(args, model: nn.Module, x: Tensor, target: Tensor, flops_fn: Callab
     device = x.device
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 and not args.eval else None
+    checkpoint = getattr(args, "save_load_checkpoint", False)
+    steps_before = load_checkpoint(args.checkpoint_path, model, optimizer, scaler) if checkpoint else 0
     model.train(not args.eval)
     losses, times = [], []
     for i in range(args.num_steps):
@@ -203,4 +268,6 @@ def run_loop(args, model: nn.Module, x: Tensor, target: Tensor, flops_fn: Callab
     last = times[-_SUMMARY_STEPS:]
     print(f"\n[Summary] Average step_time over the last {len(last)} step(s) = {sum(last) / len(last):.6f} sec.")
     print(f"[Routing] last step: {format_stats(model.routing_stats)}")
+    if checkpoint:
+        save_checkpoint(args.checkpoint_path, model, optimizer, scaler, steps_before + (0 if args.eval else args.num_steps))
     return losses

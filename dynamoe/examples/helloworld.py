@@ -1,10 +1,13 @@
 """Tutel's helloworld on dynamoe: one ``moe_layer`` trained with SGD on a toy objective.
 
 Usage: python -m dynamoe.examples.helloworld --batch_size 4 --num_tokens 256 --model_dim 256 \
-           --hidden_size 512 --num_local_experts 4 --top 2 --num_steps 10 [--eval] [--capacity_factor 0]
+           --hidden_size 512 --num_local_experts 4 --top 2 --num_steps 10 [--eval] [--capacity_factor 0] \
+           [--save_load_checkpoint [--checkpoint_path PATH]]
 
 The per-call switches (capacity_factor, a2a_ffn_overlap_degree, adaptive_r from --parallel_type,
-megablocks_size) are passed to every forward, as Tutel's forward accepts them.
+megablocks_size) are passed to every forward, as Tutel's forward accepts them. Tutel's
+multi-process flags (--local_rank, --allreduce_degree, --use_2dh) are accepted and have no effect
+on one process. --save_load_checkpoint resumes from --checkpoint_path and saves there at the end.
 """
 from __future__ import annotations
 
@@ -18,20 +21,30 @@ from ._common import (DTYPES, ExampleModel, build_parser, ffn_flops_per_row, mak
 
 def build_model(args, dtype=None) -> ExampleModel:
     """The MoE layer exactly as Tutel's helloworld builds it; ``dtype`` defaults to ``--dtype``."""
+    experts = {"type": args.expert_type, "num_experts_per_device": args.num_local_experts,
+               "hidden_size_per_expert": args.hidden_size}
+    if args.expert_type == "ffn":  # glu experts take glu_activation instead (default silu: SwiGLU)
+        experts["activation_fn"] = lambda x: F.relu(x)
     moe = moe_layer(
         gate_type={"type": "top", "k": args.top, "fp32_gate": args.fp32_gate, "capacity_factor": args.capacity_factor},
-        experts={"type": args.expert_type, "num_experts_per_device": args.num_local_experts,
-                 "hidden_size_per_expert": args.hidden_size, "activation_fn": lambda x: F.relu(x)},
+        experts=experts,
         model_dim=args.model_dim,
         scan_expert_func=lambda name, param: setattr(param, "skip_allreduce", True),
         seeds=(args.seed + 1, args.seed + 1, args.seed + 1),
         a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
         parallel_type=args.parallel_type,
+        use_2dh=args.use_2dh,  # no effect on one process
         dtype=dtype or DTYPES[args.dtype],  # dynamoe extension: build in place, no global default dtype
         device=args.device,
     )
     print_param_counts(moe)
     return ExampleModel(moe)
+
+
+def forward_switches(args) -> dict:
+    """The per-call switches from the flags, passed to every forward."""
+    return dict(capacity_factor=args.capacity_factor, a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
+                adaptive_r=parse_parallel_type(args.parallel_type), megablocks_size=args.megablocks_size)
 
 
 def flops_fn(args):
@@ -52,9 +65,7 @@ def main(argv=None) -> list[float]:
     print(model)
     x, target = make_data(args, DTYPES[args.dtype])
     print_benchmark_line(args)
-    switches = dict(capacity_factor=args.capacity_factor, a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
-                    adaptive_r=parse_parallel_type(args.parallel_type), megablocks_size=args.megablocks_size)
-    return run_loop(args, model, x, target, flops_fn(args), switches)
+    return run_loop(args, model, x, target, flops_fn(args), forward_switches(args))
 
 
 if __name__ == "__main__":

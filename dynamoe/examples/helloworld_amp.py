@@ -5,15 +5,15 @@ Usage: python -m dynamoe.examples.helloworld_amp --batch_size 4 --num_tokens 256
 
 Parameters and optimizer state stay fp32; the expert matmuls run in ``--amp_dtype`` (bfloat16 works
 on CPU too). The gate always routes in fp32 (the layer disables autocast around routing), so
-routing decisions do not depend on low-precision rounding. float16 adds a GradScaler.
+routing decisions do not depend on low-precision rounding. float16 adds a GradScaler. Both layouts
+(--megablocks_size 0 padded, 1 ragged; unset lets the layer pick) run under autocast.
 """
 from __future__ import annotations
 
 import torch
 
-from ..moe.config import parse_parallel_type
 from ._common import build_parser, make_data, parse_args, run_loop
-from .helloworld import build_model, flops_fn, print_benchmark_line
+from .helloworld import build_model, flops_fn, forward_switches, print_benchmark_line
 
 AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -21,9 +21,7 @@ AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 def main(argv=None) -> list[float]:
     # --dtype is the master-weight dtype in Tutel's helloworld; here it is fixed to float32.
     parser = build_parser(__doc__.splitlines()[0], omit=("dtype",), dtype="float32",
-                          # Padded by default: the ragged layout fails under autocast with fp32
-                          # weights in this dynamoe version (grouped_mm's out= matmul is not autocast).
-                          megablocks_size=0)
+                          checkpoint_path="./dynamoe-helloworld_amp.ckpt")
     parser.add_argument("--amp_dtype", choices=list(AMP_DTYPES), default="bfloat16")
     args = parse_args(parser, argv)
     model = build_model(args, dtype=torch.float32)
@@ -31,9 +29,8 @@ def main(argv=None) -> list[float]:
     print_benchmark_line(args)
     print(f"[AMP] autocast({args.device.type}, dtype={args.amp_dtype}), master weights "
           f"{sorted({str(p.dtype) for p in model.parameters()})}")
-    switches = dict(capacity_factor=args.capacity_factor, a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
-                    adaptive_r=parse_parallel_type(args.parallel_type), megablocks_size=args.megablocks_size)
-    return run_loop(args, model, x, target, flops_fn(args), switches, autocast_dtype=AMP_DTYPES[args.amp_dtype])
+    return run_loop(args, model, x, target, flops_fn(args), forward_switches(args),
+                    autocast_dtype=AMP_DTYPES[args.amp_dtype])
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Usage: python -m dynamoe.examples.helloworld_custom_gate_expert --batch_size 4 -
 A gate is any module returning logits [tokens, experts]; experts are any module with
 ``forward(x, ctx)`` where x is [local_experts, capacity, model_dim]. Dict keys the layer does not
 know (``my_activ_type`` below, and ``top_k`` for the gate) reach the class constructor as options.
+The experts have no ``forward_ragged``, so the layer always runs them on the padded layout.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ class CustomExpert(nn.Module):
 
 
 def main(argv=None) -> list[float]:
-    parser = build_parser(__doc__.splitlines()[0], omit=("hidden_size", "expert_type", "megablocks_size", "fp32_gate"))
+    parser = build_parser(__doc__.splitlines()[0], omit=("hidden_size", "expert_type", "megablocks_size", "fp32_gate"),
+                          checkpoint_path="./dynamoe-helloworld_custom_gate_expert.ckpt")
     args = parse_args(parser, argv)
     moe = moe_layer(
         gate_type={"type": "custom", "module": CustomGate, "top_k": args.top},
@@ -62,10 +64,11 @@ def main(argv=None) -> list[float]:
         seeds=(args.seed + 1, args.seed + 1, args.seed + 1),
         a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
         parallel_type=args.parallel_type,
+        use_2dh=args.use_2dh,  # no effect on one process
+        dtype=DTYPES[args.dtype], device=args.device,  # the layer moves the user modules once they are built
     )
     print_param_counts(moe)
-    # User modules are built in the default dtype; move the whole model once.
-    model = ExampleModel(moe).to(device=args.device, dtype=DTYPES[args.dtype])
+    model = ExampleModel(moe)
     print(model)
     x, target = make_data(args, DTYPES[args.dtype])
     print(f"[Benchmark] dtype = {args.dtype}, model_dim = {args.model_dim}, samples = {args.batch_size * args.num_tokens}, "

@@ -26,7 +26,9 @@ def make_schedule(args) -> list[tuple[int, float, str]]:
 
 
 def main(argv=None) -> list[float]:
-    args = parse_args(build_parser(__doc__.splitlines()[0], omit=("megablocks_size",), num_steps=8), argv)
+    parser = build_parser(__doc__.splitlines()[0], omit=("megablocks_size",), num_steps=8,
+                          checkpoint_path="./dynamoe-helloworld_switch.ckpt")
+    args = parse_args(parser, argv)
     model = build_model(args)
     x, target = make_data(args, DTYPES[args.dtype])
     print_benchmark_line(args)

@@ -41,9 +41,39 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def _check_float(name: str, value: Any) -> None:
+def _check_float(name: str, value: Any, positive: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def _check_bool(name: str, value: Any, optional: bool = False) -> None:
+    if not (isinstance(value, bool) or (optional and value is None)):
+        raise ValueError(f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
+
+
+def _check_dict(name: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
+
+
+# |capacity_factor| above this only pads with empty slots (C > T can never fill); 0 means dropless.
+MAX_CAPACITY_FACTOR = 1024.0
+MAX_OVERLAP_DEGREE = 1024
+
+
+def check_capacity_factor(value: Any) -> float:
+    _check_float("capacity_factor", value)
+    if abs(value) > MAX_CAPACITY_FACTOR:
+        raise ValueError(f"capacity_factor must be in [-{MAX_CAPACITY_FACTOR:g}, {MAX_CAPACITY_FACTOR:g}] (0 = dropless), got {value!r}")
+    return float(value)
+
+
+def check_overlap_degree(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_OVERLAP_DEGREE:
+        raise ValueError(f"a2a_ffn_overlap_degree must be an int in [1, {MAX_OVERLAP_DEGREE}], got {value!r}")
+    return value
 
 
 @dataclass
@@ -61,7 +91,7 @@ class GateConfig:
     """
 
     type: str = "top"
-    k: int = 2
+    k: Optional[int] = 2  # None only for 'custom': then the module's own top_k (Tutel), else 2
     capacity_factor: float = 1.0
     fp32_gate: bool = False
     gate_noise: float = 0.0
@@ -80,17 +110,24 @@ class GateConfig:
 
     def __post_init__(self) -> None:
         _check_choice("gate type", self.type, GATE_TYPES)
-        _check_int("gate k", self.k, 1)
-        _check_float("capacity_factor", self.capacity_factor)
+        if not (self.k is None and self.type == "custom"):
+            _check_int("gate k", self.k, 1)
+        self.capacity_factor = check_capacity_factor(self.capacity_factor)
+        _check_bool("fp32_gate", self.fp32_gate)
         _check_float("gate_noise", self.gate_noise)
         if self.gate_noise < 0:
             raise ValueError(f"gate_noise must be >= 0, got {self.gate_noise}")
+        _check_bool("normalize", self.normalize, optional=True)
         _check_int("n_group", self.n_group, 1)
         _check_int("topk_group", self.topk_group, 1)
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group must be <= n_group={self.n_group}, got {self.topk_group}")
-        _check_float("route_scale", self.route_scale)
+        if self.type != "sigmoid" and (self.n_group, self.topk_group) != (1, 1):
+            raise ValueError(f"n_group/topk_group (group-limited routing) need gate type 'sigmoid', got type {self.type!r}")
+        _check_float("route_scale", self.route_scale, positive=True)
         _check_int("proj_dim", self.proj_dim, 1)
+        _check_float("init_t", self.init_t, positive=True)
+        _check_dict("gate module_kwargs", self.module_kwargs)
         if self.type == "custom" and self.module is None:
             raise ValueError("gate type 'custom' needs 'module': an nn.Module (or class) returning logits [T, E]")
         if self.type != "custom" and self.module is not None:
@@ -112,11 +149,11 @@ class ExpertConfig:
     type: str = "ffn"
     num_experts_per_device: int = 1
     hidden_size_per_expert: int = 0
-    activation_fn: Union[str, Callable, None] = "relu"
+    activation_fn: Union[str, Callable, None] = None  # ffn only; None = relu
     has_fc1_bias: bool = True
     has_fc2_bias: bool = True
     output_dim: Optional[int] = None
-    glu_activation: str = "silu"
+    glu_activation: Optional[str] = None  # glu only; None = silu
     glu_bias: bool = False
     gpt_oss_alpha: float = 1.702
     gpt_oss_limit: float = 7.0
@@ -131,7 +168,19 @@ class ExpertConfig:
         if self.type != "custom":
             _check_int("hidden_size_per_expert", self.hidden_size_per_expert, 1)
         if self.type == "glu":
+            if self.activation_fn is not None:
+                raise ValueError("glu experts take glu_activation ('silu', 'gelu', 'gelu_tanh', 'relu', 'gpt_oss'), not activation_fn")
+            self.glu_activation = self.glu_activation or "silu"
             _check_choice("glu_activation", self.glu_activation, GLU_ACTIVATIONS)
+        elif self.glu_activation is not None:
+            raise ValueError(f"glu_activation is for experts type 'glu', got type {self.type!r}")
+        for name in ("has_fc1_bias", "has_fc2_bias", "glu_bias"):
+            _check_bool(name, getattr(self, name))
+        _check_float("gpt_oss_alpha", self.gpt_oss_alpha, positive=True)
+        _check_float("gpt_oss_limit", self.gpt_oss_limit, positive=True)
+        if self.shared_hidden_size is not None:
+            _check_int("shared_hidden_size", self.shared_hidden_size, 1)
+        _check_dict("experts module_kwargs", self.module_kwargs)
         if isinstance(self.activation_fn, str):
             _check_choice("activation_fn", self.activation_fn, ("relu", "gelu", "silu"))
         elif self.activation_fn is not None and not callable(self.activation_fn):
@@ -169,6 +218,10 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         _check_int("model_dim", self.model_dim, 1)
+        for name in ("is_postscore", "batch_prioritized_routing", "normalize_gate", "use_2dh"):
+            _check_bool(name, getattr(self, name))
+        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {self.dtype!r}")
         if isinstance(self.gates, GateConfig):
             self.gates = [self.gates]
         if not self.gates or not all(isinstance(g, GateConfig) for g in self.gates):
@@ -181,14 +234,17 @@ class MoEConfig:
         _check_float("device_loss_coef", self.device_loss_coef)
         if self.device_loss_groups and self.experts.num_experts_per_device % self.device_loss_groups:
             raise ValueError(f"device_loss_groups={self.device_loss_groups} must divide the number of experts ({self.experts.num_experts_per_device})")
-        _check_int("a2a_ffn_overlap_degree", self.a2a_ffn_overlap_degree, 1)
+        check_overlap_degree(self.a2a_ffn_overlap_degree)
         parse_parallel_type(self.parallel_type)
         num_experts = self.experts.num_experts_per_device
         for g in self.gates:
-            if g.k > num_experts:
+            if g.k is not None and g.k > num_experts:
                 raise ValueError(f"gate k={g.k} exceeds the number of experts ({num_experts})")
-            if g.type == "sigmoid" and num_experts % g.n_group:
-                raise ValueError(f"n_group={g.n_group} must divide the number of experts ({num_experts})")
+            if g.type == "sigmoid":
+                if num_experts % g.n_group:
+                    raise ValueError(f"n_group={g.n_group} must divide the number of experts ({num_experts})")
+                if g.k > g.topk_group * (num_experts // g.n_group):
+                    raise ValueError(f"gate k={g.k} exceeds the experts in topk_group={g.topk_group} groups of {num_experts // g.n_group}")
 
     @property
     def num_experts(self) -> int:
@@ -219,8 +275,6 @@ _EXPERT_ALIASES = {"count_per_node": "num_experts_per_device", "num_local_expert
 def _from_dict(cls, d: dict, what: str, aliases: dict):
     """Map a Tutel dict onto ``cls``. For type 'custom', unknown keys are options of the user's
     module class (Tutel passes them to its constructor); elsewhere they are errors."""
-    if not isinstance(d, dict):
-        raise ValueError(f"{what} must be a dict, got {type(d).__name__}")
     names = {f.name for f in dataclasses.fields(cls)} - {"module_kwargs"}
     kwargs: dict = {}
     extra: dict = dict(d.get("module_kwargs", {}))
@@ -239,17 +293,18 @@ def _from_dict(cls, d: dict, what: str, aliases: dict):
             raise ValueError(f"unknown {what} key {key!r}; allowed: {sorted(names | set(aliases))}")
     if extra:
         kwargs["module_kwargs"] = extra
+    if custom and cls is GateConfig and "k" not in kwargs:
+        kwargs["k"] = None  # the custom module's own top_k decides (Tutel)
     return cls(**kwargs)
 
 
 def gate_config_from_dict(d: dict) -> GateConfig:
     """Parse a Tutel gate dict, e.g. ``{'type': 'top', 'k': 2, 'capacity_factor': 0, 'fp32_gate': True}``."""
-    d = dict(d)
-    if "capacity_factor" in d and not isinstance(d["capacity_factor"], bool):
-        d["capacity_factor"] = float(d["capacity_factor"])
-    return _from_dict(GateConfig, d, "gate_type", _GATE_ALIASES)
+    _check_dict("gate_type", d)
+    return _from_dict(GateConfig, dict(d), "gate_type", _GATE_ALIASES)
 
 
 def expert_config_from_dict(d: dict) -> ExpertConfig:
     """Parse a Tutel experts dict, e.g. ``{'type': 'ffn', 'num_experts_per_device': 2, 'hidden_size_per_expert': 1024}``."""
+    _check_dict("experts", d)
     return _from_dict(ExpertConfig, dict(d), "experts", _EXPERT_ALIASES)

@@ -43,9 +43,11 @@ def _needs_grad(*ts: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
-def _hidden_out(x_ND: Tensor, cols: int, *params: Tensor | None) -> Tensor | None:
-    """Scratch for the [N, cols] hidden activations at CPU inference (see dynamoe.ops.scratch)."""
-    if x_ND.device.type != "cpu" or _needs_grad(x_ND, *params):
+def _hidden_out(x_ND: Tensor, cols: int) -> Tensor | None:
+    """Scratch for the [N, cols] hidden activations at CPU inference (see dynamoe.ops.scratch).
+    Only with grad mode off: then nothing can save the buffer for a backward that a later call
+    would overwrite (frozen experts under a trainable router would otherwise qualify)."""
+    if x_ND.device.type != "cpu" or torch.is_grad_enabled():
         return None
     return scratch("moe_hidden", x_ND.size(0), cols, x_ND.dtype, x_ND.device)
 
@@ -95,11 +97,11 @@ def _bmm(x_LCI: Tensor, w: Tensor, bias_LO: Tensor | None, trans_w: bool) -> Ten
 
 
 class FFNExperts(nn.Module):
-    fuses_row_scale = True  # forward_ragged takes row_scale= and out=
-
     """fc1 -> activation -> fc2 per expert, with Tutel's parameter names and shapes:
     ``batched_fc1_w`` [L, F, D], ``batched_fc1_bias`` [L, F], ``batched_fc2_w`` [L, F, O],
     ``batched_fc2_bias`` [L, O]. Biases are fused into the matmuls (addmm / baddbmm)."""
+
+    fuses_row_scale = True  # forward_ragged takes row_scale= and out=
 
     def __init__(self, model_dim: int, hidden_size: int, num_local_experts: int, activation_fn=None,
                  has_fc1_bias: bool = True, has_fc2_bias: bool = True, output_dim: int | None = None,
@@ -135,7 +137,7 @@ class FFNExperts(nn.Module):
                        out: Tensor | None = None) -> Tensor:
         """Rows sorted by expert -> [N, O]. ``row_scale`` [N] multiplies each output row (the
         combine weight, fused into fc2); ``out`` is an optional inference-only output buffer."""
-        h_out = _hidden_out(x_ND, self.hidden_size, self.batched_fc1_w, self.batched_fc1_bias)
+        h_out = _hidden_out(x_ND, self.hidden_size)
         h_NF = grouped_mm(x_ND, self.batched_fc1_w, counts, self.batched_fc1_bias, trans_w=True, out=h_out)
         h_NF = _activate_(h_NF, self.activation_fn)
         return grouped_mm(h_NF, self.batched_fc2_w, counts, self.batched_fc2_bias, trans_w=False,
@@ -143,21 +145,23 @@ class FFNExperts(nn.Module):
 
 
 class GLUExperts(nn.Module):
-    fuses_row_scale = True
-
     """Gated experts: y = down(act(gate(x)) * up(x)). Layout as transformers' fused MoE experts:
     ``gate_up_proj`` [L, 2F, D] (gate rows first, then up rows), ``down_proj`` [L, O, F], optional
-    ``gate_up_proj_bias`` [L, 2F] and ``down_proj_bias`` [L, O] (GPT-OSS)."""
+    ``gate_up_proj_bias`` [L, 2F] and ``down_proj_bias`` [L, O] (GPT-OSS). GPT-OSS checkpoints store
+    gate/up *interleaved* in [L, D, 2F] (gate = [..., ::2], up = [..., 1::2]); a loader converts them
+    to this layout once (transpose, then de-interleave)."""
 
-    def __init__(self, model_dim: int, hidden_size: int, num_local_experts: int, activation: str = "silu",
+    fuses_row_scale = True
+
+    def __init__(self, model_dim: int, hidden_size: int, num_local_experts: int, activation: str | None = "silu",
                  bias: bool = False, alpha: float = 1.702, limit: float = 7.0, output_dim: int | None = None,
                  dtype=None, device=None):
         super().__init__()
         L, D, F_, O = num_local_experts, model_dim, hidden_size, output_dim or model_dim
         kw = dict(dtype=dtype, device=device)
         self.model_dim, self.hidden_size, self.output_dim, self.num_local_experts = D, F_, O, L
-        self.activation, self.alpha, self.limit = activation, alpha, limit
-        glu_activation(torch.zeros(1), torch.zeros(1), activation)  # validate early
+        self.activation, self.alpha, self.limit = activation or "silu", alpha, limit
+        glu_activation(torch.zeros(1), torch.zeros(1), self.activation)  # validate early
         self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * F_, D, **kw))
         self.down_proj = nn.Parameter(torch.empty(L, O, F_, **kw))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(L, 2 * F_, **kw)) if bias else None
@@ -186,7 +190,7 @@ class GLUExperts(nn.Module):
     def forward_ragged(self, x_ND: Tensor, counts: Sequence[int], row_scale: Tensor | None = None,
                        out: Tensor | None = None) -> Tensor:
         """Rows sorted by expert -> [N, O]; ``row_scale`` and ``out`` as in FFNExperts."""
-        h_out = _hidden_out(x_ND, 2 * self.hidden_size, self.gate_up_proj, self.gate_up_proj_bias)
+        h_out = _hidden_out(x_ND, 2 * self.hidden_size)
         gu_N2F = grouped_mm(x_ND, self.gate_up_proj, counts, self.gate_up_proj_bias, trans_w=True, out=h_out)
         if not _needs_grad(gu_N2F) and self.activation == "silu":
             gate, up = gu_N2F.split(self.hidden_size, dim=-1)
@@ -209,7 +213,7 @@ class SharedExperts(nn.Module):
         kw = dict(dtype=dtype, device=device)
         self.is_glu = cfg.type == "glu"
         if self.is_glu:
-            self.activation, self.alpha, self.limit = cfg.glu_activation, cfg.gpt_oss_alpha, cfg.gpt_oss_limit
+            self.activation, self.alpha, self.limit = cfg.glu_activation or "silu", cfg.gpt_oss_alpha, cfg.gpt_oss_limit
             self.gate_proj = nn.Linear(model_dim, hidden, bias=cfg.glu_bias, **kw)
             self.up_proj = nn.Linear(model_dim, hidden, bias=cfg.glu_bias, **kw)
             self.down_proj = nn.Linear(hidden, out, bias=cfg.glu_bias, **kw)

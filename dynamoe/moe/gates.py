@@ -27,14 +27,17 @@ class Routing:
     """The gate's decision, as plain data.
 
     ids_TK: int64 chosen experts, best first. weights_TK: fp32 combine weights.
-    scores_TE: fp32 softmax probabilities (or sigmoid scores), used by the balance losses; None at
-        inference when no loss needs them. logits_TE: the gate's raw output (for the z-loss).
+    scores_TE: fp32 softmax probabilities (or sigmoid scores) of the logits routing used (with
+        training noise if any), for the balance losses; None at inference when no loss needs them.
+    logits_TE: the gate's raw output (z-loss); noisy_logits_TE: what routing chose from (the same
+        tensor when there is no noise).
     """
 
     ids_TK: Tensor
     weights_TK: Tensor
     scores_TE: Optional[Tensor]
     logits_TE: Tensor
+    noisy_logits_TE: Tensor
 
 
 class LinearGate(nn.Module):
@@ -47,10 +50,18 @@ class LinearGate(nn.Module):
         self.fp32_gate = fp32_gate
         self.wg = nn.Linear(model_dim, num_experts, bias=False, dtype=torch.float32 if fp32_gate else dtype, device=device)
         if selection_bias:
-            # DeepSeek-V3: added to the scores only to choose experts; updated by the aux-loss-free rule.
+            # DeepSeek-V3: added to the scores only to choose experts; updated by the aux-loss-free
+            # rule in steps (~1e-3) that bf16 cannot hold, so it stays fp32 whatever .to() says.
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
         else:
             self.e_score_correction_bias = None
+
+    def _apply(self, fn, recurse=True):
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        if bias is not None and self.e_score_correction_bias.dtype != torch.float32:
+            self.e_score_correction_bias = bias.to(device=self.e_score_correction_bias.device, dtype=torch.float32)
+        return self
 
     def forward(self, x_TD: Tensor) -> Tensor:
         w = self.wg.weight
@@ -93,6 +104,9 @@ def build_gate(cfg: GateConfig, model_dim: int, num_experts: int, dtype=None, de
     module = cfg.module
     if isinstance(module, type):
         module = module(model_dim=model_dim, num_global_experts=num_experts, **cfg.module_kwargs)
+    if cfg.k is None:  # Tutel reads k from a custom gate's own top_k
+        k = getattr(module, "top_k", 2)
+        cfg.k = k if isinstance(k, int) and not isinstance(k, bool) else 2
     if not isinstance(module, nn.Module):
         raise ValueError(f"custom gate 'module' must be an nn.Module or a class building one, got {type(module).__name__}")
     return module.to(dtype=dtype, device=device) if (dtype is not None or device is not None) else module
@@ -120,4 +134,4 @@ def route(gate: nn.Module, cfg: GateConfig, x_TD: Tensor, num_experts: int, top_
         weights_TK, ids_TK, scores_TE = softmax_topk(noisy_TE, top_k, renorm, need_probs=need_scores)
         if cfg.route_scale != 1.0:
             weights_TK = weights_TK * cfg.route_scale
-    return Routing(ids_TK, weights_TK, scores_TE, logits_TE)
+    return Routing(ids_TK, weights_TK, scores_TE, logits_TE, noisy_TE)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..ops.routing import check_top_k
 from ..ops.scratch import scratch
 from . import losses
-from .config import MoEConfig
+from .config import MoEConfig, check_capacity_factor, check_overlap_degree
 from .dispatch import (DispatchPlan, RoutingStats, build_plan, combine_padded, combine_ragged, dispatch_padded,
                        dispatch_ragged)
 from .experts import SharedExperts, build_experts
@@ -58,8 +58,11 @@ class MoELayer(nn.Module):
         self.num_local_experts = config.num_experts
         self.sharded_count = 1
         self.world_size = 1
-        self.register_buffer("_num_global_experts", torch.tensor(config.num_experts))
+        self.register_buffer("_num_global_experts", torch.tensor(config.num_experts, device=config.device))
         kw = dict(dtype=config.dtype, device=config.device)
+        if seeds is not None and (not isinstance(seeds, (tuple, list)) or len(seeds) > 3
+                                  or not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in seeds)):
+            raise ValueError(f"seeds must be None or a tuple of up to 3 ints/None (gates, experts, after), got {seeds!r}")
 
         if seeds is not None and len(seeds) > 1 and seeds[1] is not None:
             torch.manual_seed(seeds[1])
@@ -78,8 +81,9 @@ class MoELayer(nn.Module):
         self.gates = nn.ModuleList(gates)
         if seeds is not None and len(seeds) > 2 and seeds[2] is not None:
             torch.manual_seed(seeds[2])
-        # Assignments per expert since the last update_routing_bias() (training only).
-        self.register_buffer("_load_since_update", torch.zeros(config.num_experts, dtype=torch.int64, device=config.device), persistent=False)
+        # Assignments per expert and gate since the last update_routing_bias() (training only).
+        self.register_buffer("_load_since_update", torch.zeros(len(gates), config.num_experts, dtype=torch.int64,
+                                                               device=config.device), persistent=False)
         self.l_aux: Optional[Tensor] = None  # the last forward's loss, as Tutel exposes it
 
     # ---- Tutel-compatible helpers -------------------------------------------------------------
@@ -115,7 +119,9 @@ class MoELayer(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "_num_global_experts"
-        if key in state_dict and int(state_dict[key]) != self.num_global_experts:
+        if key not in state_dict:  # older Tutel checkpoints lack it: accept, as Tutel does
+            state_dict[key] = self._num_global_experts.clone()
+        elif int(state_dict[key]) != self.num_global_experts:
             raise ValueError(f"checkpoint has {int(state_dict[key])} experts in {prefix or 'the layer'}, this layer has {self.num_global_experts}")
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -127,10 +133,10 @@ class MoELayer(nn.Module):
         optimizer step."""
         if not math.isfinite(rate) or rate < 0:
             raise ValueError(f"rate must be a finite number >= 0, got {rate}")
-        for gate in self.gates:
+        for gi, gate in enumerate(self.gates):
             bias = getattr(gate, "e_score_correction_bias", None)
             if bias is not None:
-                losses.update_selection_bias(bias, self._load_since_update, rate)
+                losses.update_selection_bias(bias, self._load_since_update[gi], rate)
         self._load_since_update.zero_()
 
     # ---- forward ------------------------------------------------------------------------------
@@ -139,6 +145,9 @@ class MoELayer(nn.Module):
                 inequivalent_tokens: bool = False, adaptive_r: int | None = None,
                 megablocks_size: int | None = None, layout: str | None = None) -> Tensor:
         """Route ``input`` [..., D] through the experts.
+
+        ``inequivalent_tokens`` is accepted for Tutel compatibility; it matters only when ranks hold
+        different token counts (expert parallelism), where the capacity must agree across ranks.
 
         Per-call switches (None = the configured default; nothing is remembered):
             top_k: experts per token, 1..E. capacity_factor: >0 padded capacity, 0 dropless,
@@ -149,21 +158,22 @@ class MoELayer(nn.Module):
         """
         cfg = self.config
         x_TD, out_shape, orig_dtype = self._check_input(input, reserve_dims)
-        if not isinstance(gate_index, int) or not 0 <= gate_index < len(self.gates):
-            raise ValueError(f"gate_index must be in [0, {len(self.gates)}), got {gate_index!r}")
+        if isinstance(gate_index, bool) or not isinstance(gate_index, int) or not 0 <= gate_index < len(self.gates):
+            raise ValueError(f"gate_index must be an int in [0, {len(self.gates)}), got {gate_index!r}")
         gcfg = cfg.gates[gate_index]
         E = self.num_global_experts
         k = check_top_k(gcfg.k if top_k is None else top_k, E)
-        cf = gcfg.capacity_factor if capacity_factor is None else capacity_factor
-        if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf):
-            raise ValueError(f"capacity_factor must be a finite number, got {cf!r}")
-        overlap = cfg.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else a2a_ffn_overlap_degree
-        if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 1:
-            raise ValueError(f"a2a_ffn_overlap_degree must be an int >= 1, got {overlap!r}")
+        cf = check_capacity_factor(gcfg.capacity_factor if capacity_factor is None else capacity_factor)
+        overlap = check_overlap_degree(cfg.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else a2a_ffn_overlap_degree)
         valid_r = [0] + [d for d in range(1, self.sharded_count + 1) if self.sharded_count % d == 0]
-        if adaptive_r is not None and (isinstance(adaptive_r, bool) or adaptive_r not in valid_r):
+        if adaptive_r is not None and (isinstance(adaptive_r, bool) or not isinstance(adaptive_r, int) or adaptive_r not in valid_r):
             raise ValueError(f"adaptive_r must be one of {valid_r} here (divisors of sharded_count={self.sharded_count}, or 0), got {adaptive_r!r}")
         chosen_layout = self._pick_layout(layout, megablocks_size, cf, x_TD.size(0) * k, E)
+        # Tutel's capacity alignment: a multiple of the overlap chunks, rounded up to megablocks_size
+        mega = max(megablocks_size or 0, 1)
+        alignment = -(-self.sharded_count * overlap // mega) * mega
+        if alignment > 256:
+            alignment = -(-alignment // 128) * 128
 
         T = x_TD.size(0)
         if T == 0:  # an empty batch stays in the autograd graph, so backward() works as usual
@@ -175,14 +185,17 @@ class MoELayer(nn.Module):
             routing = route(self.gates[gate_index], gcfg, x_TD, E, k, cfg.normalize_gate, self.training,
                             need_scores=cfg.aux_loss != "none" or cfg.batch_prioritized_routing or cfg.device_loss_groups > 0)
             priority = routing.scores_TE.max(dim=1).values if cfg.batch_prioritized_routing else None
-            plan = build_plan(routing.ids_TK, routing.weights_TK, E, float(cf), priority, alignment=overlap)
+            plan = build_plan(routing.ids_TK, routing.weights_TK, E, cf, priority, alignment=alignment)
             l_aux, loss_terms = self._losses(routing, gcfg)
 
-        y_TO = self._experts_and_combine(x_TD, plan, chosen_layout)
+        if plan.order_N.numel():
+            y_TO = self._experts_and_combine(x_TD, plan, chosen_layout)
+        else:  # everything dropped (capacity 0): zeros, still in the autograd graph
+            y_TO = x_TD.new_zeros(plan.num_tokens, self._out_dim()) + (x_TD.sum() + routing.weights_TK.sum()).to(x_TD.dtype) * 0
         if self.shared_experts is not None:
             y_TO = y_TO + self.shared_experts(x_TD)
         if self.training:
-            self._load_since_update += plan.load_E.to(self._load_since_update.device)
+            self._load_since_update[gate_index] += plan.load_E.to(self._load_since_update.device)
         stats = plan.stats(capacity_factor=float(cf), layout=chosen_layout, losses=loss_terms)
         return self._finish(y_TO, out_shape, orig_dtype, l_aux, stats)
 
@@ -244,24 +257,24 @@ class MoELayer(nn.Module):
 
     def _experts_and_combine(self, x_TD: Tensor, plan: DispatchPlan, layout: str) -> Tensor:
         post = self.config.is_postscore
-        if plan.order_N.numel() == 0:
-            return x_TD.new_zeros(plan.num_tokens, self._out_dim())
         if layout == "padded":
             y_ECO = self.experts(dispatch_padded(x_TD, plan, prescale=not post), self)
             return combine_padded(y_ECO, plan, postscore=post)
-        if getattr(self.experts, "fuses_row_scale", False):
-            # Built-in experts: the combine weight is folded into the last expert matmul. At CPU
-            # inference the [N, D] temporaries come from reusable scratch (dynamoe.ops.scratch) and
-            # the dispatch buffer, no longer needed after the first matmul, takes the output.
-            N, D, O = plan.order_N.numel(), self.model_dim, self._out_dim()
-            use_scratch = not torch.is_grad_enabled() and x_TD.device.type == "cpu"
-            buf = scratch("moe_rows", N, max(D, O), x_TD.dtype, x_TD.device) if use_scratch else None
-            x_ND = dispatch_ragged(x_TD, plan, prescale=not post, out=buf[:, :D] if buf is not None and D == O else None)
-            y_NO = self.experts.forward_ragged(x_ND, plan.counts, row_scale=plan.weight_N if post else None,
-                                               out=x_ND if (not torch.is_grad_enabled() and D == O) else None)
-            return combine_ragged(y_NO, plan, postscore=False)
-        x_ND = dispatch_ragged(x_TD, plan, prescale=not post)
-        return combine_ragged(self.experts.forward_ragged(x_ND, plan.counts), plan, postscore=post)
+        if not getattr(self.experts, "fuses_row_scale", False):  # custom experts
+            y_NO = self.experts.forward_ragged(dispatch_ragged(x_TD, plan, prescale=not post), plan.counts)
+            return combine_ragged(y_NO, plan, postscore=post)
+        # Built-in experts: the combine weight is folded into the last expert matmul. At CPU inference
+        # the [N, D] temporaries come from reusable scratch (dynamoe.ops.scratch), and the dispatch
+        # buffer, no longer needed after the first matmul, takes the output. The same single
+        # condition governs scratch in the experts: grad mode off, so nothing saved for backward
+        # can ever live in scratch.
+        N, D, O = plan.order_N.numel(), self.model_dim, self._out_dim()
+        reuse = D == O and not torch.is_grad_enabled() and x_TD.device.type == "cpu"
+        x_ND = dispatch_ragged(x_TD, plan, prescale=not post,
+                               out=scratch("moe_rows", N, D, x_TD.dtype, x_TD.device) if reuse else None)
+        y_NO = self.experts.forward_ragged(x_ND, plan.counts, row_scale=plan.weight_N if post else None,
+                                           out=x_ND if reuse else None)
+        return combine_ragged(y_NO, plan, postscore=False)
 
     def _losses(self, routing: Routing, gcfg) -> tuple[Tensor, dict]:
         kind = self.config.aux_loss
@@ -273,8 +286,9 @@ class MoELayer(nn.Module):
             terms["switch"] = losses.switch_loss(s, ids)
         elif kind == "deepseek":
             terms["deepseek_expert"] = losses.deepseek_expert_loss(s, ids)
-        elif kind == "load_importance":
-            terms["load_importance"] = losses.load_importance_loss(s, routing.logits_TE, ids, gcfg.gate_noise)
+        elif kind == "load_importance":  # Tutel: noise-free probabilities, noisy threshold
+            clean = torch.softmax(routing.logits_TE.float(), dim=-1)
+            terms["load_importance"] = losses.load_importance_loss(clean, routing.noisy_logits_TE, ids, gcfg.gate_noise)
         l_aux = sum(terms.values()) if terms else routing.weights_TK.new_zeros(())
         if self.config.device_loss_groups:
             terms["deepseek_device"] = losses.deepseek_device_loss(s, ids, self.config.device_loss_groups)

@@ -43,22 +43,22 @@ def switch_loss(scores_TE: Tensor, ids_TK: Tensor) -> Tensor:
     return E * torch.sum(scores_TE.float().mean(0) * _counts_E(ids_TK, E) / T)
 
 
-def load_importance_loss(scores_TE: Tensor, noisy_logits_TE: Tensor, ids_TK: Tensor, gate_noise: float) -> Tensor:
-    """Tutel's ``is_gshard_loss=False`` loss (Shazeer et al. 2017): mean of the squared coefficients
-    of variation of importance (summed probabilities) and of a smooth load estimate (probability
-    that each expert stays in the top-k under the gate noise)."""
+def load_importance_loss(probs_TE: Tensor, noisy_logits_TE: Tensor, ids_TK: Tensor, gate_noise: float) -> Tensor:
+    """Tutel's ``is_gshard_loss=False`` loss (Shazeer et al. 2017), with Tutel's inputs:
+    ``probs_TE`` = softmax of the noise-free logits, ``noisy_logits_TE`` = the logits routing chose
+    from. Mean of the squared coefficients of variation of importance (summed probabilities) and
+    of a smooth load estimate: P(N(0, noise/E) < p_te - noisy logit of the token's k-th choice)."""
     if gate_noise <= 0:
         raise ValueError(f"load_importance_loss needs gate_noise > 0 (it normalises by the noise), got {gate_noise}")
-    E = scores_TE.size(1)
-    scores = scores_TE.float()
+    E = probs_TE.size(1)
+    probs = probs_TE.float()
 
     def cv2(v: Tensor) -> Tensor:
         return v.var() / (v.mean() ** 2 + 1e-10)
 
     threshold_T1 = noisy_logits_TE.float().gather(1, ids_TK[:, -1:])
-    sigma = gate_noise / E
-    load_E = torch.special.ndtr((scores - threshold_T1) / sigma).sum(0)
-    return (cv2(scores.sum(0)) + cv2(load_E)) / 2.0
+    load_E = torch.special.ndtr((probs - threshold_T1) / (gate_noise / E)).sum(0)
+    return (cv2(probs.sum(0)) + cv2(load_E)) / 2.0
 
 
 def deepseek_expert_loss(scores_TE: Tensor, ids_TK: Tensor) -> Tensor:

@@ -10,9 +10,13 @@ with ``trans_w=True`` ``x_e @ w[e].T`` (``w`` is [E, O, I], the nn.Linear layout
   in an autograd Function whose backward does the same per group -- never ``w[e]`` indexing under
   autograd, whose backward would allocate a full-size zero gradient per expert. On CPU this beats
   ``torch._grouped_mm`` (see docs/benchmarks.md), and empty experts cost nothing (decode).
-* ``"torch"``: ``torch._grouped_mm`` with int32 offsets, no host sync; the default on CUDA. Shapes
-  it does not take (strides not 16-byte aligned; on CPU, a backward through the [E, I, O] layout)
-  run on the loop instead.
+* ``"torch"``: ``torch._grouped_mm`` with int32 offsets; the default on CUDA. Its CUDA kernels
+  take bf16 only (and, depending on the torch build, only some GPU generations): other dtypes,
+  shapes whose strides are not 16-byte aligned, a CPU backward through the [E, I, O] layout, and
+  any (device, dtype) on which the kernel once refused to run go to the loop instead.
+
+The counts arrive as Python ints (the dispatch plan already synchronised once to size things), so
+neither backend adds a host synchronisation.
 """
 from __future__ import annotations
 
@@ -154,10 +158,14 @@ class _LoopGroupedMM(torch.autograd.Function):
         return (gx if need_x else None), gw, gb, gs, None, None, None
 
 
+# (device type, dtype) pairs on which torch._grouped_mm raised once: not tried again.
+_TORCH_REFUSED: set = set()
+
+
 def _torch_can_run(x_NI: Tensor, w: Tensor, trans_w: bool) -> bool:
-    """torch._grouped_mm needs 16-byte-aligned strides, and on CPU its backward needs the
-    transposed (Linear) weight layout."""
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(torch, "_grouped_mm") or (x_NI.device.type, x_NI.dtype) in _TORCH_REFUSED:
+        return False
+    if x_NI.device.type == "cuda" and x_NI.dtype != torch.bfloat16:
         return False
     if x_NI.device.type == "cpu" and not trans_w and torch.is_grad_enabled() and (x_NI.requires_grad or w.requires_grad):
         return False
@@ -167,13 +175,15 @@ def _torch_can_run(x_NI: Tensor, w: Tensor, trans_w: bool) -> bool:
     return all((s * size) % 16 == 0 for s in strides) and x_NI.stride(1) == 1
 
 
-def _torch_grouped_mm(x_NI: Tensor, w: Tensor, counts: Sequence[int] | Tensor, bias: Tensor | None, trans_w: bool) -> Tensor:
-    if isinstance(counts, Tensor):
-        counts_E = counts.to(device=x_NI.device)
-    else:
-        counts_E = torch.tensor(list(counts), device=x_NI.device)
+def _torch_grouped_mm(x_NI: Tensor, w: Tensor, counts: Sequence[int], bias: Tensor | None, trans_w: bool) -> Tensor | None:
+    """torch._grouped_mm, or None when this (device, dtype) turns out not to be supported."""
+    counts_E = torch.tensor(list(counts), device=x_NI.device)
     offs = torch.cumsum(counts_E, 0).to(torch.int32)
-    out = torch._grouped_mm(x_NI, w.transpose(-2, -1) if trans_w else w, offs=offs)
+    try:
+        out = torch._grouped_mm(x_NI, w.transpose(-2, -1) if trans_w else w, offs=offs)
+    except (RuntimeError, NotImplementedError):
+        _TORCH_REFUSED.add((x_NI.device.type, x_NI.dtype))
+        return None
     if bias is not None:
         group_of_row = torch.repeat_interleave(torch.arange(w.size(0), device=x_NI.device), counts_E, output_size=x_NI.size(0))
         out = out + bias.index_select(0, group_of_row)
@@ -228,7 +238,8 @@ def grouped_mm(
         raise ValueError(f"backend must be 'loop', 'torch' or None, got {backend!r}")
     if backend == "torch" and out is None and _torch_can_run(x_NI, w, trans_w):
         y = _torch_grouped_mm(x_NI, w, counts, bias, trans_w)
-        return y if row_scale is None else y * row_scale.to(y.dtype).unsqueeze(1)
+        if y is not None:
+            return y if row_scale is None else y * row_scale.to(y.dtype).unsqueeze(1)
     # the loop: also where shapes torch's kernel does not take end up
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x_NI, w, bias, row_scale)):
         return _forward_no_grad(x_NI, w, bias, row_scale, counts, trans_w, out)

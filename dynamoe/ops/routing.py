@@ -129,30 +129,58 @@ def sigmoid_group_topk(
     return weights_TK, ids_TK, scores_TE
 
 
-def qwen3_moe_scaled_topk(logits_TE: Tensor, top_k: int = 8, renormalize: bool = True) -> tuple[Tensor, Tensor]:
-    """Qwen3-MoE routing (Tutel's name): softmax top-k (8 of 128), weights renormalised to 1.
+def _write_out(result: Tensor, out: Tensor | None, name: str) -> Tensor:
+    if out is None:
+        return result
+    if tuple(out.shape) != tuple(result.shape):
+        raise ValueError(f"{name} must have shape {tuple(result.shape)}, got {tuple(out.shape)}")
+    return out.copy_(result)
 
-    Returns (weights_TK fp32+, ids_TK int64).
+
+def qwen3_moe_scaled_topk(
+    probs: Tensor,
+    top_v_out: Tensor | None = None,
+    top_k_out: Tensor | None = None,
+    *,
+    top_k: int = 8,
+) -> tuple[Tensor, Tensor]:
+    """Qwen3-MoE gating with Tutel's name and signature: ``probs`` are the router's *softmax
+    probabilities* [..., E] (as Tutel's op takes them); returns the top-k of them divided by their
+    sum (weights fp32+, summing to 1) and their ids (int64), optionally written into
+    ``top_v_out`` / ``top_k_out``.
     """
-    weights_TK, ids_TK, _ = softmax_topk(logits_TE, top_k, renormalize, need_probs=False)
-    return weights_TK, ids_TK
+    if probs.dim() < 1 or not probs.is_floating_point():
+        raise ValueError(f"probs must be a floating-point tensor [..., experts], got {probs.dtype} {tuple(probs.shape)}")
+    flat = probs.reshape(-1, probs.size(-1))
+    check_top_k(top_k, flat.size(1))
+    vals_TK, ids_TK = torch.topk(_upcast(flat), top_k, dim=-1)
+    vals_TK = vals_TK / vals_TK.sum(-1, keepdim=True).clamp_min(torch.finfo(vals_TK.dtype).tiny)
+    shape = tuple(probs.shape[:-1]) + (top_k,)
+    return (_write_out(vals_TK.view(shape), top_v_out, "top_v_out"),
+            _write_out(ids_TK.view(shape), top_k_out, "top_k_out"))
 
 
 def deepseek_moe_sigmoid_scaled_topk(
-    logits_TE: Tensor,
-    correction_bias_E: Tensor | None,
+    logits: Tensor,
+    correction_bias: Tensor | None,
+    top_v_out: Tensor | None = None,
+    top_k_out: Tensor | None = None,
+    *,
     top_k: int = 8,
     n_group: int = 8,
     topk_group: int = 4,
     route_scale: float = 2.5,
     renormalize: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """DeepSeek-V3 routing (Tutel's name): sigmoid, bias for choice, group-limited top-k, scaled.
-
-    Defaults are DeepSeek-V3's (256 experts, 8 groups, 4 kept, k=8, scale 2.5).
-    Returns (weights_TK fp32+, ids_TK int64).
+    """DeepSeek-V3/R1 gating with Tutel's name and signature ``(logits, bias, top_v_out, top_k_out)``:
+    sigmoid, selection-only bias, group-limited top-k, weights renormalised and scaled. Defaults
+    are DeepSeek-V3's (256 experts, 8 groups, 4 kept, k=8, scale 2.5); ``logits`` is [..., E].
+    Returns (weights fp32+, ids int64), optionally written into the ``*_out`` tensors.
     """
-    weights_TK, ids_TK, _ = sigmoid_group_topk(
-        logits_TE, top_k, correction_bias_E, n_group, topk_group, renormalize, route_scale
-    )
-    return weights_TK, ids_TK
+    if logits.dim() < 1:
+        raise ValueError(f"logits must be [..., experts], got shape {tuple(logits.shape)}")
+    flat = logits.reshape(-1, logits.size(-1))
+    weights_TK, ids_TK, _ = sigmoid_group_topk(flat, top_k, correction_bias, n_group, topk_group, renormalize, route_scale)
+    shape = tuple(logits.shape[:-1]) + (top_k,)
+    return (_write_out(weights_TK.view(shape), top_v_out, "top_v_out"),
+            _write_out(ids_TK.view(shape), top_k_out, "top_k_out"))

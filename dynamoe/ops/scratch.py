@@ -30,7 +30,10 @@ def scratch(purpose: str, rows: int, cols: int, dtype: torch.dtype, device: torc
     need = rows * cols
     buf = _cache().get(key)
     if buf is None or buf.numel() < need:
-        buf = torch.empty(need, dtype=dtype, device=device)
+        # a normal tensor even when first asked for under inference_mode, so that later no_grad
+        # calls may write into it
+        with torch.inference_mode(False):
+            buf = torch.empty(need, dtype=dtype, device=device)
         _cache()[key] = buf
     return buf[:need].view(rows, cols)
 
