@@ -1,0 +1,24 @@
+"""Quantized weights: blockwise FP8, MXFP4 and NVFP4 -- codecs, formats, and matmuls that keep the
+weights packed and dequantize one expert (or one Linear) at a time."""
+from .base import QuantizedWeight
+from .codecs import (E2M1_VALUES, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, e8m0_decode, e8m0_encode_exponent,
+                     pack_nibbles, unpack_nibbles)
+from .fp8_block import BlockFP8Weight
+from .mxfp4 import MXFP4Weight
+from .nvfp4 import NVFP4Weight
+
+FORMATS = {"fp8_block": BlockFP8Weight, "mxfp4": MXFP4Weight, "nvfp4": NVFP4Weight}
+
+
+def quantize(w, format: str, **options) -> QuantizedWeight:
+    """Quantize a float weight [..., out, in] into ``format`` ('fp8_block', 'mxfp4', 'nvfp4')."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {list(FORMATS)}, got {format!r}")
+    return FORMATS[format].quantize(w, **options)
+
+
+__all__ = [
+    "QuantizedWeight", "BlockFP8Weight", "MXFP4Weight", "NVFP4Weight", "FORMATS", "quantize",
+    "E2M1_VALUES", "e2m1_encode", "e2m1_decode", "pack_nibbles", "unpack_nibbles", "e4m3_encode", "e4m3_decode",
+    "e8m0_encode_exponent", "e8m0_decode",
+]
