@@ -139,3 +139,16 @@ def test_custom_module_instances_and_ragged_protocol():
     x = torch.randn(12, 4)
     torch.testing.assert_close(m(x, layout="ragged"), m(x, layout="padded"))
     assert m(x, capacity_factor=0).routing_stats.layout == "ragged"
+
+
+def test_deepcopy_and_pickle_after_a_forward():
+    import copy
+    import pickle
+
+    m = make(experts={**EXPERTS, "activation_fn": "relu"})  # a lambda could not be pickled (Python)
+    x = torch.randn(6, 8)
+    y = m(x)
+    y.sum().backward()
+    for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        torch.testing.assert_close(clone(x), m(x))
+        assert clone.l_aux is not None  # set again by its own forward

@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from ..ops.activations import GLU_KINDS as GLU_ACTIVATIONS
+
 __all__ = [
     "GateConfig",
     "ExpertConfig",
@@ -27,7 +29,6 @@ __all__ = [
 
 GATE_TYPES = ("top", "cosine_top", "sigmoid", "custom")
 EXPERT_TYPES = ("ffn", "glu", "custom")
-GLU_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "gpt_oss")
 AUX_LOSSES = ("gshard", "switch", "load_importance", "deepseek", "none")
 
 

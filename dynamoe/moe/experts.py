@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops.activations import activation, glu_activation
 from ..ops.grouped_matmul import grouped_mm
 from ..ops.scratch import scratch
 from .config import ExpertConfig
@@ -28,15 +29,6 @@ __all__ = ["ExpertsProtocol", "FFNExperts", "GLUExperts", "SharedExperts", "buil
 @runtime_checkable
 class ExpertsProtocol(Protocol):
     def forward(self, x_LCD: Tensor, ctx) -> Tensor: ...
-
-
-_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
-
-
-def _activation(fn) -> Callable[[Tensor], Tensor]:
-    if fn is None:
-        return F.relu
-    return _ACTIVATIONS[fn] if isinstance(fn, str) else fn
 
 
 def _needs_grad(*ts: Tensor | None) -> bool:
@@ -71,24 +63,6 @@ def _uniform_(t: Tensor, fan_in: int) -> None:
         t.uniform_(-bound, bound)
 
 
-def glu_activation(gate: Tensor, up: Tensor, kind: str, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
-    """act(gate) * up (SwiGLU, GeGLU, ReGLU). ``gpt_oss``: clamp gate above at ``limit`` and up to +-limit, then
-    (up + 1) * gate * sigmoid(alpha * gate)."""
-    if kind == "silu":
-        return F.silu(gate) * up
-    if kind == "gelu":
-        return F.gelu(gate) * up
-    if kind == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh") * up
-    if kind == "relu":  # ReGLU
-        return F.relu(gate) * up
-    if kind == "gpt_oss":
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-    raise ValueError(f"glu activation must be one of ['silu', 'gelu', 'gelu_tanh', 'relu', 'gpt_oss'], got {kind!r}")
-
-
 def _bmm(x_LCI: Tensor, w: Tensor, bias_LO: Tensor | None, trans_w: bool) -> Tensor:
     w = w.transpose(1, 2) if trans_w else w
     if bias_LO is None:
@@ -110,7 +84,7 @@ class FFNExperts(nn.Module):
         L, D, F_, O = num_local_experts, model_dim, hidden_size, output_dim or model_dim
         kw = dict(dtype=dtype, device=device)
         self.model_dim, self.hidden_size, self.output_dim, self.num_local_experts = D, F_, O, L
-        self.activation_fn = _activation(activation_fn)
+        self.activation_fn = activation(activation_fn)
         self.batched_fc1_w = nn.Parameter(torch.empty(L, F_, D, **kw))
         self.batched_fc2_w = nn.Parameter(torch.empty(L, F_, O, **kw))
         self.batched_fc1_bias = nn.Parameter(torch.empty(L, F_, **kw)) if has_fc1_bias else None
@@ -218,7 +192,7 @@ class SharedExperts(nn.Module):
             self.up_proj = nn.Linear(model_dim, hidden, bias=cfg.glu_bias, **kw)
             self.down_proj = nn.Linear(hidden, out, bias=cfg.glu_bias, **kw)
         else:
-            self.activation_fn = _activation(cfg.activation_fn)
+            self.activation_fn = activation(cfg.activation_fn)
             self.fc1 = nn.Linear(model_dim, hidden, bias=cfg.has_fc1_bias, **kw)
             self.fc2 = nn.Linear(hidden, out, bias=cfg.has_fc2_bias, **kw)
 

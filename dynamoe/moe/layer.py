@@ -86,6 +86,12 @@ class MoELayer(nn.Module):
                                                                device=config.device), persistent=False)
         self.l_aux: Optional[Tensor] = None  # the last forward's loss, as Tutel exposes it
 
+    def __getstate__(self):
+        # the last forward's loss is part of an autograd graph: not something to copy or pickle
+        state = self.__dict__.copy()
+        state["l_aux"] = None
+        return state
+
     # ---- Tutel-compatible helpers -------------------------------------------------------------
     @staticmethod
     def global_expert_count(num_local_experts: int, group=None) -> int:

@@ -1,0 +1,38 @@
+"""Expert activations shared by the dense and the quantized experts."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["ACTIVATIONS", "activation", "glu_activation", "GLU_KINDS"]
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+GLU_KINDS = ("silu", "gelu", "gelu_tanh", "relu", "gpt_oss")
+
+
+def activation(fn) -> Callable[[Tensor], Tensor]:
+    """A callable for ``fn``: None -> ReLU, a name in ACTIVATIONS, or the callable itself."""
+    if fn is None:
+        return F.relu
+    return ACTIVATIONS[fn] if isinstance(fn, str) else fn
+
+
+def glu_activation(gate: Tensor, up: Tensor, kind: str, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+    """act(gate) * up (SwiGLU, GeGLU, ReGLU). ``gpt_oss``: clamp gate above at ``limit`` and up to
+    +-limit, then (up + 1) * gate * sigmoid(alpha * gate)."""
+    if kind == "silu":
+        return F.silu(gate) * up
+    if kind == "gelu":
+        return F.gelu(gate) * up
+    if kind == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    if kind == "relu":  # ReGLU
+        return F.relu(gate) * up
+    if kind == "gpt_oss":
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    raise ValueError(f"glu activation must be one of {list(GLU_KINDS)}, got {kind!r}")

@@ -1,0 +1,92 @@
+"""Matmuls on packed weights: each weight is dequantized one Linear / one expert at a time, into the
+activation's dtype, used, and dropped -- never a dequantized copy of the whole model or layer.
+
+Legend: N rows, E experts, I input features, O output features.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .base import QuantizedWeight
+from .codecs import E4M3_MAX, e4m3_decode, e4m3_encode
+
+__all__ = ["ACT_QUANT", "fp8_activation_quant", "quantized_linear", "quantized_grouped_mm"]
+
+ACT_QUANT = (None, "fp8")
+
+
+def fp8_activation_quant(x: Tensor, group: int = 128) -> Tensor:
+    """Dynamic FP8 activation quantization, per token and per ``group`` features (DeepSeek-V3's
+    recipe): scale = amax / 448 per group, x -> e4m3(x / scale) * scale. Returns the dequantized
+    activations in x's dtype, i.e. what an FP8 x FP8 matmul sees; each element's relative error is
+    at most 2^-4 (3 mantissa bits), plus 2^-10 of its group's scale for values in the subnormal range."""
+    *lead, cols = x.shape
+    pad = -cols % group
+    xf = F.pad(x.float(), (0, pad)) if pad else x.float()
+    g = xf.reshape(*lead, -1, group)
+    scale = g.abs().amax(-1, keepdim=True) / E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = e4m3_decode(e4m3_encode(g / scale)) * scale
+    return q.reshape(*lead, cols + pad)[..., :cols].to(x.dtype)
+
+
+def _check(x: Tensor, w: QuantizedWeight, act_quant) -> None:
+    if not isinstance(w, QuantizedWeight):
+        raise ValueError(f"w must be a QuantizedWeight, got {type(w).__name__}")
+    if x.size(-1) != w.shape[-1]:
+        raise ValueError(f"x has {x.size(-1)} features but the weight {tuple(w.shape)} expects {w.shape[-1]}")
+    if act_quant not in ACT_QUANT:
+        raise ValueError(f"act_quant must be one of {list(ACT_QUANT)}, got {act_quant!r}")
+
+
+def quantized_linear(x: Tensor, w: QuantizedWeight, bias: Tensor | None = None, act_quant: str | None = None) -> Tensor:
+    """x [..., I] @ W^T (+ bias) for a packed W [O, I]."""
+    _check(x, w, act_quant)
+    if act_quant == "fp8":
+        x = fp8_activation_quant(x)
+    return F.linear(x, w.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def quantized_grouped_mm(x_NI: Tensor, w: QuantizedWeight, counts: Sequence[int], bias: Tensor | None = None,
+                         row_scale: Tensor | None = None, out: Tensor | None = None,
+                         act_quant: str | None = None) -> Tensor:
+    """Rows sorted by expert times each expert's packed weight W_e [O, I] (the Linear layout):
+    y_rows(e) = (x_rows(e) @ W_e^T + b_e) * s_rows. Differentiable in x, bias and row_scale (the
+    weights are constants); ``out`` is an inference-only output buffer."""
+    _check(x_NI, w, act_quant)
+    counts = [int(c) for c in counts]
+    if w.num_leading != 1 or len(counts) != w.shape[0] or sum(counts) != x_NI.size(0):
+        raise ValueError(f"need a [E, O, I] weight and E counts summing to N={x_NI.size(0)}; got weight {tuple(w.shape)}, "
+                         f"{len(counts)} counts summing to {sum(counts)}")
+    if act_quant == "fp8":
+        x_NI = fp8_activation_quant(x_NI)
+    O = w.shape[1]
+    track = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_NI, bias, row_scale))
+    if out is not None and track:
+        raise ValueError("out= is for inference only (no autograd)")
+    pieces = []
+    if not track and out is None:
+        out = x_NI.new_empty(x_NI.size(0), O)
+    off = 0
+    for e, c in enumerate(counts):
+        if c:
+            w_e = w[e].dequantize(x_NI.dtype)  # one expert's weight, then dropped
+            b_e = None if bias is None else bias[e].to(x_NI.dtype)
+            x_e = x_NI.narrow(0, off, c)
+            if track:
+                pieces.append(F.linear(x_e, w_e, b_e))
+            elif b_e is None:
+                torch.mm(x_e, w_e.t(), out=out.narrow(0, off, c))
+            else:
+                torch.addmm(b_e, x_e, w_e.t(), out=out.narrow(0, off, c))
+        off += c
+    if track:
+        y = torch.cat(pieces) if pieces else x_NI.new_zeros(0, O)
+        return y if row_scale is None else y * row_scale.to(y.dtype).unsqueeze(1)
+    if row_scale is not None:
+        out.mul_(row_scale.to(out.dtype).unsqueeze(1))
+    return out
