@@ -1,5 +1,4 @@
 """Capacity rule and slot assignment: formula table and hypothesis properties."""
-import math
 
 import pytest
 import torch

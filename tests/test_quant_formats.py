@@ -1,6 +1,5 @@
 """The three weight formats: hand-made tensors, independent elementwise dequantization, error bounds,
 unaligned FP8 shapes, NaN groups, expert indexing and memory accounting."""
-import math
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """Behaviour pinned after review: Tutel's loss inputs, gate noise, scratch safety, zero capacity,
 bias precision, capacity alignment, per-gate bias updates, custom-gate top_k, legacy checkpoints."""
-import math
 
 import pytest
 import torch

@@ -51,6 +51,18 @@ class BlockFP8Weight(QuantizedWeight):
             raise ValueError(f"block must be two positive ints, got {self.block}")
         if self.scale_fmt not in SCALE_FORMATS:
             raise ValueError(f"scale_fmt must be one of {list(SCALE_FORMATS)}, got {self.scale_fmt!r}")
+        if self.weight.dtype == torch.uint8:
+            self.weight = self.weight.view(torch.float8_e4m3fn)
+        if self.weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"weight must be float8_e4m3fn (or its uint8 bytes), got {self.weight.dtype}")
+        sdt = self.weight_scale_inv.dtype
+        if self.scale_fmt == "ue8m0":
+            if sdt == torch.float8_e8m0fnu:
+                self.weight_scale_inv = self.weight_scale_inv.view(torch.uint8)
+            elif sdt != torch.uint8:
+                raise ValueError(f"ue8m0 weight_scale_inv must be e8m0 bytes (uint8 or float8_e8m0fnu), got {sdt}")
+        elif not sdt.is_floating_point or sdt.itemsize < 2:
+            raise ValueError(f"fp32 weight_scale_inv must be a float tensor, got {sdt}; e8m0 bytes need scale_fmt='ue8m0'")
         *lead, rows, cols = self.shape
         want = (*lead, _ceil_div(rows, self.block[0]), _ceil_div(cols, self.block[1]))
         if tuple(self.weight.shape) != tuple(self.shape):

@@ -1,5 +1,7 @@
-"""Matmuls on packed weights: each weight is dequantized one Linear / one expert at a time, into the
-activation's dtype, used, and dropped -- never a dequantized copy of the whole model or layer.
+"""Matmuls on packed weights. Decode-sized work (at most 16 rows per weight, no autograd, CPU) runs
+the fused kernels of ``cpu_kernels`` that decode the weight in registers; everything else
+dequantizes one Linear / one expert at a time into the activation's dtype, uses it and drops it --
+never a dequantized copy of the whole model or layer.
 
 Legend: N rows, E experts, I input features, O output features.
 """
@@ -11,10 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import cpu_kernels
 from .base import QuantizedWeight
 from .codecs import E4M3_MAX, e4m3_decode, e4m3_encode
+from .fp8_block import BlockFP8Weight
+from .mxfp4 import MXFP4Weight
+from .nvfp4 import NVFP4Weight
 
-__all__ = ["ACT_QUANT", "fp8_activation_quant", "quantized_linear", "quantized_grouped_mm"]
+__all__ = ["ACT_QUANT", "fp8_activation_quant", "packed_gemv", "quantized_linear", "quantized_grouped_mm"]
 
 ACT_QUANT = (None, "fp8")
 
@@ -34,6 +40,29 @@ def fp8_activation_quant(x: Tensor, group: int = 128) -> Tensor:
     return q.reshape(*lead, cols + pad)[..., :cols].to(x.dtype)
 
 
+def packed_gemv(x_TI: Tensor, w: QuantizedWeight) -> Tensor | None:
+    """y [T, O] = x [T, I] @ W^T in fp32 straight from the packed bytes (T <= 16, CPU), or None when
+    no kernel applies here (other device, too many rows, kernels not built)."""
+    if (x_TI.device.type != "cpu" or not 1 <= x_TI.size(0) <= cpu_kernels.MAX_ROWS or w.num_leading
+            or x_TI.dtype == torch.float64):  # the kernels accumulate in fp32
+        return None
+    k = cpu_kernels.load()
+    if k is None:
+        return None
+    x = x_TI.float().contiguous()
+    if isinstance(w, MXFP4Weight):
+        return k.mxfp4_gemv(x, w.blocks, w.scales)
+    if isinstance(w, NVFP4Weight):
+        return k.nvfp4_gemv(x, w.weight, w.weight_scale.view(torch.uint8), float(w.weight_scale_2))
+    if isinstance(w, BlockFP8Weight):
+        return k.fp8_block_gemv(x, w.weight.view(torch.uint8), w.scales().contiguous(), w.block[0], w.block[1])
+    return None
+
+
+def _no_grad(*ts: Tensor | None) -> bool:
+    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in ts)
+
+
 def _check(x: Tensor, w: QuantizedWeight, act_quant) -> None:
     if not isinstance(w, QuantizedWeight):
         raise ValueError(f"w must be a QuantizedWeight, got {type(w).__name__}")
@@ -48,6 +77,12 @@ def quantized_linear(x: Tensor, w: QuantizedWeight, bias: Tensor | None = None, 
     _check(x, w, act_quant)
     if act_quant == "fp8":
         x = fp8_activation_quant(x)
+    if _no_grad(x, bias):
+        x2 = x.reshape(-1, x.size(-1))
+        y = packed_gemv(x2, w)
+        if y is not None:
+            y = y if bias is None else y + bias.float()
+            return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     return F.linear(x, w.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
@@ -74,9 +109,14 @@ def quantized_grouped_mm(x_NI: Tensor, w: QuantizedWeight, counts: Sequence[int]
     off = 0
     for e, c in enumerate(counts):
         if c:
-            w_e = w[e].dequantize(x_NI.dtype)  # one expert's weight, then dropped
-            b_e = None if bias is None else bias[e].to(x_NI.dtype)
             x_e = x_NI.narrow(0, off, c)
+            b_e = None if bias is None else bias[e].to(x_NI.dtype)
+            y_e = None if track else packed_gemv(x_e, w[e])
+            if y_e is not None:  # decode-sized: straight from the packed bytes
+                out.narrow(0, off, c).copy_(y_e if b_e is None else y_e + b_e)
+                off += c
+                continue
+            w_e = w[e].dequantize(x_NI.dtype)  # one expert's weight, then dropped
             if track:
                 pieces.append(F.linear(x_e, w_e, b_e))
             elif b_e is None:

@@ -50,15 +50,25 @@ class NVFP4Weight(QuantizedWeight):
             self.weight_scale_2 = self.weight_scale_2.reshape(())
         if tuple(self.weight_scale_2.shape) != tuple(lead):
             raise ValueError(f"weight_scale_2 must have shape {tuple(lead)} (one per weight), got {tuple(self.weight_scale_2.shape)}")
+        if self.input_scale is not None:
+            self.input_scale = torch.as_tensor(self.input_scale, dtype=torch.float32, device=self.weight.device)
+            if self.input_scale.numel() == 1 and not lead:
+                self.input_scale = self.input_scale.reshape(())
+            if tuple(self.input_scale.shape) != tuple(lead):
+                raise ValueError(f"input_scale must have shape {tuple(lead)} (one per weight), got {tuple(self.input_scale.shape)}")
 
     @classmethod
-    def quantize(cls, w: Tensor) -> "NVFP4Weight":
+    def quantize(cls, w: Tensor, global_amax: Tensor | float | None = None) -> "NVFP4Weight":
+        """``global_amax``: the amax the global scale is made from, when several weights share one
+        (ModelOpt fuses q/k/v and an expert's gate/up that way); at least the weight's own amax."""
         check_float_weight(w)
         *lead, rows, cols = w.shape
         if cols % NV_GROUP:
             raise ValueError(f"NVFP4 needs in_features divisible by {NV_GROUP}, got {cols}")
         wf = w.float()
         amax = wf.abs().flatten(-2).nan_to_num(nan=0.0, posinf=0.0).amax(-1)      # finite amax per weight
+        if global_amax is not None:
+            amax = torch.maximum(torch.as_tensor(global_amax, dtype=torch.float32, device=wf.device).expand(amax.shape), amax)
         global_scale = torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
         g = wf.reshape(*lead, rows, cols // NV_GROUP, NV_GROUP)
         gamax = g.abs().amax(-1)

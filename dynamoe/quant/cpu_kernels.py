@@ -1,0 +1,53 @@
+"""The packed-weight GEMV extension (``csrc/packed_gemv.cpp``), built on first use.
+
+For decode-sized batches (1..16 rows) a matmul on packed weights is bound by reading the weight, so
+it must decode in registers: dequantizing into a buffer first costs 10-30x a bf16 GEMV on CPU
+(docs/benchmarks.md). The extension is compiled once per machine with the local compiler
+(``torch.utils.cpp_extension``, cached under ``TORCH_EXTENSIONS_DIR``) with ``-march=native``; if that
+is impossible (no compiler, ``DYNAMOE_NO_CPU_KERNELS=1``) ``load()`` returns None and callers use the
+pure-torch dequantize-then-matmul path, which gives the same results.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+
+__all__ = ["load", "MAX_ROWS"]
+
+MAX_ROWS = 16  # the kernel keeps one accumulator per row in registers
+_lock = threading.Lock()
+_state: dict = {}
+log = logging.getLogger(__name__)
+
+
+def load():
+    """The compiled module, or None when it cannot be built here (reason logged once)."""
+    if "module" in _state:
+        return _state["module"]
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        module = None
+        if os.environ.get("DYNAMOE_NO_CPU_KERNELS", "0") not in ("", "0"):
+            log.info("dynamoe CPU kernels disabled by DYNAMOE_NO_CPU_KERNELS")
+        else:
+            try:
+                from torch.utils import cpp_extension
+
+                # the venv's ninja, when torch looks for it on PATH
+                bindir = os.path.dirname(sys.executable)
+                if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+                    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+                src = os.path.join(os.path.dirname(__file__), "csrc", "packed_gemv.cpp")
+                module = cpp_extension.load(
+                    name="dynamoe_packed_gemv", sources=[src], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False,
+                )
+            except Exception as exc:  # noqa: BLE001 -- any build failure means: use the fallback
+                log.warning("dynamoe: packed-weight CPU kernels unavailable (%s); using dequantize-then-matmul", exc)
+                module = None
+        _state["module"] = module
+        return module
