@@ -68,7 +68,8 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, exclude=(), log=print) -> 
     """Convert the checkpoint folder ``src`` into ``fmt`` under ``dst`` (see the module docstring).
     Returns a summary: quantized and dense tensor names, output files."""
     from . import __version__
-    from .quant.checkpoint import (_ROUTED_FUSED, CheckpointTensors, SafetensorsWriter, _finite_amax, fusion_group,
+    from .quant.nvfp4 import finite_amax
+    from .quant.checkpoint import (_ROUTED_FUSED, CheckpointTensors, SafetensorsWriter, fusion_group,
                                    is_quant_target, quant_config_entries, write_quantized)
 
     exclude = tuple(exclude)
@@ -86,7 +87,7 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, exclude=(), log=print) -> 
             if group is not None:
                 t = tensors[name]
                 if is_quant_target(name, t, fmt, exclude):
-                    groups.setdefault(group, []).append((name, float(_finite_amax(t))))
+                    groups.setdefault(group, []).append((name, float(finite_amax(t))))
                 del t
         for members in groups.values():
             amax = max(a for _, a in members)

@@ -19,9 +19,14 @@ from torch import Tensor
 from .base import QuantizedWeight, check_float_weight
 from .codecs import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, pack_nibbles, unpack_nibbles
 
-__all__ = ["NVFP4Weight", "NV_GROUP"]
+__all__ = ["NVFP4Weight", "NV_GROUP", "finite_amax"]
 
 NV_GROUP = 16
+
+
+def finite_amax(w: Tensor) -> Tensor:
+    """Largest finite |w| of each [out, in] weight (leading dims kept): what the global scale is made of."""
+    return w.float().abs().flatten(-2).nan_to_num(nan=0.0, posinf=0.0).amax(-1)
 
 
 @dataclass(repr=False)
@@ -66,7 +71,7 @@ class NVFP4Weight(QuantizedWeight):
         if cols % NV_GROUP:
             raise ValueError(f"NVFP4 needs in_features divisible by {NV_GROUP}, got {cols}")
         wf = w.float()
-        amax = wf.abs().flatten(-2).nan_to_num(nan=0.0, posinf=0.0).amax(-1)      # finite amax per weight
+        amax = finite_amax(wf)
         if global_amax is not None:
             amax = torch.maximum(torch.as_tensor(global_amax, dtype=torch.float32, device=wf.device).expand(amax.shape), amax)
         global_scale = torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
