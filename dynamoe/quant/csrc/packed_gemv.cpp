@@ -60,17 +60,20 @@ void fp4_row(const uint8_t* packed, int64_t h, const float* xe, const float* xo,
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi32(15);
+  // lanes 0-7 take group scale 0, lanes 8-15 group scale 1 (NVFP4: two 8-byte groups per step)
+  const __m512i two_groups = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (; j + 16 <= h; j += 16) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + j)));
     const __m512 vlo = _mm512_permutexvar_ps(_mm512_and_si512(b, low4), lut);
     const __m512 vhi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);
     const __m512 scale = kBytesPerGroup >= 16
         ? _mm512_set1_ps(gscale[j / kBytesPerGroup])
-        : _mm512_mask_mov_ps(_mm512_set1_ps(gscale[j / 8]), 0xFF00, _mm512_set1_ps(gscale[j / 8 + 1]));
-    const __m512 slo = _mm512_mul_ps(vlo, scale), shi = _mm512_mul_ps(vhi, scale);
-    for (int t = 0; t < TT; ++t) {
-      acc[t] = _mm512_fmadd_ps(slo, _mm512_loadu_ps(xe + t * x_stride + j), acc[t]);
-      acc[t] = _mm512_fmadd_ps(shi, _mm512_loadu_ps(xo + t * x_stride + j), acc[t]);
+        : _mm512_permutexvar_ps(two_groups, _mm512_castps128_ps512(_mm_castsi128_ps(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gscale + j / 8)))));
+    for (int t = 0; t < TT; ++t) {  // unscaled dot of the step, then one scaled accumulate
+      const __m512 g = _mm512_fmadd_ps(vhi, _mm512_loadu_ps(xo + t * x_stride + j),
+                                       _mm512_mul_ps(vlo, _mm512_loadu_ps(xe + t * x_stride + j)));
+      acc[t] = _mm512_fmadd_ps(g, scale, acc[t]);
     }
   }
   for (int t = 0; t < TT; ++t) acc_s[t] = _mm512_reduce_add_ps(acc[t]);
@@ -150,7 +153,23 @@ torch::Tensor nvfp4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   at::parallel_for(0, O, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> gs(G);
     for (int64_t o = begin; o < end; ++o) {
-      for (int64_t g = 0; g < G; ++g) gs[g] = e4m3[sp[o * G + g]];
+      const uint8_t* srow = sp + o * G;
+      int64_t g = 0;
+#if defined(__AVX512F__)
+      // e4m3 scales 16 at a time through fp16 (see fp8_row); NaN scales (0x7F) take the table
+      const __m512 sv = _mm512_set1_ps(static_cast<float>(global_scale) * 256.f);
+      for (; g + 16 <= G; g += 16) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(srow + g));
+        const __m256i b = _mm256_cvtepu8_epi16(raw);
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                          _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+        _mm512_storeu_ps(gs.data() + g, _mm512_mul_ps(_mm512_cvtph_ps(h), sv));
+        const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(raw, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+        for (int l = 0; l < 16; ++l)
+          if (nan >> l & 1) gs[g + l] = e4m3[srow[g + l]];
+      }
+#endif
+      for (; g < G; ++g) gs[g] = e4m3[srow[g]];
       for_token_chunks(T, [&]<int TT>(int64_t t0) {
         fp4_row<TT, 8>(pp + o * (I / 2), I / 2, xe.data() + t0 * (I / 2), xo.data() + t0 * (I / 2), I / 2, gs.data(),
                        yp + t0 * O + o, O);
