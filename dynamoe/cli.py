@@ -69,8 +69,9 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, exclude=(), log=print) -> 
     Returns a summary: quantized and dense tensor names, output files."""
     from . import __version__
     from .quant.nvfp4 import finite_amax
-    from .quant.checkpoint import (_ROUTED_FUSED, CheckpointTensors, SafetensorsWriter, fusion_group,
-                                   is_quant_target, quant_config_entries, write_quantized)
+    from .quant.checkpoint_files import CheckpointTensors, SafetensorsWriter
+    from .quant.checkpoint_writer import (_ROUTED_FUSED, fusion_group, is_quant_target, quant_config_entries,
+                                          write_quantized)
 
     exclude = tuple(exclude)
     with open(os.path.join(src, "config.json")) as f:

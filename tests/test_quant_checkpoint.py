@@ -13,8 +13,10 @@ from safetensors.torch import save_file
 
 from dynamoe.cli import main
 from dynamoe.quant import BlockFP8Weight, MXFP4Weight, NVFP4Weight, QuantizedWeight, quantize
-from dynamoe.quant.checkpoint import (CheckpointTensors, QuantConfig, concat_out, deinterleave_gate_up, parse_quant_config,
-                                      quant_config_from_dir, read_weight, stack_experts, write_quantized)
+from dynamoe.quant.checkpoint import (QuantConfig, concat_out, deinterleave_gate_up, parse_quant_config,
+                                      quant_config_from_dir, read_weight, stack_experts)
+from dynamoe.quant.checkpoint_files import CheckpointTensors
+from dynamoe.quant.checkpoint_writer import write_quantized
 
 FORMATS = ["fp8", "fp8-ue8m0", "mxfp4", "nvfp4-modelopt", "nvfp4-ct"]
 H, I, E, L, V = 64, 128, 4, 2, 96  # hidden, moe intermediate, experts, layers, vocab

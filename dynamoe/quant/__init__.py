@@ -19,10 +19,10 @@ def quantize(w, format: str, **options) -> QuantizedWeight:
 
 from .matmul import fp8_activation_quant, quantized_grouped_mm, quantized_linear  # noqa: E402
 from .modules import QuantizedExperts, QuantizedLinear, quantize_experts_, quantize_linears_  # noqa: E402
-from . import checkpoint  # noqa: E402  (on-disk layouts: read_weight, quant_config_from_dir, writers)
+from . import checkpoint, checkpoint_files, checkpoint_writer  # noqa: E402  (on-disk layouts)
 
 __all__ = [
-    "checkpoint", "QuantizedLinear", "QuantizedExperts", "quantize_experts_", "quantize_linears_", "quantized_linear",
+    "checkpoint", "checkpoint_files", "checkpoint_writer", "QuantizedLinear", "QuantizedExperts", "quantize_experts_", "quantize_linears_", "quantized_linear",
     "quantized_grouped_mm", "fp8_activation_quant",
     "QuantizedWeight", "BlockFP8Weight", "MXFP4Weight", "NVFP4Weight", "FORMATS", "quantize",
     "E2M1_VALUES", "e2m1_encode", "e2m1_decode", "pack_nibbles", "unpack_nibbles", "e4m3_encode", "e4m3_decode",

@@ -2,8 +2,8 @@
 tensors, and write the on-disk names of each format.
 
 Everything here works on a plain ``name -> Tensor`` mapping, one logical weight at a time, so a model
-loader can stream a checkpoint tensor by tensor (:class:`CheckpointTensors` is such a mapping over a
-Hugging Face folder, opening the safetensors files lazily).
+loader can stream a checkpoint tensor by tensor (``checkpoint_files.CheckpointTensors`` is such a
+mapping over a Hugging Face folder, opening the safetensors files lazily).
 
 On-disk names, by format (``X`` = a Linear's module name, ``N`` = a logical weight name):
 
@@ -23,7 +23,7 @@ NVFP4 (compressed-     ``X.weight_packed`` + ``X.weight_scale`` + ``X.weight_glo
 tensors)               which is **1 / weight_scale_2** (on every weight, MoE experts included).
 =====================  =========================================================================
 
-The writers (:func:`write_quantized`, used by ``dynamoe quantize``) produce weight-only NVFP4: the
+The writers (``checkpoint_writer.write_quantized``, used by ``dynamoe quantize``) produce weight-only NVFP4: the
 activation ``input_scale`` needs calibration data, which a weight conversion does not have, so none is
 invented. Fused groups (an attention's q/k/v, an MLP's or an expert's gate/up) share one NVFP4 global
 scale, as ModelOpt and llm-compressor export them; pass the group's amax via ``global_amax``.
@@ -36,8 +36,6 @@ import dataclasses
 import json
 import math
 import os
-import re
-import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Optional
@@ -52,8 +50,7 @@ from .nvfp4 import NV_GROUP, NVFP4Weight
 
 __all__ = [
     "QuantConfig", "quant_config_from_dir", "parse_quant_config", "read_weight", "stack_experts", "concat_out",
-    "deinterleave_gate_up", "FORMATS", "DEFAULT_FP8_BLOCK", "is_quant_target", "fusion_group", "write_quantized",
-    "quant_config_entries", "CheckpointTensors", "SafetensorsWriter", "WEIGHT_ONLY_NOTE",
+    "deinterleave_gate_up", "FORMATS", "DEFAULT_FP8_BLOCK", "WEIGHT_ONLY_NOTE",
 ]
 
 #: ``dynamoe quantize --format`` choices
@@ -444,242 +441,3 @@ def deinterleave_gate_up(w: QuantizedWeight) -> QuantizedWeight:
         return dataclasses.replace(w, weight=w.weight.index_select(-2, order),
                                    weight_scale=w.weight_scale.view(torch.uint8).index_select(-2, order).view(torch.float8_e4m3fn))
     raise ValueError(f"deinterleave_gate_up: rows of a {type(w).__name__} cannot be reordered without requantizing")
-
-
-# ============================================================================ writing
-_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
-_ROUTED_FUSED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")          # GPT-OSS, in->out [E, in, out]
-_ROUTED_2D = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")                   # Qwen3 / DeepSeek / Mixtral
-_FUSION = (re.compile(r"^(.*\.)(q_proj|k_proj|v_proj)\.weight$"), re.compile(r"^(.*\.)(gate_proj|up_proj)\.weight$"),
-           re.compile(r"^(.*\.)(w1|w3)\.weight$"))
-
-
-def _module(name: str) -> str:
-    return name[: -len(".weight")] if name.endswith(".weight") else name
-
-
-def _is_router_norm_or_embedding(name: str) -> bool:
-    last = _module(name).rsplit(".", 1)[-1]
-    return last in ("gate", "router") or last.endswith("expert_gate") or "norm" in last or "embed" in last
-
-
-def _check_format(fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {list(FORMATS)}, got {fmt!r}")
-
-
-def is_quant_target(name: str, tensor: Tensor, fmt: str, exclude: Iterable = ()) -> bool:
-    """Whether ``dynamoe quantize --format fmt`` quantizes this tensor (what the loaded checkpoints do):
-
-    * FP8 / NVFP4: every 2D Linear ``*.weight`` inside the decoder layers except routers
-      (``mlp.gate``, ``mlp.router``, ``shared_expert_gate``), norms and embeddings; lm_head and
-      the embeddings are outside the layers. GPT-OSS's fused 3D experts stay dense (no public FP8 /
-      NVFP4 layout for them: use mxfp4).
-    * MXFP4: only the routed experts (GPT-OSS fused ``experts.gate_up_proj`` / ``down_proj``, other
-      families' ``experts.{e}.*.weight``).
-
-    ``exclude`` holds regexes searched in the tensor name. Shapes the format cannot take (MXFP4 needs
-    in % 32, NVFP4 in % 16) stay dense.
-    """
-    _check_format(fmt)
-    if not isinstance(tensor, Tensor) or not tensor.is_floating_point() or not _LAYER.search(name):
-        return False
-    if any(re.search(p, name) for p in exclude):
-        return False
-    if fmt == "mxfp4":
-        if tensor.dim() == 3 and _ROUTED_FUSED.search(name):
-            in_features = tensor.shape[-2]          # stored in->out
-        elif tensor.dim() == 2 and _ROUTED_2D.search(name):
-            in_features = tensor.shape[-1]
-        else:
-            return False
-        return in_features % MX_GROUP == 0
-    if tensor.dim() != 2 or not name.endswith(".weight") or _is_router_norm_or_embedding(name):
-        return False
-    return fmt.startswith("fp8") or tensor.shape[-1] % NV_GROUP == 0
-
-
-def fusion_group(name: str) -> Optional[str]:
-    """The fused group an NVFP4 weight shares its global scale with: an attention's q/k/v
-    (``...self_attn.qkv``), an MLP's or an expert's gate/up (``...experts.3.gate_up``); None otherwise."""
-    for i, pat in enumerate(_FUSION):
-        m = pat.match(name)
-        if m:
-            return m.group(1) + ("qkv", "gate_up", "gate_up")[i]
-    return None
-
-
-def _quantize_one(name: str, t: Tensor, fmt: str, block: tuple, global_amax) -> dict:
-    if fmt in ("fp8", "fp8-ue8m0"):
-        q = BlockFP8Weight.quantize(t, block=block, scale_fmt="ue8m0" if fmt == "fp8-ue8m0" else "fp32")
-        scale = q.weight_scale_inv
-        if fmt == "fp8-ue8m0" and _E8M0 is not None:
-            scale = scale.view(_E8M0)
-        return {name: q.weight, name + "_scale_inv": scale}
-    if fmt == "mxfp4":
-        fused = t.dim() == 3
-        q = MXFP4Weight.quantize(t.transpose(-1, -2) if fused else t)   # GPT-OSS stores in->out
-        return {name + "_blocks": q.blocks, name + "_scales": q.scales}
-    amax = None if global_amax is None else global_amax.get(name)
-    q = NVFP4Weight.quantize(t, global_amax=amax)
-    if fmt == "nvfp4-modelopt":
-        return {name: q.weight, name + "_scale": q.weight_scale, name + "_scale_2": q.weight_scale_2.reshape(())}
-    return {name + "_packed": q.weight, name + "_scale": q.weight_scale,
-            name + "_global_scale": q.weight_global_scale.reshape(1)}
-
-
-def write_quantized(tensors: Mapping[str, Tensor], fmt: str, *, exclude: Iterable = (), block: tuple = DEFAULT_FP8_BLOCK,
-                    global_amax: Optional[Mapping[str, float]] = None) -> dict:
-    """The on-disk tensors of ``fmt`` for ``tensors`` (dense, logical names): quantization targets
-    (:func:`is_quant_target`) become their companion tensors, everything else passes through as is.
-
-    ``global_amax`` (NVFP4): name -> the amax of the weight's fused group (:func:`fusion_group`), so
-    that q/k/v and gate/up share ``weight_scale_2``; without it each weight gets its own.
-    Call it with one tensor at a time to keep memory at about one tensor.
-    """
-    _check_format(fmt)
-    exclude = tuple(exclude)
-    out: dict = {}
-    for name, t in tensors.items():
-        parts = _quantize_one(name, t, fmt, tuple(block), global_amax) if is_quant_target(name, t, fmt, exclude) \
-            else {name: t}
-        for k, v in parts.items():
-            if k in out:
-                raise ValueError(f"write_quantized: two tensors map to the on-disk name {k!r}")
-            out[k] = v
-    return out
-
-
-def quant_config_entries(fmt: str, not_converted: Iterable[str] = (), block: tuple = DEFAULT_FP8_BLOCK,
-                         producer_version: str = "") -> tuple:
-    """(``quantization_config`` for config.json, ``hf_quant_config.json`` contents or None) for ``fmt``;
-    ``not_converted`` lists the Linear-like modules left dense (routers, lm_head, excluded ones)."""
-    _check_format(fmt)
-    skip = sorted(set(not_converted))
-    if fmt in ("fp8", "fp8-ue8m0"):
-        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
-        if fmt == "fp8-ue8m0":
-            qc["scale_fmt"] = "ue8m0"
-        if skip:
-            qc["modules_to_not_convert"] = skip
-        return qc, None
-    if fmt == "mxfp4":
-        return {"quant_method": "mxfp4", "modules_to_not_convert": skip}, None
-    if fmt == "nvfp4-modelopt":
-        quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": NV_GROUP, "exclude_modules": skip,
-                 "comment": WEIGHT_ONLY_NOTE}
-        hf = {"producer": {"name": "dynamoe", "version": producer_version}, "quantization": quant}
-        return {"quant_method": "modelopt", **quant}, hf
-    scheme = {"targets": ["Linear"], "format": CT_NVFP4_FORMAT, "input_activations": None, "output_activations": None,
-              "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
-                          "group_size": NV_GROUP, "dynamic": False, "actorder": None, "observer": "minmax"}}
-    return {"quant_method": "compressed-tensors", "format": CT_NVFP4_FORMAT, "quantization_status": "compressed",
-            "config_groups": {"group_0": scheme}, "ignore": skip, "kv_cache_scheme": None}, None
-
-
-# ============================================================================ files
-class CheckpointTensors(Mapping):
-    """A lazy ``name -> Tensor`` mapping over a Hugging Face folder (``model.safetensors``, or shards
-    listed by ``model.safetensors.index.json``): files are memory-mapped, tensors read on access."""
-
-    def __init__(self, path):
-        from safetensors import safe_open
-
-        self._open = safe_open
-        self.path = os.fspath(path)
-        index = os.path.join(self.path, "model.safetensors.index.json")
-        single = os.path.join(self.path, "model.safetensors")
-        self.where: dict = {}
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map") or {}
-            for file in dict.fromkeys(weight_map.values()):
-                if not os.path.exists(os.path.join(self.path, file)):
-                    raise ValueError(f"{index} lists {file!r}, which is not in {self.path}")
-            self.files = list(dict.fromkeys(weight_map.values()))
-            for file in self.files:  # the files' own key lists, in file order (the index may be unordered)
-                for k in self._handle(file).keys():
-                    self.where.setdefault(k, file)
-            missing = [k for k in weight_map if k not in self.where]
-            if missing:
-                raise ValueError(f"{index} lists tensors missing from the shards, e.g. {missing[0]!r}")
-        elif os.path.exists(single):
-            self.files = ["model.safetensors"]
-            self.where = {k: "model.safetensors" for k in self._handle("model.safetensors").keys()}
-        else:
-            raise ValueError(f"no model.safetensors or model.safetensors.index.json in {self.path}")
-
-    _handles: dict
-
-    def _handle(self, file: str):
-        handles = self.__dict__.setdefault("_handles", {})
-        if file not in handles:
-            handles[file] = self._open(os.path.join(self.path, file), framework="pt")
-        return handles[file]
-
-    def names_in(self, file: str) -> list:
-        return [k for k, f in self.where.items() if f == file]
-
-    def __getitem__(self, name: str) -> Tensor:
-        if name not in self.where:
-            raise KeyError(name)
-        return self._handle(self.where[name]).get_tensor(name)
-
-    def __contains__(self, name) -> bool:
-        return name in self.where
-
-    def __iter__(self):
-        return iter(self.where)
-
-    def __len__(self) -> int:
-        return len(self.where)
-
-    def close(self) -> None:
-        self.__dict__.get("_handles", {}).clear()
-
-
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-for _name, _code in (("float8_e8m0fnu", "F8_E8M0"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _name):
-        _ST_DTYPES[getattr(torch, _name)] = _code
-
-
-class SafetensorsWriter:
-    """Writes a safetensors file one tensor at a time (memory: one tensor): data goes to a side file
-    as it comes, the header is written on :meth:`close`."""
-
-    def __init__(self, path):
-        self.path = os.fspath(path)
-        self._data_path = self.path + ".data.tmp"
-        self._data = open(self._data_path, "wb")
-        self.entries: dict = {}
-        self.nbytes = 0
-
-    def add(self, name: str, t: Tensor) -> None:
-        if name in self.entries:
-            raise ValueError(f"tensor {name!r} written twice to {self.path}")
-        if t.dtype not in _ST_DTYPES:
-            raise ValueError(f"tensor {name!r}: dtype {t.dtype} has no safetensors encoding")
-        t = t.detach().to("cpu").contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy()
-        self._data.write(raw.data)
-        self.entries[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                              "data_offsets": [self.nbytes, self.nbytes + raw.size]}
-        self.nbytes += raw.size
-
-    def close(self) -> None:
-        self._data.close()
-        header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)
-        with open(self.path, "wb") as out, open(self._data_path, "rb") as data:
-            out.write(len(header).to_bytes(8, "little"))
-            out.write(header)
-            shutil.copyfileobj(data, out, 16 << 20)
-        os.remove(self._data_path)
-
-    def abort(self) -> None:
-        self._data.close()
-        if os.path.exists(self._data_path):
-            os.remove(self._data_path)

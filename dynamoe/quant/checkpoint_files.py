@@ -1,0 +1,122 @@
+"""Hugging Face checkpoint folders as tensors: a lazy name -> tensor mapping over single-file or
+sharded safetensors, and a writer that emits one tensor at a time (memory ~ one tensor)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+
+__all__ = ["CheckpointTensors", "SafetensorsWriter"]
+
+
+# ============================================================================ files
+class CheckpointTensors(Mapping):
+    """A lazy ``name -> Tensor`` mapping over a Hugging Face folder (``model.safetensors``, or shards
+    listed by ``model.safetensors.index.json``): files are memory-mapped, tensors read on access."""
+
+    def __init__(self, path):
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.path = os.fspath(path)
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        single = os.path.join(self.path, "model.safetensors")
+        self.where: dict = {}
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map") or {}
+            for file in dict.fromkeys(weight_map.values()):
+                if not os.path.exists(os.path.join(self.path, file)):
+                    raise ValueError(f"{index} lists {file!r}, which is not in {self.path}")
+            self.files = list(dict.fromkeys(weight_map.values()))
+            for file in self.files:  # the files' own key lists, in file order (the index may be unordered)
+                for k in self._handle(file).keys():
+                    self.where.setdefault(k, file)
+            missing = [k for k in weight_map if k not in self.where]
+            if missing:
+                raise ValueError(f"{index} lists tensors missing from the shards, e.g. {missing[0]!r}")
+        elif os.path.exists(single):
+            self.files = ["model.safetensors"]
+            self.where = {k: "model.safetensors" for k in self._handle("model.safetensors").keys()}
+        else:
+            raise ValueError(f"no model.safetensors or model.safetensors.index.json in {self.path}")
+
+    _handles: dict
+
+    def _handle(self, file: str):
+        handles = self.__dict__.setdefault("_handles", {})
+        if file not in handles:
+            handles[file] = self._open(os.path.join(self.path, file), framework="pt")
+        return handles[file]
+
+    def names_in(self, file: str) -> list:
+        return [k for k, f in self.where.items() if f == file]
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self.where:
+            raise KeyError(name)
+        return self._handle(self.where[name]).get_tensor(name)
+
+    def __contains__(self, name) -> bool:
+        return name in self.where
+
+    def __iter__(self):
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def close(self) -> None:
+        self.__dict__.get("_handles", {}).clear()
+
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+for _name, _code in (("float8_e8m0fnu", "F8_E8M0"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        _ST_DTYPES[getattr(torch, _name)] = _code
+
+
+class SafetensorsWriter:
+    """Writes a safetensors file one tensor at a time (memory: one tensor): data goes to a side file
+    as it comes, the header is written on :meth:`close`."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self._data_path = self.path + ".data.tmp"
+        self._data = open(self._data_path, "wb")
+        self.entries: dict = {}
+        self.nbytes = 0
+
+    def add(self, name: str, t: Tensor) -> None:
+        if name in self.entries:
+            raise ValueError(f"tensor {name!r} written twice to {self.path}")
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype} has no safetensors encoding")
+        t = t.detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        self._data.write(raw.data)
+        self.entries[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [self.nbytes, self.nbytes + raw.size]}
+        self.nbytes += raw.size
+
+    def close(self) -> None:
+        self._data.close()
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)
+        with open(self.path, "wb") as out, open(self._data_path, "rb") as data:
+            out.write(len(header).to_bytes(8, "little"))
+            out.write(header)
+            shutil.copyfileobj(data, out, 16 << 20)
+        os.remove(self._data_path)
+
+    def abort(self) -> None:
+        self._data.close()
+        if os.path.exists(self._data_path):
+            os.remove(self._data_path)
