@@ -55,9 +55,9 @@ def test_empty_batch_returns_empty_output():
     (dict(), dict(activation_fn="swish"), "activation_fn"),
 ])
 def test_bad_config(gate, experts, match):
-    with pytest.raises(ValueError, match=match):
-        MoEConfig(model_dim=8, gates=[GateConfig(**gate)],
-                  experts=ExpertConfig(**{"num_experts_per_device": 4, "hidden_size_per_expert": 8, **experts}))
+    with pytest.raises(ValueError, match=match):  # from the config, or from the layer for expert counts
+        MoELayer(MoEConfig(model_dim=8, gates=[GateConfig(**gate)],
+                           experts=ExpertConfig(**{"num_experts_per_device": 4, "hidden_size_per_expert": 8, **experts})))
 
 
 @pytest.mark.parametrize("kwargs,match", [

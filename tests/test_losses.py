@@ -119,4 +119,4 @@ def test_layer_device_level_loss():
     assert set(t) == {"deepseek_expert", "deepseek_device"}
     torch.testing.assert_close(y.l_aux, t["deepseek_expert"] + 0.5 * t["deepseek_device"])
     with pytest.raises(ValueError, match="device_loss_groups"):
-        MoEConfig(model_dim=8, device_loss_groups=3, experts=ExpertConfig(num_experts_per_device=4, hidden_size_per_expert=8))
+        MoELayer(MoEConfig(model_dim=8, device_loss_groups=3, experts=ExpertConfig(num_experts_per_device=4, hidden_size_per_expert=8)))

@@ -79,15 +79,20 @@ class DispatchPlan:
 
 
 def build_plan(ids_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity_factor: float,
-               priority_T: Tensor | None = None, alignment: int = 1) -> DispatchPlan:
+               priority_T: Tensor | None = None, alignment: int = 1, agree_max=None) -> DispatchPlan:
     """Apply the capacity rule (dynamoe.ops.slots) to a routing decision.
 
-    One host synchronisation (the per-expert load) decides the capacity and the row counts.
+    One host synchronisation (the per-expert load) decides the capacity and the row counts. Across
+    ranks, ``agree_max([tokens, max load])`` returns their maxima over ranks, so that every rank uses
+    the same capacity (dropless: the global max load; token counts may differ per rank).
     """
     T, K = ids_TK.shape
     slots_TK, load_E, order = expert_slots(ids_TK, num_experts, priority_T)
     load = load_E.tolist()
-    C = capacity_rule(T, num_experts, K, capacity_factor, max(load, default=0), alignment)
+    T_cap, max_load = T, max(load, default=0)
+    if agree_max is not None:
+        T_cap, max_load = agree_max([T_cap, max_load])
+    C = capacity_rule(T_cap, num_experts, K, capacity_factor, max_load, alignment)
     counts = [min(n, C) for n in load]
     ids_flat = ids_TK.t().reshape(-1)
     slots_flat = slots_TK.t().reshape(-1)

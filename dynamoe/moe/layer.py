@@ -19,6 +19,7 @@ from ..ops.routing import check_top_k
 from ..ops.scratch import scratch
 from . import losses
 from .config import MoEConfig, check_capacity_factor, check_overlap_degree
+from .exchange import exchange_for
 from .dispatch import (DispatchPlan, RoutingStats, build_plan, combine_padded, combine_ragged, dispatch_padded,
                        dispatch_ragged)
 from .experts import SharedExperts, build_experts
@@ -41,24 +42,22 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, config: MoEConfig, scan_expert_func: Callable | None = None,
-                 result_func: Callable | None = None, group=None, seeds=None):
+                 result_func: Callable | None = None, group=None, seeds=None, exchange=None):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
-        world = _world_size(group)
-        if world > 1:
-            raise ValueError(
-                f"group has {world} ranks: expert parallelism over processes is provided by dynamoe.parallel, "
-                "which this version does not include yet; build the layer with group=None on each process"
-            )
         self.config = config
         self.group = group
+        # one process: LocalExchange; across ranks: dynamoe.parallel's all-to-all (see moe/exchange.py)
+        self.exchange = exchange if exchange is not None else exchange_for(group)
         self.result_func = result_func
         self.model_dim = config.model_dim
         self.num_local_experts = config.num_experts
         self.sharded_count = 1
-        self.world_size = 1
-        self.register_buffer("_num_global_experts", torch.tensor(config.num_experts, device=config.device))
+        self.world_size = self.exchange.world_size
+        E = self.num_local_experts * self.world_size
+        self._check_expert_count(E)
+        self.register_buffer("_num_global_experts", torch.tensor(E, device=config.device))
         kw = dict(dtype=config.dtype, device=config.device)
         if seeds is not None and (not isinstance(seeds, (tuple, list)) or len(seeds) > 3
                                   or not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in seeds)):
@@ -77,19 +76,22 @@ class MoELayer(nn.Module):
         for gi, gcfg in enumerate(config.gates):
             if seeds is not None and seeds[0] is not None:
                 torch.manual_seed(seeds[0] + gi)
-            gates.append(build_gate(gcfg, config.model_dim, config.num_experts, **kw))
+            gates.append(build_gate(gcfg, config.model_dim, E, **kw))
         self.gates = nn.ModuleList(gates)
         if seeds is not None and len(seeds) > 2 and seeds[2] is not None:
             torch.manual_seed(seeds[2])
         # Assignments per expert and gate since the last update_routing_bias() (training only).
-        self.register_buffer("_load_since_update", torch.zeros(len(gates), config.num_experts, dtype=torch.int64,
+        self.register_buffer("_load_since_update", torch.zeros(len(gates), E, dtype=torch.int64,
                                                                device=config.device), persistent=False)
         self.l_aux: Optional[Tensor] = None  # the last forward's loss, as Tutel exposes it
 
     def __getstate__(self):
-        # the last forward's loss is part of an autograd graph: not something to copy or pickle
+        # the last forward's loss is part of an autograd graph: not something to copy or pickle;
+        # a process group cannot travel either (a copy across processes is local)
         state = self.__dict__.copy()
         state["l_aux"] = None
+        if self.world_size > 1:
+            raise ValueError("an expert-parallel MoE layer cannot be copied or pickled; save its state_dict instead")
         return state
 
     # ---- Tutel-compatible helpers -------------------------------------------------------------
@@ -106,7 +108,21 @@ class MoELayer(nn.Module):
 
     @property
     def num_global_experts(self) -> int:
-        return self.config.num_experts
+        return self.num_local_experts * self.world_size
+
+    def _check_expert_count(self, E: int) -> None:
+        """Checks that need the global expert count E (the config only knows the local one)."""
+        cfg = self.config
+        for g in cfg.gates:
+            if g.k is not None and g.k > E:
+                raise ValueError(f"gate k={g.k} exceeds the number of experts ({E})")
+            if g.type == "sigmoid":
+                if E % g.n_group:
+                    raise ValueError(f"n_group={g.n_group} must divide the number of experts ({E})")
+                if g.k > g.topk_group * (E // g.n_group):
+                    raise ValueError(f"gate k={g.k} exceeds the experts in topk_group={g.topk_group} groups of {E // g.n_group}")
+        if cfg.device_loss_groups and E % cfg.device_loss_groups:
+            raise ValueError(f"device_loss_groups={cfg.device_loss_groups} must divide the number of experts ({E})")
 
     @property
     def top_k(self) -> int:
@@ -182,7 +198,8 @@ class MoELayer(nn.Module):
             alignment = -(-alignment // 128) * 128
 
         T = x_TD.size(0)
-        if T == 0:  # an empty batch stays in the autograd graph, so backward() works as usual
+        if T == 0 and self.world_size == 1:  # (across ranks, an empty rank still joins the exchange)
+            # an empty batch stays in the autograd graph, so backward() works as usual
             y_empty = x_TD.new_zeros(0, self._out_dim()) + x_TD.sum() * 0
             return self._finish(y_empty, out_shape, orig_dtype,
                                 x_TD.new_zeros((), dtype=torch.float32), self._empty_stats(k, cf, chosen_layout))
@@ -191,10 +208,11 @@ class MoELayer(nn.Module):
             routing = route(self.gates[gate_index], gcfg, x_TD, E, k, cfg.normalize_gate, self.training,
                             need_scores=cfg.aux_loss != "none" or cfg.batch_prioritized_routing or cfg.device_loss_groups > 0)
             priority = routing.scores_TE.max(dim=1).values if cfg.batch_prioritized_routing else None
-            plan = build_plan(routing.ids_TK, routing.weights_TK, E, cf, priority, alignment=alignment)
+            plan = build_plan(routing.ids_TK, routing.weights_TK, E, cf, priority, alignment=alignment,
+                              agree_max=self.exchange.agree_max if self.world_size > 1 else None)
             l_aux, loss_terms = self._losses(routing, gcfg)
 
-        if plan.order_N.numel():
+        if plan.order_N.numel() or self.world_size > 1:
             y_TO = self._experts_and_combine(x_TD, plan, chosen_layout)
         else:  # everything dropped (capacity 0): zeros, still in the autograd graph
             y_TO = x_TD.new_zeros(plan.num_tokens, self._out_dim()) + (x_TD.sum() + routing.weights_TK.sum()).to(x_TD.dtype) * 0
@@ -247,7 +265,9 @@ class MoELayer(nn.Module):
             if isinstance(megablocks_size, bool) or not isinstance(megablocks_size, int) or megablocks_size < 0:
                 raise ValueError(f"megablocks_size must be an int >= 0 (0 = padded, >0 = ragged), got {megablocks_size!r}")
             layout = "ragged" if megablocks_size > 0 else "padded"
-        can_ragged = hasattr(self.experts, "forward_ragged")
+        can_ragged = hasattr(self.experts, "forward_ragged") and self.world_size == 1
+        if layout == "ragged" and self.world_size > 1:
+            raise ValueError("layout 'ragged' runs on one process; across ranks the padded layout exchanges equal blocks")
         if layout == "ragged" and not can_ragged:
             raise ValueError(f"layout 'ragged' needs experts with forward_ragged(); {type(self.experts).__name__} has none")
         if layout is None:
@@ -263,8 +283,9 @@ class MoELayer(nn.Module):
 
     def _experts_and_combine(self, x_TD: Tensor, plan: DispatchPlan, layout: str) -> Tensor:
         post = self.config.is_postscore
-        if layout == "padded":
-            y_ECO = self.experts(dispatch_padded(x_TD, plan, prescale=not post), self)
+        if layout == "padded":  # [E, C, D] -> (other ranks' slots for my experts) -> experts -> back
+            x_LCD = self.exchange.dispatch(dispatch_padded(x_TD, plan, prescale=not post))
+            y_ECO = self.exchange.combine(self.experts(x_LCD, self))
             return combine_padded(y_ECO, plan, postscore=post)
         if not getattr(self.experts, "fuses_row_scale", False):  # custom experts
             y_NO = self.experts.forward_ragged(dispatch_ragged(x_TD, plan, prescale=not post), plan.counts)

@@ -1,0 +1,53 @@
+"""Where the MoE layer's tokens meet experts on other processes: an extension point.
+
+The layer computes on one process through :class:`LocalExchange` (nothing to exchange). Expert
+parallelism plugs in an exchange whose ``dispatch``/``combine`` are all-to-alls: ``dynamoe.parallel``
+registers its factory here when imported (this layer never imports the parallel layer above it).
+
+An exchange has ``world_size``, ``rank`` and:
+  * ``agree_max(values) -> values``: element-wise max over ranks (capacity and token counts must
+    agree so that every rank sends equal-size blocks);
+  * ``dispatch(x_ECD) -> x_LWcD``: [E = W*L global experts, C, D] -> [L local experts, W*C, D];
+  * ``combine(y_LWcO) -> y_ECO``: the inverse exchange.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["LocalExchange", "register_distributed_exchange", "exchange_for"]
+
+
+class LocalExchange:
+    world_size = 1
+    rank = 0
+
+    def agree_max(self, values: list[int]) -> list[int]:
+        return list(values)
+
+    def dispatch(self, x_ECD: Tensor) -> Tensor:
+        return x_ECD
+
+    def combine(self, y_LCO: Tensor) -> Tensor:
+        return y_LCO
+
+
+_FACTORY: Optional[Callable] = None
+
+
+def register_distributed_exchange(factory: Callable) -> None:
+    """Called by dynamoe.parallel: ``factory(group)`` builds the exchange for a process group."""
+    global _FACTORY
+    _FACTORY = factory
+
+
+def exchange_for(group) -> object:
+    """The exchange for ``group``: local on one process, else the registered distributed one."""
+    world = dist.get_world_size(group) if (group is not None and dist.is_available() and dist.is_initialized()) else 1
+    if world == 1:
+        return LocalExchange()
+    if _FACTORY is None:
+        raise ValueError(f"group has {world} ranks: expert parallelism needs dynamoe.parallel (import dynamoe.parallel)")
+    return _FACTORY(group)

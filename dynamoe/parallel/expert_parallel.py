@@ -1,0 +1,39 @@
+"""Expert parallelism: the all-to-all exchange plugged into the MoE layer (see dynamoe.moe.exchange).
+
+Each rank holds L experts of E = L * world; after routing its own tokens, a rank sends slot block
+[expert e's capacity C] to the rank owning e and receives [L, world * C, D] for its experts; the
+inverse all-to-all brings the results back. Capacity is agreed over ranks first (the max token
+count and the max load), so every block has the same size and the result equals one process's
+on the global batch wherever no token is dropped.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import net
+
+__all__ = ["AllToAllExchange"]
+
+
+class AllToAllExchange:
+    def __init__(self, group=None):
+        self.group = group
+        self.world_size = net.get_world_size(group)
+        self.rank = net.get_world_rank(group)
+
+    def agree_max(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64, device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def _device(self):
+        backend = dist.get_backend(self.group)
+        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def dispatch(self, x_ECD: Tensor) -> Tensor:
+        return net.all_to_all(x_ECD, 1, 0, group=self.group)   # [E, C, D] -> [L, W*C, D]
+
+    def combine(self, y_LCO: Tensor) -> Tensor:
+        return net.all_to_all(y_LCO, 0, 1, group=self.group)   # [L, W*C, O] -> [E, C, O]
