@@ -36,17 +36,23 @@ def ep_worker(rank, world, gate, experts, cf, tokens):
     y_ref = ref(Xr, layout="padded")
     (y_ref * G).sum().backward()
 
-    x = X[mine].clone().requires_grad_()
-    y = ep(x)
-    assert y.routing_stats.layout == "padded"
-    (y * G[mine]).sum().backward()
-    torch.testing.assert_close(y, y_ref[mine])
-    torch.testing.assert_close(x.grad, Xr.grad[mine])
-    for (name, p), (_, q) in zip(ep.experts.named_parameters(), ref.experts.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad[rank * L:(rank + 1) * L], msg=name)
-    gate_grad = ep.gates[0].wg.weight.grad.clone()
-    dist.all_reduce(gate_grad)
-    torch.testing.assert_close(gate_grad, ref.gates[0].wg.weight.grad)
+    pointers = {n: p.data_ptr() for n, p in ep.named_parameters()}
+    # r=1: expert parallel (all-to-all); r=0: data parallel for the call (experts gathered)
+    for r, layouts in ((1, ["padded"]), (0, ["padded", "ragged"])):
+        for layout in layouts:
+            ep.zero_grad()
+            x = X[mine].clone().requires_grad_()
+            y = ep(x, adaptive_r=r, layout=layout)
+            assert y.routing_stats.layout == layout
+            (y * G[mine]).sum().backward()
+            torch.testing.assert_close(y, y_ref[mine])
+            torch.testing.assert_close(x.grad, Xr.grad[mine])
+            for (name, p), (_, q) in zip(ep.experts.named_parameters(), ref.experts.named_parameters()):
+                torch.testing.assert_close(p.grad, q.grad[rank * L:(rank + 1) * L], msg=f"r={r} {name}")
+            gate_grad = ep.gates[0].wg.weight.grad.clone()
+            dist.all_reduce(gate_grad)
+            torch.testing.assert_close(gate_grad, ref.gates[0].wg.weight.grad)
+    assert pointers == {n: p.data_ptr() for n, p in ep.named_parameters()}  # switching moved nothing
 
     # per-call switches work across ranks too (same answer as the global layer with the same switch)
     with torch.no_grad():

@@ -8,7 +8,10 @@ An exchange has ``world_size``, ``rank`` and:
   * ``agree_max(values) -> values``: element-wise max over ranks (capacity and token counts must
     agree so that every rank sends equal-size blocks);
   * ``dispatch(x_ECD) -> x_LWcD``: [E = W*L global experts, C, D] -> [L local experts, W*C, D];
-  * ``combine(y_LWcO) -> y_ECO``: the inverse exchange.
+  * ``combine(y_LWcO) -> y_ECO``: the inverse exchange;
+  * ``gather_experts(p_L...) -> p_E...``: every rank's expert parameters concatenated along dim 0,
+    differentiable (the gradient of each expert sums over ranks) -- data parallelism for one call
+    (``adaptive_r=0``) without moving any parameter for good.
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ class LocalExchange:
 
     def combine(self, y_LCO: Tensor) -> Tensor:
         return y_LCO
+
+    def gather_experts(self, p: Tensor) -> Tensor:
+        return p
 
 
 _FACTORY: Optional[Callable] = None

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from ..ops.routing import check_top_k
 from ..ops.scratch import scratch
 from . import losses
-from .config import MoEConfig, check_capacity_factor, check_overlap_degree
-from .exchange import exchange_for
+from .config import MoEConfig, check_capacity_factor, check_overlap_degree, parse_parallel_type
+from .exchange import LocalExchange, exchange_for
 from .dispatch import (DispatchPlan, RoutingStats, build_plan, combine_padded, combine_ragged, dispatch_padded,
                        dispatch_ragged)
 from .experts import SharedExperts, build_experts
@@ -190,7 +190,9 @@ class MoELayer(nn.Module):
         valid_r = [0] + [d for d in range(1, self.sharded_count + 1) if self.sharded_count % d == 0]
         if adaptive_r is not None and (isinstance(adaptive_r, bool) or not isinstance(adaptive_r, int) or adaptive_r not in valid_r):
             raise ValueError(f"adaptive_r must be one of {valid_r} here (divisors of sharded_count={self.sharded_count}, or 0), got {adaptive_r!r}")
-        chosen_layout = self._pick_layout(layout, megablocks_size, cf, x_TD.size(0) * k, E)
+        r = adaptive_r if adaptive_r is not None else min(parse_parallel_type(cfg.parallel_type, self.sharded_count), self.sharded_count)
+        data_parallel = r == 0 and self.world_size > 1
+        chosen_layout = self._pick_layout(layout, megablocks_size, cf, x_TD.size(0) * k, E, local=data_parallel)
         # Tutel's capacity alignment: a multiple of the overlap chunks, rounded up to megablocks_size
         mega = max(megablocks_size or 0, 1)
         alignment = -(-self.sharded_count * overlap // mega) * mega
@@ -212,7 +214,9 @@ class MoELayer(nn.Module):
                               agree_max=self.exchange.agree_max if self.world_size > 1 else None)
             l_aux, loss_terms = self._losses(routing, gcfg)
 
-        if plan.order_N.numel() or self.world_size > 1:
+        if data_parallel:  # every expert on every rank for this call: no token exchange
+            y_TO = self._data_parallel_experts(x_TD, plan, chosen_layout)
+        elif plan.order_N.numel() or self.world_size > 1:
             y_TO = self._experts_and_combine(x_TD, plan, chosen_layout)
         else:  # everything dropped (capacity 0): zeros, still in the autograd graph
             y_TO = x_TD.new_zeros(plan.num_tokens, self._out_dim()) + (x_TD.sum() + routing.weights_TK.sum()).to(x_TD.dtype) * 0
@@ -256,7 +260,18 @@ class MoELayer(nn.Module):
     def _out_dim(self) -> int:
         return getattr(self.experts, "output_dim", None) or self.model_dim
 
-    def _pick_layout(self, layout, megablocks_size, cf, rows, E) -> str:
+    def _data_parallel_experts(self, x_TD: Tensor, plan: DispatchPlan, layout: str) -> Tensor:
+        """adaptive_r=0 across ranks (Tutel's data-parallel switch): gather every rank's experts for
+        this call (differentiably: expert gradients sum over ranks, as with expert parallelism) and
+        compute all tokens locally. Nothing is stored; the parameters stay where they are."""
+        if not getattr(self.experts, "fuses_row_scale", False):
+            raise ValueError("adaptive_r=0 across ranks needs the built-in ffn/glu experts (their parameters lead with the expert dim)")
+        gathered = {n: self.exchange.gather_experts(p) for n, p in self.experts.named_parameters()}
+        local = _LocalView(self)
+        return torch.func.functional_call(local, {f"layer.experts.{n}": t for n, t in gathered.items()},
+                                          (x_TD, plan, layout), strict=False)
+
+    def _pick_layout(self, layout, megablocks_size, cf, rows, E, local: bool = False) -> str:
         if layout is not None and megablocks_size is not None:
             raise ValueError("pass either layout or megablocks_size, not both")
         if layout is not None and layout not in LAYOUTS:
@@ -265,9 +280,11 @@ class MoELayer(nn.Module):
             if isinstance(megablocks_size, bool) or not isinstance(megablocks_size, int) or megablocks_size < 0:
                 raise ValueError(f"megablocks_size must be an int >= 0 (0 = padded, >0 = ragged), got {megablocks_size!r}")
             layout = "ragged" if megablocks_size > 0 else "padded"
-        can_ragged = hasattr(self.experts, "forward_ragged") and self.world_size == 1
-        if layout == "ragged" and self.world_size > 1:
-            raise ValueError("layout 'ragged' runs on one process; across ranks the padded layout exchanges equal blocks")
+        local = local or self.world_size == 1
+        can_ragged = hasattr(self.experts, "forward_ragged") and local
+        if layout == "ragged" and not local:
+            raise ValueError("layout 'ragged' needs the experts on this process (one process, or adaptive_r=0); "
+                             "expert parallelism exchanges equal padded blocks")
         if layout == "ragged" and not can_ragged:
             raise ValueError(f"layout 'ragged' needs experts with forward_ragged(); {type(self.experts).__name__} has none")
         if layout is None:
@@ -342,3 +359,20 @@ def _world_size(group) -> int:
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
+
+
+class _LocalView(torch.nn.Module):
+    """The layer's expert computation with a local exchange, for functional_call over gathered
+    experts (data-parallel calls): same code path as one process with all E experts."""
+
+    def __init__(self, layer: MoELayer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x_TD: Tensor, plan: DispatchPlan, layout: str) -> Tensor:
+        layer = self.layer
+        exchange, layer.exchange = layer.exchange, LocalExchange()
+        try:
+            return layer._experts_and_combine(x_TD, plan, layout)
+        finally:
+            layer.exchange = exchange

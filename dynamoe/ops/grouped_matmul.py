@@ -147,11 +147,12 @@ class _LoopGroupedMM(torch.autograd.Function):
         gs = None
         if need_s:
             # dL/ds_n = <g_n, x_n w + b> = <g_n w^T, x_n> + <g_n, b_e>: reuses g w^T, no extra matmul
-            gs = (gx * x_NI).sum(1, dtype=torch.float32)
+            acc = torch.promote_types(x_NI.dtype, torch.float32)  # fp32 for half inputs, fp64 stays fp64
+            gs = (gx * x_NI).sum(1, dtype=acc)
             if bias is not None:
                 group = torch.repeat_interleave(torch.arange(len(counts), device=g_NO.device),
                                                 torch.tensor(counts, device=g_NO.device), output_size=g_NO.size(0))
-                gs += (g_NO * bias.index_select(0, group)).sum(1, dtype=torch.float32)
+                gs += (g_NO * bias.index_select(0, group)).sum(1, dtype=acc)
             gs = gs.to(s_N.dtype)
             if need_x:
                 gx.mul_(s_N.to(gx.dtype).unsqueeze(1))

@@ -37,3 +37,6 @@ class AllToAllExchange:
 
     def combine(self, y_LCO: Tensor) -> Tensor:
         return net.all_to_all(y_LCO, 0, 1, group=self.group)   # [L, W*C, O] -> [E, C, O]
+
+    def gather_experts(self, p: Tensor) -> Tensor:
+        return net.all_gather(p, 0, group=self.group)          # [L, ...] -> [E, ...], grads summed back
