@@ -247,3 +247,23 @@ def test_module_entry_point():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr
     assert len(printed_losses(proc.stdout)) == 2 and "[Summary]" in proc.stdout
+
+
+def test_helloworld_under_torchrun_two_ranks():
+    """Tutel's multi-process run: torchrun --nproc_per_node=2 spreads the experts over the ranks."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+         "-m", "dynamoe.examples.helloworld", "--batch_size", "2", "--num_tokens", "16", "--model_dim", "16",
+         "--hidden_size", "32", "--num_local_experts", "2", "--top", "2", "--num_steps", "3", "--capacity_factor", "0"],
+        capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "world_size = 2" in out.stdout
+    assert out.stdout.count("STEP-") == 3  # rank 0 prints, rank 1 does not
+    load = out.stdout.split("load = [")[1].split("]")[0]
+    assert len(load.split(",")) == 4  # 2 local experts x 2 ranks

@@ -22,6 +22,29 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.f
 _SUMMARY_STEPS = 10  # Tutel averages the step time over the last 10 steps
 
 
+def world() -> tuple[int, int]:
+    """(rank, world size) of this example run: torchrun's environment, or (0, 1)."""
+    from ..parallel import net
+    return net.get_world_rank(), net.get_world_size()
+
+
+def dist_print(*args, **kw) -> None:
+    """print on rank 0 only (every rank runs the same loop)."""
+    if world()[0] == 0:
+        print(*args, **kw)
+
+
+def _init_distributed(args) -> None:
+    """Under torchrun (WORLD_SIZE > 1): join the process group; CUDA ranks use cuda:LOCAL_RANK."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    from ..parallel import net
+    if args.device.type == "cuda":
+        args.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(args.device)
+    net.init_process_group("nccl" if args.device.type == "cuda" else "gloo")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -95,8 +118,9 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     then seed torch with ``--seed``."""
     args = parser.parse_args(argv)
     err = parser.error
-    if hasattr(args, "top") and hasattr(args, "num_local_experts") and args.top > args.num_local_experts:
-        err(f"argument --top: must be <= --num_local_experts ({args.num_local_experts}), got {args.top}")
+    ranks = max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    if hasattr(args, "top") and hasattr(args, "num_local_experts") and args.top > args.num_local_experts * ranks:
+        err(f"argument --top: must be <= the number of experts ({args.num_local_experts} x {ranks} ranks), got {args.top}")
     if getattr(args, "megablocks_size", None) is not None and args.megablocks_size < 0:
         err(f"argument --megablocks_size: must be >= 0, got {args.megablocks_size}")
     if hasattr(args, "parallel_type"):
@@ -123,6 +147,8 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             err(f"argument --checkpoint_path: folder {folder!r} does not exist")
         if os.path.isdir(args.checkpoint_path):
             err(f"argument --checkpoint_path: {args.checkpoint_path!r} is a folder, not a file")
+    if hasattr(args, "device"):
+        _init_distributed(args)
     torch.manual_seed(args.seed)  # everything not seeded explicitly (layer init has its own seeds)
     return args
 
@@ -146,12 +172,12 @@ class ExampleModel(nn.Module):
 def print_param_counts(moe) -> None:
     local = sum(p.numel() for _, p in moe.get_parameter_iterator("local_experts"))
     gate = sum(p.numel() for _, p in moe.get_parameter_iterator("gate"))
-    print(f"[Statistics] param count for MoE local_experts = {local}, param count for MoE gate = {gate}.")
+    dist_print(f"[Statistics] param count for MoE local_experts = {local}, param count for MoE gate = {gate}.")
 
 
 def make_data(args, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Tutel's data: x ~ N(0, 1) [batch, tokens, model_dim] and target class 0 for every sample."""
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(args.seed + world()[0])  # each rank its own batch
     x = torch.randn(args.batch_size, args.num_tokens, args.model_dim, generator=g).to(device=args.device, dtype=dtype)
     target = torch.zeros(args.batch_size, dtype=torch.long, device=args.device)
     return x, target
@@ -183,7 +209,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, scaler=None) -> int:
     """Restore what :func:`save_checkpoint` wrote, if ``path`` exists; returns the training steps it
     had taken (0 when there is no file). A file that does not fit the model exits with a message."""
     if not os.path.exists(path):
-        print(f"[Checkpoint] `{path}` not found: starting from fresh weights.")
+        dist_print(f"[Checkpoint] `{path}` not found: starting from fresh weights.")
         return 0
     try:
         state = torch.load(path, map_location=next(model.parameters()).device, weights_only=True)
@@ -195,7 +221,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, scaler=None) -> int:
         raise SystemExit(f"error: checkpoint `{path}` does not fit this model (saved by another example or with "
                          f"other sizes?); delete it or pass another --checkpoint_path.\n{type(e).__name__}: {e}") from e
     steps = int(state.get("steps", 0))
-    print(f"[Checkpoint] loaded model and optimizer state from `{path}` ({steps} training steps so far).")
+    dist_print(f"[Checkpoint] loaded model and optimizer state from `{path}` ({steps} training steps so far).")
     return steps
 
 
@@ -215,7 +241,20 @@ def save_checkpoint(path: str, model: nn.Module, optimizer, scaler=None, steps: 
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    print(f"[Checkpoint] saved model and optimizer state to `{path}` ({steps} training steps).")
+    dist_print(f"[Checkpoint] saved model and optimizer state to `{path}` ({steps} training steps).")
+
+
+def _average_gradients(model: nn.Module) -> None:
+    """Tutel's data-parallel step: average the gradients of every parameter not tagged
+    ``skip_allreduce`` (the experts, whose gradients the all-to-all already summed over ranks)."""
+    rank, size = world()
+    if size == 1:
+        return
+    from ..parallel import net
+    for p in model.parameters():
+        if p.grad is not None and not getattr(p, "skip_allreduce", False):
+            p.grad /= size
+            net.simple_all_reduce(p.grad)
 
 
 def run_loop(args, model: nn.Module, x: Tensor, target: Tensor, flops_fn: Callable[[RoutingStats], int],
@@ -255,6 +294,7 @@ def run_loop(args, model: nn.Module, x: Tensor, target: Tensor, flops_fn: Callab
                 scaler.update()
             else:
                 loss.backward()
+                _average_gradients(model)
                 optimizer.step()
         _sync(device)
         dt = time.perf_counter() - t0
@@ -262,12 +302,12 @@ def run_loop(args, model: nn.Module, x: Tensor, target: Tensor, flops_fn: Callab
         flops = flops_fn(stats) * (1 if args.eval else 3)  # backward = 2x forward
         losses.append(float(loss.detach()))
         times.append(dt)
-        print(f"STEP-{i}: loss = {losses[-1]:.5f}, step_time = {dt:.6f} sec, perf = {flops / max(dt, 1e-9) * 1e-12:.3f} tflops.")
+        dist_print(f"STEP-{i}: loss = {losses[-1]:.5f}, step_time = {dt:.6f} sec, perf = {flops / max(dt, 1e-9) * 1e-12:.3f} tflops.")
         if after_step is not None:
             after_step(i, kw, stats)
     last = times[-_SUMMARY_STEPS:]
-    print(f"\n[Summary] Average step_time over the last {len(last)} step(s) = {sum(last) / len(last):.6f} sec.")
-    print(f"[Routing] last step: {format_stats(model.routing_stats)}")
+    dist_print(f"\n[Summary] Average step_time over the last {len(last)} step(s) = {sum(last) / len(last):.6f} sec.")
+    dist_print(f"[Routing] last step: {format_stats(model.routing_stats)}")
     if checkpoint:
         save_checkpoint(args.checkpoint_path, model, optimizer, scaler, steps_before + (0 if args.eval else args.num_steps))
     return losses

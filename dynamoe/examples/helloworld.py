@@ -5,9 +5,10 @@ Usage: python -m dynamoe.examples.helloworld --batch_size 4 --num_tokens 256 --m
            [--save_load_checkpoint [--checkpoint_path PATH]]
 
 The per-call switches (capacity_factor, a2a_ffn_overlap_degree, adaptive_r from --parallel_type,
-megablocks_size) are passed to every forward, as Tutel's forward accepts them. Tutel's
-multi-process flags (--local_rank, --allreduce_degree, --use_2dh) are accepted and have no effect
-on one process. --save_load_checkpoint resumes from --checkpoint_path and saves there at the end.
+megablocks_size) are passed to every forward, as Tutel's forward accepts them. Under
+torchrun (e.g. `torchrun --nproc_per_node=2 -m dynamoe.examples.helloworld ...`) the experts are
+spread over the ranks (expert parallelism over gloo on CPU, NCCL on CUDA) and the gate's gradients
+are averaged, as in Tutel; --local_rank and --allreduce_degree are accepted for Tutel's command lines. --save_load_checkpoint resumes from --checkpoint_path and saves there at the end.
 """
 from __future__ import annotations
 
@@ -15,8 +16,13 @@ import torch.nn.functional as F
 
 from ..moe import moe_layer
 from ..moe.config import parse_parallel_type
-from ._common import (DTYPES, ExampleModel, build_parser, ffn_flops_per_row, make_data, moe_forward_flops, parse_args,
-                      print_param_counts, run_loop)
+from ._common import (DTYPES, ExampleModel, build_parser, dist_print, ffn_flops_per_row, make_data, moe_forward_flops,
+                      parse_args, print_param_counts, run_loop, world)
+
+
+def _world_group():
+    import torch.distributed as dist
+    return dist.group.WORLD if world()[1] > 1 else None
 
 
 def build_model(args, dtype=None) -> ExampleModel:
@@ -33,7 +39,8 @@ def build_model(args, dtype=None) -> ExampleModel:
         seeds=(args.seed + 1, args.seed + 1, args.seed + 1),
         a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
         parallel_type=args.parallel_type,
-        use_2dh=args.use_2dh,  # no effect on one process
+        group=_world_group(),  # torchrun: experts spread over the ranks (expert parallelism)
+        use_2dh=args.use_2dh,
         dtype=dtype or DTYPES[args.dtype],  # dynamoe extension: build in place, no global default dtype
         device=args.device,
     )
@@ -53,7 +60,7 @@ def flops_fn(args):
 
 
 def print_benchmark_line(args) -> None:
-    print(f"[Benchmark] dtype = {args.dtype}, model_dim = {args.model_dim}, hidden_size = {args.hidden_size}, "
+    dist_print(f"[Benchmark] world_size = {world()[1]}, dtype = {args.dtype}, model_dim = {args.model_dim}, hidden_size = {args.hidden_size}, "
           f"samples = {args.batch_size * args.num_tokens}, num_local_experts = {args.num_local_experts}, "
           f"topK = {args.top}, a2a_ffn_overlap_degree = {args.a2a_ffn_overlap_degree}, "
           f"parallel_type = `{args.parallel_type}`, device = `{args.device}`")
@@ -62,7 +69,7 @@ def print_benchmark_line(args) -> None:
 def main(argv=None) -> list[float]:
     args = parse_args(build_parser(__doc__.splitlines()[0]), argv)
     model = build_model(args)
-    print(model)
+    dist_print(model)
     x, target = make_data(args, DTYPES[args.dtype])
     print_benchmark_line(args)
     return run_loop(args, model, x, target, flops_fn(args), forward_switches(args))
