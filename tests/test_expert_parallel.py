@@ -38,20 +38,22 @@ def ep_worker(rank, world, gate, experts, cf, tokens):
 
     pointers = {n: p.data_ptr() for n, p in ep.named_parameters()}
     # r=1: expert parallel (all-to-all); r=0: data parallel for the call (experts gathered)
-    for r, layouts in ((1, ["padded"]), (0, ["padded", "ragged"])):
-        for layout in layouts:
-            ep.zero_grad()
-            x = X[mine].clone().requires_grad_()
-            y = ep(x, adaptive_r=r, layout=layout)
-            assert y.routing_stats.layout == layout
-            (y * G[mine]).sum().backward()
-            torch.testing.assert_close(y, y_ref[mine])
-            torch.testing.assert_close(x.grad, Xr.grad[mine])
-            for (name, p), (_, q) in zip(ep.experts.named_parameters(), ref.experts.named_parameters()):
-                torch.testing.assert_close(p.grad, q.grad[rank * L:(rank + 1) * L], msg=f"r={r} {name}")
-            gate_grad = ep.gates[0].wg.weight.grad.clone()
-            dist.all_reduce(gate_grad)
-            torch.testing.assert_close(gate_grad, ref.gates[0].wg.weight.grad)
+    # r=1 with overlap degree N: N capacity chunks, their all-to-alls in flight together
+    runs = [(1, "padded", 1), (1, "padded", 2), (1, "padded", 4), (0, "padded", 1), (0, "ragged", 1)]
+    for r, layout, overlap in runs:
+        ep.zero_grad()
+        x = X[mine].clone().requires_grad_()
+        y = ep(x, adaptive_r=r, layout=layout, a2a_ffn_overlap_degree=overlap)
+        assert y.routing_stats.capacity % overlap == 0
+        assert y.routing_stats.layout == layout
+        (y * G[mine]).sum().backward()
+        torch.testing.assert_close(y, y_ref[mine])
+        torch.testing.assert_close(x.grad, Xr.grad[mine])
+        for (name, p), (_, q) in zip(ep.experts.named_parameters(), ref.experts.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad[rank * L:(rank + 1) * L], msg=f"r={r} N={overlap} {name}")
+        gate_grad = ep.gates[0].wg.weight.grad.clone()
+        dist.all_reduce(gate_grad)
+        torch.testing.assert_close(gate_grad, ref.gates[0].wg.weight.grad)
     assert pointers == {n: p.data_ptr() for n, p in ep.named_parameters()}  # switching moved nothing
 
     # per-call switches work across ranks too (same answer as the global layer with the same switch)

@@ -9,6 +9,8 @@ An exchange has ``world_size``, ``rank`` and:
     agree so that every rank sends equal-size blocks);
   * ``dispatch(x_ECD) -> x_LWcD``: [E = W*L global experts, C, D] -> [L local experts, W*C, D];
   * ``combine(y_LWcO) -> y_ECO``: the inverse exchange;
+  * ``start_dispatch`` / ``start_combine`` -> handle and ``finish(handle)``: the same exchanges split
+    in two, so several can be in flight while experts compute (``a2a_ffn_overlap_degree``);
   * ``gather_experts(p_L...) -> p_E...``: every rank's expert parameters concatenated along dim 0,
     differentiable (the gradient of each expert sums over ranks) -- data parallelism for one call
     (``adaptive_r=0``) without moving any parameter for good.
@@ -38,6 +40,16 @@ class LocalExchange:
 
     def gather_experts(self, p: Tensor) -> Tensor:
         return p
+
+    def start_dispatch(self, x_ECD: Tensor):
+        return x_ECD
+
+    def start_combine(self, y_LCO: Tensor):
+        return y_LCO
+
+    @staticmethod
+    def finish(handle) -> Tensor:
+        return handle
 
 
 _FACTORY: Optional[Callable] = None

@@ -217,7 +217,7 @@ class MoELayer(nn.Module):
         if data_parallel:  # every expert on every rank for this call: no token exchange
             y_TO = self._data_parallel_experts(x_TD, plan, chosen_layout)
         elif plan.order_N.numel() or self.world_size > 1:
-            y_TO = self._experts_and_combine(x_TD, plan, chosen_layout)
+            y_TO = self._experts_and_combine(x_TD, plan, chosen_layout, overlap)
         else:  # everything dropped (capacity 0): zeros, still in the autograd graph
             y_TO = x_TD.new_zeros(plan.num_tokens, self._out_dim()) + (x_TD.sum() + routing.weights_TK.sum()).to(x_TD.dtype) * 0
         if self.shared_experts is not None:
@@ -298,11 +298,18 @@ class MoELayer(nn.Module):
         p = next(self.experts.parameters(), None)
         return p is not None and p.device.type != "cpu"
 
-    def _experts_and_combine(self, x_TD: Tensor, plan: DispatchPlan, layout: str) -> Tensor:
+    def _experts_and_combine(self, x_TD: Tensor, plan: DispatchPlan, layout: str, overlap: int = 1) -> Tensor:
         post = self.config.is_postscore
         if layout == "padded":  # [E, C, D] -> (other ranks' slots for my experts) -> experts -> back
-            x_LCD = self.exchange.dispatch(dispatch_padded(x_TD, plan, prescale=not post))
-            y_ECO = self.exchange.combine(self.experts(x_LCD, self))
+            x_ECD = dispatch_padded(x_TD, plan, prescale=not post)
+            ex = self.exchange
+            if overlap > 1 and self.world_size > 1:
+                # all chunks' all-to-alls in flight first; experts on chunk i while i+1.. still move
+                sent = [ex.start_dispatch(c) for c in x_ECD.chunk(overlap, dim=1)]
+                back = [ex.start_combine(self.experts(ex.finish(h), self)) for h in sent]
+                y_ECO = torch.cat([ex.finish(h) for h in back], dim=1)
+            else:
+                y_ECO = ex.combine(self.experts(ex.dispatch(x_ECD), self))
             return combine_padded(y_ECO, plan, postscore=post)
         if not getattr(self.experts, "fuses_row_scale", False):  # custom experts
             y_NO = self.experts.forward_ragged(dispatch_ragged(x_TD, plan, prescale=not post), plan.counts)

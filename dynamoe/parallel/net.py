@@ -22,7 +22,7 @@ from torch import Tensor
 
 __all__ = [
     "TIMEOUT_ENV", "init_process_group", "is_initialized", "get_world_size", "get_world_rank", "barrier",
-    "all_to_all_single", "all_to_all", "all_gather", "reduce_scatter", "zero_gather", "zero_scatter",
+    "all_to_all_single", "all_to_all", "all_to_all_start", "all_to_all_finish", "all_gather", "reduce_scatter", "zero_gather", "zero_scatter",
     "all_to_all_v", "batch_all_to_all_v", "all_gather_v", "batch_all_gather_v", "create_groups_from_world",
     "ParallelGroups", "simple_all_reduce", "collective_timeout",
 ]
@@ -105,24 +105,47 @@ def all_to_all_single(x: Tensor, group=None) -> Tensor:
     return _AllToAllSingle.apply(x, group, None, None)
 
 
-def all_to_all(x: Tensor, input_dim: int, output_dim: int, use_2dh: bool = False, group=None) -> Tensor:
-    """Tutel's all_to_all: split ``x`` into world-many chunks along ``output_dim``, send chunk i to
-    rank i, and concatenate what arrives along ``input_dim``. Its gradient is the reverse exchange.
-    ``use_2dh`` (Tutel's two-level intra-/inter-node exchange) is accepted for compatibility; this
-    version always runs the flat exchange, whose result the two-level one must equal."""
+try:  # lazily-waited, differentiable all-to-all: collectives issued now, waited on first use
+    from torch.distributed._functional_collectives import all_to_all_single_autograd as _a2a_async
+except ImportError:  # older torch: a blocking exchange with the same results
+    _a2a_async = None
+
+
+def all_to_all_start(x: Tensor, input_dim: int, output_dim: int, group=None):
+    """Issue :func:`all_to_all` and return a handle; :func:`all_to_all_finish` waits for it (at its
+    first use) and lays the result out. Issuing several before finishing any overlaps the transfers
+    with whatever runs in between (``a2a_ffn_overlap_degree``)."""
     W = get_world_size(group)
     if W == 1:
-        return x
+        return ("local", x)
     nd = x.dim()
     input_dim, output_dim = input_dim % nd, output_dim % nd
     if x.size(output_dim) % W:
         raise ValueError(f"all_to_all: dim {output_dim} ({x.size(output_dim)}) must be divisible by the world size {W}")
     # [W, chunk...] with the chunk index first, so one all_to_all_single moves everything
     chunks = x.unflatten(output_dim, (W, x.size(output_dim) // W)).movedim(output_dim, 0).contiguous()
-    received = all_to_all_single(chunks.flatten(0, 1) if chunks.dim() > 1 else chunks, group)
-    received = received.view(chunks.shape)              # [W(from rank), chunk...]
-    # concatenate along input_dim (index in the chunk's dims, which equal x's with output_dim shrunk)
+    flat = chunks.flatten(0, 1) if chunks.dim() > 1 else chunks
+    if _a2a_async is not None:
+        moved = _a2a_async(flat, None, None, group if group is not None else dist.group.WORLD)
+    else:
+        moved = _AllToAllSingle.apply(flat, group, None, None)
+    return ("sent", moved, tuple(chunks.shape), input_dim)
+
+
+def all_to_all_finish(handle) -> Tensor:
+    if handle[0] == "local":
+        return handle[1]
+    _, moved, shape, input_dim = handle
+    received = moved.view(shape)                       # [W(from rank), chunk...]; waits here
     return received.movedim(0, input_dim).flatten(input_dim, input_dim + 1)
+
+
+def all_to_all(x: Tensor, input_dim: int, output_dim: int, use_2dh: bool = False, group=None) -> Tensor:
+    """Tutel's all_to_all: split ``x`` into world-many chunks along ``output_dim``, send chunk i to
+    rank i, and concatenate what arrives along ``input_dim``. Its gradient is the reverse exchange.
+    ``use_2dh`` (Tutel's two-level intra-/inter-node exchange) is accepted for compatibility; this
+    version always runs the flat exchange, whose result the two-level one must equal."""
+    return all_to_all_finish(all_to_all_start(x, input_dim, output_dim, group))
 
 
 class _AllGather(torch.autograd.Function):
