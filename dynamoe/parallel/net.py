@@ -105,16 +105,29 @@ def all_to_all_single(x: Tensor, group=None) -> Tensor:
     return _AllToAllSingle.apply(x, group, None, None)
 
 
-try:  # lazily-waited, differentiable all-to-all: collectives issued now, waited on first use
-    from torch.distributed._functional_collectives import all_to_all_single_autograd as _a2a_async
-except ImportError:  # older torch: a blocking exchange with the same results
-    _a2a_async = None
+class _AllToAllStart(torch.autograd.Function):
+    """Issues an equal-split all_to_all_single asynchronously; the caller must wait on the handle
+    (all_to_all_finish) before using the output. The backward exchange is synchronous."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group, handles: list) -> Tensor:
+        ctx.group = group
+        out = torch.empty_like(x)
+        handles.append(dist.all_to_all_single(out, x, group=group, async_op=True))
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        g = g.contiguous()
+        out = torch.empty_like(g)
+        dist.all_to_all_single(out, g, group=ctx.group)
+        return out, None, None
 
 
 def all_to_all_start(x: Tensor, input_dim: int, output_dim: int, group=None):
-    """Issue :func:`all_to_all` and return a handle; :func:`all_to_all_finish` waits for it (at its
-    first use) and lays the result out. Issuing several before finishing any overlaps the transfers
-    with whatever runs in between (``a2a_ffn_overlap_degree``)."""
+    """Issue :func:`all_to_all` asynchronously and return a handle; :func:`all_to_all_finish` waits
+    for it and lays the result out. Issuing several before finishing any overlaps the transfers with
+    whatever runs in between (``a2a_ffn_overlap_degree``)."""
     W = get_world_size(group)
     if W == 1:
         return ("local", x)
@@ -124,20 +137,19 @@ def all_to_all_start(x: Tensor, input_dim: int, output_dim: int, group=None):
         raise ValueError(f"all_to_all: dim {output_dim} ({x.size(output_dim)}) must be divisible by the world size {W}")
     # [W, chunk...] with the chunk index first, so one all_to_all_single moves everything
     chunks = x.unflatten(output_dim, (W, x.size(output_dim) // W)).movedim(output_dim, 0).contiguous()
-    flat = chunks.flatten(0, 1) if chunks.dim() > 1 else chunks
-    if _a2a_async is not None:
-        moved = _a2a_async(flat, None, None, group if group is not None else dist.group.WORLD)
-    else:
-        moved = _AllToAllSingle.apply(flat, group, None, None)
-    return ("sent", moved, tuple(chunks.shape), input_dim)
+    works: list = []
+    moved = _AllToAllStart.apply(chunks, group, works)
+    return ("sent", moved, works, input_dim)
 
 
 def all_to_all_finish(handle) -> Tensor:
     if handle[0] == "local":
         return handle[1]
-    _, moved, shape, input_dim = handle
-    received = moved.view(shape)                       # [W(from rank), chunk...]; waits here
-    return received.movedim(0, input_dim).flatten(input_dim, input_dim + 1)
+    _, moved, works, input_dim = handle
+    for w in works:
+        w.wait()
+    works.clear()
+    return moved.movedim(0, input_dim).flatten(input_dim, input_dim + 1)
 
 
 def all_to_all(x: Tensor, input_dim: int, output_dim: int, use_2dh: bool = False, group=None) -> Tensor:
