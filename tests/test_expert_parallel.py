@@ -39,11 +39,16 @@ def ep_worker(rank, world, gate, experts, cf, tokens):
     pointers = {n: p.data_ptr() for n, p in ep.named_parameters()}
     # r=1: expert parallel (all-to-all); r=0: data parallel for the call (experts gathered)
     # r=1 with overlap degree N: N capacity chunks, their all-to-alls in flight together
-    runs = [(1, "padded", 1), (1, "padded", 2), (1, "padded", 4), (0, "padded", 1), (0, "ragged", 1)]
-    for r, layout, overlap in runs:
+    runs = [(1, "padded", 1, False), (1, "padded", 2, False), (1, "padded", 4, False), (0, "padded", 1, False),
+            (0, "ragged", 1, False)]
+    if world == 4:  # two nodes of two ranks: the two-level exchange, alone and with overlap
+        import os
+        os.environ["LOCAL_SIZE"] = "2"
+        runs += [(1, "padded", 1, True), (1, "padded", 2, True)]
+    for r, layout, overlap, two in runs:
         ep.zero_grad()
         x = X[mine].clone().requires_grad_()
-        y = ep(x, adaptive_r=r, layout=layout, a2a_ffn_overlap_degree=overlap)
+        y = ep(x, adaptive_r=r, layout=layout, a2a_ffn_overlap_degree=overlap, use_2dh=two)
         assert y.routing_stats.capacity % overlap == 0
         assert y.routing_stats.layout == layout
         (y * G[mine]).sum().backward()

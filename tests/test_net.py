@@ -30,6 +30,16 @@ def collectives_worker(rank, world):
     gs = [t.detach() for t in inputs(W, (2, W * 3, 4), seed=2, requires_grad=False)]
     check(rank, lambda x: net.all_to_all(x, 1, 0),
           lambda xs: [torch.cat([xs[j].chunk(W, 0)[r] for j in range(W)], dim=1) for r in range(W)], xs, gs)
+    # 2DH: two-level exchange (nodes of 2 ranks) equals the flat one, values and gradients
+    if W == 4:
+        import os
+        os.environ["LOCAL_SIZE"] = "2"
+        check(rank, lambda x: net.all_to_all(x, 1, 0, use_2dh=True),
+              lambda xs: [torch.cat([xs[j].chunk(W, 0)[r] for j in range(W)], dim=1) for r in range(W)],
+              [t.detach().clone().requires_grad_() for t in xs], gs)
+        y2 = net.all_to_all(xs[rank].detach(), 0, 2, use_2dh=True) if xs[rank].size(2) % W == 0 else None
+        if y2 is not None:
+            torch.testing.assert_close(y2, net.all_to_all(xs[rank].detach(), 0, 2))
     # and back: all_to_all(y, 0, 1) undoes it
     x = inputs(W, (W * 2, 3, 4), seed=3, requires_grad=False)[rank]
     torch.testing.assert_close(net.all_to_all(net.all_to_all(x, 1, 0), 0, 1), x)

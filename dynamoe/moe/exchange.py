@@ -7,7 +7,8 @@ registers its factory here when imported (this layer never imports the parallel 
 An exchange has ``world_size``, ``rank`` and:
   * ``agree_max(values) -> values``: element-wise max over ranks (capacity and token counts must
     agree so that every rank sends equal-size blocks);
-  * ``dispatch(x_ECD) -> x_LWcD``: [E = W*L global experts, C, D] -> [L local experts, W*C, D];
+  * ``dispatch(x_ECD, use_2dh) -> x_LWcD``: [E = W*L global experts, C, D] -> [L local experts, W*C, D]
+    (``use_2dh``: the two-level exchange, same result);
   * ``combine(y_LWcO) -> y_ECO``: the inverse exchange;
   * ``start_dispatch`` / ``start_combine`` -> handle and ``finish(handle)``: the same exchanges split
     in two, so several can be in flight while experts compute (``a2a_ffn_overlap_degree``);
@@ -32,19 +33,19 @@ class LocalExchange:
     def agree_max(self, values: list[int]) -> list[int]:
         return list(values)
 
-    def dispatch(self, x_ECD: Tensor) -> Tensor:
+    def dispatch(self, x_ECD: Tensor, use_2dh: bool = False) -> Tensor:
         return x_ECD
 
-    def combine(self, y_LCO: Tensor) -> Tensor:
+    def combine(self, y_LCO: Tensor, use_2dh: bool = False) -> Tensor:
         return y_LCO
 
     def gather_experts(self, p: Tensor) -> Tensor:
         return p
 
-    def start_dispatch(self, x_ECD: Tensor):
+    def start_dispatch(self, x_ECD: Tensor, use_2dh: bool = False):
         return x_ECD
 
-    def start_combine(self, y_LCO: Tensor):
+    def start_combine(self, y_LCO: Tensor, use_2dh: bool = False):
         return y_LCO
 
     @staticmethod

@@ -165,7 +165,7 @@ class MoELayer(nn.Module):
     def forward(self, input: Tensor, gate_index: int = 0, capacity_factor: float | None = None,
                 top_k: int | None = None, a2a_ffn_overlap_degree: int | None = None, reserve_dims: int = 1,
                 inequivalent_tokens: bool = False, adaptive_r: int | None = None,
-                megablocks_size: int | None = None, layout: str | None = None) -> Tensor:
+                megablocks_size: int | None = None, layout: str | None = None, use_2dh: bool | None = None) -> Tensor:
         """Route ``input`` [..., D] through the experts.
 
         ``inequivalent_tokens`` is accepted for Tutel compatibility; it matters only when ranks hold
@@ -177,9 +177,13 @@ class MoELayer(nn.Module):
             to a multiple of it). adaptive_r: parallel degree (0 or 1 on one process).
             megablocks_size: 0 forces the padded layout, >0 the ragged (dropless-style) layout.
             layout: "padded" | "ragged" (alternative to megablocks_size).
+            use_2dh: two-level all-to-all across ranks (within nodes of LOCAL_SIZE ranks, then across).
         """
         cfg = self.config
         x_TD, out_shape, orig_dtype = self._check_input(input, reserve_dims)
+        use_2dh = cfg.use_2dh if use_2dh is None else use_2dh
+        if not isinstance(use_2dh, bool):
+            raise ValueError(f"use_2dh must be True, False or None, got {use_2dh!r}")
         if isinstance(gate_index, bool) or not isinstance(gate_index, int) or not 0 <= gate_index < len(self.gates):
             raise ValueError(f"gate_index must be an int in [0, {len(self.gates)}), got {gate_index!r}")
         gcfg = cfg.gates[gate_index]
@@ -217,7 +221,7 @@ class MoELayer(nn.Module):
         if data_parallel:  # every expert on every rank for this call: no token exchange
             y_TO = self._data_parallel_experts(x_TD, plan, chosen_layout)
         elif plan.order_N.numel() or self.world_size > 1:
-            y_TO = self._experts_and_combine(x_TD, plan, chosen_layout, overlap)
+            y_TO = self._experts_and_combine(x_TD, plan, chosen_layout, overlap, use_2dh)
         else:  # everything dropped (capacity 0): zeros, still in the autograd graph
             y_TO = x_TD.new_zeros(plan.num_tokens, self._out_dim()) + (x_TD.sum() + routing.weights_TK.sum()).to(x_TD.dtype) * 0
         if self.shared_experts is not None:
@@ -298,18 +302,20 @@ class MoELayer(nn.Module):
         p = next(self.experts.parameters(), None)
         return p is not None and p.device.type != "cpu"
 
-    def _experts_and_combine(self, x_TD: Tensor, plan: DispatchPlan, layout: str, overlap: int = 1) -> Tensor:
+    def _experts_and_combine(self, x_TD: Tensor, plan: DispatchPlan, layout: str, overlap: int = 1,
+                             use_2dh: bool = False) -> Tensor:
         post = self.config.is_postscore
         if layout == "padded":  # [E, C, D] -> (other ranks' slots for my experts) -> experts -> back
             x_ECD = dispatch_padded(x_TD, plan, prescale=not post)
             ex = self.exchange
+            two = use_2dh
             if overlap > 1 and self.world_size > 1:
                 # all chunks' all-to-alls in flight first; experts on chunk i while i+1.. still move
-                sent = [ex.start_dispatch(c) for c in x_ECD.chunk(overlap, dim=1)]
-                back = [ex.start_combine(self.experts(ex.finish(h), self)) for h in sent]
+                sent = [ex.start_dispatch(c, two) for c in x_ECD.chunk(overlap, dim=1)]
+                back = [ex.start_combine(self.experts(ex.finish(h), self), two) for h in sent]
                 y_ECO = torch.cat([ex.finish(h) for h in back], dim=1)
             else:
-                y_ECO = ex.combine(self.experts(ex.dispatch(x_ECD), self))
+                y_ECO = ex.combine(self.experts(ex.dispatch(x_ECD, two), self), two)
             return combine_padded(y_ECO, plan, postscore=post)
         if not getattr(self.experts, "fuses_row_scale", False):  # custom experts
             y_NO = self.experts.forward_ragged(dispatch_ragged(x_TD, plan, prescale=not post), plan.counts)

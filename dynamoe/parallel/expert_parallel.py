@@ -32,21 +32,21 @@ class AllToAllExchange:
         backend = dist.get_backend(self.group)
         return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
-    def start_dispatch(self, x_ECD: Tensor):
-        return net.all_to_all_start(x_ECD, 1, 0, group=self.group)   # [E, C, D] -> [L, W*C, D]
+    def start_dispatch(self, x_ECD: Tensor, use_2dh: bool = False):
+        return net.all_to_all_start(x_ECD, 1, 0, self.group, use_2dh)   # [E, C, D] -> [L, W*C, D]
 
-    def start_combine(self, y_LCO: Tensor):
-        return net.all_to_all_start(y_LCO, 0, 1, group=self.group)   # [L, W*C, O] -> [E, C, O]
+    def start_combine(self, y_LCO: Tensor, use_2dh: bool = False):
+        return net.all_to_all_start(y_LCO, 0, 1, self.group, use_2dh)   # [L, W*C, O] -> [E, C, O]
 
     @staticmethod
     def finish(handle) -> Tensor:
         return net.all_to_all_finish(handle)
 
-    def dispatch(self, x_ECD: Tensor) -> Tensor:
-        return self.finish(self.start_dispatch(x_ECD))
+    def dispatch(self, x_ECD: Tensor, use_2dh: bool = False) -> Tensor:
+        return self.finish(self.start_dispatch(x_ECD, use_2dh))
 
-    def combine(self, y_LCO: Tensor) -> Tensor:
-        return self.finish(self.start_combine(y_LCO))
+    def combine(self, y_LCO: Tensor, use_2dh: bool = False) -> Tensor:
+        return self.finish(self.start_combine(y_LCO, use_2dh))
 
     def gather_experts(self, p: Tensor) -> Tensor:
         return net.all_gather(p, 0, group=self.group)          # [L, ...] -> [E, ...], grads summed back

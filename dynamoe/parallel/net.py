@@ -22,7 +22,7 @@ from torch import Tensor
 
 __all__ = [
     "TIMEOUT_ENV", "init_process_group", "is_initialized", "get_world_size", "get_world_rank", "barrier",
-    "all_to_all_single", "all_to_all", "all_to_all_start", "all_to_all_finish", "all_gather", "reduce_scatter", "zero_gather", "zero_scatter",
+    "all_to_all_single", "all_to_all", "all_to_all_start", "all_to_all_finish", "local_size", "all_gather", "reduce_scatter", "zero_gather", "zero_scatter",
     "all_to_all_v", "batch_all_to_all_v", "all_gather_v", "batch_all_gather_v", "create_groups_from_world",
     "ParallelGroups", "simple_all_reduce", "collective_timeout",
 ]
@@ -124,10 +124,42 @@ class _AllToAllStart(torch.autograd.Function):
         return out, None, None
 
 
-def all_to_all_start(x: Tensor, input_dim: int, output_dim: int, group=None):
+def local_size(world: int) -> int:
+    """Ranks per node for 2DH: ``LOCAL_SIZE`` (set by torchrun's LOCAL_WORLD_SIZE or the launcher)."""
+    raw = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or str(world)
+    n = int(raw) if raw.isdigit() else 0
+    if n < 1 or world % n:
+        raise ValueError(f"2DH all-to-all needs LOCAL_SIZE (ranks per node) dividing the world size {world}, got {raw!r}")
+    return n
+
+
+def _two_level(chunks: Tensor, W: int) -> Tensor:
+    """Two-level (2DH) exchange of [W, c...] blocks: first within each node, then across nodes
+    between ranks with the same local index; the result is the flat exchange's, in its order."""
+    n = local_size(W)
+    N = W // n
+    groups = create_groups_from_world(-n)                  # model_group: my node; data_group: my column
+    tail = chunks.shape[1:]
+    # [N(dst node), n(dst local), c] -> [n(dst local), N(dst node), c]: intra-node exchange by dst local
+    a = chunks.view(N, n, *tail).transpose(0, 1).contiguous().view(W, *tail)
+    works: list = []
+    a = _AllToAllStart.apply(a, groups.model_group, works)
+    for w in works:
+        w.wait()
+    # now [n(src local), N(dst node), c] -> [N(dst node), n(src local), c]: exchange across nodes
+    b = a.view(n, N, *tail).transpose(0, 1).contiguous().view(W, *tail)
+    works = []
+    b = _AllToAllStart.apply(b, groups.data_group, works)
+    for w in works:
+        w.wait()
+    return b                                               # [N(src node), n(src local), c] = [W(src), c]
+
+
+def all_to_all_start(x: Tensor, input_dim: int, output_dim: int, group=None, use_2dh: bool = False):
     """Issue :func:`all_to_all` asynchronously and return a handle; :func:`all_to_all_finish` waits
     for it and lays the result out. Issuing several before finishing any overlaps the transfers with
-    whatever runs in between (``a2a_ffn_overlap_degree``)."""
+    whatever runs in between (``a2a_ffn_overlap_degree``). ``use_2dh``: the two-level exchange
+    (completes before returning)."""
     W = get_world_size(group)
     if W == 1:
         return ("local", x)
@@ -137,6 +169,10 @@ def all_to_all_start(x: Tensor, input_dim: int, output_dim: int, group=None):
         raise ValueError(f"all_to_all: dim {output_dim} ({x.size(output_dim)}) must be divisible by the world size {W}")
     # [W, chunk...] with the chunk index first, so one all_to_all_single moves everything
     chunks = x.unflatten(output_dim, (W, x.size(output_dim) // W)).movedim(output_dim, 0).contiguous()
+    if use_2dh:
+        if group not in (None, dist.group.WORLD):
+            raise ValueError("use_2dh works on the world group (nodes are groups of LOCAL_SIZE consecutive ranks)")
+        return ("sent", _two_level(chunks, W), [], input_dim)
     works: list = []
     moved = _AllToAllStart.apply(chunks, group, works)
     return ("sent", moved, works, input_dim)
@@ -155,9 +191,9 @@ def all_to_all_finish(handle) -> Tensor:
 def all_to_all(x: Tensor, input_dim: int, output_dim: int, use_2dh: bool = False, group=None) -> Tensor:
     """Tutel's all_to_all: split ``x`` into world-many chunks along ``output_dim``, send chunk i to
     rank i, and concatenate what arrives along ``input_dim``. Its gradient is the reverse exchange.
-    ``use_2dh`` (Tutel's two-level intra-/inter-node exchange) is accepted for compatibility; this
-    version always runs the flat exchange, whose result the two-level one must equal."""
-    return all_to_all_finish(all_to_all_start(x, input_dim, output_dim, group))
+    ``use_2dh``: Tutel's two-level exchange (within each node of ``LOCAL_SIZE`` ranks, then across
+    nodes), which sends fewer, larger messages between nodes; identical result."""
+    return all_to_all_finish(all_to_all_start(x, input_dim, output_dim, group, use_2dh))
 
 
 class _AllGather(torch.autograd.Function):
