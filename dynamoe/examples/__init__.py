@@ -9,7 +9,18 @@ Run any of them as a module, e.g. ``python -m dynamoe.examples.helloworld --help
 * ``helloworld_custom_gate_expert`` -- user gate and expert classes plugged into ``moe_layer``.
 * ``helloworld_from_scratch`` -- an MoE layer assembled from ``dynamoe.ops`` and the dispatch plan,
   documenting the data flow.
+* ``helloworld_ddp`` -- helloworld's model in ``dynamoe.parallel.data_parallel`` (DDP that leaves the
+  expert parameters alone); on one process it makes its own 1-rank gloo group.
+* ``helloworld_ddp_tutel`` -- helloworld trained with the ZeRO-1 ``ZeroOptimizer`` (AdamW, ``--lr``).
+* ``bandwidth_test`` -- all-to-all bandwidth table, ``dynamoe.net`` vs raw ``torch.distributed`` (>= 2 ranks).
+* ``nccl_all_to_all_v`` / ``nccl_all_gather_v`` -- ``net.batch_all_to_all_v`` with uneven and zero counts and
+  ``net.batch_all_gather_v`` with a different row count per rank, checked against what each rank
+  expects (any backend, despite Tutel's names).
 
-Each module exposes ``main(argv=None)`` (returns the per-step losses); ``_common`` holds the shared
-flags, validation and training loop.
+Under ``torchrun --nproc_per_node=N -m dynamoe.examples.<name> ...`` the examples join the process
+group (gloo on CPU, NCCL on CUDA) and spread the experts over the ranks; ``helloworld_switch`` then
+also checks that every (adaptive_r, a2a_ffn_overlap_degree, use_2dh) setting gives the same loss.
+
+Each module exposes ``main(argv=None)`` (the training examples return the per-step losses); ``_common``
+holds the shared flags, validation and training loop.
 """

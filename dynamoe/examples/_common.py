@@ -45,6 +45,23 @@ def _init_distributed(args) -> None:
     net.init_process_group("nccl" if args.device.type == "cuda" else "gloo")
 
 
+def run_main(main: Callable[[], object]) -> None:
+    """Entry point of a module run as a script: ``main()``, then, when it joined a process group
+    (torchrun), a barrier and ``destroy_process_group``. Leaving gloo's group to interpreter exit
+    can abort a rank ("terminate called without an active exception") while its peer is still
+    finishing; a failing rank skips the barrier so it cannot hang on it."""
+    import torch.distributed as dist
+    ok = False
+    try:
+        main()
+        ok = True
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            if ok:
+                dist.barrier()
+            dist.destroy_process_group()
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -78,7 +95,7 @@ def build_parser(description: str, omit: Iterable[str] = (), **defaults) -> argp
             p.add_argument(f"--{name}", *aliases, **kw)
 
     add("local_rank", "--local-rank", type=int, default=-1,
-        help="set by distributed launchers; ignored (dynamoe examples run on one process)")
+        help="set by older distributed launchers; ignored (torchrun's LOCAL_RANK environment is used)")
     add("batch_size", type=_positive_int, default=16)
     add("num_tokens", type=_positive_int, default=512)
     add("model_dim", type=_positive_int, default=2048)
@@ -104,7 +121,7 @@ def build_parser(description: str, omit: Iterable[str] = (), **defaults) -> argp
              "to a multiple of it (Tutel); unset lets the layer pick")
     add("expert_type", choices=["ffn", "glu"], default="ffn",
         help="ffn: fc1 -> relu -> fc2 (Tutel's); glu: SwiGLU gate/up/down")
-    add("lr", type=_finite_float, default=1e-5, help="SGD learning rate (Tutel's default)")
+    add("lr", type=_finite_float, default=1e-5, help="learning rate (default: Tutel's SGD one)")
     add("seed", type=int, default=0)
     add("save_load_checkpoint", action="store_true",
         help="load model+optimizer state from --checkpoint_path at start if it exists; save it there at the end")
@@ -149,6 +166,10 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             err(f"argument --checkpoint_path: {args.checkpoint_path!r} is a folder, not a file")
     if hasattr(args, "device"):
         _init_distributed(args)
+    rank, size = world()
+    if size > 1 and getattr(args, "checkpoint_path", None):
+        # experts and optimizer shards differ per rank: one file each (dynamoe.checkpoint.gather joins them)
+        args.checkpoint_path = f"{args.checkpoint_path}.rank{rank}-of-{size}"
     torch.manual_seed(args.seed)  # everything not seeded explicitly (layer init has its own seeds)
     return args
 
@@ -257,18 +278,33 @@ def _average_gradients(model: nn.Module) -> None:
             net.simple_all_reduce(p.grad)
 
 
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model under a DistributedDataParallel wrapper (which does not forward plain attributes
+    such as ``l_aux`` and ``routing_stats``), or the model itself."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
 def run_loop(args, model: nn.Module, x: Tensor, target: Tensor, flops_fn: Callable[[RoutingStats], int],
              switches: Callable[[int], dict] | dict | None = None, autocast_dtype: torch.dtype | None = None,
-             after_step: Callable[[int, dict, RoutingStats], None] | None = None) -> list[float]:
+             after_step: Callable[[int, dict, RoutingStats], None] | None = None,
+             make_optimizer: Callable[[Iterable[nn.Parameter]], object] | None = None,
+             average_gradients: bool = True) -> list[float]:
     """Tutel's loop: SGD on nll_loss (+ l_aux_wt * l_aux), or forward only with ``--eval``. With
     ``--save_load_checkpoint`` the model and optimizer start from ``--checkpoint_path`` (if the file
     exists) and are saved there at the end.
 
     ``model(x, **switches)`` returns log-probs [batch, tokens] and leaves ``model.l_aux`` and
-    ``model.routing_stats``; ``switches`` is a dict or a function of the step index. Returns the losses.
+    ``model.routing_stats`` (``model`` may be wrapped in DistributedDataParallel); ``switches`` is a
+    dict or a function of the step index. Returns the losses.
+
+    ``make_optimizer(params)`` builds the optimizer from ``model.parameters()`` (default:
+    ``torch.optim.SGD(params, lr=args.lr)``). ``average_gradients``: after backward, average the
+    gradients of the parameters not tagged ``skip_allreduce`` over the ranks (Tutel's manual step);
+    pass False when something else already does it (DistributedDataParallel, ZeroOptimizer).
     """
     device = x.device
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    inner = _unwrap(model)
+    optimizer = (make_optimizer or (lambda params: torch.optim.SGD(params, lr=args.lr)))(model.parameters())
     scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 and not args.eval else None
     checkpoint = getattr(args, "save_load_checkpoint", False)
     steps_before = load_checkpoint(args.checkpoint_path, model, optimizer, scaler) if checkpoint else 0
@@ -287,18 +323,21 @@ def run_loop(args, model: nn.Module, x: Tensor, target: Tensor, flops_fn: Callab
             with amp:
                 loss = F.nll_loss(model(x, **kw).float(), target)
                 if args.l_aux_wt:
-                    loss = loss + args.l_aux_wt * model.l_aux
+                    loss = loss + args.l_aux_wt * inner.l_aux
             if scaler is not None:
                 scaler.scale(loss).backward()
+                if average_gradients:  # averaging commutes with the loss scale
+                    _average_gradients(model)
                 scaler.step(optimizer)
                 scaler.update()
             else:
                 loss.backward()
-                _average_gradients(model)
+                if average_gradients:
+                    _average_gradients(model)
                 optimizer.step()
         _sync(device)
         dt = time.perf_counter() - t0
-        stats = model.routing_stats
+        stats = inner.routing_stats
         flops = flops_fn(stats) * (1 if args.eval else 3)  # backward = 2x forward
         losses.append(float(loss.detach()))
         times.append(dt)
@@ -307,7 +346,7 @@ def run_loop(args, model: nn.Module, x: Tensor, target: Tensor, flops_fn: Callab
             after_step(i, kw, stats)
     last = times[-_SUMMARY_STEPS:]
     dist_print(f"\n[Summary] Average step_time over the last {len(last)} step(s) = {sum(last) / len(last):.6f} sec.")
-    dist_print(f"[Routing] last step: {format_stats(model.routing_stats)}")
+    dist_print(f"[Routing] last step: {format_stats(inner.routing_stats)}")
     if checkpoint:
         save_checkpoint(args.checkpoint_path, model, optimizer, scaler, steps_before + (0 if args.eval else args.num_steps))
     return losses

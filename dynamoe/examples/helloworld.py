@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..moe import moe_layer
 from ..moe.config import parse_parallel_type
-from ._common import (DTYPES, ExampleModel, build_parser, dist_print, ffn_flops_per_row, make_data, moe_forward_flops,
+from ._common import (run_main, DTYPES, ExampleModel, build_parser, dist_print, ffn_flops_per_row, make_data, moe_forward_flops,
                       parse_args, print_param_counts, run_loop, world)
 
 
@@ -76,4 +76,4 @@ def main(argv=None) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import build_parser, make_data, parse_args, run_loop
+from ._common import run_main, build_parser, make_data, parse_args, run_loop
 from .helloworld import build_model, flops_fn, forward_switches, print_benchmark_line
 
 AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,4 +34,4 @@ def main(argv=None) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

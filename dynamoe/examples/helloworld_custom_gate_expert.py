@@ -15,7 +15,7 @@ from torch import nn
 
 from ..moe import moe_layer
 from ..moe.config import parse_parallel_type
-from ._common import (DTYPES, ExampleModel, build_parser, make_data, moe_forward_flops, parse_args, print_param_counts,
+from ._common import (run_main, DTYPES, ExampleModel, build_parser, make_data, moe_forward_flops, parse_args, print_param_counts,
                       run_loop)
 
 
@@ -80,4 +80,4 @@ def main(argv=None) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

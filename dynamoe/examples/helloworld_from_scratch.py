@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from ..moe import build_plan, combine_padded, combine_ragged, dispatch_padded, dispatch_ragged, gshard_loss
 from ..ops import grouped_mm, softmax_topk
-from ._common import (DTYPES, ExampleModel, build_parser, ffn_flops_per_row, make_data, moe_forward_flops, parse_args,
+from ._common import (run_main, DTYPES, ExampleModel, build_parser, ffn_flops_per_row, make_data, moe_forward_flops, parse_args,
                       run_loop)
 
 
@@ -102,4 +102,4 @@ def main(argv=None) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

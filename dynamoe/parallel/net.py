@@ -24,10 +24,25 @@ __all__ = [
     "TIMEOUT_ENV", "init_process_group", "is_initialized", "get_world_size", "get_world_rank", "barrier",
     "all_to_all_single", "all_to_all", "all_to_all_start", "all_to_all_finish", "local_size", "all_gather", "reduce_scatter", "zero_gather", "zero_scatter",
     "all_to_all_v", "batch_all_to_all_v", "all_gather_v", "batch_all_gather_v", "create_groups_from_world",
-    "ParallelGroups", "simple_all_reduce", "collective_timeout",
+    "ParallelGroups", "simple_all_reduce", "collective_timeout", "all_gather_into", "reduce_scatter_into",
 ]
 
 TIMEOUT_ENV = "DYNAMOE_COLLECTIVE_TIMEOUT_SEC"
+
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (>= 2.4) have the old names
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into(out: Tensor, x: Tensor, group=None) -> None:
+    """out = every rank's x concatenated along dim 0 (in place, no autograd)."""
+    _gather_single(out, x, group=group)
+
+
+def reduce_scatter_into(out: Tensor, x: Tensor, group=None) -> None:
+    """out = this rank's dim-0 chunk of the sum over ranks of x (in place, no autograd)."""
+    _scatter_single(out, x, op=dist.ReduceOp.SUM, group=group)
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -203,7 +218,7 @@ class _AllGather(torch.autograd.Function):
         W = get_world_size(group)
         moved = (x if dim == 0 else x.movedim(dim, 0)).contiguous()
         out = moved.new_empty(W * moved.size(0), *moved.shape[1:])
-        dist.all_gather_into_tensor(out, moved, group=group)
+        all_gather_into(out, moved, group)
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod
@@ -218,7 +233,7 @@ class _ReduceScatter(torch.autograd.Function):
         W = get_world_size(group)
         moved = (x if dim == 0 else x.movedim(dim, 0)).contiguous()
         out = moved.new_empty(moved.size(0) // W, *moved.shape[1:])
-        dist.reduce_scatter_tensor(out, moved, op=dist.ReduceOp.SUM, group=group)
+        reduce_scatter_into(out, moved, group)
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import net
@@ -77,7 +76,7 @@ class ZeroOptimizer:
                 off += p.numel()
             if self.world > 1:
                 mine = torch.empty(self.shard, dtype=torch.float32, device=flat.device)
-                dist.reduce_scatter_tensor(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
+                net.reduce_scatter_into(mine, flat, self.group)
                 mine /= self.world
             else:
                 mine = flat
@@ -86,7 +85,7 @@ class ZeroOptimizer:
         if self.shard:
             full = torch.empty(self.shard * self.world, dtype=torch.float32, device=self.master.device)
             if self.world > 1:
-                dist.all_gather_into_tensor(full, self.master.detach(), group=self.group)
+                net.all_gather_into(full, self.master.detach(), self.group)
             else:
                 full.copy_(self.master.detach())
             off = 0
@@ -108,7 +107,9 @@ class ZeroOptimizer:
 
 
 def data_parallel(model: nn.Module, **ddp_kwargs) -> nn.Module:
-    """Wrap ``model`` in DistributedDataParallel, leaving expert parameters out of its all-reduce."""
+    """Wrap ``model`` in DistributedDataParallel, leaving expert parameters out of its all-reduce.
+    Buffers are not broadcast from rank 0 by default: the MoE layers' load counters are per rank."""
+    ddp_kwargs.setdefault("broadcast_buffers", False)
     names = [n for n, p in model.named_parameters() if is_expert_parameter(p)]
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     return nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
