@@ -61,6 +61,16 @@ def ep_worker(rank, world, gate, experts, cf, tokens):
         torch.testing.assert_close(gate_grad, ref.gates[0].wg.weight.grad)
     assert pointers == {n: p.data_ptr() for n, p in ep.named_parameters()}  # switching moved nothing
 
+    if gate == "sigmoid":  # aux-loss-free bias update: from the load summed over ranks, same everywhere
+        ep.train()
+        ref.train()
+        ep(X[mine])
+        ref(X, layout="padded")
+        ep.update_routing_bias(0.01)
+        ref.update_routing_bias(0.01)
+        torch.testing.assert_close(ep.gates[0].e_score_correction_bias, ref.gates[0].e_score_correction_bias)
+        ep.eval()
+        ref.eval()
     # per-call switches work across ranks too (same answer as the global layer with the same switch)
     with torch.no_grad():
         wide = 3 if gate == "top" else 2  # the sigmoid gate keeps 1 group of 2 experts

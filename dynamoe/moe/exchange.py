@@ -12,6 +12,8 @@ An exchange has ``world_size``, ``rank`` and:
   * ``combine(y_LWcO) -> y_ECO``: the inverse exchange;
   * ``start_dispatch`` / ``start_combine`` -> handle and ``finish(handle)``: the same exchanges split
     in two, so several can be in flight while experts compute (``a2a_ffn_overlap_degree``);
+  * ``sum_over_ranks(t) -> t``: element-wise sum over ranks (e.g. the expert load behind the
+    aux-loss-free bias update, which must be the same on every rank);
   * ``gather_experts(p_L...) -> p_E...``: every rank's expert parameters concatenated along dim 0,
     differentiable (the gradient of each expert sums over ranks) -- data parallelism for one call
     (``adaptive_r=0``) without moving any parameter for good.
@@ -41,6 +43,9 @@ class LocalExchange:
 
     def gather_experts(self, p: Tensor) -> Tensor:
         return p
+
+    def sum_over_ranks(self, t: Tensor) -> Tensor:
+        return t
 
     def start_dispatch(self, x_ECD: Tensor, use_2dh: bool = False):
         return x_ECD

@@ -151,14 +151,16 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def update_routing_bias(self, rate: float = 1e-3) -> None:
         """Auxiliary-loss-free balancing step (DeepSeek-V3): nudge every sigmoid gate's selection
-        bias by ``rate`` toward balance, using the load seen since the last call. Call once per
-        optimizer step."""
+        bias by ``rate`` toward balance, using the load seen since the last call (summed over ranks
+        under expert parallelism; every rank must call it). Call once per optimizer step."""
         if not math.isfinite(rate) or rate < 0:
             raise ValueError(f"rate must be a finite number >= 0, got {rate}")
+        # across ranks the load is summed first, so every rank makes the same update
+        load = self.exchange.sum_over_ranks(self._load_since_update) if self.world_size > 1 else self._load_since_update
         for gi, gate in enumerate(self.gates):
             bias = getattr(gate, "e_score_correction_bias", None)
             if bias is not None:
-                losses.update_selection_bias(bias, self._load_since_update[gi], rate)
+                losses.update_selection_bias(bias, load[gi], rate)
         self._load_since_update.zero_()
 
     # ---- forward ------------------------------------------------------------------------------

@@ -48,5 +48,10 @@ class AllToAllExchange:
     def combine(self, y_LCO: Tensor, use_2dh: bool = False) -> Tensor:
         return self.finish(self.start_combine(y_LCO, use_2dh))
 
+    def sum_over_ranks(self, t: Tensor) -> Tensor:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
     def gather_experts(self, p: Tensor) -> Tensor:
         return net.all_gather(p, 0, group=self.group)          # [L, ...] -> [E, ...], grads summed back
