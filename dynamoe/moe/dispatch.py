@@ -61,8 +61,9 @@ class DispatchPlan:
     _slot_index_N: Optional[Tensor] = None
 
     def stats(self, capacity_factor: float, layout: str, losses: dict | None = None) -> RoutingStats:
-        """The :class:`RoutingStats` of this plan (CPU tensors, no device sync beyond the plan's own)."""
-        return RoutingStats(load=torch.tensor(self.load), kept=torch.tensor(self.counts), dropped=self.num_dropped,
+        """The :class:`RoutingStats` of this plan (load and kept on the routing device; building
+        them from the Python lists would cost more than the decode step's routing)."""
+        return RoutingStats(load=self.load_E, kept=self.load_E.clamp(max=self.capacity), dropped=self.num_dropped,
                             capacity=self.capacity, top_k=self.top_k, capacity_factor=capacity_factor,
                             layout=layout, losses=losses or {})
 
