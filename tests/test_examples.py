@@ -28,13 +28,18 @@ def last_routing(out: str) -> str:
     return next(line for line in out.splitlines() if line.startswith("[Routing] last step:"))
 
 
-@pytest.mark.parametrize("module, extra", [
+# every single-process example with its extra flags (the custom one has no --hidden_size)
+ALL_EXAMPLES = [
     (helloworld, HIDDEN),
     (helloworld_switch, HIDDEN),
     (helloworld_amp, HIDDEN),
     (helloworld_custom_gate_expert, []),
     (helloworld_from_scratch, HIDDEN),
-], ids=lambda v: getattr(v, "__name__", "").rsplit(".", 1)[-1] or None)
+]
+EXAMPLE_IDS = lambda v: getattr(v, "__name__", "").rsplit(".", 1)[-1] or None  # noqa: E731
+
+
+@pytest.mark.parametrize("module, extra", ALL_EXAMPLES, ids=EXAMPLE_IDS)
 def test_example_trains(module, extra, capsys):
     losses = module.main(TINY + extra + ["--lr", "0.1"])
     out = capsys.readouterr().out
@@ -139,13 +144,7 @@ def test_from_scratch_megablocks_size_picks_layout(capsys):
 TUTEL_MULTIPROCESS_FLAGS = ["--local_rank", "0", "--allreduce_degree", "2", "--use_2dh"]
 
 
-@pytest.mark.parametrize("module, extra", [
-    (helloworld, HIDDEN),
-    (helloworld_switch, HIDDEN),
-    (helloworld_amp, HIDDEN),
-    (helloworld_custom_gate_expert, []),
-    (helloworld_from_scratch, HIDDEN),
-], ids=lambda v: getattr(v, "__name__", "").rsplit(".", 1)[-1] or None)
+@pytest.mark.parametrize("module, extra", ALL_EXAMPLES, ids=EXAMPLE_IDS)
 def test_tutel_multiprocess_flags_are_accepted(module, extra, capsys):
     """Tutel command lines run unchanged; on one process these flags change nothing."""
     base = TINY + extra + ["--num_steps", "2"]

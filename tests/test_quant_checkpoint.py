@@ -24,14 +24,23 @@ HEADS, KV, HD = 4, 2, 16
 
 
 # ---------------------------------------------------------------- tiny checkpoints
-def qwen3_moe_tensors():
-    g = torch.Generator().manual_seed(1)
+def _random_bf16(seed: int):
+    g = torch.Generator().manual_seed(seed)
 
     def r(*shape, scale=0.05):
         return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
 
-    t = {"model.embed_tokens.weight": r(V, H), "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
-         "lm_head.weight": r(V, H)}
+    return r
+
+
+def _embeddings_and_head(r) -> dict:
+    return {"model.embed_tokens.weight": r(V, H), "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+            "lm_head.weight": r(V, H)}
+
+
+def qwen3_moe_tensors():
+    r = _random_bf16(1)
+    t = _embeddings_and_head(r)
     for layer in range(L):
         p = f"model.layers.{layer}."
         t[p + "input_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
@@ -58,13 +67,8 @@ QWEN_CONFIG = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM
 
 
 def gpt_oss_tensors():
-    g = torch.Generator().manual_seed(2)
-
-    def r(*shape, scale=0.05):
-        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
-
-    t = {"model.embed_tokens.weight": r(V, H), "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
-         "lm_head.weight": r(V, H)}
+    r = _random_bf16(2)
+    t = _embeddings_and_head(r)
     for layer in range(L):
         p = f"model.layers.{layer}."
         t[p + "input_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
