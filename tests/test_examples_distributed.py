@@ -90,6 +90,16 @@ def test_helloworld_switch_two_ranks_settings_are_identical():
     assert "[Switch-check] identical: True" in out
 
 
+def test_helloworld_switch_two_ranks_sharing_one_expert():
+    """--num_local_experts -2: both ranks hold half of one expert; adaptive_r cycles 0, 1, 2."""
+    out = torchrun("helloworld_switch", *TINY, "--num_local_experts", "-2", "--top", "1", "--num_steps", "2",
+                   "--parallel_type", "model")
+    check = re.findall(r"^\[Switch-check\] adaptive_r = (\d), a2a_ffn_overlap_degree = (\d), use_2dh = (\w+): "
+                       r"loss = (\S+)", out, re.M)
+    assert {c[0] for c in check} == {"0", "1", "2"} and len(check) == 12
+    assert "[Switch-check] identical: True" in out
+
+
 def test_switch_check_reports_a_mismatch(capsys):
     """The check itself (one process: adaptive_r 0 and 1, overlap 1 and 2) passes, and fails when a
     setting computes something else."""

@@ -5,6 +5,10 @@ and its local experts ``P.experts.*`` whose leading dim is the local expert coun
 other tensor is replicated. ``gather`` concatenates the expert tensors of N rank state dicts in rank
 order (one state dict with all E experts: what one process loads); ``scatter`` splits them into M
 (E must be divisible by M). Replicated tensors must agree across ranks and are kept once.
+
+More ranks than experts (N or M a multiple of E): each expert was / is sharded over n = N / E
+consecutive ranks along its hidden dim (``num_experts_per_device=-n``, dynamoe.moe.sharding); the
+built-in ffn/glu experts' shards are merged / split by parameter name.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from typing import Mapping, Sequence
 
 import torch
 from torch import Tensor
+
+from ..moe.sharding import BUILTIN_SHARD_SPEC, OUTPUT_BIAS, OUTPUT_DIM_OF, merge_shards, split_shard
 
 __all__ = ["expert_keys", "gather", "scatter"]
 
@@ -51,7 +57,9 @@ def gather(states: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     out = {}
     for key in keys:
         parts = [s[key] for s in states]
-        if key in sharded:
+        if key in sharded and len(states) > sharded[key]:
+            out[key] = _merge_expert_shards(key, parts, sharded[key], states[0])
+        elif key in sharded:
             full = torch.cat(parts, dim=0)
             if full.size(0) != sharded[key]:
                 raise ValueError(f"{key!r}: {len(states)} ranks x {parts[0].size(0)} experts = {full.size(0)}, "
@@ -60,6 +68,34 @@ def gather(states: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
         else:
             out[key] = _check_same(key, parts)
     return out
+
+
+def _role(key: str):
+    name = key.rsplit(".", 1)[-1]
+    if name not in BUILTIN_SHARD_SPEC:
+        raise ValueError(f"{key!r}: experts sharded over ranks can be re-sharded for the built-in ffn/glu experts "
+                         f"only (parameters {sorted(BUILTIN_SHARD_SPEC)})")
+    return BUILTIN_SHARD_SPEC[name]
+
+
+def _output_dim(key: str, state: Mapping[str, Tensor]) -> int | None:
+    name = key.rsplit(".", 1)[-1]
+    if name not in OUTPUT_DIM_OF:
+        return None
+    weight, dim = OUTPUT_DIM_OF[name]
+    w = state.get(key[: -len(name)] + weight)
+    if w is None:
+        raise ValueError(f"{key!r}: no {weight!r} beside it to tell the output size")
+    return w.size(dim)
+
+
+def _merge_expert_shards(key: str, parts: Sequence[Tensor], E: int, state0: Mapping[str, Tensor]) -> Tensor:
+    N = len(parts)
+    if N % E or any(p.size(0) != 1 for p in parts):
+        raise ValueError(f"{key!r}: {N} ranks for {E} experts: expected a multiple of {E} ranks holding one expert shard each")
+    n, role = N // E, _role(key)
+    out_dim = _output_dim(key, state0) if role == OUTPUT_BIAS else None
+    return torch.cat([merge_shards(torch.stack(parts[e * n:(e + 1) * n]), role, out_dim) for e in range(E)], dim=0)
 
 
 def scatter(state: Mapping[str, Tensor], world: int) -> list[dict[str, Tensor]]:
@@ -73,6 +109,13 @@ def scatter(state: Mapping[str, Tensor], world: int) -> list[dict[str, Tensor]]:
             E = sharded[key]
             if t.size(0) != E:
                 raise ValueError(f"{key!r} holds {t.size(0)} experts, the layer {E}: is this a gathered checkpoint?")
+            if world > E:  # n = world / E ranks share each expert
+                if world % E:
+                    raise ValueError(f"{key!r}: {E} experts cannot be shared equally by {world} ranks")
+                n, role = world // E, _role(key)
+                for r in range(world):
+                    outs[r][key] = split_shard(t[r // n:r // n + 1], role, n, r % n)
+                continue
             if E % world:
                 raise ValueError(f"{key!r}: {E} experts do not split over {world} ranks")
             for r, part in enumerate(t.chunk(world, dim=0)):

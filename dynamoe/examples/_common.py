@@ -72,6 +72,25 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonzero_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a non-zero int (-n: n ranks share each expert), got {text!r}")
+    return value
+
+
+def global_experts(num_local_experts: int, ranks: int) -> int:
+    """E for --num_local_experts L on ``ranks`` ranks (L < 0: -L ranks share each expert)."""
+    return num_local_experts * ranks if num_local_experts > 0 else ranks // -num_local_experts
+
+
+def sharded_count(num_local_experts: int) -> int:
+    return -num_local_experts if num_local_experts < 0 else 1
+
+
 def _finite_float(text: str) -> float:
     try:
         value = float(text)
@@ -100,7 +119,8 @@ def build_parser(description: str, omit: Iterable[str] = (), **defaults) -> argp
     add("num_tokens", type=_positive_int, default=512)
     add("model_dim", type=_positive_int, default=2048)
     add("hidden_size", type=_positive_int, default=2048)
-    add("num_local_experts", type=_positive_int, default=2)
+    add("num_local_experts", type=_nonzero_int, default=2,
+        help="experts per rank; -n: n ranks share each expert, split along its hidden dim")
     add("dtype", choices=list(DTYPES), default="float32")
     add("fp32_gate", action="store_true", help="compute the gate logits in fp32")
     add("top", type=_positive_int, default=2, help="experts per token (k)")
@@ -136,17 +156,25 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     args = parser.parse_args(argv)
     err = parser.error
     ranks = max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    if hasattr(args, "top") and hasattr(args, "num_local_experts") and args.top > args.num_local_experts * ranks:
-        err(f"argument --top: must be <= the number of experts ({args.num_local_experts} x {ranks} ranks), got {args.top}")
+    if hasattr(args, "num_local_experts") and args.num_local_experts < 0:
+        n = -args.num_local_experts
+        if ranks % n:
+            err(f"argument --num_local_experts: {n} ranks sharing each expert needs a world size divisible by {n}, got {ranks}")
+        if hasattr(args, "hidden_size") and args.hidden_size % n:
+            err(f"argument --hidden_size: must be divisible by the {n} ranks sharing each expert, got {args.hidden_size}")
+    if hasattr(args, "top") and hasattr(args, "num_local_experts") and args.top > global_experts(args.num_local_experts, ranks):
+        err(f"argument --top: must be <= the number of experts ({global_experts(args.num_local_experts, ranks)}), got {args.top}")
     if getattr(args, "megablocks_size", None) is not None and args.megablocks_size < 0:
         err(f"argument --megablocks_size: must be >= 0, got {args.megablocks_size}")
     if hasattr(args, "parallel_type"):
         try:
-            r = parse_parallel_type(args.parallel_type)
+            r = parse_parallel_type(args.parallel_type, sharded_count(args.num_local_experts))
         except ValueError as e:
             err(f"argument --parallel_type: {e}")
-        if r > 1:
-            err(f"argument --parallel_type: adaptive degree must be 0 or 1 on a single process, got {args.parallel_type!r}")
+        n = sharded_count(getattr(args, "num_local_experts", 1))
+        if r > 1 and n % r:
+            err(f"argument --parallel_type: the adaptive degree must be 0 or a divisor of the ranks sharing each expert "
+                f"({n}), got {args.parallel_type!r}")
     if hasattr(args, "device"):
         try:
             device = torch.device(args.device)

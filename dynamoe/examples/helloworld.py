@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..moe import moe_layer
 from ..moe.config import parse_parallel_type
 from ._common import (run_main, DTYPES, ExampleModel, build_parser, dist_print, ffn_flops_per_row, make_data, moe_forward_flops,
-                      parse_args, print_param_counts, run_loop, world)
+                      parse_args, print_param_counts, run_loop, sharded_count, world)
 
 
 def _world_group():
@@ -51,7 +51,7 @@ def build_model(args, dtype=None) -> ExampleModel:
 def forward_switches(args) -> dict:
     """The per-call switches from the flags, passed to every forward."""
     return dict(capacity_factor=args.capacity_factor, a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
-                adaptive_r=parse_parallel_type(args.parallel_type), megablocks_size=args.megablocks_size)
+                adaptive_r=parse_parallel_type(args.parallel_type, sharded_count(args.num_local_experts)), megablocks_size=args.megablocks_size)
 
 
 def flops_fn(args):

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from ..moe.config import parse_parallel_type
 from ..parallel import net
-from ._common import DTYPES, build_parser, dist_print, format_stats, make_data, parse_args, run_loop, run_main, world
+from ._common import (DTYPES, build_parser, dist_print, format_stats, global_experts, make_data, parse_args, run_loop,
+                      run_main, sharded_count, world)
 from .helloworld import build_model, flops_fn, print_benchmark_line
 
 # how far "identical" losses may differ: the padded and ragged layouts round differently
@@ -36,7 +37,7 @@ _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 def make_schedule(args) -> list[tuple[int, float, str]]:
     """(top_k, capacity_factor, layout) settings visited in turn: Switch-style k=1, the configured
     k, dropless (0), capped dropless (-1) and a roomy capacity (2.0), on both layouts."""
-    ks = sorted({1, min(2, args.num_local_experts), args.top})
+    ks = sorted({1, min(2, global_experts(args.num_local_experts, world()[1])), args.top})
     cfs = [args.capacity_factor, 0.0, -1.0, 2.0]
     schedule = []
     for i, cf in enumerate(cfs):
@@ -55,7 +56,9 @@ def _use_2dh_choices(world_size: int) -> tuple[bool, ...]:
 def check_parallel_switches(args, model, x, target) -> bool:
     """Evaluate (x, target) under every (adaptive_r, a2a_ffn_overlap_degree, use_2dh) and print one
     loss line each (rank 0's loss); True when every setting gives the same loss on every rank."""
-    settings = list(itertools.product((0, 1), (1, 2), _use_2dh_choices(world()[1])))
+    n = sharded_count(args.num_local_experts)
+    degrees = [0] + [d for d in range(1, n + 1) if n % d == 0]  # 0: data parallel; n: experts sharded
+    settings = list(itertools.product(degrees, (1, 2), _use_2dh_choices(world()[1])))
     dist_print(f"\n[Switch-check] one fixed batch, no_grad, top_k = {args.top}, capacity_factor = 0 (dropless), "
                f"{len(settings)} settings:")
     model.eval()
@@ -83,7 +86,7 @@ def main(argv=None) -> list[float]:
     print_benchmark_line(args)
     schedule = make_schedule(args)
     pointers = {name: p.data_ptr() for name, p in model.named_parameters()}
-    r = parse_parallel_type(args.parallel_type)
+    r = parse_parallel_type(args.parallel_type, sharded_count(args.num_local_experts))
     distributed = world()[1] > 1
     padded_only = distributed and r != 0  # expert parallelism exchanges equal padded blocks
 

@@ -141,7 +141,8 @@ class ExpertConfig:
 
     type: "ffn" (fc1 -> activation -> fc2, Tutel's layout and names), "glu" (gate/up/down:
         SwiGLU, GeGLU, GPT-OSS clamped SwiGLU) or "custom" (``module``; see dynamoe.moe.experts).
-    num_experts_per_device: local experts L (E = L on one process).
+    num_experts_per_device: local experts L (E = L * world size); a negative -n shards each expert
+        over n ranks along its hidden dim (E = world size / n; see dynamoe.moe.sharding).
     hidden_size_per_expert: F.
     activation_fn: ffn activation, a callable or "relu"/"gelu"/"silu"; glu_activation for "glu".
     num_shared_experts / shared_hidden_size: always-on experts added to the routed output.
@@ -165,7 +166,10 @@ class ExpertConfig:
 
     def __post_init__(self) -> None:
         _check_choice("experts type", self.type, EXPERT_TYPES)
-        _check_int("num_experts_per_device", self.num_experts_per_device, 1)
+        n = self.num_experts_per_device
+        if isinstance(n, bool) or not isinstance(n, int) or n == 0:
+            raise ValueError(f"num_experts_per_device must be a non-zero int (L > 0 experts per rank, or -n: n ranks "
+                             f"share one expert, split along its hidden dim), got {n!r}")
         if self.type != "custom":
             _check_int("hidden_size_per_expert", self.hidden_size_per_expert, 1)
         if self.type == "glu":

@@ -16,7 +16,9 @@ An exchange has ``world_size``, ``rank`` and:
     aux-loss-free bias update, which must be the same on every rank);
   * ``gather_experts(p_L...) -> p_E...``: every rank's expert parameters concatenated along dim 0,
     differentiable (the gradient of each expert sums over ranks) -- data parallelism for one call
-    (``adaptive_r=0``) without moving any parameter for good.
+    (``adaptive_r=0``) without moving any parameter for good;
+  * ``shard_groups(n)``: the groups behind experts shared by n ranks (``num_experts_per_device=-n``):
+    ``exchange(r, local)`` (the exchange at degree r) and ``gather_shards(p, g)``.
 """
 from __future__ import annotations
 

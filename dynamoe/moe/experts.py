@@ -22,6 +22,7 @@ from ..ops.activations import activation, glu_activation
 from ..ops.grouped_matmul import grouped_mm
 from ..ops.scratch import scratch
 from .config import ExpertConfig
+from .sharding import FFN_SHARD_SPEC, GLU_SHARD_SPEC
 
 __all__ = ["ExpertsProtocol", "FFNExperts", "GLUExperts", "SharedExperts", "build_experts", "glu_activation"]
 
@@ -73,25 +74,32 @@ def _bmm(x_LCI: Tensor, w: Tensor, bias_LO: Tensor | None, trans_w: bool) -> Ten
 class FFNExperts(nn.Module):
     """fc1 -> activation -> fc2 per expert, with Tutel's parameter names and shapes:
     ``batched_fc1_w`` [L, F, D], ``batched_fc1_bias`` [L, F], ``batched_fc2_w`` [L, F, O],
-    ``batched_fc2_bias`` [L, O]. Biases are fused into the matmuls (addmm / baddbmm)."""
+    ``batched_fc2_bias`` [L, O]. Biases are fused into the matmuls (addmm / baddbmm).
+
+    ``sharded_count`` n > 1: this rank holds 1/n of one expert (see dynamoe.moe.sharding): F/n hidden
+    columns and ceil(O/n) entries of the output bias; ``hidden_size`` stays the whole F."""
 
     fuses_row_scale = True  # forward_ragged takes row_scale= and out=
+    shard_spec = FFN_SHARD_SPEC
 
     def __init__(self, model_dim: int, hidden_size: int, num_local_experts: int, activation_fn=None,
                  has_fc1_bias: bool = True, has_fc2_bias: bool = True, output_dim: int | None = None,
-                 dtype=None, device=None):
+                 dtype=None, device=None, sharded_count: int = 1):
         super().__init__()
         L, D, F_, O = num_local_experts, model_dim, hidden_size, output_dim or model_dim
+        Fs, Ob = _shard_sizes(F_, O, sharded_count)
         kw = dict(dtype=dtype, device=device)
         self.model_dim, self.hidden_size, self.output_dim, self.num_local_experts = D, F_, O, L
+        self.sharded_count = sharded_count
         self.activation_fn = activation(activation_fn)
-        self.batched_fc1_w = nn.Parameter(torch.empty(L, F_, D, **kw))
-        self.batched_fc2_w = nn.Parameter(torch.empty(L, F_, O, **kw))
-        self.batched_fc1_bias = nn.Parameter(torch.empty(L, F_, **kw)) if has_fc1_bias else None
-        self.batched_fc2_bias = nn.Parameter(torch.empty(L, O, **kw)) if has_fc2_bias else None
+        self.batched_fc1_w = nn.Parameter(torch.empty(L, Fs, D, **kw))
+        self.batched_fc2_w = nn.Parameter(torch.empty(L, Fs, O, **kw))
+        self.batched_fc1_bias = nn.Parameter(torch.empty(L, Fs, **kw)) if has_fc1_bias else None
+        self.batched_fc2_bias = nn.Parameter(torch.empty(L, Ob, **kw)) if has_fc2_bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        # fan-in of the whole expert, also when this rank holds a shard of it
         _uniform_(self.batched_fc1_w, self.model_dim)
         _uniform_(self.batched_fc2_w, self.hidden_size)
         if self.batched_fc1_bias is not None:
@@ -111,7 +119,7 @@ class FFNExperts(nn.Module):
                        out: Tensor | None = None) -> Tensor:
         """Rows sorted by expert -> [N, O]. ``row_scale`` [N] multiplies each output row (the
         combine weight, fused into fc2); ``out`` is an optional inference-only output buffer."""
-        h_out = _hidden_out(x_ND, self.hidden_size)
+        h_out = _hidden_out(x_ND, self.batched_fc1_w.size(1))
         h_NF = grouped_mm(x_ND, self.batched_fc1_w, counts, self.batched_fc1_bias, trans_w=True, out=h_out)
         h_NF = _activate_(h_NF, self.activation_fn)
         return grouped_mm(h_NF, self.batched_fc2_w, counts, self.batched_fc2_bias, trans_w=False,
@@ -123,23 +131,27 @@ class GLUExperts(nn.Module):
     ``gate_up_proj`` [L, 2F, D] (gate rows first, then up rows), ``down_proj`` [L, O, F], optional
     ``gate_up_proj_bias`` [L, 2F] and ``down_proj_bias`` [L, O] (GPT-OSS). GPT-OSS checkpoints store
     gate/up *interleaved* in [L, D, 2F] (gate = [..., ::2], up = [..., 1::2]); a loader converts them
-    to this layout once (transpose, then de-interleave)."""
+    to this layout once (transpose, then de-interleave). ``sharded_count`` as in FFNExperts (the
+    gate and the up rows are sharded separately)."""
 
     fuses_row_scale = True
+    shard_spec = GLU_SHARD_SPEC
 
     def __init__(self, model_dim: int, hidden_size: int, num_local_experts: int, activation: str | None = "silu",
                  bias: bool = False, alpha: float = 1.702, limit: float = 7.0, output_dim: int | None = None,
-                 dtype=None, device=None):
+                 dtype=None, device=None, sharded_count: int = 1):
         super().__init__()
         L, D, F_, O = num_local_experts, model_dim, hidden_size, output_dim or model_dim
+        Fs, Ob = _shard_sizes(F_, O, sharded_count)
         kw = dict(dtype=dtype, device=device)
         self.model_dim, self.hidden_size, self.output_dim, self.num_local_experts = D, F_, O, L
+        self.sharded_count = sharded_count
         self.activation, self.alpha, self.limit = activation or "silu", alpha, limit
         glu_activation(torch.zeros(1), torch.zeros(1), self.activation)  # validate early
-        self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * F_, D, **kw))
-        self.down_proj = nn.Parameter(torch.empty(L, O, F_, **kw))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(L, 2 * F_, **kw)) if bias else None
-        self.down_proj_bias = nn.Parameter(torch.empty(L, O, **kw)) if bias else None
+        self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * Fs, D, **kw))
+        self.down_proj = nn.Parameter(torch.empty(L, O, Fs, **kw))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(L, 2 * Fs, **kw)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(L, Ob, **kw)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -154,7 +166,7 @@ class GLUExperts(nn.Module):
                 f"activation={self.activation}, bias={self.gate_up_proj_bias is not None}")
 
     def _act(self, gu: Tensor) -> Tensor:
-        gate, up = gu.split(self.hidden_size, dim=-1)
+        gate, up = gu.chunk(2, dim=-1)  # (the hidden size of the weights in use: a shard or whole)
         return glu_activation(gate, up, self.activation, self.alpha, self.limit)
 
     def forward(self, x_LCD: Tensor, ctx=None) -> Tensor:
@@ -164,10 +176,10 @@ class GLUExperts(nn.Module):
     def forward_ragged(self, x_ND: Tensor, counts: Sequence[int], row_scale: Tensor | None = None,
                        out: Tensor | None = None) -> Tensor:
         """Rows sorted by expert -> [N, O]; ``row_scale`` and ``out`` as in FFNExperts."""
-        h_out = _hidden_out(x_ND, 2 * self.hidden_size)
+        h_out = _hidden_out(x_ND, self.gate_up_proj.size(1))
         gu_N2F = grouped_mm(x_ND, self.gate_up_proj, counts, self.gate_up_proj_bias, trans_w=True, out=h_out)
         if not _needs_grad(gu_N2F) and self.activation == "silu":
-            gate, up = gu_N2F.split(self.hidden_size, dim=-1)
+            gate, up = gu_N2F.chunk(2, dim=-1)
             h_NF = F.silu(gate, inplace=True).mul_(up)  # stays a strided view: BLAS reads it as is
         else:
             h_NF = self._act(gu_N2F)
@@ -202,17 +214,27 @@ class SharedExperts(nn.Module):
         return self.fc2(self.activation_fn(self.fc1(x_TD)))
 
 
-def build_experts(cfg: ExpertConfig, model_dim: int, dtype=None, device=None) -> nn.Module:
-    L = cfg.num_experts_per_device
+def _shard_sizes(hidden: int, out: int, n: int) -> tuple[int, int]:
+    """(hidden columns, output-bias entries) one rank holds when n ranks share an expert."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"sharded_count must be an int >= 1, got {n!r}")
+    if hidden % n:
+        raise ValueError(f"hidden_size_per_expert={hidden} must be divisible by the {n} ranks sharing each expert")
+    return hidden // n, -(-out // n)
+
+
+def build_experts(cfg: ExpertConfig, model_dim: int, dtype=None, device=None, sharded_count: int = 1) -> nn.Module:
+    """The routed experts; ``sharded_count`` n > 1: this rank's 1/n of one expert."""
+    L = max(cfg.num_experts_per_device, 1)
     if cfg.type == "ffn":
         return FFNExperts(model_dim, cfg.hidden_size_per_expert, L, cfg.activation_fn, cfg.has_fc1_bias,
-                          cfg.has_fc2_bias, cfg.output_dim, dtype, device)
+                          cfg.has_fc2_bias, cfg.output_dim, dtype, device, sharded_count)
     if cfg.type == "glu":
         return GLUExperts(model_dim, cfg.hidden_size_per_expert, L, cfg.glu_activation, cfg.glu_bias,
-                          cfg.gpt_oss_alpha, cfg.gpt_oss_limit, cfg.output_dim, dtype, device)
+                          cfg.gpt_oss_alpha, cfg.gpt_oss_limit, cfg.output_dim, dtype, device, sharded_count)
     module = cfg.module
     if isinstance(module, type):
-        module = module(model_dim=model_dim, num_experts_per_device=L, sharded_count=1, **cfg.module_kwargs)
+        module = module(model_dim=model_dim, num_experts_per_device=L, sharded_count=sharded_count, **cfg.module_kwargs)
     if not isinstance(module, nn.Module) or not callable(getattr(module, "forward", None)):
         raise ValueError(f"custom experts 'module' must be an nn.Module (or a class building one) with forward(x_LCD, ctx), got {type(module).__name__}")
     return module.to(dtype=dtype, device=device) if (dtype is not None or device is not None) else module

@@ -24,6 +24,7 @@ from .dispatch import (DispatchPlan, RoutingStats, build_plan, combine_padded, c
                        dispatch_ragged)
 from .experts import SharedExperts, build_experts
 from .gates import Routing, build_gate, route
+from .sharding import OUTPUT_BIAS, merge_shards, shard_spec_of
 
 __all__ = ["MoELayer", "LAYOUTS"]
 
@@ -52,11 +53,16 @@ class MoELayer(nn.Module):
         self.exchange = exchange if exchange is not None else exchange_for(group)
         self.result_func = result_func
         self.model_dim = config.model_dim
-        self.num_local_experts = config.num_experts
-        self.sharded_count = 1
         self.world_size = self.exchange.world_size
-        E = self.num_local_experts * self.world_size
+        L = config.num_experts
+        # -n: n consecutive ranks share each expert, split along its hidden dim (dynamoe.moe.sharding)
+        self.sharded_count = -L if L < 0 else 1
+        self.num_local_experts = max(L, 1)
+        E = self.global_expert_count(L, world=self.world_size)
         self._check_expert_count(E)
+        self._num_experts = E
+        # built collectively here (group creation), used by sharded forwards
+        self._shard_groups = self.exchange.shard_groups(self.sharded_count) if self.sharded_count > 1 else None
         self.register_buffer("_num_global_experts", torch.tensor(E, device=config.device))
         kw = dict(dtype=config.dtype, device=config.device)
         if seeds is not None and (not isinstance(seeds, (tuple, list)) or len(seeds) > 3
@@ -65,7 +71,7 @@ class MoELayer(nn.Module):
 
         if seeds is not None and len(seeds) > 1 and seeds[1] is not None:
             torch.manual_seed(seeds[1])
-        self.experts = build_experts(config.experts, config.model_dim, **kw)
+        self.experts = build_experts(config.experts, config.model_dim, sharded_count=self.sharded_count, **kw)
         self.shared_experts = SharedExperts(config.experts, config.model_dim, **kw) if config.experts.num_shared_experts else None
         for n, p in self.experts.named_parameters():
             p._dynamoe_expert = True
@@ -96,19 +102,20 @@ class MoELayer(nn.Module):
 
     # ---- Tutel-compatible helpers -------------------------------------------------------------
     @staticmethod
-    def global_expert_count(num_local_experts: int, group=None) -> int:
-        world = _world_size(group)
+    def global_expert_count(num_local_experts: int, group=None, world: int | None = None) -> int:
+        world = _world_size(group) if world is None else world
         if num_local_experts == 0:
             raise ValueError("num_local_experts must be non-zero")
         if num_local_experts > 0:
             return num_local_experts * world
         if world % -num_local_experts:
-            raise ValueError(f"{-num_local_experts} devices should share an expert, but the world has {world}")
+            raise ValueError(f"{-num_local_experts} devices should share an expert, but the world has {world} "
+                             f"(num_experts_per_device={num_local_experts})")
         return world // -num_local_experts
 
     @property
     def num_global_experts(self) -> int:
-        return self.num_local_experts * self.world_size
+        return self._num_experts
 
     def _check_expert_count(self, E: int) -> None:
         """Checks that need the global expert count E (the config only knows the local one)."""
@@ -222,6 +229,8 @@ class MoELayer(nn.Module):
 
         if data_parallel:  # every expert on every rank for this call: no token exchange
             y_TO = self._data_parallel_experts(x_TD, plan, chosen_layout)
+        elif self.sharded_count > 1:
+            y_TO = self._sharded_experts(x_TD, plan, r, overlap, use_2dh)
         elif plan.order_N.numel() or self.world_size > 1:
             y_TO = self._experts_and_combine(x_TD, plan, chosen_layout, overlap, use_2dh)
         else:  # everything dropped (capacity 0): zeros, still in the autograd graph
@@ -273,9 +282,37 @@ class MoELayer(nn.Module):
         if not getattr(self.experts, "fuses_row_scale", False):
             raise ValueError("adaptive_r=0 across ranks needs the built-in ffn/glu experts (their parameters lead with the expert dim)")
         gathered = {n: self.exchange.gather_experts(p) for n, p in self.experts.named_parameters()}
+        if self.sharded_count > 1:  # [W, ...] = [E, n shards, ...] -> whole experts [E, ...]
+            spec, n = shard_spec_of(self.experts), self.sharded_count
+            gathered = {k: merge_shards(t.view(-1, n, *t.shape[1:]).transpose(0, 1), spec[k], self._out_dim())
+                        for k, t in gathered.items()}
         local = _LocalView(self)
         return torch.func.functional_call(local, {f"layer.experts.{n}": t for n, t in gathered.items()},
                                           (x_TD, plan, layout), strict=False)
+
+    def _sharded_experts(self, x_TD: Tensor, plan: DispatchPlan, r: int, overlap: int, use_2dh: bool) -> Tensor:
+        """Experts shared by n ranks, at degree r (see dynamoe.parallel.ShardGroups): the g = n/r
+        ranks of a block gather their shards (differentiably), every expert's slot block goes to
+        the r ranks computing its r hidden slices, and the r partial outputs are summed. The output
+        bias, sharded over the n ranks, is gathered and added as 1/r per partial."""
+        n, groups = self.sharded_count, self._shard_groups
+        g = n // r
+        experts = self.experts
+        spec = getattr(experts, "shard_spec", None)
+        if spec is None and r != n:
+            raise ValueError(f"custom experts sharded over ranks run at adaptive_r={n} (= sharded_count) only; "
+                             f"gathering shards for adaptive_r={r} needs the built-in ffn/glu experts")
+        params = {}
+        for name, p in (experts.named_parameters() if spec is not None else ()):
+            if spec[name] == OUTPUT_BIAS:
+                full = merge_shards(groups.gather_shards(p, n), OUTPUT_BIAS, self._out_dim())
+                params[name] = full * (1.0 / r) if r > 1 else full
+            elif g > 1:
+                params[name] = merge_shards(groups.gather_shards(p, g), spec[name])
+        exchange = groups.exchange(r, LocalExchange())
+        # 2DH assumes groups of consecutive ranks; the stride-g exchanges (g > 1) run flat
+        return self._experts_and_combine(x_TD, plan, "padded", overlap, use_2dh and g == 1, exchange=exchange,
+                                         params=params, repeat=r)
 
     def _pick_layout(self, layout, megablocks_size, cf, rows, E, local: bool = False) -> str:
         if layout is not None and megablocks_size is not None:
@@ -305,19 +342,32 @@ class MoELayer(nn.Module):
         return p is not None and p.device.type != "cpu"
 
     def _experts_and_combine(self, x_TD: Tensor, plan: DispatchPlan, layout: str, overlap: int = 1,
-                             use_2dh: bool = False) -> Tensor:
+                             use_2dh: bool = False, exchange=None, params: dict | None = None, repeat: int = 1) -> Tensor:
+        """``exchange``/``params``/``repeat``: sharded experts (see _sharded_experts) -- another
+        exchange, gathered parameters in place of the module's, every slot block sent ``repeat``
+        times (once per hidden slice) and the partial outputs summed."""
         post = self.config.is_postscore
         if layout == "padded":  # [E, C, D] -> (other ranks' slots for my experts) -> experts -> back
             x_ECD = dispatch_padded(x_TD, plan, prescale=not post)
-            ex = self.exchange
+            if repeat > 1:
+                x_ECD = x_ECD.repeat_interleave(repeat, dim=0)        # [E*r, C, D]: block e*r+j -> slice j
+            ex = self.exchange if exchange is None else exchange
             two = use_2dh
-            if overlap > 1 and self.world_size > 1:
+            if params:
+                def experts(x):
+                    return torch.func.functional_call(self.experts, params, (x, self), strict=False)
+            else:
+                def experts(x):
+                    return self.experts(x, self)
+            if overlap > 1 and ex.world_size > 1:
                 # all chunks' all-to-alls in flight first; experts on chunk i while i+1.. still move
                 sent = [ex.start_dispatch(c, two) for c in x_ECD.chunk(overlap, dim=1)]
-                back = [ex.start_combine(self.experts(ex.finish(h), self), two) for h in sent]
+                back = [ex.start_combine(experts(ex.finish(h)), two) for h in sent]
                 y_ECO = torch.cat([ex.finish(h) for h in back], dim=1)
             else:
-                y_ECO = ex.combine(self.experts(ex.dispatch(x_ECD, two), self), two)
+                y_ECO = ex.combine(experts(ex.dispatch(x_ECD, two)), two)
+            if repeat > 1:
+                y_ECO = y_ECO.view(-1, repeat, *y_ECO.shape[1:]).sum(1)
             return combine_padded(y_ECO, plan, postscore=post)
         if not getattr(self.experts, "fuses_row_scale", False):  # custom experts
             y_NO = self.experts.forward_ragged(dispatch_ragged(x_TD, plan, prescale=not post), plan.counts)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import net
 
-__all__ = ["AllToAllExchange"]
+__all__ = ["AllToAllExchange", "ShardGroups"]
 
 
 class AllToAllExchange:
@@ -55,3 +55,43 @@ class AllToAllExchange:
 
     def gather_experts(self, p: Tensor) -> Tensor:
         return net.all_gather(p, 0, group=self.group)          # [L, ...] -> [E, ...], grads summed back
+
+    def shard_groups(self, n: int) -> "ShardGroups":
+        """The process groups behind experts shared by n consecutive ranks (collective: every rank
+        builds the same layers in the same order)."""
+        if dist.get_world_size(self.group) != dist.get_world_size():
+            raise ValueError("experts sharded over ranks (num_experts_per_device < 0) need the whole world as the "
+                             "layer's group (group=None)")
+        return ShardGroups(n, self)
+
+
+class ShardGroups:
+    """Groups for experts sharded over n consecutive ranks (see dynamoe.moe.sharding).
+
+    At adaptive degree r (a divisor of n), the g = n / r consecutive ranks of each block gather
+    their shards, so each rank computes 1/r of an expert; the tokens of an expert then go to r
+    ranks, one per slice: the all-to-all runs among the ranks with the same position in their
+    g-block (stride g; member m computes slice m % r of expert m // r). r = n: no gathering, one
+    all-to-all over the world (model parallel); r = 1: whole experts, exchanges among W / n ranks.
+    """
+
+    def __init__(self, n: int, world_exchange: AllToAllExchange):
+        W = net.get_world_size()
+        if W % n:
+            raise ValueError(f"{n} ranks should share each expert, but the world has {W} ranks")
+        self.n = n
+        self._blocks = {1: None}                # g -> group of g consecutive ranks (gathering shards)
+        self._exchanges = {1: world_exchange}   # g -> exchange among the ranks at stride g
+        for g in (d for d in range(2, n + 1) if n % d == 0):
+            groups = net.create_groups_from_world(-g)
+            self._blocks[g] = groups.model_group
+            self._exchanges[g] = AllToAllExchange(groups.data_group) if W // g > 1 else None
+
+    def exchange(self, r: int, local):
+        """The exchange at degree r (``local`` when the stride group is one rank)."""
+        return self._exchanges[self.n // r] or local
+
+    def gather_shards(self, p: Tensor, g: int) -> Tensor:
+        """[g, *p.shape]: this rank's g-block's shards of ``p`` in rank order (differentiable:
+        each shard's gradient sums over the block)."""
+        return net.all_gather(p.unsqueeze(0), 0, group=self._blocks[g])
