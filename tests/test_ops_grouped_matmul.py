@@ -139,3 +139,32 @@ def test_torch_backend_refusal_falls_back_and_is_remembered(monkeypatch):
     for _ in range(2):
         torch.testing.assert_close(grouped_mm(x, w, counts, backend="torch"), grouped_mm_reference(x, w, counts))
     assert len(calls) == 1 and ("cpu", torch.float32) in gm._TORCH_REFUSED
+
+
+@pytest.mark.parametrize("trans_w", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_groups_cycling_over_the_weights(trans_w, dtype):
+    """k*E groups, group g using weight g % E (the layout received from an all-to-all): forward and
+    every gradient (weights summed over their groups; expert 2 gets rows only in the 2nd cycle,
+    expert 3 none at all) equal the reference's."""
+    counts = [3, 2, 0, 0, 1, 4, 2, 0]  # E = 4, two cycles
+    E, I, O = 4, 8, 4
+    N = sum(counts)
+    x = torch.randn(N, I, dtype=dtype, requires_grad=True)
+    w = (torch.randn(E, O, I) if trans_w else torch.randn(E, I, O)).to(dtype).requires_grad_()
+    b = torch.randn(E, O, dtype=dtype, requires_grad=True)
+    s = torch.rand(N, dtype=dtype, requires_grad=True)
+    g = torch.randn(N, O, dtype=dtype)
+    grads = []
+    for fn in (grouped_mm, grouped_mm_reference):
+        y = fn(x, w, counts, b, trans_w=trans_w, row_scale=s)
+        (y * g).sum().backward()
+        grads.append([y.detach()] + [t.grad.clone() for t in (x, w, b, s)])
+        for t in (x, w, b, s):
+            t.grad = None
+    tol = dict(atol=5e-2, rtol=5e-2) if dtype == torch.bfloat16 else {}
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, **tol)
+    assert grads[0][2][3].abs().sum() == 0  # the expert without rows: zero gradient
+    with torch.no_grad():
+        torch.testing.assert_close(grouped_mm(x, w, counts, b, trans_w=trans_w), grouped_mm_reference(x, w, counts, b, trans_w=trans_w), **tol)

@@ -10,6 +10,8 @@ An exchange has ``world_size``, ``rank`` and:
   * ``dispatch(x_ECD, use_2dh) -> x_LWcD``: [E = W*L global experts, C, D] -> [L local experts, W*C, D]
     (``use_2dh``: the two-level exchange, same result);
   * ``combine(y_LWcO) -> y_ECO``: the inverse exchange;
+  * ``exchange_blocks(x) -> x``: dim 0's W equal blocks to ranks 0..W-1, received in source-rank
+    order, no re-layout (the experts read [W source blocks of L experts] in place);
   * ``start_dispatch`` / ``start_combine`` -> handle and ``finish(handle)``: the same exchanges split
     in two, so several can be in flight while experts compute (``a2a_ffn_overlap_degree``);
   * ``sum_over_ranks(t) -> t``: element-wise sum over ranks (e.g. the expert load behind the
@@ -45,6 +47,9 @@ class LocalExchange:
 
     def gather_experts(self, p: Tensor) -> Tensor:
         return p
+
+    def exchange_blocks(self, x: Tensor) -> Tensor:
+        return x
 
     def sum_over_ranks(self, t: Tensor) -> Tensor:
         return t

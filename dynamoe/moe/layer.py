@@ -359,7 +359,10 @@ class MoELayer(nn.Module):
             else:
                 def experts(x):
                     return self.experts(x, self)
-            if overlap > 1 and ex.world_size > 1:
+            if (overlap == 1 and not two and ex.world_size > 1 and x_ECD.device.type == "cpu"
+                    and getattr(self.experts, "fuses_row_scale", False)):
+                y_ECO = self._exchange_in_place(x_ECD, ex, params)
+            elif overlap > 1 and ex.world_size > 1:
                 # all chunks' all-to-alls in flight first; experts on chunk i while i+1.. still move
                 sent = [ex.start_dispatch(c, two) for c in x_ECD.chunk(overlap, dim=1)]
                 back = [ex.start_combine(experts(ex.finish(h)), two) for h in sent]
@@ -384,6 +387,22 @@ class MoELayer(nn.Module):
         y_NO = self.experts.forward_ragged(x_ND, plan.counts, row_scale=plan.weight_N if post else None,
                                            out=x_ND if reuse else None)
         return combine_ragged(y_NO, plan, postscore=False)
+
+    def _exchange_in_place(self, x_ECD: Tensor, ex, params: dict | None) -> Tensor:
+        """The all-to-all without re-layout copies (CPU, built-in experts): the slot buffer [E, C, D]
+        goes out as is (rank w's block: its L experts' slots), what arrives -- W source blocks of
+        this rank's L experts -- is read in place by the grouped matmul (group g = expert g % L),
+        and the [E, C, O] result goes back as is. On CPU the exchange itself is a memory copy, so a
+        re-layout would double its cost."""
+        E, C, D = x_ECD.shape
+        recv = ex.exchange_blocks(x_ECD)
+        counts = [C] * E
+        if params:
+            y = torch.func.functional_call(_RaggedCall(self.experts), {f"experts.{k}": v for k, v in params.items()},
+                                           (recv.view(-1, D), counts), strict=False)
+        else:
+            y = self.experts.forward_ragged(recv.view(-1, D), counts)
+        return ex.exchange_blocks(y.view(E, C, -1))
 
     def _losses(self, routing: Routing, gcfg) -> tuple[Tensor, dict]:
         kind = self.config.aux_loss
@@ -441,3 +460,14 @@ class _LocalView(torch.nn.Module):
             return layer._experts_and_combine(x_TD, plan, layout)
         finally:
             layer.exchange = exchange
+
+
+class _RaggedCall(torch.nn.Module):
+    """``experts.forward_ragged`` as a module's forward, for functional_call with gathered shards."""
+
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x_ND: Tensor, counts) -> Tensor:
+        return self.experts.forward_ragged(x_ND, counts)

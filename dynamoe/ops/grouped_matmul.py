@@ -17,6 +17,11 @@ with ``trans_w=True`` ``x_e @ w[e].T`` (``w`` is [E, O, I], the nn.Linear layout
 
 The counts arrive as Python ints (the dispatch plan already synchronised once to size things), so
 neither backend adds a host synchronisation.
+
+``counts`` may also list k*E groups (k >= 1): group g then uses ``w[g % E]``. That is the layout an
+expert-parallel rank receives from the all-to-all -- W source blocks of its L experts' slots -- so
+the experts read the received buffer in place instead of re-laying it out expert-major (the loop
+backend; weight gradients sum over an expert's k groups).
 """
 from __future__ import annotations
 
@@ -37,7 +42,8 @@ def grouped_mm_reference(x_NI: Tensor, w: Tensor, counts: Sequence[int], bias: T
                          trans_w: bool = False, row_scale: Tensor | None = None) -> Tensor:
     """Plain reference: a Python loop of matmuls, concatenated."""
     outs = []
-    for e, x_e in enumerate(torch.split(x_NI, list(counts))):
+    for g, x_e in enumerate(torch.split(x_NI, list(counts))):
+        e = g % w.size(0)
         w_e = w[e].t() if trans_w else w[e]
         y = x_e @ w_e
         outs.append(y if bias is None else y + bias[e])
@@ -45,13 +51,14 @@ def grouped_mm_reference(x_NI: Tensor, w: Tensor, counts: Sequence[int], bias: T
     return y if row_scale is None else y * row_scale.unsqueeze(1)
 
 
-def _groups(counts: list[int]):
-    """(group, row offset, rows) of the non-empty groups: with many experts and few tokens (decode)
-    most groups are empty, and building views for them would cost more than the matmuls."""
+def _groups(counts: list[int], E: int):
+    """(weight index, row offset, rows) of the non-empty groups (group g uses weight g % E): with
+    many experts and few tokens (decode) most groups are empty, and building views for them would
+    cost more than the matmuls."""
     off = 0
-    for e, c in enumerate(counts):
+    for g, c in enumerate(counts):
         if c:
-            yield e, off, c
+            yield g % E, off, c
         off += c
 
 
@@ -82,7 +89,7 @@ def _row_chunks(off: int, rows: int, chunked: bool):
 
 def _per_group_mm(x_NI: Tensor, w: Tensor, bias: Tensor | None, counts: list[int], trans_w: bool, out: Tensor) -> None:
     chunked = _chunked(x_NI)
-    for e, off, c in _groups(counts):
+    for e, off, c in _groups(counts, w.size(0)):
         w_e = w[e].t() if trans_w else w[e]  # no autograd here: a view, not a gradient buffer
         for o, n in (_row_chunks(off, c, True) if chunked else ((off, c),)):
             if bias is None:
@@ -124,13 +131,18 @@ class _LoopGroupedMM(torch.autograd.Function):
         gx = x_NI.new_empty(x_NI.shape) if (need_x or need_s) else None
         gw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_w else None
         gb = g_NO.new_empty(w.size(0), g_NO.size(1)) if need_b else None
-        for e in (e for e, c in enumerate(counts) if c == 0):  # experts that got no rows
+        E = w.size(0)
+        rows_of = [sum(counts[e::E]) for e in range(E)]
+        for e in (e for e in range(E) if rows_of[e] == 0):  # experts that got no rows
             if need_w:
                 gw[e].zero_()
             if need_b:
                 gb[e].zero_()
         chunked = _chunked(x_NI)
-        for e, off, c in _groups(counts):
+        started: set = set()  # experts whose gradient already holds a first group's term
+        for e, off, c in _groups(counts, E):
+            first = e not in started
+            started.add(e)
             if gx is not None:  # with a row scale this is first the *unscaled* g @ w^T (see below)
                 w_e = w[e] if trans_w else w[e].t()
                 for o, n in _row_chunks(off, c, chunked):
@@ -138,19 +150,22 @@ class _LoopGroupedMM(torch.autograd.Function):
             if need_w:  # dL/dw_e = x_e^T gu_e (or its transpose for the Linear layout), summed over chunks
                 for i, (o, n) in enumerate(_row_chunks(off, c, chunked)):
                     a, b = (gu_NO.narrow(0, o, n), x_NI.narrow(0, o, n)) if trans_w else (x_NI.narrow(0, o, n), gu_NO.narrow(0, o, n))
-                    if i == 0:
+                    if i == 0 and first:
                         torch.mm(a.t(), b, out=gw[e])
                     else:
                         gw[e].addmm_(a.t(), b)
             if need_b:
-                torch.sum(gu_NO.narrow(0, off, c), dim=0, out=gb[e])
+                if first:
+                    torch.sum(gu_NO.narrow(0, off, c), dim=0, out=gb[e])
+                else:
+                    gb[e].add_(gu_NO.narrow(0, off, c).sum(0))
         gs = None
         if need_s:
             # dL/ds_n = <g_n, x_n w + b> = <g_n w^T, x_n> + <g_n, b_e>: reuses g w^T, no extra matmul
             acc = torch.promote_types(x_NI.dtype, torch.float32)  # fp32 for half inputs, fp64 stays fp64
             gs = (gx * x_NI).sum(1, dtype=acc)
             if bias is not None:
-                group = torch.repeat_interleave(torch.arange(len(counts), device=g_NO.device),
+                group = torch.repeat_interleave(torch.arange(len(counts), device=g_NO.device) % E,
                                                 torch.tensor(counts, device=g_NO.device), output_size=g_NO.size(0))
                 gs += (g_NO * bias.index_select(0, group)).sum(1, dtype=acc)
             gs = gs.to(s_N.dtype)
@@ -206,7 +221,7 @@ def grouped_mm(
     Args:
         x_NI: [N, I] rows sorted by group; N == sum(counts).
         w: [E, I, O] (or [E, O, I] with ``trans_w``).
-        counts: E row counts (Python ints).
+        counts: E row counts (Python ints); or k*E, group g using weight g % E.
         bias: optional [E, O], added per group.
         backend: "loop", "torch" or None (per device; see module docstring).
         row_scale: optional [N] factor per output row (differentiable), applied after the bias.
@@ -218,8 +233,9 @@ def grouped_mm(
     counts = [int(c) for c in counts]
     if x_NI.dim() != 2 or w.dim() != 3:
         raise ValueError(f"grouped_mm wants x [N, I] and w [E, *, *], got x {tuple(x_NI.shape)} and w {tuple(w.shape)}")
-    if len(counts) != w.size(0) or sum(counts) != x_NI.size(0):
-        raise ValueError(f"counts must have E={w.size(0)} entries summing to N={x_NI.size(0)}, got {len(counts)} summing to {sum(counts)}")
+    if not counts or len(counts) % w.size(0) or sum(counts) != x_NI.size(0):
+        raise ValueError(f"counts must have E={w.size(0)} entries (or a multiple of E) summing to N={x_NI.size(0)}, "
+                         f"got {len(counts)} summing to {sum(counts)}")
     in_features = w.size(2) if trans_w else w.size(1)
     if x_NI.size(1) != in_features:
         raise ValueError(f"x has {x_NI.size(1)} features but w expects {in_features}")
@@ -237,7 +253,7 @@ def grouped_mm(
     backend = backend or default_backend(x_NI.device)
     if backend not in ("loop", "torch"):
         raise ValueError(f"backend must be 'loop', 'torch' or None, got {backend!r}")
-    if backend == "torch" and out is None and _torch_can_run(x_NI, w, trans_w):
+    if backend == "torch" and out is None and len(counts) == w.size(0) and _torch_can_run(x_NI, w, trans_w):
         y = _torch_grouped_mm(x_NI, w, counts, bias, trans_w)
         if y is not None:
             return y if row_scale is None else y * row_scale.to(y.dtype).unsqueeze(1)

@@ -48,6 +48,10 @@ class AllToAllExchange:
     def combine(self, y_LCO: Tensor, use_2dh: bool = False) -> Tensor:
         return self.finish(self.start_combine(y_LCO, use_2dh))
 
+    def exchange_blocks(self, x: Tensor) -> Tensor:
+        """Block w of dim 0 to rank w, rank w's block into slot w (no re-layout)."""
+        return net.all_to_all_single(x, group=self.group)
+
     def sum_over_ranks(self, t: Tensor) -> Tensor:
         t = t.clone()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
