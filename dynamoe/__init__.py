@@ -5,4 +5,21 @@ from . import moe, ops, parallel  # parallel registers expert parallelism with t
 from .moe import MoEConfig, MoELayer, moe_layer
 
 __version__ = "0.1.0"
-__all__ = ["moe", "ops", "parallel", "MoELayer", "MoEConfig", "moe_layer", "__version__"]
+__all__ = ["moe", "ops", "parallel", "MoELayer", "MoEConfig", "moe_layer", "generate", "__version__"]
+
+
+def generate(model_or_path, prompt, **kwargs) -> str:
+    """Generate text for ``prompt`` (text, token ids or chat messages) with a checkpoint folder or a loaded
+    model; see :func:`dynamoe.engine.generate`. Imported on first call, so ``import dynamoe`` stays light."""
+    from .engine.generate import generate as _generate
+
+    return _generate(model_or_path, prompt, **kwargs)
+
+
+def __getattr__(name):
+    # ``dynamoe.models`` (model families, checkpoint loader: ``dynamoe.models.load``) is imported on first use
+    if name == "models":
+        import importlib
+
+        return importlib.import_module(".models", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,6 +4,11 @@
 [--exclude REGEX ...]`` converts a bf16/fp32 Hugging Face checkpoint folder into a quantized one,
 tensor by tensor (memory: about one tensor), in the on-disk layouts of :mod:`dynamoe.quant.checkpoint`.
 NVFP4 output is weight-only (no ``input_scale``: that needs calibration data).
+
+``dynamoe generate --model DIR --prompt TEXT [--chat] [--system S] [--max-tokens N] [--temperature T]
+[--top-p P] [--top-k K] [--min-p P] [--repetition-penalty R] [--seed S] [--stop STR ...]
+[--dtype float32|bfloat16|float16] [--device DEV] [--max-seq-len N] [--chat-template FILE]
+[--thinking/--no-thinking] [--stats]`` streams the generated text to stdout (``--prompt -`` reads stdin).
 Also runs as ``python -m dynamoe.cli``.
 """
 from __future__ import annotations
@@ -34,7 +39,67 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--format", required=True, choices=FORMATS)
     q.add_argument("--exclude", action="append", default=[], metavar="REGEX",
                    help="keep tensors whose name matches REGEX (re.search) dense; repeatable")
+
+    g = sub.add_parser("generate", help="generate text with a checkpoint, streamed to stdout",
+                       description="Load a Hugging Face checkpoint folder and stream the text generated for a "
+                                   "prompt (raw, or as one chat turn with --chat).")
+    g.add_argument("--model", required=True, metavar="DIR",
+                   help="checkpoint folder (config.json, weights, tokenizer.json)")
+    g.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt; '-' reads it from stdin")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--system", metavar="S", help="system message (with --chat)")
+    g.add_argument("--max-tokens", type=_int_at_least(1), default=256, metavar="N",
+                   help="tokens to generate at most (default 256)")
+    g.add_argument("--temperature", type=_float_range(0, None), default=None, metavar="T",
+                   help="sampling temperature >= 0; 0 = greedy (default: the checkpoint's generation_config.json, "
+                        "greedy unless it sets do_sample)")
+    g.add_argument("--top-p", type=_float_range(0, 1, lo_open=True), default=None, metavar="P",
+                   help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--top-k", type=_int_at_least(0), default=None, metavar="K", help="keep the K likeliest; 0 = off")
+    g.add_argument("--min-p", type=_float_range(0, 1), default=None, metavar="P",
+                   help="drop tokens below P * p_max; in [0, 1]")
+    g.add_argument("--repetition-penalty", type=_float_range(0, None, lo_open=True), default=None, metavar="R",
+                   help="HF repetition penalty > 0; 1 = off")
+    g.add_argument("--seed", type=_int_at_least(0), default=None, metavar="S", help="sampling seed")
+    g.add_argument("--stop", action="extend", nargs="+", default=[], metavar="STR",
+                   help="stop strings (output ends before the first one)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weight dtype (default: the loader's)")
+    g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    g.add_argument("--max-seq-len", type=_int_at_least(2), default=None, metavar="N",
+                   help="KV-cache length (default: prompt + max tokens, capped by the model's context)")
+    g.add_argument("--chat-template", metavar="FILE", help="chat template file (.jinja, or JSON with chat_template)")
+    g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="turn the template's thinking mode on/off (enable_thinking / thinking)")
+    g.add_argument("--stats", action="store_true", help="print token counts and speeds to stderr at the end")
     return p
+
+
+def _float_range(lo, hi, lo_open=False):
+    def parse(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        bad = v != v or v in (float("inf"), float("-inf")) or (v <= lo if lo_open else v < lo) \
+            or (hi is not None and v > hi)
+        if bad:
+            lo_s = f"> {lo}" if lo_open else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be {lo_s}{'' if hi is None else f' and <= {hi}'}, got {text!r}")
+        return v
+    return parse
+
+
+def _int_at_least(lo):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {text!r}")
+        return v
+    return parse
 
 
 def _check_args(p: argparse.ArgumentParser, args) -> None:
@@ -156,9 +221,67 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, exclude=(), log=print) -> 
             "copied": copied, "total_size": total}
 
 
+def _check_generate_args(p: argparse.ArgumentParser, args) -> None:
+    if not os.path.isdir(args.model):
+        p.error(f"--model {args.model!r} is not a directory")
+    for name in ("config.json", "tokenizer.json"):
+        if not os.path.exists(os.path.join(args.model, name)):
+            p.error(f"--model {args.model!r} has no {name}")
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        p.error(f"--chat-template {args.chat_template!r} is not a file")
+    if args.system is not None and not args.chat:
+        p.error("--system needs --chat")
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
+
+
+def generate_command(args, out=None, err=None) -> int:
+    """Run ``dynamoe generate`` with parsed ``args``; text goes to ``out`` as it is produced."""
+    import torch
+
+    from .engine import GenerationEngine, SamplingParams, encode_prompt, load
+
+    out = out or sys.stdout
+    err = err or sys.stderr
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load(args.model, dtype=args.dtype, device=device, chat_template=args.chat_template)
+    params = SamplingParams.from_generation_config(
+        tokenizer.generation_config, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    ids = encode_prompt(tokenizer, args.prompt, chat=args.chat, system=args.system, thinking=args.thinking)
+    max_seq_len = args.max_seq_len
+    if max_seq_len is None:
+        mpe = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        max_seq_len = len(ids) + args.max_tokens
+        if mpe and max_seq_len > int(mpe):
+            max_seq_len = int(mpe)
+    engine = GenerationEngine(model, tokenizer, max_seq_len=max_seq_len, max_batch=1)
+    last = None
+    for ev in engine.stream(ids, args.max_tokens, stop=args.stop, params=params):
+        if ev.text:
+            out.write(ev.text)
+            out.flush()
+        last = ev
+    out.write("\n")
+    out.flush()
+    if args.stats and last is not None:
+        st = engine.totals
+        print(f"dynamoe generate: {st['prompt_tokens']} prompt + {st['output_tokens']} generated tokens, "
+              f"finish_reason={last.finish_reason}; prefill {st['prompt_tokens'] / max(st['prefill_s'], 1e-9):.1f} "
+              f"tok/s, decode {1000 * st['decode_s'] / max(st['output_tokens'] - 1, 1):.1f} ms/token", file=err)
+    return 0
+
+
 def main(argv=None) -> int:
     p = _parser()
     args = p.parse_args(argv)
+    if args.command == "generate":
+        _check_generate_args(p, args)
+        try:
+            return generate_command(args)
+        except (ValueError, OSError) as err:
+            print(f"dynamoe generate: error: {err}", file=sys.stderr)
+            return 1
     if args.command == "quantize":
         _check_args(p, args)
         try:

@@ -1,0 +1,14 @@
+"""Model families on dynamoe's MoE layer: Qwen3-MoE, Mixtral, GPT-OSS (more register through
+:mod:`dynamoe.models.registry`), the shared blocks they are built from, and the checkpoint loader.
+
+``model = dynamoe.models.load(path, dtype=torch.bfloat16)`` reads a Hugging Face folder;
+``model(input_ids, cache=model.new_cache(slots, max_len), slots=...)`` runs it.
+"""
+from .base import CausalLM, DecoderLayer, MoELayerStats
+from .cache import KVCache
+from .config import ModelConfig, RopeConfig
+from .loader import load, load_config
+from .registry import builder_for, family_for, register, supported_families
+
+__all__ = ["load", "load_config", "ModelConfig", "RopeConfig", "KVCache", "CausalLM", "DecoderLayer", "MoELayerStats",
+           "register", "family_for", "builder_for", "supported_families"]

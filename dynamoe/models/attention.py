@@ -1,0 +1,144 @@
+"""Grouped-query attention with the options our families need: q/k RMSNorm per head (before RoPE),
+q/k/v/o biases, learned per-head sinks (GPT-OSS), a sliding window per layer, partial or interleaved
+RoPE, and the KV cache of :mod:`dynamoe.models.cache`.
+
+Legend: B batch rows, T new tokens, L keys attended (cache: positions 0..L-1), H query heads,
+K key/value heads (H = K * G), d head dim, D model dim.
+
+Masks come from positions, not from indices: query at position p sees key positions j with
+j <= p (causal) and j > p - W (window W). With the cache, rows sit at different positions (continuous
+batching); keys past a row's own length are never visible to it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .cache import KVCache
+from .norms import RMSNorm
+from .rope import RotaryEmbedding, apply_rope
+
+__all__ = ["Attention", "attention_mask", "attend", "write_kv"]
+
+
+def attention_mask(q_pos_BT: Tensor, k_pos_BL: Tensor, window: int | None) -> Tensor:
+    """bool [B, 1, T, L]: True where the query at q_pos may see the key at k_pos."""
+    q = q_pos_BT[:, None, :, None]
+    k = k_pos_BL[:, None, None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed = allowed & (k > q - window)
+    return allowed
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool) -> Tensor:
+    if k.size(1) != q.size(1):
+        try:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+        except TypeError:  # torch < 2.5: no enable_gqa
+            G = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def _attend_with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, sinks_H: Tensor) -> Tensor:
+    """softmax over [scores | sink] per head, the sink's column dropped (GPT-OSS). fp32 softmax."""
+    B, H, T, d = q.shape
+    K = k.size(1)
+    G = H // K
+    q_BKGTd = q.reshape(B, K, G, T, d)
+    scores = torch.matmul(q_BKGTd, k.unsqueeze(2).transpose(-1, -2)).float() * scale  # [B, K, G, T, L]
+    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    sink = sinks_H.float().reshape(1, K, G, 1, 1).expand(B, K, G, T, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    out = torch.matmul(probs.to(v.dtype), v.unsqueeze(2))  # [B, K, G, T, d]
+    return out.reshape(B, H, T, d)
+
+
+def attend(q_BHTd: Tensor, k_BKLd: Tensor, v_BKLd: Tensor, q_pos_BT: Tensor, k_pos_BL: Tensor | None,
+           scale: float, window: int | None = None, sinks_H: Tensor | None = None) -> Tensor:
+    """Attention output [B, H, T, d]. ``k_pos_BL`` None means the keys are the T queries themselves at
+    consecutive positions (plain causal attention: the fast path of SDPA)."""
+    if k_pos_BL is None and window is None and sinks_H is None:
+        return _sdpa(q_BHTd, k_BKLd, v_BKLd, None, scale, causal=q_BHTd.size(2) > 1)
+    mask = attention_mask(q_pos_BT, q_pos_BT if k_pos_BL is None else k_pos_BL, window)
+    if sinks_H is not None:
+        return _attend_with_sinks(q_BHTd, k_BKLd, v_BKLd, mask, scale, sinks_H)
+    return _sdpa(q_BHTd, k_BKLd, v_BKLd, mask, scale, causal=False)
+
+
+def write_kv(cache: KVCache, layer: int, slots_B: Tensor, positions_BT: Tensor, kv_len: int,
+             **new: Tensor) -> dict[str, Tensor]:
+    """Write each new tensor [B, K, T, d] at its rows' positions in the cache buffer of that name
+    (allocated [slots, K, max_seq_len, d]), and return the buffers' first ``kv_len`` positions of
+    the batch's slots, [B, K, kv_len, d], in the new tensors' dtype."""
+    out = {}
+    for name, t in new.items():
+        _, K, _, d = t.shape
+        buf = cache.buffer(layer, name, K, cache.max_seq_len, d)
+        # buf[slot_b, :, pos_bt] for every (b, t): advanced indices around a slice -> [B, T, K, d]
+        buf[slots_B[:, None], :, positions_BT] = t.transpose(1, 2).to(buf.dtype)
+        out[name] = buf[:, :, :kv_len].index_select(0, slots_B).to(t.dtype)
+    return out
+
+
+class Attention(nn.Module):
+    """GQA self-attention of one decoder layer (parameter names as Hugging Face's: ``q_proj``,
+    ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``, ``sinks``).
+
+    ``forward(x [B, T, D], positions [B, T], cache=None, slots=None, kv_len=None) -> [B, T, D]``.
+    Without a cache: causal attention over the T tokens. With one: the new k/v are written at the
+    positions of each row's slot, and each query attends over its slot's keys 0..position.
+    ``kv_len`` (max position + 1 over the rows) can be passed by the caller to save a host sync.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
+                 rotary: RotaryEmbedding, qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False,
+                 norm_eps: float = 1e-6, sinks: bool = False, sliding_window: int | None = None,
+                 scale: float | None = None, rope_interleaved: bool = False, dtype=None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.layer_idx, self.num_heads, self.num_kv_heads, self.head_dim = layer_idx, num_heads, num_kv_heads, head_dim
+        self.sliding_window, self.rope_interleaved = sliding_window, rope_interleaved
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        kw = dict(dtype=dtype)
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias, **kw)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, **kw)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, **kw)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias, **kw)
+        self.q_norm = RMSNorm(head_dim, norm_eps, dtype=dtype) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps, dtype=dtype) if qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(num_heads, **kw)) if sinks else None
+        # shared by all layers and owned (registered) by the model: a plain reference here
+        object.__setattr__(self, "rotary", rotary)
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"sliding_window={self.sliding_window}, sinks={self.sinks is not None}")
+
+    def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
+                kv_len: int | None = None) -> Tensor:
+        B, T, _ = x_BTD.shape
+        H, K, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x_BTD).view(B, T, H, d)
+        k = self.k_proj(x_BTD).view(B, T, K, d)
+        v = self.v_proj(x_BTD).view(B, T, K, d).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rotary(positions_BT, q.dtype)
+        q = apply_rope(q.transpose(1, 2), cos, sin, self.rope_interleaved)  # [B, H, T, d]
+        k = apply_rope(k.transpose(1, 2), cos, sin, self.rope_interleaved)  # [B, K, T, d]
+        k_pos = None
+        if cache is not None:
+            if slots is None:
+                raise ValueError("attention with a cache needs slots (LongTensor [B])")
+            if kv_len is None:
+                kv_len = int(positions_BT[:, -1].max()) + 1
+            kv = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, k=k, v=v)
+            k, v = kv["k"], kv["v"]
+            k_pos = torch.arange(kv_len, device=x_BTD.device).expand(B, kv_len)
+        out = attend(q, k, v, positions_BT, k_pos, self.scale, self.sliding_window, self.sinks)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * d))

@@ -1,0 +1,171 @@
+"""The causal LM shared by every family: embeddings, pre-norm decoder layers, final norm, lm_head.
+
+Legend: B batch rows, T tokens, D model dim, V vocab.
+
+A family subclasses :class:`CausalLM` and says how to build layer i (:meth:`CausalLM.build_layer`)
+and how its checkpoint names differ from ours (``checkpoint_renames``, ``expert_layout``; see
+:mod:`dynamoe.models.weights`). Module names follow Hugging Face's (``model.embed_tokens``,
+``model.layers.{i}.self_attn.q_proj``, ``model.layers.{i}.mlp``, ``model.norm``, ``lm_head``), so
+most tensors load by name; a sparse block's router and experts live in a dynamoe MoELayer
+(``mlp.moe``) and are mapped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .cache import KVCache
+from .config import ModelConfig
+from .moe_block import SparseMoeBlock
+from .rope import RotaryEmbedding
+
+__all__ = ["CausalLM", "DecoderLayer", "DecoderStack", "MoELayerStats"]
+
+
+class DecoderLayer(nn.Module):
+    """h += attn(norm1(h)); h += mlp(norm2(h))."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, input_layernorm: nn.Module,
+                 post_attention_layernorm: nn.Module):
+        super().__init__()
+        self.self_attn, self.mlp = self_attn, mlp
+        self.input_layernorm, self.post_attention_layernorm = input_layernorm, post_attention_layernorm
+
+    def forward(self, h_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
+                kv_len: int | None = None) -> Tensor:
+        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), positions_BT, cache, slots, kv_len)
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+
+
+class DecoderStack(nn.Module):
+    """Hugging Face's ``model``: embed_tokens, layers, norm (and the shared rotary tables)."""
+
+    def __init__(self, embed_tokens: nn.Embedding, layers: list, norm: nn.Module, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.rotary_emb = rotary_emb
+
+
+@dataclass
+class MoELayerStats:
+    """One MoE layer's routing in the last forward: ``load`` int64 [E] assignments per expert (on the
+    model's device), ``dropped`` assignments over capacity (always 0: inference is dropless)."""
+
+    layer: int
+    load: Tensor
+    dropped: int
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM over a :class:`ModelConfig`.
+
+    ``forward(input_ids [B, T], cache=None, slots=None) -> logits [B, T, V]``. With a cache, row b
+    continues slot ``slots[b]`` (default: slots 0..B-1) at position ``cache.lengths[slot]``, and the
+    cache advances by T once, after all layers.
+    """
+
+    #: (ours, theirs) substring renames from our state-dict names to the checkpoint's; first match wins
+    checkpoint_renames: tuple = ()
+    #: how the routed experts are stored on disk (dynamoe.models.weights.PerExpert / FusedInterleaved)
+    expert_layout = None
+    #: whether the routed experts have biases (GPT-OSS)
+    expert_bias = False
+
+    def __init__(self, config: ModelConfig, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+        self.config = config
+        rotary = self.build_rotary(config)
+        layers = [self.build_layer(config, i, rotary, dtype) for i in range(config.num_hidden_layers)]
+        self.model = DecoderStack(nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype), layers,
+                                  self.build_norm(config, config.hidden_size, dtype), rotary)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.tie_weights()
+
+    # ---- what a family provides -----------------------------------------------------------------
+    def build_rotary(self, cfg: ModelConfig) -> RotaryEmbedding:
+        dim = int(cfg.head_dim * cfg.rope.partial_rotary_factor)
+        return RotaryEmbedding(cfg.rope, dim, cfg.max_position_embeddings)
+
+    def build_norm(self, cfg: ModelConfig, dim: int, dtype) -> nn.Module:
+        from .norms import RMSNorm
+
+        return RMSNorm(dim, cfg.rms_norm_eps, dtype=dtype)
+
+    def build_layer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype) -> DecoderLayer:
+        raise NotImplementedError
+
+    # ---- API --------------------------------------------------------------------------------------
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, num_slots: int, max_seq_len: int, dtype: Optional[torch.dtype] = None, device=None) -> KVCache:
+        """An empty KV cache for this model (defaults: the model's dtype and device)."""
+        return KVCache(num_slots, max_seq_len, self.config.num_hidden_layers, dtype or self.dtype,
+                       self.device if device is None else device)
+
+    def forward(self, input_ids: Tensor, cache: KVCache | None = None, slots: Tensor | None = None) -> Tensor:
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
+            got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be an int64 (or int32) tensor [batch, tokens], got {got}")
+        B, T = input_ids.shape
+        dev = input_ids.device
+        steps = torch.arange(T, device=dev)
+        kv_len = None
+        if cache is None:
+            if slots is not None:
+                raise ValueError("slots are only meaningful with a cache")
+            positions = steps.expand(B, T)
+        else:
+            if slots is None:
+                slots = torch.arange(B, device=cache.lengths.device)
+            elif not isinstance(slots, Tensor):
+                slots = torch.tensor(slots, dtype=torch.long, device=cache.lengths.device)
+            if slots.dim() != 1 or slots.numel() != B:
+                raise ValueError(f"slots must be a LongTensor [{B}] (one per row), got shape {tuple(slots.shape)}")
+            starts = cache.check_room(slots, T)
+            positions = starts.to(dev)[:, None] + steps
+            kv_len = int(starts.max()) + T if B else T
+            slots = slots.to(dev)
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, positions, cache, slots, kv_len)
+        logits = self.lm_head(self.model.norm(h))
+        if cache is not None:
+            cache.advance(slots.to(cache.lengths.device), T)
+        return logits
+
+    def moe_layers(self) -> list[tuple[int, SparseMoeBlock]]:
+        return [(i, layer.mlp) for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def moe_stats(self) -> list[MoELayerStats]:
+        """Per MoE layer, the last forward's routing: expert load and dropped assignments."""
+        out = []
+        for i, block in self.moe_layers():
+            s = block.last_stats
+            if s is not None:
+                out.append(MoELayerStats(i, s.load, int(s.dropped)))
+        return out
+
+    # ---- checkpoint names -------------------------------------------------------------------------
+    def checkpoint_name(self, name: str) -> str:
+        """Our parameter name -> the checkpoint's (first matching rename of ``checkpoint_renames``)."""
+        for ours, theirs in self.checkpoint_renames:
+            if ours in name:
+                return name.replace(ours, theirs, 1)
+        return name

@@ -1,0 +1,345 @@
+"""A checkpoint's ``config.json`` parsed once into typed dataclasses (:class:`ModelConfig`, :class:`RopeConfig`).
+
+Both config styles are accepted and give the same result:
+
+* hub style: ``rope_theta`` at the top, ``rope_scaling: {type | rope_type, factor, ...}`` (or null);
+* transformers-5 style: ``rope_parameters: {rope_type, rope_theta, factor, ...}``.
+
+The expert count is read from ``num_experts`` / ``num_local_experts`` / ``n_routed_experts``
+(whichever is present). Fields that only some families use (DeepSeek's MLA ranks, GLM's groups, the
+V3.2 indexer) are parsed here too, so a family module reads typed values, never the raw dict; the raw
+dict stays on ``ModelConfig.raw`` for anything a later family needs before it gets a typed field.
+
+Family defaults that transformers applies in its config classes (GPT-OSS's YaRN and alternating
+sliding layers, per-family ``rope_theta``) live in ``_FAMILY_DEFAULTS`` below, so a config.json that
+omits them parses as transformers reads it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "parse_rope"]
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+# What transformers' config classes fill in when config.json leaves a field out.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": {"rope_theta": 1e6},
+    "gpt_oss": {
+        "rope_theta": 150000.0,
+        "rope": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096},
+        "sliding_window": 128, "attention_bias": True, "alternating_layers": True, "head_dim": 64,
+    },
+    "deepseek_v3": {"rope_interleave": True}, "kimi_k2": {"rope_interleave": True},
+}
+
+
+# ------------------------------------------------------------------------------------------ checks
+def _err(name: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"config field {name!r} must be {allowed}, got {value!r}")
+
+
+def _int(d: dict, name: str, default: Any = None, minimum: int = 1, required: bool = False) -> Optional[int]:
+    v = d.get(name, default)
+    if v is None:
+        if required:
+            raise ValueError(f"config field {name!r} is required (an int >= {minimum}) but missing")
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise _err(name, v, f"an int >= {minimum}")
+    return v
+
+
+def _float(d: dict, name: str, default: Any = None, positive: bool = False) -> Optional[float]:
+    v = d.get(name, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+        raise _err(name, v, "a finite number" + (" > 0" if positive else ""))
+    return float(v)
+
+
+def _bool(d: dict, name: str, default: bool) -> bool:
+    v = d.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _err(name, v, "true or false")
+    return v
+
+
+def _str(d: dict, name: str, default: Optional[str]) -> Optional[str]:
+    v = d.get(name, default)
+    if v is not None and not isinstance(v, str):
+        raise _err(name, v, "a string")
+    return v
+
+
+def _int_list(d: dict, name: str) -> tuple:
+    v = d.get(name)
+    if v is None:
+        return ()
+    if isinstance(v, int) and not isinstance(v, bool):
+        return (v,)
+    if not isinstance(v, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        raise _err(name, v, "an int or a list of ints")
+    return tuple(v)
+
+
+# ------------------------------------------------------------------------------------------ RoPE
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, whichever style the config used.
+
+    rope_type: 'default' | 'linear' | 'dynamic' | 'yarn' | 'llama3'. theta: the base.
+    factor: context scaling (linear, dynamic, yarn, llama3). original_max_position_embeddings: the
+    pre-training length (yarn, llama3). beta_fast / beta_slow / truncate / mscale / mscale_all_dim /
+    attention_factor: YaRN. low_freq_factor / high_freq_factor: llama3.
+    partial_rotary_factor: fraction of each head's dims that rotate (GLM-4.5: 0.5).
+    """
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    original_max_position_embeddings: Optional[int] = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    attention_factor: Optional[float] = None
+    low_freq_factor: Optional[float] = None
+    high_freq_factor: Optional[float] = None
+    partial_rotary_factor: float = 1.0
+
+
+def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 10000.0,
+               family_default: Optional[dict] = None) -> RopeConfig:
+    """RopeConfig from a config dict in either style (see the module docstring)."""
+    params = d.get("rope_parameters")
+    if params is None:
+        params = d.get("rope_scaling")
+    if params is None:
+        params = dict(family_default or {})
+    if not isinstance(params, dict):
+        raise _err("rope_parameters" if "rope_parameters" in d else "rope_scaling", params, "a dict or null")
+    if any(k in LAYER_TYPES for k in params):
+        raise ValueError(f"config field 'rope_parameters' nested per layer type ({sorted(params)}) is not supported; "
+                         "supported: one rope_parameters dict for all layers")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise _err("rope_type", rope_type, f"one of {list(ROPE_TYPES)}")
+    theta = params.get("rope_theta", d.get("rope_theta", default_theta))
+    merged = {**params, "rope_theta": theta,
+              "partial_rotary_factor": params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))}
+    theta = _float(merged, "rope_theta", positive=True)
+    partial = _float(merged, "partial_rotary_factor", positive=True)
+    if partial > 1:
+        raise _err("partial_rotary_factor", partial, "in (0, 1]")
+    if rope_type == "default":
+        return RopeConfig("default", theta, partial_rotary_factor=partial)
+    orig = _int(merged, "original_max_position_embeddings", d.get("original_max_position_embeddings"))
+    if rope_type in ("yarn", "llama3") and orig is None:
+        orig = max_position_embeddings  # transformers' standardize_rope_params does the same
+    factor = merged.get("factor")
+    if factor is None and rope_type == "yarn":
+        factor = max_position_embeddings / orig
+    factor = _float({"factor": factor}, "factor", positive=True)
+    if factor is None:
+        raise ValueError(f"config field 'factor' is required for rope_type {rope_type!r} but missing")
+    if rope_type == "llama3":
+        for name in ("low_freq_factor", "high_freq_factor"):
+            if merged.get(name) is None:
+                raise ValueError(f"config field {name!r} is required for rope_type 'llama3' but missing")
+    return RopeConfig(
+        rope_type, theta, factor, orig,
+        beta_fast=_float(merged, "beta_fast") or 32.0, beta_slow=_float(merged, "beta_slow") or 1.0,
+        truncate=_bool(merged, "truncate", True), mscale=_float(merged, "mscale"),
+        mscale_all_dim=_float(merged, "mscale_all_dim"), attention_factor=_float(merged, "attention_factor"),
+        low_freq_factor=_float(merged, "low_freq_factor"), high_freq_factor=_float(merged, "high_freq_factor"),
+        partial_rotary_factor=partial,
+    )
+
+
+# ------------------------------------------------------------------------------------------ model
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the model families read, typed and validated (see :meth:`from_dict`).
+
+    Layer structure: ``layer_types[i]`` is 'full_attention' or 'sliding_attention' (window
+    ``sliding_window``); :meth:`is_moe_layer` says whether layer i has routed experts.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    architectures: tuple = ()
+    intermediate_size: Optional[int] = None        # dense MLP layers
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: Optional[int] = None
+    layer_types: tuple = ()
+    # routed experts
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: Optional[int] = None
+    norm_topk_prob: bool = False
+    mlp_only_layers: tuple = ()
+    decoder_sparse_step: int = 1
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.702
+    # DeepSeek-V3 / Kimi-K2 / GLM-4.5 (and V3.2 / GLM-5 indexer)
+    first_k_dense_replace: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    scoring_func: str = "softmax"
+    topk_method: Optional[str] = None
+    use_qk_norm: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    rope_interleave: bool = False
+    index_topk: Optional[int] = None
+    index_head_dim: Optional[int] = None
+    index_n_heads: Optional[int] = None
+    num_nextn_predict_layers: int = 0
+    # tokens
+    bos_token_id: Optional[int] = None
+    eos_token_id: tuple = ()
+    pad_token_id: Optional[int] = None
+    quantization_config: Optional[dict] = field(default=None, compare=False)
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived ------------------------------------------------------------------------------
+    def layer_sliding_window(self, i: int) -> Optional[int]:
+        """The sliding window of layer i, or None for full attention."""
+        return self.sliding_window if self.layer_types and self.layer_types[i] == "sliding_attention" else None
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Qwen3-MoE's rule (mlp_only_layers, decoder_sparse_step) and DeepSeek's first_k_dense_replace."""
+        if self.num_experts == 0 or i in self.mlp_only_layers or i < self.first_k_dense_replace:
+            return False
+        return (i + 1) % self.decoder_sparse_step == 0
+
+    # ---- parsing ------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Parse an HF config.json dict; ValueError naming the field for bad or missing values."""
+        if not isinstance(d, dict):
+            raise ValueError(f"config must be a dict (config.json's contents), got {type(d).__name__}")
+        model_type = _str(d, "model_type", None)
+        if not model_type:
+            raise ValueError("config field 'model_type' is required but missing")
+        fam = _FAMILY_DEFAULTS.get(model_type, {})
+        archs = d.get("architectures") or ()
+        if not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs):
+            raise _err("architectures", archs, "a list of strings")
+
+        hidden = _int(d, "hidden_size", required=True)
+        heads = _int(d, "num_attention_heads", required=True)
+        layers = _int(d, "num_hidden_layers", required=True)
+        kv_heads = _int(d, "num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise _err("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}")
+        head_dim = _int(d, "head_dim", fam.get("head_dim")) or hidden // heads
+        max_pos = _int(d, "max_position_embeddings", 4096)
+
+        experts = 0
+        for key in _EXPERT_COUNT_KEYS:
+            if d.get(key) is not None:
+                experts = _int(d, key, minimum=0)
+                break
+        # GPT-OSS's config.json also says experts_per_token
+        top_k = _int(d, "num_experts_per_tok", d.get("experts_per_token", 0), minimum=0)
+        if experts and not 1 <= top_k <= experts:
+            raise _err("num_experts_per_tok", d.get("num_experts_per_tok"), f"an int in [1, num_experts={experts}]")
+
+        sliding = _int(d, "sliding_window", fam.get("sliding_window"))
+        layer_types = d.get("layer_types")
+        if layer_types is not None:
+            if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
+                    or any(t not in LAYER_TYPES for t in layer_types)):
+                raise _err("layer_types", layer_types, f"a list of {layers} entries from {list(LAYER_TYPES)}")
+            layer_types = tuple(layer_types)
+        elif fam.get("alternating_layers"):  # GPT-OSS: even layers sliding, odd layers full
+            layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+        elif sliding is not None and _bool(d, "use_sliding_window", True):
+            layer_types = ("sliding_attention",) * layers  # Mixtral / Qwen3 with use_sliding_window
+        else:
+            layer_types = ("full_attention",) * layers
+        if "sliding_attention" in layer_types and sliding is None:
+            raise ValueError("config field 'sliding_window' is required when layer_types has 'sliding_attention'")
+
+        mlp_only = _int_list(d, "mlp_only_layers")
+        if any(not 0 <= i < layers for i in mlp_only):
+            raise _err("mlp_only_layers", list(mlp_only), f"layer indices in [0, {layers})")
+        eos = _int_list(d, "eos_token_id")
+        quant = d.get("quantization_config")
+        if quant is not None and not isinstance(quant, dict):
+            raise _err("quantization_config", quant, "a dict")
+        scoring = _str(d, "scoring_func", "softmax")
+        if scoring not in ("softmax", "sigmoid"):
+            raise _err("scoring_func", scoring, "'softmax' or 'sigmoid'")
+        n_group = _int(d, "n_group", 1)
+        topk_group = _int(d, "topk_group", 1)
+        if topk_group > n_group:
+            raise _err("topk_group", topk_group, f"<= n_group={n_group}")
+
+        cfg = cls(
+            model_type=model_type, architectures=tuple(archs),
+            vocab_size=_int(d, "vocab_size", required=True), hidden_size=hidden, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
+            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6, positive=True),
+            rope=parse_rope(d, max_pos, fam.get("rope_theta", 10000.0), fam.get("rope")),
+            intermediate_size=_int(d, "intermediate_size"), hidden_act=_str(d, "hidden_act", "silu"),
+            tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
+            attention_bias=_bool(d, "attention_bias", fam.get("attention_bias", False)),
+            sliding_window=sliding, layer_types=layer_types,
+            num_experts=experts, num_experts_per_tok=top_k,
+            moe_intermediate_size=_int(d, "moe_intermediate_size"),
+            norm_topk_prob=_bool(d, "norm_topk_prob", False), mlp_only_layers=mlp_only,
+            decoder_sparse_step=_int(d, "decoder_sparse_step", 1),
+            swiglu_limit=_float(d, "swiglu_limit", positive=True),
+            swiglu_alpha=_float(d, "swiglu_alpha", 1.702, positive=True),
+            first_k_dense_replace=_int(d, "first_k_dense_replace", 0, minimum=0),
+            n_group=n_group, topk_group=topk_group,
+            routed_scaling_factor=_float(d, "routed_scaling_factor", 1.0, positive=True),
+            n_shared_experts=_int(d, "n_shared_experts", 0, minimum=0), scoring_func=scoring,
+            topk_method=_str(d, "topk_method", None), use_qk_norm=_bool(d, "use_qk_norm", False),
+            q_lora_rank=_int(d, "q_lora_rank"), kv_lora_rank=_int(d, "kv_lora_rank"),
+            qk_nope_head_dim=_int(d, "qk_nope_head_dim"), qk_rope_head_dim=_int(d, "qk_rope_head_dim"),
+            v_head_dim=_int(d, "v_head_dim"), rope_interleave=_bool(d, "rope_interleave", fam.get("rope_interleave", False)),
+            index_topk=_int(d, "index_topk"), index_head_dim=_int(d, "index_head_dim"),
+            index_n_heads=_int(d, "index_n_heads"),
+            num_nextn_predict_layers=_int(d, "num_nextn_predict_layers", 0, minimum=0),
+            bos_token_id=_int(d, "bos_token_id", minimum=0), eos_token_id=eos,
+            pad_token_id=_int(d, "pad_token_id", minimum=0), quantization_config=quant, raw=dict(d),
+        )
+        if cfg.num_experts and cfg.moe_intermediate_size is None and cfg.intermediate_size is None:
+            raise ValueError("config field 'moe_intermediate_size' (or 'intermediate_size') is required for an MoE model")
+        return cfg
+
+    @property
+    def expert_hidden_size(self) -> int:
+        """F of the routed experts: ``moe_intermediate_size`` (Qwen3, DeepSeek, GLM) or ``intermediate_size``
+        (Mixtral, GPT-OSS, which have no dense layers)."""
+        return self.moe_intermediate_size or self.intermediate_size

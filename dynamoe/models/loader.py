@@ -1,0 +1,238 @@
+"""``dynamoe.models.load(path)``: a Hugging Face checkpoint folder -> a model in eval mode.
+
+The model is built on the meta device (no memory), then every parameter is read from the
+memory-mapped safetensors files (single file or shards listed by ``model.safetensors.index.json``)
+one tensor at a time, cast to the compute dtype and put in place; peak memory is about the model's
+size. Quantized checkpoints (``quantization_config``: blockwise fp8, mxfp4, compressed-tensors NVFP4;
+ModelOpt NVFP4 via ``hf_quant_config.json``) keep their packed weights packed: routed experts become
+:class:`~dynamoe.quant.QuantizedExperts`, quantized Linears :class:`~dynamoe.quant.QuantizedLinear`.
+
+Every checkpoint tensor must be used and every parameter found: a missing, unexpected or
+mis-shaped tensor is a ValueError naming the tensor (and the expected and found shapes).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import sys
+from collections.abc import Mapping
+from typing import Union
+
+import torch
+from torch import nn
+
+from ..quant.base import QuantizedWeight
+from ..quant.checkpoint import quant_config_from_dir, read_weight
+from ..quant.checkpoint_files import CheckpointTensors
+from ..quant.modules import QuantizedExperts, QuantizedLinear
+from .base import CausalLM
+from .config import ModelConfig
+from .moe_block import SparseMoeBlock
+from .registry import builder_for, family_for
+from .weights import check_shape, read_experts
+
+__all__ = ["load", "load_config", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+# buffers the model derives itself (never in a checkpoint)
+_DERIVED_BUFFERS = ("_num_global_experts",)
+
+
+def _check_folder(path: str) -> None:
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint path {path!r} is not a folder")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise ValueError(f"no config.json in {path!r}")
+    if os.path.exists(os.path.join(path, "model.safetensors")) or os.path.exists(
+            os.path.join(path, "model.safetensors.index.json")):
+        return
+    bins = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt")))
+    if bins:
+        raise ValueError(f"{path!r} holds only PyTorch pickle weights ({', '.join(bins[:3])}); dynamoe loads safetensors "
+                         "only: convert them (e.g. save_pretrained with transformers) to model.safetensors")
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
+
+
+def _check_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (or one of {sorted(DTYPES)}), got {dtype!r}")
+    return dtype
+
+
+def load_config(path) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint folder."""
+    path = os.fspath(path)
+    with open(os.path.join(path, "config.json")) as f:
+        return ModelConfig.from_dict(json.load(f))
+
+
+class _Recording(Mapping):
+    """The checkpoint's name -> tensor mapping, remembering which tensors were read."""
+
+    def __init__(self, tensors: CheckpointTensors):
+        self.tensors, self.read = tensors, set()
+
+    def __getitem__(self, name):
+        t = self.tensors[name]
+        self.read.add(name)
+        return t
+
+    def __contains__(self, name) -> bool:
+        return name in self.tensors
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+class _Filler:
+    def __init__(self, model: CausalLM, tensors: _Recording, qcfg, dtype: torch.dtype, device: torch.device):
+        self.model, self.tensors, self.qcfg, self.dtype, self.device = model, tensors, qcfg, dtype, device
+
+    def read(self, ours: str, expected_shape, allow_quantized: bool = False):
+        name = self.model.checkpoint_name(ours)
+        try:
+            t = read_weight(self.tensors, name, self.qcfg if allow_quantized else None)
+        except ValueError as err:
+            if "not found in the checkpoint" in str(err):
+                raise ValueError(f"missing tensor {name!r} in the checkpoint (for {ours!r}, expected shape "
+                                 f"{tuple(expected_shape)})") from None
+            raise
+        check_shape(name, t.shape, expected_shape)
+        return t
+
+    def param(self, t: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
+        return nn.Parameter(t.to(device=self.device, dtype=like.dtype), requires_grad=False)
+
+    def linear(self, name: str, module: nn.Linear) -> None:
+        w = self.read(name + ".weight", module.weight.shape, allow_quantized=True)
+        bias = None
+        if module.bias is not None:
+            bias = self.read(name + ".bias", module.bias.shape).to(device=self.device, dtype=module.bias.dtype)
+        if isinstance(w, QuantizedWeight):
+            parent, _, attr = name.rpartition(".")
+            setattr(self.model.get_submodule(parent), attr, QuantizedLinear(w.to(self.device), bias))
+            return
+        module.weight = self.param(w, module.weight)
+        if bias is not None:
+            module.bias = nn.Parameter(bias, requires_grad=False)
+
+    def direct(self, name: str, module: nn.Module) -> None:
+        prefix = name + "." if name else ""
+        for pname, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[pname] = self.param(self.read(prefix + pname, p.shape), p)
+        for bname, b in list(module._buffers.items()):
+            if b is None or bname in module._non_persistent_buffers_set or bname in _DERIVED_BUFFERS:
+                continue
+            module._buffers[bname] = self.read(prefix + bname, b.shape).to(device=self.device, dtype=b.dtype)
+
+    def experts(self, name: str, block: SparseMoeBlock) -> None:
+        model, experts = self.model, block.moe.experts
+        ew = read_experts(self.tensors, self.qcfg, model.checkpoint_name(name + ".moe.experts"), model.expert_layout,
+                          experts.num_local_experts, experts.hidden_size, experts.model_dim, self.dtype, self.device,
+                          bias=model.expert_bias)
+        if ew.quantized:
+            block.moe.experts = QuantizedExperts(ew.w1, ew.w2, "glu", ew.b1, ew.b2, glu_kind=experts.activation,
+                                                 alpha=experts.alpha, limit=experts.limit,
+                                                 names=("gate_up_proj_", "down_proj_"))
+            return
+        for pname, t in (("gate_up_proj", ew.w1), ("down_proj", ew.w2), ("gate_up_proj_bias", ew.b1),
+                         ("down_proj_bias", ew.b2)):
+            if getattr(experts, pname) is not None:
+                p = nn.Parameter(t, requires_grad=False)
+                p._dynamoe_expert = True
+                setattr(experts, pname, p)
+
+    def run(self, progress: bool) -> None:
+        model = self.model
+        modules = list(model.named_modules())
+        skip: list[str] = []
+        tied = model.config.tie_word_embeddings
+        bar = _progress(len(modules), progress)
+        try:
+            for name, module in modules:
+                bar.update(1)
+                if any(name == s or name.startswith(s + ".") for s in skip):
+                    continue
+                if isinstance(module, SparseMoeBlock):
+                    self.experts(name, module)
+                    skip.append(name + ".moe.experts")
+                elif isinstance(module, nn.Linear):
+                    if not (tied and module is model.lm_head):
+                        self.linear(name, module)
+                else:
+                    self.direct(name, module)
+        finally:
+            bar.close()
+        model.tie_weights()
+        for module in model.modules():
+            if hasattr(module, "materialize_buffers"):
+                module.materialize_buffers(self.device)
+        left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+        if left:
+            raise ValueError(f"not loaded (no rule maps them to checkpoint tensors): {left[:8]}")
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc="loading", unit="module", file=sys.stderr, leave=False)
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    if config.tie_word_embeddings and name == "lm_head.weight":
+        return True
+    m = re.match(r"model\.layers\.(\d+)\.", name)  # multi-token-prediction layers (DeepSeek): unused here
+    return bool(m) and int(m.group(1)) >= config.num_hidden_layers
+
+
+def load(path, dtype: Union[torch.dtype, str] = torch.float32, device=None, progress: bool = True) -> CausalLM:
+    """Load a Hugging Face checkpoint folder as a dynamoe model in eval mode.
+
+    path: folder with config.json and model.safetensors (or shards + model.safetensors.index.json).
+    dtype: compute dtype (float32, bfloat16, float16). device: where the weights go (default CPU).
+    progress: a tqdm bar on stderr.
+    """
+    path = os.fspath(path)
+    _check_folder(path)
+    dtype = _check_dtype(dtype)
+    device = torch.device(device if device is not None else "cpu")
+    config = load_config(path)
+    qcfg = quant_config_from_dir(path)
+    builder = builder_for(config)
+    with torch.device("meta"):
+        model = builder(config, dtype=dtype)
+    files = CheckpointTensors(path)
+    tensors = _Recording(files)
+    try:
+        _Filler(model, tensors, qcfg, dtype, device).run(progress)
+        unexpected = sorted(n for n in files if n not in tensors.read and not _ignorable(n, config))
+    finally:
+        files.close()
+    if unexpected:
+        more = f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""
+        raise ValueError(f"unexpected tensors in {path!r}, not used by the {family_for(config)} model: "
+                         f"{unexpected[:8]}{more}")
+    return model.eval()

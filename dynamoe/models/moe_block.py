@@ -1,0 +1,112 @@
+"""The feed-forward blocks of a decoder layer: a dense gated MLP, and the sparse block that wraps a
+dynamoe :class:`~dynamoe.moe.MoELayer` built from the :class:`ModelConfig`.
+
+Legend: B batch, T tokens, D model dim, E experts, F expert hidden dim.
+
+Routing policies (``router``):
+
+* ``"softmax"`` -- Qwen3-MoE / Mixtral: fp32 softmax -> top-k -> renormalise if ``normalize``.
+* ``"softmax_bias"`` -- GPT-OSS: logits = x W^T + b, top-k on the logits, softmax over the k
+  (= softmax then renormalise). dynamoe's LinearGate has no logit bias, so this is a custom gate
+  (:class:`BiasedRouter`, GateConfig type 'custom').
+* ``"sigmoid"`` -- DeepSeek-V3 / Kimi-K2 / GLM-4.5: sigmoid scores, selection-only
+  ``e_score_correction_bias``, group-limited top-k, renormalise, ``routed_scaling_factor``.
+
+Inference must never drop a token: every gate is dropless (capacity_factor 0), and the last
+forward's :class:`~dynamoe.moe.RoutingStats` is kept on ``last_stats``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..moe import ExpertConfig, GateConfig, MoEConfig, MoELayer
+from ..ops.activations import GLU_KINDS, glu_activation
+from .config import ModelConfig
+
+__all__ = ["GatedMLP", "BiasedRouter", "SparseMoeBlock", "ROUTERS", "glu_kind"]
+
+ROUTERS = ("softmax", "softmax_bias", "sigmoid")
+# config.json's hidden_act -> dynamoe's GLU kind
+_HIDDEN_ACT = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+               "relu": "relu"}
+
+
+def glu_kind(hidden_act: str) -> str:
+    """The GLU kind (dynamoe.ops.activations) for a config's ``hidden_act``."""
+    if hidden_act not in _HIDDEN_ACT:
+        raise ValueError(f"config field 'hidden_act' must be one of {sorted(_HIDDEN_ACT)}, got {hidden_act!r}")
+    return _HIDDEN_ACT[hidden_act]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with Hugging Face's names (``gate_proj``, ``up_proj``, ``down_proj``);
+    ``glu`` is a GLU kind of dynamoe.ops.activations ('silu' = SwiGLU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, glu: str = "silu", bias: bool = False, dtype=None):
+        super().__init__()
+        if glu not in GLU_KINDS:
+            raise ValueError(f"glu must be one of {list(GLU_KINDS)}, got {glu!r}")
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.glu = glu
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(glu_activation(self.gate_proj(x), self.up_proj(x), self.glu))
+
+
+class BiasedRouter(nn.Module):
+    """Router logits with a bias, x W^T + b, computed in fp32 (GPT-OSS's ``mlp.router``)."""
+
+    def __init__(self, model_dim: int, num_global_experts: int, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_global_experts, model_dim, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(num_global_experts, dtype=dtype))
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        return F.linear(x_TD.float(), self.weight.float(), self.bias.float())
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed experts (a dynamoe MoELayer, ``self.moe``) for one decoder layer.
+
+    The experts are GLU experts (``moe.experts.gate_up_proj`` [E, 2F, D] gate rows then up rows,
+    ``moe.experts.down_proj`` [E, D, F], optional biases), or, for a quantized checkpoint, the
+    loader's :class:`~dynamoe.quant.QuantizedExperts`. ``glu`` is 'silu' or 'gpt_oss' (clamped SwiGLU).
+    """
+
+    def __init__(self, cfg: ModelConfig, router: str = "softmax", normalize: bool = True, glu: str = "silu",
+                 expert_bias: bool = False, num_shared_experts: int = 0, dtype=None):
+        super().__init__()
+        if router not in ROUTERS:
+            raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
+        E, K, D, F_ = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.expert_hidden_size
+        self.router_kind, self.num_experts, self.hidden_size = router, E, D
+        if router == "softmax":
+            gate = GateConfig(type="top", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize)
+        elif router == "softmax_bias":
+            gate = GateConfig(type="custom", k=K, capacity_factor=0.0, normalize=normalize,
+                              module=BiasedRouter(D, E, dtype=dtype))
+        else:
+            gate = GateConfig(type="sigmoid", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize,
+                              n_group=cfg.n_group, topk_group=cfg.topk_group, route_scale=cfg.routed_scaling_factor)
+        experts = ExpertConfig(
+            type="glu", num_experts_per_device=E, hidden_size_per_expert=F_, glu_activation=glu, glu_bias=expert_bias,
+            gpt_oss_alpha=cfg.swiglu_alpha, gpt_oss_limit=cfg.swiglu_limit or 7.0,
+            num_shared_experts=num_shared_experts,
+        )
+        self.moe = MoELayer(MoEConfig(model_dim=D, gates=[gate], experts=experts, aux_loss="none", dtype=dtype))
+        self.last_stats = None
+
+    def materialize_buffers(self, device) -> None:
+        """Buffers of the MoE layer when the model was built on the meta device."""
+        self.moe._num_global_experts = torch.tensor(self.moe.num_global_experts, device=device)
+        self.moe._load_since_update = torch.zeros(len(self.moe.gates), self.num_experts, dtype=torch.int64,
+                                                  device=device)
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        y = self.moe(x_BTD)
+        self.last_stats = y.routing_stats
+        return y

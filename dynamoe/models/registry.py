@@ -1,0 +1,72 @@
+"""Model families by ``model_type`` (and by ``architectures``, for configs whose model_type we do
+not know under that name).
+
+Extension point: ``register("deepseek_v3", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM",
+architectures=("DeepseekV3ForCausalLM",), aliases=("kimi_k2",))``. A target is a ``"module:attr"``
+string, imported on first use (so importing dynamoe.models stays cheap), or the class itself: any
+callable ``(ModelConfig, dtype=...) -> CausalLM``.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from .config import ModelConfig
+
+__all__ = ["register", "family_for", "builder_for", "supported_families"]
+
+
+@dataclass
+class _Family:
+    model_type: str
+    target: Union[str, Callable]
+    architectures: tuple = ()
+
+
+_FAMILIES: dict[str, _Family] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register(model_type: str, target: Union[str, Callable], architectures: tuple = (), aliases: tuple = ()) -> None:
+    """Register a family builder for ``model_type`` (and its ``aliases``, e.g. ``kimi_k2`` for
+    ``deepseek_v3``); ``architectures`` are config ``architectures`` entries that also select it."""
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"model_type must be a non-empty string, got {model_type!r}")
+    if not (callable(target) or (isinstance(target, str) and ":" in target)):
+        raise ValueError(f"target must be a callable or a 'module:attr' string, got {target!r}")
+    _FAMILIES[model_type] = _Family(model_type, target, tuple(architectures))
+    for a in aliases:
+        _ALIASES[a] = model_type
+
+
+def supported_families() -> list[str]:
+    """Every model_type we can build (aliases included), sorted."""
+    return sorted(set(_FAMILIES) | set(_ALIASES))
+
+
+def family_for(config: ModelConfig) -> str:
+    """The registered model_type that builds ``config``; ValueError listing the supported ones."""
+    mt = _ALIASES.get(config.model_type, config.model_type)
+    if mt in _FAMILIES:
+        return mt
+    for fam in _FAMILIES.values():
+        if any(a in fam.architectures for a in config.architectures):
+            return fam.model_type
+    raise ValueError(f"unsupported model_type {config.model_type!r} (architectures {list(config.architectures)}); "
+                     f"supported: {', '.join(supported_families())}")
+
+
+def builder_for(config: ModelConfig) -> Callable:
+    """The callable ``(config, dtype=...) -> CausalLM`` for ``config``'s family."""
+    fam = _FAMILIES[family_for(config)]
+    if isinstance(fam.target, str):
+        module, attr = fam.target.split(":", 1)
+        fam.target = getattr(importlib.import_module(module), attr)
+    return fam.target
+
+
+register("qwen3_moe", "dynamoe.models.qwen3_moe:Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",))
+register("mixtral", "dynamoe.models.mixtral:MixtralForCausalLM", ("MixtralForCausalLM",))
+register("gpt_oss", "dynamoe.models.gpt_oss:GptOssForCausalLM", ("GptOssForCausalLM",))
+# deepseek_v3 (+ alias kimi_k2), glm4_moe, deepseek_v32, glm_moe_dsa: registered here by their families

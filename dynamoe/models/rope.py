@@ -1,0 +1,141 @@
+"""Rotary position embeddings: inverse frequencies for each RoPE type (computed as transformers does),
+and their application to half-split or interleaved head dims, over all or part of each head.
+
+Legend: B batch, T tokens, H heads, R rotary dims (R/2 frequencies), d head dim.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .config import RopeConfig
+
+__all__ = ["rope_frequencies", "yarn_mscale", "RotaryEmbedding", "apply_rope"]
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(scale) + 1 (1 when scale <= 1). DeepSeek's MLA
+    multiplies its softmax scale by yarn_mscale(factor, mscale_all_dim) ** 2."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _base_inv_freq(theta: float, dim: int) -> Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def rope_frequencies(rope: RopeConfig, dim: int, max_position_embeddings: int,
+                     seq_len: int | None = None) -> tuple[Tensor, float]:
+    """(inv_freq fp32 [dim/2], attention scaling applied to cos and sin) for ``dim`` rotary dims.
+
+    ``seq_len`` only matters for 'dynamic' (NTK scaling grows the base past max_position_embeddings).
+    """
+    kind, theta = rope.rope_type, rope.theta
+    if kind == "default":
+        return _base_inv_freq(theta, dim), 1.0
+    if kind == "linear":
+        return _base_inv_freq(theta, dim) / rope.factor, 1.0
+    if kind == "dynamic":
+        seq_len = max(seq_len or 0, max_position_embeddings)
+        base = theta * ((rope.factor * seq_len / max_position_embeddings) - (rope.factor - 1)) ** (dim / (dim - 2))
+        return _base_inv_freq(base, dim), 1.0
+    if kind == "llama3":
+        inv_freq = _base_inv_freq(theta, dim)
+        old_len, low, high = rope.original_max_position_embeddings, rope.low_freq_factor, rope.high_freq_factor
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(rope, dim)
+    raise ValueError(f"rope_type must be one of 'default', 'linear', 'dynamic', 'yarn', 'llama3', got {kind!r}")
+
+
+def _yarn(rope: RopeConfig, dim: int) -> tuple[Tensor, float]:
+    factor, theta, orig = rope.factor, rope.theta, rope.original_max_position_embeddings
+    if rope.attention_factor is not None:
+        attention = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
+        attention = yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim)
+    else:
+        attention = yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:  # the dim whose wavelength makes `rotations` turns in orig
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp  # 1: keep the original frequency; 0: interpolate (divide by factor)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin [B, T, R/2] for positions [B, T] (already times the YaRN attention scaling).
+
+    One instance serves all layers: the last positions' tables are kept, so the layers of one
+    forward share them.
+    """
+
+    def __init__(self, rope: RopeConfig, dim: int, max_position_embeddings: int):
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"rotary dim must be even, got {dim}")
+        self.rope, self.dim, self.max_position_embeddings = rope, dim, max_position_embeddings
+        inv_freq, self.attention_scaling = rope_frequencies(rope, dim, max_position_embeddings)
+        # not part of the checkpoint; a model built on the meta device recomputes it (materialize_buffers)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._last: tuple | None = None
+
+    def materialize_buffers(self, device) -> None:
+        inv_freq, _ = rope_frequencies(self.rope, self.dim, self.max_position_embeddings)
+        self.inv_freq = inv_freq.to(device)
+
+    def forward(self, positions_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        last = self._last
+        if last is not None and last[0] is positions_BT and last[1] == dtype:
+            return last[2], last[3]
+        inv_freq = self.inv_freq
+        if self.rope.rope_type == "dynamic":
+            seq_len = int(positions_BT.max()) + 1
+            if seq_len > self.max_position_embeddings:
+                inv_freq = rope_frequencies(self.rope, self.dim, self.max_position_embeddings, seq_len)[0].to(inv_freq.device)
+        freqs = positions_BT[..., None].float() * inv_freq.float()
+        cos = (freqs.cos() * self.attention_scaling).to(dtype)
+        sin = (freqs.sin() * self.attention_scaling).to(dtype)
+        self._last = (positions_BT, dtype, cos, sin)
+        return cos, sin
+
+    def extra_repr(self) -> str:
+        return f"type={self.rope.rope_type}, dim={self.dim}, theta={self.rope.theta:g}"
+
+
+def apply_rope(x_BHTd: Tensor, cos_BTR: Tensor, sin_BTR: Tensor, interleaved: bool = False) -> Tensor:
+    """Rotate the first R = 2 * cos.size(-1) dims of each head; the rest pass through (partial RoPE).
+
+    Half-split (Llama/Qwen/GPT-OSS/GLM): pairs are (i, i + R/2). Interleaved (DeepSeek's
+    ``rope_interleave``): pairs are (2i, 2i + 1), and the rotated dims come out half-split ordered
+    (as transformers does: q and k get the same permutation, so q.k is unchanged).
+    """
+    half = cos_BTR.size(-1)
+    R = 2 * half
+    cos, sin = cos_BTR.unsqueeze(1), sin_BTR.unsqueeze(1)  # [B, 1, T, R/2]
+    rot = x_BHTd[..., :R]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if R == x_BHTd.size(-1):
+        return out
+    return torch.cat((out, x_BHTd[..., R:]), dim=-1)

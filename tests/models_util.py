@@ -1,0 +1,122 @@
+"""Shared helpers of the model-family tests: tiny random transformers models saved to a folder,
+loaded back with dynamoe, and the checks every family runs (logits parity, greedy generation,
+cached decode, rows at different lengths)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+VOCAB = 128
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (and a shared machine's second core is often busy:
+    OpenMP then waits for it on every op)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def randomize_(model: torch.nn.Module, seed: int, std: float = 0.2, scales: dict | None = None) -> None:
+    """Non-trivial random weights (transformers' init is near zero): N(0, std) everywhere, norms
+    around 1, ``scales`` = {substring: std} for parameters whose name contains the substring."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1 + 0.2 * noise)
+                continue
+            s = std
+            for key, value in (scales or {}).items():
+                if key in name:
+                    s = value
+            p.copy_(noise * s)
+
+
+def save_tiny(model, path, **kwargs) -> str:
+    model.save_pretrained(str(path), **kwargs)
+    return str(path)
+
+
+def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(ids).logits
+
+
+def greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy continuation with the KV cache: prefill all rows, then one token per step."""
+    B, T = ids.shape
+    cache = model.new_cache(B, T + new_tokens)
+    slots = torch.arange(B)
+    out = [ids]
+    with torch.no_grad():
+        logits = model(ids, cache=cache, slots=slots)
+        for _ in range(new_tokens):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(nxt)
+            logits = model(nxt, cache=cache, slots=slots)
+    return torch.cat(out, dim=1)
+
+
+def hf_greedy(hf, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    with torch.no_grad():
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=0)
+
+
+def check_logits(hf, ours, ids: torch.Tensor) -> None:
+    with torch.no_grad():
+        ref, got = hf_logits(hf, ids), ours(ids)
+    assert got.shape == ref.shape
+    assert ref.abs().max() > 1.0, "random model too close to zero to test anything"
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+
+
+def check_greedy(hf, ours, ids: torch.Tensor, new_tokens: int = 16) -> None:
+    ref = hf_greedy(hf, ids, new_tokens)
+    got = greedy(ours, ids, new_tokens)
+    assert ref.shape == got.shape == (ids.size(0), ids.size(1) + new_tokens)
+    assert torch.equal(got, ref), f"greedy continuations differ:\n{got[:, ids.size(1):]}\n{ref[:, ids.size(1):]}"
+
+
+def check_cached_decode(ours, ids: torch.Tensor, prefill: int, chunk: int = 4) -> None:
+    """Prefill ``prefill`` tokens, continue the prefill with a ``chunk`` of tokens (chunked prefill on
+    top of cached keys), then decode token by token: every step's logits equal the full recompute's
+    (no cache) at those positions."""
+    B, T = ids.shape
+    with torch.no_grad():
+        full = ours(ids)
+        cache = ours.new_cache(B, T)
+        slots = torch.arange(B)
+        steps = [ours(ids[:, :prefill], cache=cache, slots=slots),
+                 ours(ids[:, prefill:prefill + chunk], cache=cache, slots=slots)]
+        for t in range(prefill + chunk, T):
+            steps.append(ours(ids[:, t:t + 1], cache=cache, slots=slots))
+    assert torch.equal(cache.lengths, torch.full((B,), T))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=0)
+
+
+def check_ragged_batch(ours, lengths=(10, 17), decode_steps: int = 6, seed: int = 5) -> None:
+    """Two rows at different lengths decoded together (slots in reverse order) give each row's
+    logits when decoded alone."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (1, n), generator=g) for n in lengths]
+    nexts = torch.randint(0, VOCAB, (len(lengths), decode_steps), generator=g)
+    with torch.no_grad():
+        alone = []
+        for r, p in enumerate(prompts):
+            cache = ours.new_cache(1, 64)
+            ours(p, cache=cache, slots=torch.tensor([0]))
+            alone.append(torch.cat([ours(nexts[r:r + 1, s:s + 1], cache=cache, slots=torch.tensor([0]))
+                                    for s in range(decode_steps)], dim=1))
+        cache = ours.new_cache(3, 64)
+        slots = torch.tensor([2, 0])  # row r lives in slot slots[r]
+        for r, p in enumerate(prompts):
+            ours(p, cache=cache, slots=slots[r:r + 1])
+        together = torch.cat([ours(nexts[:, s:s + 1], cache=cache, slots=slots) for s in range(decode_steps)], dim=1)
+    assert cache.lengths.tolist() == [lengths[1] + decode_steps, 0, lengths[0] + decode_steps]
+    torch.testing.assert_close(together, torch.cat(alone, dim=0), atol=ATOL, rtol=0)
