@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dynamoe import quant  # noqa: E402
 from dynamoe.moe import ExpertConfig, GateConfig, MoEConfig, MoELayer  # noqa: E402
-from dynamoe.quant import cpu_kernels  # noqa: E402
+from dynamoe.ops import cpu_kernels  # noqa: E402
 
 E, K, D, F = 64, 8, 1024, 512
 FORMATS = ["fp8_block", "mxfp4", "nvfp4"]

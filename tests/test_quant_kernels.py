@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dynamoe import quant
-from dynamoe.quant import cpu_kernels
+from dynamoe.ops import cpu_kernels
 from dynamoe.quant.matmul import packed_gemv
 
 kernels = cpu_kernels.load()

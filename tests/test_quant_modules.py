@@ -85,7 +85,7 @@ def test_packed_experts_equal_dequantize_then_matmul(fmt, kind, extra, layout):
 
 @pytest.mark.parametrize("kernels", [False, True])
 def test_dequantization_is_per_expert_never_whole_layer(monkeypatch, kernels):
-    from dynamoe.quant import cpu_kernels
+    from dynamoe.ops import cpu_kernels
 
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "load", lambda: None)

@@ -16,6 +16,7 @@ The model contract: ``model.new_cache(num_slots, max_seq_len, dtype=None, device
 from __future__ import annotations
 
 import collections
+import inspect
 import itertools
 import logging
 import operator
@@ -221,6 +222,11 @@ class GenerationEngine:
                                           or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
         self.model = model
+        # models that can skip the lm_head over all but the last prompt position (dynamoe's do)
+        try:
+            self._keeps_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            self._keeps_last = False
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
@@ -391,9 +397,10 @@ class GenerationEngine:
     def _forward(self, reqs: list[Request], ids: list[list[int]]) -> Tensor:
         ids_BT = torch.tensor(ids, dtype=torch.long, device=self.device)
         slots_B = torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
+        kw = {"logits_to_keep": 1} if self._keeps_last and ids_BT.size(1) > 1 else {}
         try:
             with torch.inference_mode():
-                out = self.model(ids_BT, cache=self.cache, slots=slots_B)
+                out = self.model(ids_BT, cache=self.cache, slots=slots_B, **kw)
         except Exception as err:
             # the slots' cache contents are undefined now: end these requests, let the caller see the error
             with self._lock:

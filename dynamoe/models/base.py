@@ -64,9 +64,11 @@ class MoELayerStats:
 class CausalLM(nn.Module):
     """Decoder-only LM over a :class:`ModelConfig`.
 
-    ``forward(input_ids [B, T], cache=None, slots=None) -> logits [B, T, V]``. With a cache, row b
-    continues slot ``slots[b]`` (default: slots 0..B-1) at position ``cache.lengths[slot]``, and the
-    cache advances by T once, after all layers.
+    ``forward(input_ids [B, T], cache=None, slots=None, logits_to_keep=0) -> logits [B, T, V]``. With a
+    cache, row b continues slot ``slots[b]`` (default: slots 0..B-1) at position
+    ``cache.lengths[slot]``, and the cache advances by T once, after all layers. ``logits_to_keep``
+    n > 0 computes the logits of the last n positions only ([B, n, V]): a prefill needs just the
+    last one, and the lm_head over every prompt position can cost as much as the layers.
     """
 
     #: (ours, theirs) substring renames from our state-dict names to the checkpoint's; first match wins
@@ -119,11 +121,14 @@ class CausalLM(nn.Module):
         return KVCache(num_slots, max_seq_len, self.config.num_hidden_layers, dtype or self.dtype,
                        self.device if device is None else device)
 
-    def forward(self, input_ids: Tensor, cache: KVCache | None = None, slots: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
+                logits_to_keep: int = 0) -> Tensor:
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
             got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be an int64 (or int32) tensor [batch, tokens], got {got}")
         B, T = input_ids.shape
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an int >= 0 (0 = every position), got {logits_to_keep!r}")
         dev = input_ids.device
         steps = torch.arange(T, device=dev)
         kv_len = None
@@ -145,6 +150,8 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             h = layer(h, positions, cache, slots, kv_len)
+        if 0 < logits_to_keep < T:
+            h = h[:, -logits_to_keep:]
         logits = self.lm_head(self.model.norm(h))
         if cache is not None:
             cache.advance(slots.to(cache.lengths.device), T)

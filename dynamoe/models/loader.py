@@ -29,6 +29,7 @@ from ..quant.checkpoint_files import CheckpointTensors
 from ..quant.modules import QuantizedExperts, QuantizedLinear
 from .base import CausalLM
 from .config import ModelConfig
+from .linear import use_fast_linears_
 from .moe_block import SparseMoeBlock
 from .registry import builder_for, family_for
 from .weights import check_shape, read_experts
@@ -235,4 +236,5 @@ def load(path, dtype: Union[torch.dtype, str] = torch.float32, device=None, prog
         more = f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""
         raise ValueError(f"unexpected tensors in {path!r}, not used by the {family_for(config)} model: "
                          f"{unexpected[:8]}{more}")
+    use_fast_linears_(model)  # bf16 decode GEMV on CPU (dynamoe.ops.linear)
     return model.eval()

@@ -4,6 +4,7 @@ Tutel-compatible names: ``qwen3_moe_scaled_topk``, ``deepseek_moe_sigmoid_scaled
 """
 from .slots import capacity, expert_slots
 from .grouped_matmul import grouped_mm, grouped_mm_reference
+from .gemv import linear
 from .scratch import release_scratch, scratch_bytes
 from .routing import (
     check_top_k,
@@ -19,6 +20,7 @@ __all__ = [
     "expert_slots",
     "grouped_mm",
     "grouped_mm_reference",
+    "linear",
     "release_scratch",
     "scratch_bytes",
     "check_top_k",

@@ -31,6 +31,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .gemv import KERNEL_MAX_ROWS, small_rows_kernel
+
 __all__ = ["grouped_mm", "grouped_mm_reference", "default_backend"]
 
 
@@ -89,7 +91,14 @@ def _row_chunks(off: int, rows: int, chunked: bool):
 
 def _per_group_mm(x_NI: Tensor, w: Tensor, bias: Tensor | None, counts: list[int], trans_w: bool, out: Tensor) -> None:
     chunked = _chunked(x_NI)
+    # decode: a row or two per expert, bf16 [O, I] weights -> dynamoe's bf16 GEMV (see ops.linear)
+    k = small_rows_kernel(x_NI[:1], w[0]) if trans_w and chunked and w.is_contiguous() else None
+    if k is not None and bias is not None and bias.dtype != torch.bfloat16:
+        k = None
     for e, off, c in _groups(counts, w.size(0)):
+        if k is not None and c <= KERNEL_MAX_ROWS:
+            k.bf16_gemv_out(x_NI.narrow(0, off, c), w[e], bias[e] if bias is not None else None, out.narrow(0, off, c))
+            continue
         w_e = w[e].t() if trans_w else w[e]  # no autograd here: a view, not a gradient buffer
         for o, n in (_row_chunks(off, c, True) if chunked else ((off, c),)):
             if bias is None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import cpu_kernels
+from ..ops import cpu_kernels
 from .base import QuantizedWeight
 from .codecs import E4M3_MAX, e4m3_decode, e4m3_encode
 from .fp8_block import BlockFP8Weight

@@ -1,8 +1,10 @@
-"""The packed-weight GEMV extension (``csrc/packed_gemv.cpp``), built on first use.
+"""The CPU GEMV extension (``csrc/*.cpp``), built on first use.
 
-For decode-sized batches (1..16 rows) a matmul on packed weights is bound by reading the weight, so
-it must decode in registers: dequantizing into a buffer first costs 10-30x a bf16 GEMV on CPU
-(docs/benchmarks.md). The extension is compiled once per machine with the local compiler
+For decode-sized batches (1..16 rows) a matmul is bound by reading the weight. Packed weights
+(``packed_gemv.cpp``: MXFP4, NVFP4, blockwise FP8) must be decoded in registers: dequantizing into a
+buffer first costs 10-30x a bf16 GEMV (docs/benchmarks.md). bf16 weights (``bf16_gemv.cpp``) get
+AVX512-BF16 dot products over several weight rows at once, where oneDNN's bf16 GEMV reaches a
+third of the read bandwidth on this kind of CPU. The extension is compiled once per machine with the local compiler
 (``torch.utils.cpp_extension``, cached under ``TORCH_EXTENSIONS_DIR``) with ``-march=native``; if that
 is impossible (no compiler, ``DYNAMOE_NO_CPU_KERNELS=1``) ``load()`` returns None and callers use the
 pure-torch dequantize-then-matmul path, which gives the same results.
@@ -16,6 +18,8 @@ import threading
 
 
 __all__ = ["load", "MAX_ROWS"]
+
+SOURCES = ("packed_gemv.cpp", "bf16_gemv.cpp")
 
 MAX_ROWS = 16  # the kernel keeps one accumulator per row in registers
 _lock = threading.Lock()
@@ -41,9 +45,9 @@ def load():
                 bindir = os.path.dirname(sys.executable)
                 if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-                src = os.path.join(os.path.dirname(__file__), "csrc", "packed_gemv.cpp")
+                here = os.path.join(os.path.dirname(__file__), "csrc")
                 module = cpp_extension.load(
-                    name="dynamoe_packed_gemv", sources=[src], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    name="dynamoe_cpu_kernels", sources=[os.path.join(here, f) for f in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False,
                 )
             except Exception as exc:  # noqa: BLE001 -- any build failure means: use the fallback

@@ -1,0 +1,153 @@
+"""Prefill and decode of a ~490M-parameter Qwen3-MoE on CPU: dynamoe vs transformers' generate, with
+the memory-bandwidth floor of a decode step, measured in the same run.
+
+    python benchmarks/decode.py [--dtypes bfloat16 float32] [--prompt 128] [--new 64] [--rounds 3]
+
+The model (random weights, same seed for both): hidden 1024, 8 layers, 64 experts, top-8,
+moe_intermediate 256, 16 heads / 4 KV heads (head_dim 64), vocab 32000. It is built once with
+transformers, saved as safetensors to a temporary folder and loaded by dynamoe.models.load, so
+both run identical weights. Batch 1, greedy, `--prompt` tokens, `--new` generated tokens.
+
+* prefill tok/s: prompt tokens / time to the first token's logits.
+* decode ms/token: (time for all `--new` tokens - prefill) / (`--new` - 1).
+* floor: bytes a decode step must read (attention weights, the 8 routed experts of every layer,
+  router, norms, lm_head, one embedding row; the KV cache is negligible here) / the machine's read
+  bandwidth, measured here as the best of a few passes summing a 1 GiB buffer.
+Medians over `--rounds` (after a warm-up run).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import dynamoe.models  # noqa: E402
+
+CONFIG = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+              head_dim=64, intermediate_size=2816, moe_intermediate_size=256, num_experts=64, num_experts_per_tok=8,
+              norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6,
+              tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[])
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def build_checkpoint(folder: str) -> int:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return sum(p.numel() for p in model.parameters())
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a streaming read (sum over a 1 GiB fp32 buffer), best of 5."""
+    x = torch.ones(256 * 1024 * 1024)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * x.element_size() / best
+
+
+def decode_bytes(cfg: dict, elem: int) -> int:
+    D, H, KV, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    attn = D * H * hd * 2 + D * KV * hd * 2 + 2 * hd            # q, o, k, v, q/k norms
+    experts = cfg["num_experts_per_tok"] * 3 * D * cfg["moe_intermediate_size"]
+    router = cfg["num_experts"] * D
+    per_layer = attn + experts + router + 2 * D
+    return elem * (cfg["num_hidden_layers"] * per_layer + cfg["vocab_size"] * D + 2 * D)
+
+
+def time_dynamoe(model, prompt: torch.Tensor, new: int) -> tuple[float, float, list[int]]:
+    """(prefill s, total s, tokens): greedy, batch 1, the KV cache in one slot."""
+    cache = model.new_cache(1, prompt.size(1) + new)
+    out = []
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        logits = model(prompt, cache=cache, logits_to_keep=1)
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+        t1 = time.perf_counter()
+        out.append(int(tok))
+        for _ in range(new - 1):
+            tok = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
+            out.append(int(tok))
+        t2 = time.perf_counter()
+    return t1 - t0, t2 - t0, out
+
+
+def time_transformers(model, prompt: torch.Tensor, new: int) -> tuple[float, float, list[int]]:
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kw)
+        t1 = time.perf_counter()
+        out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, **kw)
+        t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, out[0, prompt.size(1):].tolist()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--skip-transformers", action="store_true")
+    args = p.parse_args(argv)
+    if args.prompt < 1 or args.new < 2 or args.rounds < 1:
+        p.error("--prompt >= 1, --new >= 2 and --rounds >= 1 are needed")
+    from transformers import AutoModelForCausalLM
+
+    bw = read_bandwidth()
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bw / 1e9:.1f} GB/s")
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        n_params = build_checkpoint(folder)
+        print(f"# Qwen3-MoE, {n_params / 1e6:.0f}M parameters, prompt {args.prompt}, {args.new} new tokens, batch 1, greedy")
+        prompt = torch.randint(0, CONFIG["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(1))
+        for name in args.dtypes:
+            dtype = DTYPES[name]
+            ours = dynamoe.models.load(folder, dtype=dtype, progress=False)
+            theirs = None if args.skip_transformers else AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+            time_dynamoe(ours, prompt, args.new)  # warm-up (kernels, allocator)
+            if theirs is not None:
+                time_transformers(theirs, prompt, 4)
+            res = {"dynamoe": [], "transformers": []}
+            same = None
+            for _ in range(args.rounds):  # interleaved, so both see the same machine state
+                res["dynamoe"].append(time_dynamoe(ours, prompt, args.new))
+                if theirs is not None:
+                    res["transformers"].append(time_transformers(theirs, prompt, args.new))
+            if theirs is not None:
+                same = res["dynamoe"][0][2] == res["transformers"][0][2]
+            floor_ms = decode_bytes(CONFIG, torch.finfo(dtype).bits // 8) / bw * 1e3
+            for who, runs in res.items():
+                if not runs:
+                    continue
+                pre = statistics.median(r[0] for r in runs)
+                if who == "dynamoe":
+                    dec = statistics.median((r[1] - r[0]) / (args.new - 1) for r in runs)
+                else:  # transformers: generate(new) re-runs the prefill; subtract the 1-token generate
+                    dec = statistics.median((r[1] - pre) / (args.new - 1) for r in runs)
+                rows.append((name, who, args.prompt / pre, dec * 1e3, floor_ms))
+            print(f"# {name}: identical greedy tokens: {same}")
+            del ours, theirs
+    print(f"\n{'dtype':>9} {'engine':>13} {'prefill tok/s':>14} {'decode ms/tok':>14} {'floor ms':>9} {'x floor':>8} {'decode tok/s':>13}")
+    by = {(r[0], r[1]): r for r in rows}
+    for name, who, pre, dec, floor in rows:
+        print(f"{name:>9} {who:>13} {pre:14.1f} {dec:14.2f} {floor:9.2f} {dec / floor:8.2f} {1e3 / dec:13.1f}")
+    for name in args.dtypes:
+        if (name, "transformers") in by and (name, "dynamoe") in by:
+            ratio = by[(name, "transformers")][3] / by[(name, "dynamoe")][3]
+            print(f"# {name}: dynamoe decodes {ratio:.2f}x the tokens/s of transformers")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+// bf16 GEMV for decode-sized batches: out[t, o] = sum_i x[t, i] * W[o, i] (+ bias[o]), x and W bf16,
+// fp32 accumulation (AVX512-BF16 dot products where the CPU has them, a scalar loop elsewhere).
+// Registered in packed_gemv.cpp's module (one extension).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <cstdint>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+// R consecutive weight rows at once for TT tokens: R*TT accumulators in registers, every x vector
+// loaded once per R rows and every weight vector once per TT tokens.
+template <int TT, int R>
+void bf16_rows(const c10::BFloat16* w, int64_t I, const c10::BFloat16* x, int64_t x_stride, float* acc_out) {
+  float acc_s[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc_s[r][t] = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  __m512 acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (; i + 32 <= I; i += 32) {
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * I + i);
+    for (int t = 0; t < TT; ++t) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + t * x_stride + i);
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[r], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc_s[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+#endif
+  for (; i < I; ++i)
+    for (int r = 0; r < R; ++r) {
+      const float wi = static_cast<float>(w[r * I + i]);
+      for (int t = 0; t < TT; ++t) acc_s[r][t] += wi * static_cast<float>(x[t * x_stride + i]);
+    }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc_out[r * 8 + t] = acc_s[r][t];
+}
+
+template <typename F>
+void for_chunks(int64_t T, F&& f) {
+  for (int64_t t0 = 0; t0 < T; t0 += 8) {
+    switch (std::min<int64_t>(8, T - t0)) {
+      case 1: f.template operator()<1>(t0); break;
+      case 2: f.template operator()<2>(t0); break;
+      case 3: f.template operator()<3>(t0); break;
+      case 4: f.template operator()<4>(t0); break;
+      case 5: f.template operator()<5>(t0); break;
+      case 6: f.template operator()<6>(t0); break;
+      case 7: f.template operator()<7>(t0); break;
+      default: f.template operator()<8>(t0); break;
+    }
+  }
+}
+}  // namespace
+
+void bf16_gemv_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, torch::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "x must be bf16 [T, I] with unit stride");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "w must be contiguous bf16 [O, I]");
+  TORCH_CHECK(x.size(1) == w.size(1), "x has ", x.size(1), " features, w expects ", w.size(1));
+  const int64_t T = x.size(0), I = x.size(1), O = w.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == O && out.stride(1) == 1 &&
+              out.scalar_type() == torch::kBFloat16, "out must be bf16 [T, O] with unit stride");
+  const c10::BFloat16* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == O && bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous(), "bias must be contiguous bf16 [O]");
+    bp = bias->data_ptr<c10::BFloat16>();
+  }
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  constexpr int R = 4;
+  at::parallel_for(0, (O + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
+    float acc[R * 8];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t o0 = blk * R;
+      const int rows = static_cast<int>(std::min<int64_t>(R, O - o0));
+      for_chunks(T, [&]<int TT>(int64_t t0) {
+        if (rows == R) bf16_rows<TT, R>(wp + o0 * I, I, xp + t0 * xs, xs, acc);
+        else for (int r = 0; r < rows; ++r) bf16_rows<TT, 1>(wp + (o0 + r) * I, I, xp + t0 * xs, xs, acc + r * 8);
+        for (int r = 0; r < rows; ++r) {
+          const float b = bp ? static_cast<float>(bp[o0 + r]) : 0.f;
+          for (int t = 0; t < TT; ++t) op[(t0 + t) * os + o0 + r] = c10::BFloat16(acc[r * 8 + t] + b);
+        }
+      });
+    }
+  });
+}
