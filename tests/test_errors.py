@@ -84,3 +84,11 @@ def test_custom_gate_with_wrong_logits_shape():
                            experts=ExpertConfig(num_experts_per_device=4, hidden_size_per_expert=8)))
     with pytest.raises(ValueError, match="logits"):
         m(torch.randn(2, 8))
+
+
+def test_finite_check_can_be_turned_off():
+    m = MoELayer(MoEConfig(model_dim=8, gates=[GateConfig(k=2)], check_finite=False,
+                           experts=ExpertConfig(num_experts_per_device=4, hidden_size_per_expert=8)))
+    assert not torch.isfinite(m(torch.full((2, 8), float("nan")))).all()  # no check: NaN flows through
+    with pytest.raises(ValueError, match="check_finite"):
+        MoEConfig(model_dim=8, check_finite=1, experts=ExpertConfig(num_experts_per_device=4, hidden_size_per_expert=8))

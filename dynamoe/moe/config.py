@@ -218,12 +218,15 @@ class MoEConfig:
     a2a_ffn_overlap_degree: int = 1
     parallel_type: str = "adaptive:1"
     use_2dh: bool = False
+    # reject NaN/Inf inputs with a clear error (costs one host sync per forward; a serving model that
+    # validates its inputs at the edge turns it off)
+    check_finite: bool = True
     dtype: Optional[torch.dtype] = None
     device: Any = None
 
     def __post_init__(self) -> None:
         _check_int("model_dim", self.model_dim, 1)
-        for name in ("is_postscore", "batch_prioritized_routing", "normalize_gate", "use_2dh"):
+        for name in ("is_postscore", "batch_prioritized_routing", "normalize_gate", "use_2dh", "check_finite"):
             _check_bool(name, getattr(self, name))
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {self.dtype!r}")
