@@ -11,6 +11,7 @@ pure-torch dequantize-then-matmul path, which gives the same results.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -25,6 +26,16 @@ MAX_ROWS = 16  # the kernel keeps one accumulator per row in registers
 _lock = threading.Lock()
 _state: dict = {}
 log = logging.getLogger(__name__)
+
+
+def _csrc_hash(folder: str) -> str:
+    """A digest of every source and header: torch rebuilds when the flags change, and it hashes
+    only the listed sources, so a header edit must show up in the flags."""
+    h = hashlib.sha1()
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            h.update(name.encode() + f.read())
+    return h.hexdigest()[:16]
 
 
 def load():
@@ -47,11 +58,12 @@ def load():
                     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
                 here = os.path.join(os.path.dirname(__file__), "csrc")
                 module = cpp_extension.load(
-                    name="dynamoe_cpu_kernels", sources=[os.path.join(here, f) for f in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    name="dynamoe_cpu_kernels", sources=[os.path.join(here, f) for f in SOURCES],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DDYNAMOE_CSRC_HASH={_csrc_hash(here)}"],
                     extra_ldflags=["-fopenmp"], verbose=False,
                 )
             except Exception as exc:  # noqa: BLE001 -- any build failure means: use the fallback
-                log.warning("dynamoe: packed-weight CPU kernels unavailable (%s); using dequantize-then-matmul", exc)
+                log.warning("dynamoe: CPU GEMV kernels unavailable (%s); using torch matmuls (dequantize-then-matmul for packed weights)", exc)
                 module = None
         _state["module"] = module
         return module

@@ -2,6 +2,7 @@
 // fp32 accumulation (AVX512-BF16 dot products where the CPU has them, a scalar loop elsewhere).
 // Registered in packed_gemv.cpp's module (one extension).
 #include <torch/extension.h>
+#include "token_chunks.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
@@ -43,21 +44,6 @@ void bf16_rows(const c10::BFloat16* w, int64_t I, const c10::BFloat16* x, int64_
     for (int t = 0; t < TT; ++t) acc_out[r * 8 + t] = acc_s[r][t];
 }
 
-template <typename F>
-void for_chunks(int64_t T, F&& f) {
-  for (int64_t t0 = 0; t0 < T; t0 += 8) {
-    switch (std::min<int64_t>(8, T - t0)) {
-      case 1: f.template operator()<1>(t0); break;
-      case 2: f.template operator()<2>(t0); break;
-      case 3: f.template operator()<3>(t0); break;
-      case 4: f.template operator()<4>(t0); break;
-      case 5: f.template operator()<5>(t0); break;
-      case 6: f.template operator()<6>(t0); break;
-      case 7: f.template operator()<7>(t0); break;
-      default: f.template operator()<8>(t0); break;
-    }
-  }
-}
 }  // namespace
 
 void bf16_gemv_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, torch::Tensor out) {
@@ -82,7 +68,7 @@ void bf16_gemv_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t o0 = blk * R;
       const int rows = static_cast<int>(std::min<int64_t>(R, O - o0));
-      for_chunks(T, [&]<int TT>(int64_t t0) {
+      dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
         if (rows == R) bf16_rows<TT, R>(wp + o0 * I, I, xp + t0 * xs, xs, acc);
         else for (int r = 0; r < rows; ++r) bf16_rows<TT, 1>(wp + (o0 + r) * I, I, xp + t0 * xs, xs, acc + r * 8);
         for (int r = 0; r < rows; ++r) {

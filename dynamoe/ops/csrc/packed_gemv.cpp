@@ -3,6 +3,7 @@
 // registers and used for all T tokens; no dequantized copy of the weight is ever written.
 // AVX-512 path (permute-based e2m1 lookup, arithmetic e4m3 decode) with a portable scalar fallback.
 #include <torch/extension.h>
+#include "token_chunks.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
@@ -86,23 +87,6 @@ void fp4_row(const uint8_t* packed, int64_t h, const float* xe, const float* xo,
   for (int t = 0; t < TT; ++t) out[t * out_stride] = acc_s[t];
 }
 
-// Calls f.template operator()<TT>(t0) for row chunks of at most 8 tokens.
-template <typename F>
-void for_token_chunks(int64_t T, F&& f) {
-  for (int64_t t0 = 0; t0 < T; t0 += 8) {
-    switch (std::min<int64_t>(8, T - t0)) {
-      case 1: f.template operator()<1>(t0); break;
-      case 2: f.template operator()<2>(t0); break;
-      case 3: f.template operator()<3>(t0); break;
-      case 4: f.template operator()<4>(t0); break;
-      case 5: f.template operator()<5>(t0); break;
-      case 6: f.template operator()<6>(t0); break;
-      case 7: f.template operator()<7>(t0); break;
-      default: f.template operator()<8>(t0); break;
-    }
-  }
-}
-
 }  // namespace
 
 torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor blocks, torch::Tensor scales) {
@@ -124,7 +108,7 @@ torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor blocks, torch::Tensor sc
     std::vector<float> gs(G);
     for (int64_t o = begin; o < end; ++o) {
       for (int64_t g = 0; g < G; ++g) gs[g] = e8m0[sp[o * G + g]];
-      for_token_chunks(T, [&]<int TT>(int64_t t0) {
+      dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
         fp4_row<TT, 16>(bp + o * (I / 2), I / 2, xe.data() + t0 * (I / 2), xo.data() + t0 * (I / 2), I / 2, gs.data(),
                         yp + t0 * O + o, O);
       });
@@ -170,7 +154,7 @@ torch::Tensor nvfp4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
       }
 #endif
       for (; g < G; ++g) gs[g] = e4m3[srow[g]];
-      for_token_chunks(T, [&]<int TT>(int64_t t0) {
+      dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
         fp4_row<TT, 8>(pp + o * (I / 2), I / 2, xe.data() + t0 * (I / 2), xo.data() + t0 * (I / 2), I / 2, gs.data(),
                        yp + t0 * O + o, O);
       });
@@ -232,7 +216,7 @@ torch::Tensor fp8_block_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor sca
   for (int v = 0; v < 256; ++v) lut[v] = e4m3_value(static_cast<uint8_t>(v));
   at::parallel_for(0, O, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
-      for_token_chunks(T, [&]<int TT>(int64_t t0) {
+      dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
         fp8_row<TT>(qp + o * I, I, xp + t0 * I, sp + (o / b0) * C, b1, lut, yp + t0 * O + o, O);
       });
     }
