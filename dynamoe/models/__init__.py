@@ -1,5 +1,7 @@
-"""Model families on dynamoe's MoE layer: Qwen3-MoE, Mixtral, GPT-OSS (more register through
-:mod:`dynamoe.models.registry`), the shared blocks they are built from, and the checkpoint loader.
+"""Model families on dynamoe's MoE layer: Qwen3-MoE, Mixtral, GPT-OSS, DeepSeek-V3 / Kimi-K2, GLM-4.5,
+DeepSeek-V3.2, GLM-5 (more register through :mod:`dynamoe.models.registry`), the shared blocks they are
+built from (GQA and MLA attention, the sparse-attention indexer, RoPE, the MoE block), and the
+checkpoint loader.
 
 ``model = dynamoe.models.load(path, dtype=torch.bfloat16)`` reads a Hugging Face folder;
 ``model(input_ids, cache=model.new_cache(slots, max_len), slots=...)`` runs it.

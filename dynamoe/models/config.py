@@ -20,13 +20,22 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-__all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "parse_rope"]
+__all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+# 'indexed_attention': DeepSeek-V3.2 / GLM-5 MLA with the sparse-attention indexer (full causal otherwise)
+LAYER_TYPES = ("full_attention", "sliding_attention", "indexed_attention")
+MLP_LAYER_TYPES = ("dense", "sparse")
+INDEXER_TYPES = ("full", "shared")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
-# What transformers' config classes fill in when config.json leaves a field out.
+# What transformers' config classes fill in when config.json leaves a field out ("fields": plain
+# config.json fields, read as if the file had them).
+_DEEPSEEK_V3 = {  # DeepseekV3Config's structural defaults (MLA ranks and dims, routing)
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "n_shared_experts": 1, "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+}
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mixtral": {"rope_theta": 1e6},
     "gpt_oss": {
@@ -35,7 +44,15 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                  "original_max_position_embeddings": 4096},
         "sliding_window": 128, "attention_bias": True, "alternating_layers": True, "head_dim": 64,
     },
-    "deepseek_v3": {"rope_interleave": True}, "kimi_k2": {"rope_interleave": True},
+    "deepseek_v3": {"rope_interleave": True, "fields": _DEEPSEEK_V3},
+    "kimi_k2": {"rope_interleave": True, "fields": _DEEPSEEK_V3},
+    "deepseek_v32": {"fields": {**_DEEPSEEK_V3, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64}},
+    "glm_moe_dsa": {"fields": {**_DEEPSEEK_V3, "q_lora_rank": 2048, "qk_nope_head_dim": 192, "v_head_dim": 256,
+                               "n_group": 1, "topk_group": 1, "index_topk": 2048, "index_head_dim": 128,
+                               "index_n_heads": 32}},
+    # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
+    "glm4_moe": {"partial_rotary_factor": 0.5,
+                 "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True}},
 }
 
 
@@ -93,6 +110,36 @@ def _int_list(d: dict, name: str) -> tuple:
     return tuple(v)
 
 
+def _str_list(d: dict, name: str, length: int, allowed: tuple) -> tuple:
+    v = d.get(name)
+    if v is None:
+        return ()
+    if not isinstance(v, (list, tuple)) or len(v) != length or any(t not in allowed for t in v):
+        raise _err(name, v, f"a list of {length} entries from {list(allowed)}")
+    return tuple(v)
+
+
+def _indexer_types(d: dict, layers: int) -> tuple:
+    """GLM-5's per-layer indexer kinds, as transformers' GlmMoeDsaConfig derives them: ``indexer_types``,
+    else ``index_topk_pattern`` ('F' full / 'S' shared per layer), else ``index_topk_freq`` with
+    ``index_skip_topk_offset`` (layer i is full when max(i - offset + 1, 0) % freq == 0). () = all full."""
+    if d.get("indexer_types") is not None:
+        return _str_list(d, "indexer_types", layers, INDEXER_TYPES)
+    pattern = d.get("index_topk_pattern")
+    if pattern is not None:
+        if isinstance(pattern, str):
+            if any(c not in "FS" for c in pattern):
+                raise _err("index_topk_pattern", pattern, "a string of 'F' (full) and 'S' (shared)")
+            pattern = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        return _str_list({"index_topk_pattern": pattern}, "index_topk_pattern", layers, INDEXER_TYPES)
+    if d.get("index_topk_freq") is None and d.get("index_skip_topk_offset") is None:
+        return ()
+    freq = max(_int(d, "index_topk_freq", 1, minimum=0), 1)
+    offset = _int(d, "index_skip_topk_offset", 2, minimum=0)
+    types = tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers))
+    return () if all(t == "full" for t in types) else types
+
+
 # ------------------------------------------------------------------------------------------ RoPE
 @dataclass(frozen=True)
 class RopeConfig:
@@ -121,7 +168,7 @@ class RopeConfig:
 
 
 def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 10000.0,
-               family_default: Optional[dict] = None) -> RopeConfig:
+               family_default: Optional[dict] = None, default_partial: float = 1.0) -> RopeConfig:
     """RopeConfig from a config dict in either style (see the module docstring)."""
     params = d.get("rope_parameters")
     if params is None:
@@ -137,8 +184,8 @@ def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 100
     if rope_type not in ROPE_TYPES:
         raise _err("rope_type", rope_type, f"one of {list(ROPE_TYPES)}")
     theta = params.get("rope_theta", d.get("rope_theta", default_theta))
-    merged = {**params, "rope_theta": theta,
-              "partial_rotary_factor": params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))}
+    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", default_partial))
+    merged = {**params, "rope_theta": theta, "partial_rotary_factor": partial}
     theta = _float(merged, "rope_theta", positive=True)
     partial = _float(merged, "partial_rotary_factor", positive=True)
     if partial > 1:
@@ -173,8 +220,10 @@ def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 100
 class ModelConfig:
     """What the model families read, typed and validated (see :meth:`from_dict`).
 
-    Layer structure: ``layer_types[i]`` is 'full_attention' or 'sliding_attention' (window
-    ``sliding_window``); :meth:`is_moe_layer` says whether layer i has routed experts.
+    Layer structure: ``layer_types[i]`` is 'full_attention', 'sliding_attention' (window
+    ``sliding_window``) or 'indexed_attention' (V3.2 / GLM-5 sparse attention, whose families build it
+    whatever the entry says); :meth:`is_moe_layer` says whether layer i has routed experts;
+    ``indexer_types`` (GLM-5) which layers run their own indexer.
     """
 
     model_type: str
@@ -221,6 +270,10 @@ class ModelConfig:
     index_topk: Optional[int] = None
     index_head_dim: Optional[int] = None
     index_n_heads: Optional[int] = None
+    #: GLM-5: per layer, 'full' (runs its indexer) or 'shared' (reuses the previous full layer's top-k); () = all full
+    indexer_types: tuple = ()
+    #: DeepSeek-V3.2 / GLM-5: per layer 'dense' or 'sparse' (overrides first_k_dense_replace when given)
+    mlp_layer_types: tuple = ()
     num_nextn_predict_layers: int = 0
     # tokens
     bos_token_id: Optional[int] = None
@@ -235,8 +288,13 @@ class ModelConfig:
         return self.sliding_window if self.layer_types and self.layer_types[i] == "sliding_attention" else None
 
     def is_moe_layer(self, i: int) -> bool:
-        """Qwen3-MoE's rule (mlp_only_layers, decoder_sparse_step) and DeepSeek's first_k_dense_replace."""
-        if self.num_experts == 0 or i in self.mlp_only_layers or i < self.first_k_dense_replace:
+        """Qwen3-MoE's rule (mlp_only_layers, decoder_sparse_step), DeepSeek's first_k_dense_replace, or
+        ``mlp_layer_types`` when the config lists them (DeepSeek-V3.2 / GLM-5)."""
+        if self.num_experts == 0:
+            return False
+        if self.mlp_layer_types:
+            return self.mlp_layer_types[i] == "sparse"
+        if i in self.mlp_only_layers or i < self.first_k_dense_replace:
             return False
         return (i + 1) % self.decoder_sparse_step == 0
 
@@ -250,6 +308,7 @@ class ModelConfig:
         if not model_type:
             raise ValueError("config field 'model_type' is required but missing")
         fam = _FAMILY_DEFAULTS.get(model_type, {})
+        d = {**fam.get("fields", {}), **d}
         archs = d.get("architectures") or ()
         if not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs):
             raise _err("architectures", archs, "a list of strings")
@@ -289,6 +348,8 @@ class ModelConfig:
         if "sliding_attention" in layer_types and sliding is None:
             raise ValueError("config field 'sliding_window' is required when layer_types has 'sliding_attention'")
 
+        mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
+        indexer_types = _indexer_types(d, layers)
         mlp_only = _int_list(d, "mlp_only_layers")
         if any(not 0 <= i < layers for i in mlp_only):
             raise _err("mlp_only_layers", list(mlp_only), f"layer indices in [0, {layers})")
@@ -309,7 +370,8 @@ class ModelConfig:
             vocab_size=_int(d, "vocab_size", required=True), hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
             rms_norm_eps=_float(d, "rms_norm_eps", 1e-6, positive=True),
-            rope=parse_rope(d, max_pos, fam.get("rope_theta", 10000.0), fam.get("rope")),
+            rope=parse_rope(d, max_pos, fam.get("rope_theta", 10000.0), fam.get("rope"),
+                            fam.get("partial_rotary_factor", 1.0)),
             intermediate_size=_int(d, "intermediate_size"), hidden_act=_str(d, "hidden_act", "silu"),
             tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
             attention_bias=_bool(d, "attention_bias", fam.get("attention_bias", False)),
@@ -329,7 +391,7 @@ class ModelConfig:
             qk_nope_head_dim=_int(d, "qk_nope_head_dim"), qk_rope_head_dim=_int(d, "qk_rope_head_dim"),
             v_head_dim=_int(d, "v_head_dim"), rope_interleave=_bool(d, "rope_interleave", fam.get("rope_interleave", False)),
             index_topk=_int(d, "index_topk"), index_head_dim=_int(d, "index_head_dim"),
-            index_n_heads=_int(d, "index_n_heads"),
+            index_n_heads=_int(d, "index_n_heads"), indexer_types=indexer_types, mlp_layer_types=mlp_types,
             num_nextn_predict_layers=_int(d, "num_nextn_predict_layers", 0, minimum=0),
             bos_token_id=_int(d, "bos_token_id", minimum=0), eos_token_id=eos,
             pad_token_id=_int(d, "pad_token_id", minimum=0), quantization_config=quant, raw=dict(d),

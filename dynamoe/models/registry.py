@@ -69,4 +69,7 @@ def builder_for(config: ModelConfig) -> Callable:
 register("qwen3_moe", "dynamoe.models.qwen3_moe:Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",))
 register("mixtral", "dynamoe.models.mixtral:MixtralForCausalLM", ("MixtralForCausalLM",))
 register("gpt_oss", "dynamoe.models.gpt_oss:GptOssForCausalLM", ("GptOssForCausalLM",))
-# deepseek_v3 (+ alias kimi_k2), glm4_moe, deepseek_v32, glm_moe_dsa: registered here by their families
+register("deepseek_v3", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM", ("DeepseekV3ForCausalLM",), aliases=("kimi_k2",))
+register("glm4_moe", "dynamoe.models.glm4_moe:Glm4MoeForCausalLM", ("Glm4MoeForCausalLM",))
+register("deepseek_v32", "dynamoe.models.deepseek_v32:DeepseekV32ForCausalLM", ("DeepseekV32ForCausalLM",))
+register("glm_moe_dsa", "dynamoe.models.glm_moe_dsa:GlmMoeDsaForCausalLM", ("GlmMoeDsaForCausalLM",))

@@ -1,0 +1,143 @@
+"""The sparse-attention indexer of DeepSeek-V3.2 (DSA) and GLM-5: it scores every visible key for each
+query and keeps the ``index_topk`` best; the layer's MLA then attends only to those.
+
+Legend: B batch rows, T new tokens, L keys (cache positions 0..L-1), I indexer heads, d indexer head
+dim, R rotary dims (the first R of the d), D model dim, Q q_lora_rank.
+
+As transformers computes it (DeepseekV32Indexer / GlmMoeDsaIndexer, the bf16 form of the reference's
+Hadamard + FP8 scoring, which preserves dot products):
+
+    q = wq_b(q_resid) [B, T, I, d]      (q_resid = q_a_layernorm(q_a_proj(x)), shared with MLA)
+    k = LayerNorm(wk(x)) [B, T, d]       (one key per position, shared by the heads; cached)
+    RoPE on the first R dims of q and k (half-split for V3.2, interleaved pairs for GLM-5)
+    w = weights_proj(x) * I^-1/2 [B, T, I]                        (fp32)
+    score[t, l] = sum_i w[t, i] * relu(q[t, i] . k[l] * d^-1/2)    (fp32)
+
+and each query keeps the top ``index_topk`` keys among its causal ones (all of them when it sees no
+more than that many). The kept set does not depend on how many masked keys follow (masked keys
+score -inf and rank last), so a slot cache's padding changes nothing. While no query has more than
+``index_topk`` keys (every context up to 2048 tokens for the released models) nothing is scored:
+the keys are only cached.
+
+Ties: relu makes a score exactly 0 when every head's dot product is negative; which of several
+tied keys at the top-k boundary survives is up to ``torch.topk`` (as in transformers and DeepSeek's
+reference). It is rare with many heads (64 / 32 in the released models).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import write_kv
+from .cache import KVCache
+from .rope import RotaryEmbedding, apply_rope
+
+__all__ = ["Indexer", "SharedIndex", "visible_mask"]
+
+
+def visible_mask(q_pos_BT: Tensor, k_pos_BL: Tensor) -> Tensor:
+    """bool [B, T, L]: the key at k_pos is at or before the query at q_pos."""
+    return k_pos_BL[:, None, :] <= q_pos_BT[:, :, None]
+
+
+class SharedIndex:
+    """The last full indexer's selection, for the layers that reuse it (GLM-5's 'shared' indexer
+    layers): one instance per model, written by every full indexer, read by the shared layers of the
+    same forward (matched by the positions tensor, which every layer of a forward receives as is)."""
+
+    def __init__(self):
+        self.last: tuple | None = None
+
+    def put(self, positions_BT: Tensor, allowed: Tensor | None) -> None:
+        self.last = (positions_BT, allowed)
+
+    def get(self, positions_BT: Tensor) -> Tensor | None:
+        if self.last is None or self.last[0] is not positions_BT:
+            raise RuntimeError("a shared indexer layer needs an earlier full indexer layer in the same forward")
+        return self.last[1]
+
+
+class Indexer(nn.Module):
+    """The indexer of one layer (parameter names as the checkpoints': ``wq_b``, ``wk``, ``k_norm``
+    (LayerNorm with bias), ``weights_proj``).
+
+    ``forward(x [B, T, D], q_resid [B, T, Q], positions [B, T], k_pos [B, L] or None, cache, slots,
+    kv_len) -> bool [B, 1, T, L] or None``: True where the query may attend (causal and selected);
+    None when no query has more than ``index_topk`` keys to choose from (plain causal attention).
+    Without a cache the keys are the T tokens themselves (k_pos None).
+    """
+
+    #: at most this many per-head scores (fp32) exist at once; longer prefills are scored in query chunks
+    MAX_SCORES = 1 << 26
+
+    def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, rope_dim: int, topk: int,
+                 layer_idx: int, rotary: RotaryEmbedding, rope_interleaved: bool = False,
+                 shared: SharedIndex | None = None, dtype=None):
+        super().__init__()
+        if rope_dim > head_dim:
+            raise ValueError(f"index_head_dim={head_dim} must be >= qk_rope_head_dim={rope_dim}")
+        self.layer_idx, self.n_heads, self.head_dim, self.topk = layer_idx, n_heads, head_dim, topk
+        self.rope_interleaved = rope_interleaved
+        self.softmax_scale = head_dim ** -0.5
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype)
+        self.wk = nn.Linear(hidden_size, head_dim, bias=False, dtype=dtype)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6, dtype=dtype)
+        # transformers keeps it in fp32 (_keep_in_fp32_modules): the head weights decide the ranking
+        self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False, dtype=torch.float32)
+        object.__setattr__(self, "rotary", rotary)
+        object.__setattr__(self, "shared", shared)
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_idx}, heads={self.n_heads}, head_dim={self.head_dim}, topk={self.topk}, "
+                f"rope_interleaved={self.rope_interleaved}")
+
+    def _head_weights(self, x_BTD: Tensor) -> Tensor:
+        proj = self.weights_proj  # an fp32 nn.Linear, or the loader's QuantizedLinear (a quantized checkpoint)
+        x = x_BTD.to(proj.weight.dtype) if isinstance(proj, nn.Linear) else x_BTD
+        return proj(x).float() * self.n_heads ** -0.5
+
+    def keys(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
+             kv_len: int | None = None) -> Tensor:
+        """The roped indexer keys [B, 1, L, d]: the T new ones, or with a cache (where they are written
+        first) the slots' keys 0..kv_len-1."""
+        k = self.k_norm(self.wk(x_BTD))
+        cos, sin = self.rotary(positions_BT, k.dtype)
+        k = apply_rope(k.unsqueeze(1), cos, sin, self.rope_interleaved)                      # [B, 1, T, d]
+        if cache is not None:
+            k = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, index_k=k)["index_k"]
+        return k
+
+    def scores(self, x_BTD: Tensor, q_resid: Tensor, positions_BT: Tensor, k_B1Ld: Tensor) -> Tensor:
+        """fp32 index scores [B, T, L] of the queries against the keys (before masking)."""
+        B, T, _ = x_BTD.shape
+        q = self.wq_b(q_resid).view(B, T, self.n_heads, self.head_dim)
+        cos, sin = self.rotary(positions_BT, q.dtype)
+        q = apply_rope(q.transpose(1, 2), cos, sin, self.rope_interleaved).transpose(1, 2)  # [B, T, I, d]
+        w = self._head_weights(x_BTD).unsqueeze(-2)                                           # [B, T, 1, I]
+        kT = k_B1Ld.float().transpose(-1, -2)                                                 # [B, 1, d, L]
+        # the per-head scores [B, t, I, L] are the big intermediate (relu keeps the heads apart):
+        # bound it by taking the queries in chunks (a long prefill would otherwise need T * I * L floats)
+        step = max(1, self.MAX_SCORES // max(1, B * self.n_heads * kT.size(-1)))
+        out = []
+        for t0 in range(0, T, step):
+            s = F.relu(torch.matmul(q[:, t0:t0 + step].float(), kT) * self.softmax_scale)  # [B, t, I, L]
+            out.append(torch.matmul(w[:, t0:t0 + step], s).squeeze(-2))                     # [B, t, L]
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+    def forward(self, x_BTD: Tensor, q_resid: Tensor, positions_BT: Tensor, k_pos_BL: Tensor | None = None,
+                cache: KVCache | None = None, slots: Tensor | None = None, kv_len: int | None = None) -> Tensor | None:
+        k = self.keys(x_BTD, positions_BT, cache, slots, kv_len)
+        if k.size(2) <= self.topk:
+            # no query has more than topk keys: every causal key is kept, no scoring needed (the keys
+            # still go to the cache, for the queries that will have more)
+            allowed = None
+        else:
+            index = self.scores(x_BTD, q_resid, positions_BT, k)
+            visible = visible_mask(positions_BT, positions_BT if k_pos_BL is None else k_pos_BL)
+            index = index.masked_fill(~visible, float("-inf"))
+            chosen = torch.zeros_like(visible).scatter_(-1, index.topk(self.topk, dim=-1).indices, True)
+            allowed = (chosen & visible).unsqueeze(1)
+        if self.shared is not None:
+            self.shared.put(positions_BT, allowed)
+        return allowed
