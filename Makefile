@@ -1,4 +1,4 @@
-# Two commands: `make test` and (once the server lands) `make serve`. Both set up .venv themselves.
+# Two commands: `make test` and `make serve`. Both set up .venv themselves.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -24,10 +24,10 @@ helloworld: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/moe_layer.py
 
-serve:
-	@echo "make serve: the MoE LLM server (dynamoe serve) has not landed yet; it comes with the serving issue."
-	@echo "For now try 'make helloworld' (a Tutel-style MoE training loop) or 'make test'."
-	@exit 2
+# make serve ARGS="--model DIR [--port 8000] [--api-key K] ..." (see `dynamoe serve --help`); without a model
+# it serves the embedded demo model when the build has one, else says to pass --model
+serve: $(STAMP)
+	$(PY) -m dynamoe.cli serve $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -9,6 +9,11 @@ NVFP4 output is weight-only (no ``input_scale``: that needs calibration data).
 [--top-p P] [--top-k K] [--min-p P] [--repetition-penalty R] [--seed S] [--stop STR ...]
 [--dtype float32|bfloat16|float16] [--device DEV] [--max-seq-len N] [--chat-template FILE]
 [--thinking/--no-thinking] [--stats]`` streams the generated text to stdout (``--prompt -`` reads stdin).
+
+``dynamoe serve [--model DIR | --try_path DIR ...] [--served-model-name N] [--host H] [--port N]
+[--max_seq_len N] [--serve core|webui] [--thinking_effort low|medium|high] [--max-num-seqs N]
+[--api-key K] [--dtype ...] [--chat-template FILE]`` serves the model over HTTP (OpenAI and Anthropic
+APIs, /chat, /metrics, a web UI); see :mod:`dynamoe.serve.cli`.
 Also runs as ``python -m dynamoe.cli``.
 """
 from __future__ import annotations
@@ -72,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="turn the template's thinking mode on/off (enable_thinking / thinking)")
     g.add_argument("--stats", action="store_true", help="print token counts and speeds to stderr at the end")
+
+    from .serve.cli import add_serve_parser
+    add_serve_parser(sub)
     return p
 
 
@@ -275,6 +283,9 @@ def generate_command(args, out=None, err=None) -> int:
 def main(argv=None) -> int:
     p = _parser()
     args = p.parse_args(argv)
+    if args.command == "serve":
+        from .serve.cli import serve_command
+        return serve_command(args)
     if args.command == "generate":
         _check_generate_args(p, args)
         try:

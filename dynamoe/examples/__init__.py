@@ -16,6 +16,8 @@ Run any of them as a module, e.g. ``python -m dynamoe.examples.helloworld --help
 * ``nccl_all_to_all_v`` / ``nccl_all_gather_v`` -- ``net.batch_all_to_all_v`` with uneven and zero counts and
   ``net.batch_all_gather_v`` with a different row count per rank, checked against what each rank
   expects (any backend, despite Tutel's names).
+* ``oai_request_stream`` -- a streaming chat client for ``dynamoe serve`` (or any OpenAI-compatible
+  server): ``--url 127.0.0.1:8000 --prompt ...``; uses ``openai`` when installed, else ``httpx``.
 
 Under ``torchrun --nproc_per_node=N -m dynamoe.examples.<name> ...`` the examples join the process
 group (gloo on CPU, NCCL on CUDA) and spread the experts over the ranks; ``helloworld_switch`` then

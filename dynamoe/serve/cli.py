@@ -1,0 +1,157 @@
+"""``dynamoe serve``: flags, model choice, and the uvicorn run.
+
+The model path comes only from the command line: ``--model DIR``, else the first existing of the
+``--try_path DIR`` flags (repeatable), else the embedded demo model (``dynamoe/assets/demo-moe/``) when
+this build has it. Nothing here imports torch or FastAPI until the command runs.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+__all__ = ["add_serve_parser", "serve_command", "resolve_model_path", "DEMO_MODEL_DIR"]
+
+DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "demo-moe")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return v
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 < v < 65536:
+        raise argparse.ArgumentTypeError(f"must be in [1, 65535], got {text!r}")
+    return v
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    s = sub.add_parser("serve", help="serve a model over HTTP: /chat, OpenAI and Anthropic APIs, web UI, metrics",
+                       description="Serve a Hugging Face checkpoint folder over HTTP with continuous batching: "
+                                   "POST /chat (plain-text stream), OpenAI /v1/chat/completions, /v1/completions, "
+                                   "/v1/models, Anthropic /v1/messages, /health, /metrics (Prometheus) and a web "
+                                   "UI at /.")
+    s.add_argument("--model", metavar="DIR", help="checkpoint folder (config.json, weights, tokenizer.json)")
+    s.add_argument("--try_path", "--try-path", action="append", default=[], metavar="DIR",
+                   help="candidate checkpoint folder; repeatable, the first that exists is served")
+    s.add_argument("--served-model-name", "--served_model_name", metavar="NAME",
+                   help="the model name clients use (default: the folder's name)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--listen_port", "--port", "--listen-port", dest="listen_port", type=_port, default=8000,
+                   metavar="N", help="TCP port (default 8000)")
+    s.add_argument("--max_seq_len", "--max-model-len", "--max-seq-len", dest="max_seq_len", type=_positive_int,
+                   metavar="N", help="prompt + output tokens per sequence (default: the model's context, at most 4096)")
+    s.add_argument("--serve", choices=["core", "webui"], default="webui",
+                   help="core: the APIs only; webui: the APIs and the chat page at / (default)")
+    s.add_argument("--thinking_effort", "--thinking-effort", choices=["low", "medium", "high"], default=None,
+                   help="default reasoning effort, passed to chat templates as reasoning_effort (gpt-oss); "
+                        "requests may override it")
+    s.add_argument("--max-num-seqs", "--max_num_seqs", dest="max_num_seqs", type=_positive_int, default=8,
+                   metavar="N", help="sequences decoded together (batch slots); more requests wait (default 8)")
+    s.add_argument("--api-key", "--api_key", dest="api_key", metavar="KEY",
+                   help="require this key (Authorization: Bearer KEY or x-api-key: KEY) on every route but "
+                        "/health; default: $DYNAMOE_API_KEY, else none")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weight dtype (default: the loader's)")
+    s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    s.add_argument("--chat-template", "--chat_template", dest="chat_template", metavar="FILE",
+                   help="chat template file (.jinja, or JSON with chat_template) instead of the checkpoint's")
+    s.add_argument("--max-request-bytes", dest="max_request_bytes", type=_positive_int, default=32 * 2**20,
+                   metavar="N", help="largest request body accepted (default 32 MiB); larger gets 413")
+    s.add_argument("--log-level", dest="log_level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"], help="uvicorn log level")
+    return s
+
+
+def resolve_model_path(model: str | None, try_paths: list[str], demo_dir: str | None = None) -> str:
+    """The folder to serve (see the module docstring); ValueError with what to do when there is none."""
+    demo_dir = DEMO_MODEL_DIR if demo_dir is None else demo_dir
+    if model is not None:
+        if not os.path.isdir(model):
+            raise ValueError(f"--model {model!r} is not a directory")
+        return model
+    for path in try_paths:
+        if os.path.isdir(path):
+            return path
+    if try_paths:
+        raise ValueError(f"none of the --try_path folders exists: {', '.join(repr(p) for p in try_paths)}")
+    if os.path.isdir(demo_dir):
+        return demo_dir
+    raise ValueError("no model to serve: pass --model DIR (a Hugging Face checkpoint folder with config.json and "
+                     "tokenizer.json); this build has no embedded demo model (dynamoe/assets/demo-moe/)")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_command(args, err=None) -> int:
+    """Run ``dynamoe serve`` with parsed ``args`` until interrupted; returns the exit status."""
+    err = err or sys.stderr
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        print(f"dynamoe serve: error: multi-rank serving not supported yet (WORLD_SIZE={world}); "
+              f"run a single process", file=err)
+        return 2
+    try:
+        path = resolve_model_path(args.model, args.try_path)
+    except ValueError as e:
+        print(f"dynamoe serve: error: {e}", file=err)
+        return 2
+    for name in ("config.json", "tokenizer.json"):
+        if not os.path.isfile(os.path.join(path, name)):
+            print(f"dynamoe serve: error: {path!r} has no {name}", file=err)
+            return 2
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        print(f"dynamoe serve: error: --chat-template {args.chat_template!r} is not a file", file=err)
+        return 2
+    api_key = args.api_key or os.environ.get("DYNAMOE_API_KEY") or None
+
+    import torch
+    import uvicorn
+
+    from ..engine import GenerationEngine, load
+    from .app import create_app
+    from .state import ServerConfig
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model, tokenizer = load(path, dtype=args.dtype, device=device, chat_template=args.chat_template)
+        mpe = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        max_seq_len = args.max_seq_len or (min(int(mpe), 4096) if mpe else 4096)
+        engine = GenerationEngine(model, tokenizer, max_seq_len=max_seq_len, max_batch=args.max_num_seqs,
+                                  prefill_chunk=2048)
+    except (ValueError, OSError) as e:
+        print(f"dynamoe serve: error: {e}", file=err)
+        return 1
+    name = args.served_model_name or os.path.basename(os.path.normpath(path))
+    config = ServerConfig(model_name=name, max_seq_len=max_seq_len, max_num_seqs=args.max_num_seqs, api_key=api_key,
+                          webui=args.serve == "webui", thinking_effort=args.thinking_effort,
+                          max_request_bytes=args.max_request_bytes)
+    app = create_app(engine, tokenizer, config)
+    if not _is_loopback(args.host) and api_key is None:
+        print(f"dynamoe serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
+              f"port can use the model", file=err)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"dynamoe serve: {name} ({params / 1e6:.1f}M parameters, {device}) from {path}; max_seq_len "
+          f"{max_seq_len}, max-num-seqs {args.max_num_seqs}, api key {'on' if api_key else 'off'}, "
+          f"{'web UI and APIs' if config.webui else 'APIs only'} on http://{args.host}:{args.listen_port}",
+          file=err, flush=True)
+    uvicorn.run(app, host=args.host, port=args.listen_port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

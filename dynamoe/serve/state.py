@@ -1,0 +1,160 @@
+"""What every route shares: the engine and its runner, the tokenizer and chat template, the limits,
+and the steps from a request body to engine inputs (chat rendering, sampling parameters, checks)."""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine import GenerationEngine, SamplingParams, Tokenizer
+from .errors import APIError
+from .metrics import ExpertLoad, Metrics
+from .parsing import OutputParser, prompt_opens_think, think_tags_for, tool_parser_for
+from .runner import EngineRunner
+
+__all__ = ["ServerConfig", "ServerState"]
+
+# what a request's chat_template_kwargs may not override (the template itself, above all: clients do not
+# get to run their own Jinja)
+_RESERVED_TEMPLATE_KWARGS = {"chat_template", "add_generation_prompt", "messages", "tools", "documents", "system",
+                             "tokenize", "continue_final_message"}
+
+
+@dataclass
+class ServerConfig:
+    """Server settings (the CLI's flags). ``api_key``: None = no auth. ``thinking_effort``: default
+    ``reasoning_effort`` template variable (low|medium|high). ``max_request_bytes``: body size limit.
+    ``keepalive_s``: a stream silent this long gets a ping."""
+    model_name: str
+    max_seq_len: int
+    max_num_seqs: int
+    api_key: str | None = None
+    webui: bool = True
+    thinking_effort: str | None = None
+    max_request_bytes: int = 32 * 2**20
+    keepalive_s: float = 10.0
+
+
+def _template_texts(tokenizer: Tokenizer | None) -> str:
+    t = getattr(tokenizer, "chat_template", None)
+    if isinstance(t, dict):
+        return "\n".join(t.values())
+    return t or ""
+
+
+def _args_as_text(messages: list[dict]) -> list[dict]:
+    """The messages with every tool call's ``arguments`` as JSON text (templates that concatenate it)."""
+    out = copy.deepcopy(messages)
+    for m in out:
+        for tc in m.get("tool_calls") or []:
+            fn = tc.get("function", tc)
+            if isinstance(fn.get("arguments"), dict):
+                fn["arguments"] = json.dumps(fn["arguments"], ensure_ascii=False)
+    return out
+
+
+class ServerState:
+    """The engine, its runner, metrics and the served model's text conventions."""
+
+    def __init__(self, engine: GenerationEngine, tokenizer: Tokenizer | None, config: ServerConfig):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = Metrics()
+        self.runner = EngineRunner(engine, self.metrics)
+        self.expert_load = ExpertLoad(engine.model)
+        self.created = int(time.time())
+        template = _template_texts(tokenizer)
+        self.has_template = bool(template)
+        vocab_has = (lambda t: tokenizer.token_to_id(t) is not None) if tokenizer is not None else (lambda t: False)
+        self.think_tags = think_tags_for(template, vocab_has)
+        self.tool_parser = tool_parser_for(template)
+
+    # --- names and limits ---------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    def check_model(self, name: str | None) -> None:
+        """OpenAI routes: only the served model (or no name) is accepted."""
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        m = self.config.max_seq_len
+        if len(ids) >= m:
+            raise APIError(400, f"the prompt is {len(ids)} tokens; this server's max_seq_len is {m} (--max_seq_len), "
+                                f"which must hold the prompt and at least one generated token",
+                           param=param, code="context_length_exceeded")
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=param)
+
+    @staticmethod
+    def max_tokens(value: int | None, name: str) -> int | None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise APIError(400, f"{name} must be an int >= 1, got {value!r}", param=name)
+        return value
+
+    # --- engine inputs ------------------------------------------------------------------------------
+
+    def sampling(self, **fields: Any) -> SamplingParams:
+        """SamplingParams from the checkpoint's generation_config.json defaults and the request's fields
+        (None = default); its validation message becomes a 400."""
+        gen = self.tokenizer.generation_config if self.tokenizer is not None else None
+        try:
+            return SamplingParams.from_generation_config(gen, **fields)
+        except (ValueError, TypeError) as err:
+            msg = str(err)
+            raise APIError(400, msg, param=msg.split(" ", 1)[0]) from None
+
+    def encode_text(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
+        return self.tokenizer.encode(text)
+
+    def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None,
+                    enable_thinking: bool | None = None, reasoning_effort: str | None = None,
+                    template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """(prompt text, token ids) of a conversation through the chat template. Tool-call arguments go
+        in as dicts (what most templates want); a template that fails on that gets them as JSON text."""
+        import jinja2
+
+        if self.tokenizer is None or not self.has_template:
+            raise APIError(400, "this model has no chat template; start the server with --chat-template FILE, "
+                                "or use /v1/completions", param="messages")
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+        effort = reasoning_effort or self.config.thinking_effort
+        if effort == "none":
+            enable_thinking = False if enable_thinking is None else enable_thinking
+        elif effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = bool(enable_thinking)
+        try:
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
+            except (jinja2.TemplateError, TypeError):
+                if not any(m.get("tool_calls") for m in messages):
+                    raise
+                text = self.tokenizer.apply_chat_template(_args_as_text(messages), tools=tools, **kwargs)
+        except jinja2.TemplateError as err:
+            raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
+        except (ValueError, TypeError) as err:
+            raise APIError(400, str(err), param="messages") from None
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def output_parser(self, prompt_text: str | None, tools: bool) -> OutputParser:
+        """How this request's output splits: think tags (chat routes), tool calls (when tools were sent)."""
+        tags = self.think_tags if prompt_text is not None else None
+        return OutputParser(tags, prompt_opens_think(prompt_text or "", tags),
+                            self.tool_parser() if tools and self.tool_parser else None)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
