@@ -71,3 +71,14 @@ def test_without_kernels_it_is_f_linear(monkeypatch):
     monkeypatch.setattr(linear_mod.cpu_kernels, "load", lambda: None)
     x, w = torch.randn(1, 32).bfloat16(), torch.randn(5, 32).bfloat16()
     assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+@needs_kernel
+def test_grouped_kernel_checks_its_groups():
+    x, w, out = torch.randn(3, 32).bfloat16(), torch.randn(2, 8, 32).bfloat16(), torch.empty(3, 8).bfloat16()
+    for bad in ([[2, 0, 1]], [[0, 2, 2]], [[0, 0, 0]]):  # expert out of range, rows past the end, no rows
+        with pytest.raises(RuntimeError, match="out of range"):
+            kernels.bf16_grouped_gemv_out(x, w, torch.tensor(bad), None, out)
+    kernels.bf16_grouped_gemv_out(x, w, torch.tensor([[1, 0, 2], [0, 2, 1]]), None, out)
+    _close(out[:2], x[:2].float() @ w[1].float().t())
+    _close(out[2:], x[2:].float() @ w[0].float().t())

@@ -95,9 +95,10 @@ def _per_group_mm(x_NI: Tensor, w: Tensor, bias: Tensor | None, counts: list[int
     k = small_rows_kernel(x_NI[:1], w[0]) if trans_w and chunked and w.is_contiguous() else None
     if k is not None and bias is not None and bias.dtype != torch.bfloat16:
         k = None
+    small = []
     for e, off, c in _groups(counts, w.size(0)):
         if k is not None and c <= KERNEL_MAX_ROWS:
-            k.bf16_gemv_out(x_NI.narrow(0, off, c), w[e], bias[e] if bias is not None else None, out.narrow(0, off, c))
+            small.append((e, off, c))  # all of them in one kernel call below
             continue
         w_e = w[e].t() if trans_w else w[e]  # no autograd here: a view, not a gradient buffer
         for o, n in (_row_chunks(off, c, True) if chunked else ((off, c),)):
@@ -105,6 +106,8 @@ def _per_group_mm(x_NI: Tensor, w: Tensor, bias: Tensor | None, counts: list[int
                 torch.mm(x_NI.narrow(0, o, n), w_e, out=out.narrow(0, o, n))
             else:
                 torch.addmm(bias[e], x_NI.narrow(0, o, n), w_e, out=out.narrow(0, o, n))
+    if small:
+        k.bf16_grouped_gemv_out(x_NI, w, torch.tensor(small, dtype=torch.long), bias, out)
 
 
 def _forward_no_grad(x_NI, w, bias, row_scale_N, counts, trans_w, out) -> Tensor:

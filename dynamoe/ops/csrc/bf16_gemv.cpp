@@ -12,6 +12,8 @@
 #endif
 
 namespace {
+constexpr int kRowBlock = 4;
+
 // R consecutive weight rows at once for TT tokens: R*TT accumulators in registers, every x vector
 // loaded once per R rows and every weight vector once per TT tokens.
 template <int TT, int R>
@@ -44,15 +46,39 @@ void bf16_rows(const c10::BFloat16* w, int64_t I, const c10::BFloat16* x, int64_
     for (int t = 0; t < TT; ++t) acc_out[r * 8 + t] = acc_s[r][t];
 }
 
+// Output rows [o0, o0 + R) (fewer at the end) of one weight for all T rows of x.
+void row_block(const c10::BFloat16* wp, int64_t O, int64_t I, int64_t o0, const c10::BFloat16* xp, int64_t xs,
+               int64_t T, const c10::BFloat16* bp, c10::BFloat16* op, int64_t os) {
+  constexpr int R = kRowBlock;
+  float acc[R * 8];
+  const int rows = static_cast<int>(std::min<int64_t>(R, O - o0));
+  dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
+    if (rows == R) bf16_rows<TT, R>(wp + o0 * I, I, xp + t0 * xs, xs, acc);
+    else for (int r = 0; r < rows; ++r) bf16_rows<TT, 1>(wp + (o0 + r) * I, I, xp + t0 * xs, xs, acc + r * 8);
+    for (int r = 0; r < rows; ++r) {
+      const float b = bp ? static_cast<float>(bp[o0 + r]) : 0.f;
+      for (int t = 0; t < TT; ++t) op[(t0 + t) * os + o0 + r] = c10::BFloat16(acc[r * 8 + t] + b);
+    }
+  });
+}
+
+// Work items per thread: at least ~1 MiB of weights, so small matrices stay on one thread (a
+// parallel region costs microseconds, and far more when another process holds the other cores).
+int64_t grain_blocks(int64_t I) { return std::max<int64_t>(1, (int64_t{1} << 20) / (kRowBlock * I * 2)); }
+
+void check_x_out(const torch::Tensor& x, const torch::Tensor& out, int64_t I, int64_t O) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "x must be bf16 [T, I] with unit stride");
+  TORCH_CHECK(x.size(1) == I, "x has ", x.size(1), " features, w expects ", I);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == O && out.stride(1) == 1 &&
+              out.scalar_type() == torch::kBFloat16, "out must be bf16 [T, O] with unit stride");
+}
+
 }  // namespace
 
 void bf16_gemv_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, torch::Tensor out) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "x must be bf16 [T, I] with unit stride");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "w must be contiguous bf16 [O, I]");
-  TORCH_CHECK(x.size(1) == w.size(1), "x has ", x.size(1), " features, w expects ", w.size(1));
-  const int64_t T = x.size(0), I = x.size(1), O = w.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == O && out.stride(1) == 1 &&
-              out.scalar_type() == torch::kBFloat16, "out must be bf16 [T, O] with unit stride");
+  const int64_t I = w.size(1), O = w.size(0), T = x.size(0);
+  check_x_out(x, out, I, O);
   const c10::BFloat16* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == O && bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous(), "bias must be contiguous bf16 [O]");
@@ -62,20 +88,40 @@ void bf16_gemv_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
   const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const int64_t xs = x.stride(0), os = out.stride(0);
-  constexpr int R = 4;
-  at::parallel_for(0, (O + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
-    float acc[R * 8];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t o0 = blk * R;
-      const int rows = static_cast<int>(std::min<int64_t>(R, O - o0));
-      dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
-        if (rows == R) bf16_rows<TT, R>(wp + o0 * I, I, xp + t0 * xs, xs, acc);
-        else for (int r = 0; r < rows; ++r) bf16_rows<TT, 1>(wp + (o0 + r) * I, I, xp + t0 * xs, xs, acc + r * 8);
-        for (int r = 0; r < rows; ++r) {
-          const float b = bp ? static_cast<float>(bp[o0 + r]) : 0.f;
-          for (int t = 0; t < TT; ++t) op[(t0 + t) * os + o0 + r] = c10::BFloat16(acc[r * 8 + t] + b);
-        }
-      });
+  at::parallel_for(0, (O + kRowBlock - 1) / kRowBlock, grain_blocks(I), [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) row_block(wp, O, I, blk * kRowBlock, xp, xs, T, bp, op, os);
+  });
+}
+
+// Several experts at once (decode): group g multiplies rows [off_g, off_g + rows_g) of x by expert
+// e_g's weight [O, I] (w is [E, O, I]); one parallel region for all groups.
+void bf16_grouped_gemv_out(torch::Tensor x, torch::Tensor w, torch::Tensor groups, c10::optional<torch::Tensor> bias,
+                           torch::Tensor out) {
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "w must be contiguous bf16 [E, O, I]");
+  const int64_t E = w.size(0), O = w.size(1), I = w.size(2);
+  check_x_out(x, out, I, O);
+  TORCH_CHECK(groups.dim() == 2 && groups.size(1) == 3 && groups.scalar_type() == torch::kLong && groups.is_contiguous() &&
+              groups.device().is_cpu(), "groups must be a contiguous int64 CPU tensor [G, 3] of (expert, row offset, rows)");
+  const c10::BFloat16* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == E && bias->size(1) == O && bias->scalar_type() == torch::kBFloat16 &&
+                bias->is_contiguous(), "bias must be contiguous bf16 [E, O]");
+    bp = bias->data_ptr<c10::BFloat16>();
+  }
+  const int64_t G = groups.size(0), N = x.size(0);
+  const int64_t* gp = groups.data_ptr<int64_t>();
+  for (int64_t g = 0; g < G; ++g)
+    TORCH_CHECK(gp[3 * g] >= 0 && gp[3 * g] < E && gp[3 * g + 1] >= 0 && gp[3 * g + 2] >= 1 && gp[3 * g + 2] <= 8 &&
+                gp[3 * g + 1] + gp[3 * g + 2] <= N, "group ", g, " is out of range (expert < ", E, ", rows 1..8 within ", N, ")");
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t xs = x.stride(0), os = out.stride(0), blocks = (O + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, G * blocks, grain_blocks(I), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / blocks, e = gp[3 * g], off = gp[3 * g + 1];
+      row_block(wp + e * O * I, O, I, (item % blocks) * kRowBlock, xp + off * xs, xs, gp[3 * g + 2],
+                bp ? bp + e * O : nullptr, op + off * os, os);
     }
   });
 }

@@ -232,7 +232,10 @@ bool has_avx512() {
 #endif
 }
 
-void bf16_gemv_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, torch::Tensor out);  // bf16_gemv.cpp
+// bf16_gemv.cpp
+void bf16_gemv_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, torch::Tensor out);
+void bf16_grouped_gemv_out(torch::Tensor x, torch::Tensor w, torch::Tensor groups, c10::optional<torch::Tensor> bias,
+                           torch::Tensor out);
 
 bool has_avx512_bf16() {
 #if defined(__AVX512BF16__)
@@ -244,6 +247,8 @@ bool has_avx512_bf16() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemv_out", &bf16_gemv_out, "out [T, O] = x [T, I] @ W^T (+ bias): bf16 in and out, fp32 accumulation");
+  m.def("bf16_grouped_gemv_out", &bf16_grouped_gemv_out,
+        "per group (expert e, row offset, rows 1..8): out[rows] = x[rows] @ W[e]^T (+ bias[e]); W bf16 [E, O, I]");
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether the AVX512-BF16 path was compiled in");
   m.def("mxfp4_gemv", &mxfp4_gemv, "y [T, O] = x [T, I] @ W^T, W MXFP4 (blocks [O, I/32, 16], e8m0 scales [O, I/32])");
   m.def("nvfp4_gemv", &nvfp4_gemv, "y [T, O] = x [T, I] @ W^T, W NVFP4 (packed [O, I/2], e4m3 scales [O, I/16], global)");
