@@ -97,7 +97,10 @@ class SparseMoeBlock(nn.Module):
             gpt_oss_alpha=cfg.swiglu_alpha, gpt_oss_limit=cfg.swiglu_limit or 7.0,
             num_shared_experts=num_shared_experts,
         )
-        self.moe = MoELayer(MoEConfig(model_dim=D, gates=[gate], experts=experts, aux_loss="none", dtype=dtype))
+        # check_finite off: the input is this model's own hidden state, and the check costs a host
+        # sync per layer and step
+        self.moe = MoELayer(MoEConfig(model_dim=D, gates=[gate], experts=experts, aux_loss="none", dtype=dtype,
+                                      check_finite=False))
         self.last_stats = None
 
     def materialize_buffers(self, device) -> None:
