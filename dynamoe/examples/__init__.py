@@ -16,6 +16,18 @@ Run any of them as a module, e.g. ``python -m dynamoe.examples.helloworld --help
 * ``nccl_all_to_all_v`` / ``nccl_all_gather_v`` -- ``net.batch_all_to_all_v`` with uneven and zero counts and
   ``net.batch_all_gather_v`` with a different row count per rank, checked against what each rank
   expects (any backend, despite Tutel's names).
+* ``moe_mnist`` / ``moe_cifar10`` -- Tutel's image classifiers (conv layers, then an MoE layer whose experts
+  output the logits) on MNIST idx files / CIFAR-10 python batches (``--data DIR``), or on scikit-learn's
+  bundled 8x8 digits (``--dataset digits``: no download, > 90% test accuracy in seconds).
+
+The embedded demo model (``dynamoe/assets/demo-moe``, what ``make serve`` serves) is built by:
+
+* ``demo_data`` -- the deterministic synthetic chat corpus (arithmetic, lists, words, units, Python code),
+  with a held-out split; ``demo_tokenizer`` -- its byte-level BPE and ChatML chat template.
+* ``train_demo`` -- trains the Qwen3-MoE demo model on dynamoe's MoE layers (balance loss, AdamW, resumable
+  atomic checkpoints) and exports the HF folder with its model card.
+* ``eval_demo`` -- held-out exact-match scores per skill (code run against tests); ``expert_usage`` --
+  a PNG heatmap of routing share per skill and expert, for each layer.
 * ``oai_request_stream`` -- a streaming chat client for ``dynamoe serve`` (or any OpenAI-compatible
   server): ``--url 127.0.0.1:8000 --prompt ...``; uses ``openai`` when installed, else ``httpx``.
 

@@ -1,0 +1,587 @@
+"""The demo model's training data: a deterministic synthetic chat corpus, several skills in many phrasings.
+
+Skills (``Example.skill``) and the eval groups they report under (``Example.group``):
+
+* ``add`` / ``sub`` / ``mul`` -- integer arithmetic on 1-3 digit numbers (group ``add-2d``: the larger
+  operand has 2 digits). Multi-digit multiplication answers show the partial products
+  (``47 × 38 = 47 × 30 + 47 × 8 = 1410 + 376 = 1786``); the rest answer directly.
+* ``sort`` / ``sort-desc`` / ``reverse-list`` -- lists of 2-7 integers in 0..99.
+* ``reverse-word`` / ``word-length`` / ``letter-count`` -- characters of English words; answers spell
+  the word out first (``p-l-a-n-e-t``), which the tokenizer splits into single letters.
+* ``units`` -- km/m/cm, kg/g, hours/minutes, °C/°F. Rounding rule: results are exact or rounded to one
+  decimal, half away from zero (Decimal ``ROUND_HALF_UP``); trailing zeros are dropped (``2.5``, ``77``).
+* ``code`` -- quicksort, binary search, fibonacci, factorial, bubble sort, gcd in Python, asked in many
+  wordings ("Write a Python code of the Quicksort algorithm." among them); one canonical, tested answer
+  per algorithm (:data:`CODE`), function names in :data:`CODE_FUNCTIONS`.
+* ``chat`` -- greetings and "what can you do" (training only).
+
+Every reply ends with its final answer, which :func:`final_answer` extracts (the last number, list or
+quoted word); ``Example.answer`` is the expected one (for code: the algorithm's name).
+
+Split: a problem's *key* (the operands of an arithmetic problem -- unordered for + and ×, the list,
+the word and letter, the quantity, the code prompt's wording) is held out when a hash of
+``(split_seed, key)`` falls under ``held_out_fraction``. Training examples are drawn from the other
+keys only, so held-out prompts never occur in training (for arithmetic: disjoint operand pairs).
+
+Same ``seed`` -> byte-identical output (only ``random.Random(seed)`` and ``hashlib`` are used).
+``python -m dynamoe.examples.demo_data --n 20 --split held_out`` prints a few as JSON lines.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
+from typing import Callable, Iterable, Optional
+
+__all__ = ["Example", "generate", "SKILLS", "TRAIN_WEIGHTS", "CODE", "CODE_FUNCTIONS", "ALGORITHMS",
+           "CANONICAL_CODE_PROMPTS", "final_answer", "is_held_out", "write_jsonl", "code_block", "conversation_text"]
+
+SPLITS = ("train", "held_out")
+DEFAULT_SPLIT_SEED = 1234
+DEFAULT_HELD_OUT_FRACTION = 0.1
+SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are a small demo model trained with dynamoe.",
+                  "Answer concisely.")
+
+
+@dataclass
+class Example:
+    """One conversation. ``messages``: [{role, content}] (the last one the assistant's reply);
+    ``answer``: the expected final answer; ``key``: the problem's identity for the split."""
+
+    skill: str
+    group: str
+    messages: list
+    answer: str
+    key: str
+    meta: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False, sort_keys=True)
+
+    @property
+    def prompt(self) -> list:
+        """The messages without the final assistant reply."""
+        return self.messages[:-1]
+
+    @property
+    def reply(self) -> str:
+        return self.messages[-1]["content"]
+
+
+def is_held_out(key: str, split_seed: int = DEFAULT_SPLIT_SEED, fraction: float = DEFAULT_HELD_OUT_FRACTION) -> bool:
+    """Whether problem ``key`` belongs to the held-out split (a hash, so any process agrees)."""
+    h = int.from_bytes(hashlib.sha256(f"{split_seed}:{key}".encode()).digest()[:8], "big")
+    return h % 1_000_000 < round(fraction * 1_000_000)
+
+
+# ------------------------------------------------------------------------------------ formatting
+def fmt_num(x) -> str:
+    """A number as the corpus writes it: integers plainly, decimals without trailing zeros."""
+    d = Decimal(x) if not isinstance(x, Decimal) else x
+    if d == d.to_integral_value():
+        return str(int(d))
+    return format(d.normalize(), "f")
+
+
+def round1(d: Decimal) -> Decimal:
+    """The corpus's rounding rule: one decimal, half away from zero."""
+    return d.quantize(Decimal("0.1"), rounding=ROUND_HALF_UP)
+
+
+def fmt_list(xs) -> str:
+    return "[" + ", ".join(str(x) for x in xs) + "]"
+
+
+_NUM_RE = re.compile(r"-?\d+(?:\.\d+)?")
+_LIST_RE = re.compile(r"\[[^\[\]]*\]")
+_QUOTED_RE = re.compile(r'"([^"\n]*)"')
+
+
+def final_answer(group_or_skill: str, text: str) -> Optional[str]:
+    """The final answer of a reply: the last list (list skills), the last quoted word (reverse-word),
+    the code block (code), else the last number; None when there is none."""
+    skill = group_or_skill.split("-")[0] if group_or_skill.startswith(("add", "sub", "mul")) else group_or_skill
+    if skill.startswith("code"):
+        return code_block(text)
+    if skill in ("sort", "sort-desc", "reverse-list"):
+        found = _LIST_RE.findall(text)
+        return re.sub(r"\s+", " ", found[-1]).strip() if found else None
+    if skill == "reverse-word":
+        found = _QUOTED_RE.findall(text)
+        return found[-1] if found else None
+    found = _NUM_RE.findall(text.replace("−", "-"))
+    return fmt_num(Decimal(found[-1])) if found else None
+
+
+def code_block(text: str) -> str:
+    """The first fenced code block of ``text`` (```python ... ```), or the whole text without fences."""
+    m = re.search(r"```[a-zA-Z0-9_+-]*\n(.*?)(?:```|$)", text, re.S)
+    return (m.group(1) if m else text).strip("\n") + "\n"
+
+
+def conversation_text(messages) -> str:
+    """A readable one-line summary (for logs)."""
+    return " | ".join(f"{m['role']}: {m['content']!r:.80}" for m in messages)
+
+
+# ------------------------------------------------------------------------------------ arithmetic
+_OPS = {"add": ("+", lambda a, b: a + b), "sub": ("-", lambda a, b: a - b), "mul": ("×", lambda a, b: a * b)}
+_ARITH_PROMPTS = {
+    "add": ["What is {a} + {b}?", "What is {a} plus {b}?", "Compute {a} + {b}.", "Calculate {a} + {b}", "{a} + {b} = ?",
+            "Add {a} and {b}.", "What do you get when you add {a} and {b}?", "How much is {a} plus {b}?",
+            "What's the sum of {a} and {b}?", "Please add {a} to {b}.", "{a}+{b}", "Find the sum of {a} and {b}."],
+    "sub": ["What is {a} - {b}?", "What is {a} minus {b}?", "Compute {a} - {b}.", "Calculate {a} − {b}", "{a} - {b} = ?",
+            "Subtract {b} from {a}.", "How much is {a} minus {b}?", "What is the difference {a} - {b}?",
+            "Take {b} away from {a}.", "{a}-{b}", "What's {a} − {b}?", "Find {a} minus {b}."],
+    "mul": ["What is {a} × {b}?", "What is {a} times {b}?", "Compute {a} * {b}.", "Calculate {a} × {b}", "{a} * {b} = ?",
+            "Multiply {a} by {b}.", "What do you get when you multiply {a} and {b}?", "How much is {a} times {b}?",
+            "What's the product of {a} and {b}?", "{a}*{b}", "{a} x {b} = ?", "Find the product of {a} and {b}."],
+}
+
+
+def _operand(rng: random.Random, digits: int) -> int:
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
+
+
+def _digits_pair(rng: random.Random, op: str) -> tuple[int, int]:
+    # 2-digit problems dominate (the demo's target); multiplication stays at most 3 x 2 digits
+    r = rng.random()
+    if r < 0.15:
+        da, db = rng.choice([(1, 1), (1, 2), (2, 1)])
+    elif r < 0.75:
+        da, db = 2, 2
+    else:
+        da, db = rng.choice([(3, 3), (3, 2), (2, 3), (3, 1)]) if op != "mul" else rng.choice([(3, 1), (3, 2), (2, 3), (1, 3)])
+    return da, db
+
+
+def _mul_reply(a: int, b: int) -> str:
+    r = a * b
+    terms = [int(c) * 10 ** i for i, c in enumerate(reversed(str(b))) if c != "0"][::-1]
+    if len(terms) <= 1:
+        return f"{a} × {b} = {r}"
+    parts = " + ".join(f"{a} × {t}" for t in terms)
+    prods = " + ".join(str(a * t) for t in terms)
+    return f"{a} × {b} = {parts} = {prods} = {r}"
+
+
+def _arith(op: str) -> Callable:
+    def make(rng: random.Random):
+        da, db = _digits_pair(rng, op)
+        a, b = _operand(rng, da), _operand(rng, db)
+        sym, fn = _OPS[op]
+        key = f"{op}:{min(a, b)},{max(a, b)}" if op in ("add", "mul") else f"{op}:{a},{b}"
+        prompt = rng.choice(_ARITH_PROMPTS[op]).format(a=a, b=b)
+        reply = _mul_reply(a, b) if op == "mul" else f"{a} {sym} {b} = {fn(a, b)}"
+        group = f"{op}-{max(len(str(a)), len(str(b)))}d"
+        return key, group, prompt, reply, str(fn(a, b))
+    return make
+
+
+# ------------------------------------------------------------------------------------ lists
+_LIST_PROMPTS = {
+    "sort": ["Sort the list {l} in ascending order.", "Sort {l}.", "Sort these numbers from smallest to largest: {c}",
+             "Put {l} in increasing order.", "Can you sort {l}?", "Arrange {c} in ascending order.",
+             "Order the numbers {c} from lowest to highest.", "sort {l}"],
+    "sort-desc": ["Sort the list {l} in descending order.", "Sort these numbers from largest to smallest: {c}",
+                  "Put {l} in decreasing order.", "Arrange {c} in descending order.",
+                  "Order the numbers {c} from highest to lowest.", "Sort {l} in reverse order."],
+    "reverse-list": ["Reverse the list {l}.", "Reverse {l}.", "Write the list {l} backwards.",
+                     "What is {l} reversed?", "Reverse the order of these numbers: {c}", "reverse {l}"],
+}
+
+
+def _list_task(task: str) -> Callable:
+    def make(rng: random.Random):
+        xs = [rng.randint(0, 99) for _ in range(rng.randint(2, 7))]
+        prompt = rng.choice(_LIST_PROMPTS[task]).format(l=fmt_list(xs), c=", ".join(map(str, xs)))
+        if task == "sort":
+            out, lead = sorted(xs), "Sorted in ascending order"
+        elif task == "sort-desc":
+            out, lead = sorted(xs, reverse=True), "Sorted in descending order"
+        else:
+            out, lead = xs[::-1], "Reversed"
+        return f"{task}:{fmt_list(xs)}", task, prompt, f"{lead}: {fmt_list(out)}", fmt_list(out)
+    return make
+
+
+# ------------------------------------------------------------------------------------ words
+WORDS = (
+    "apple banana cherry grape lemon mango orange peach pear plum melon berry olive onion garlic carrot potato tomato "
+    "pepper salad bread butter cheese honey sugar water coffee tea juice milk cookie pizza pasta rice soup "
+    "house window door garden kitchen table chair sofa lamp mirror pillow blanket carpet ladder bucket basket "
+    "bottle candle pencil paper letter book story poem song music piano guitar violin drum flute radio camera "
+    "phone laptop screen mouse cable rocket planet comet star moon sun cloud rain snow storm thunder river lake "
+    "ocean island beach forest desert valley mountain hill stone rock sand field meadow bridge tower castle "
+    "village city street market school office doctor nurse teacher farmer baker artist pilot sailor driver "
+    "singer dancer player friend family mother father sister brother baby child people animal tiger lion zebra "
+    "horse donkey monkey rabbit turtle spider eagle parrot falcon dolphin whale shark salmon kitten puppy "
+    "dragon robot wizard knight pirate queen king prince jacket shirt sweater hat glove shoe sock scarf "
+    "button pocket wallet ticket money coin silver gold copper iron metal plastic wood glass marble diamond "
+    "purple yellow green blue red black white brown pink orange silent happy quiet gentle clever brave "
+    "strong simple little yellow bright dark early late quick slow yesterday tomorrow morning evening winter "
+    "summer autumn spring monday friday holiday journey travel rocket engine wheel bicycle train airplane boat "
+    "anchor harbor compass python kernel tensor vector matrix expert router signal number letter puzzle "
+    "riddle secret magic energy nature science history memory dream wonder echo banana mississippi "
+    "balloon coffee committee bookkeeper success address parallel occasion"
+).split()
+WORDS = tuple(dict.fromkeys(WORDS))  # unique, in order
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+_WORD_PROMPTS = {
+    "reverse-word": ['Reverse the word "{w}".', "Spell {w} backwards.", 'What is "{w}" reversed?',
+                     "Write the word {w} in reverse.", 'Reverse the letters of "{w}".', "reverse {w}",
+                     'Can you spell "{w}" backwards?'],
+    "word-length": ['How many letters are in the word "{w}"?', "How long is the word {w}?",
+                    'Count the letters in "{w}".', "How many characters does {w} have?",
+                    'What is the length of the word "{w}"?', "Number of letters in {w}?"],
+    "letter-count": ['How many times does the letter "{c}" appear in "{w}"?', "Count the {c}'s in {w}.",
+                     'How many "{c}" are there in the word "{w}"?', "How often does {c} occur in {w}?",
+                     'Count how many times "{c}" appears in "{w}".'],
+}
+
+
+def _word_task(task: str) -> Callable:
+    def make(rng: random.Random):
+        w = rng.choice(WORDS)
+        spelled = "-".join(w)
+        if task == "reverse-word":
+            prompt = rng.choice(_WORD_PROMPTS[task]).format(w=w)
+            rev = w[::-1]
+            reply = f'{spelled} reversed is {"-".join(rev)}, so the answer is "{rev}".'
+            return f"{task}:{w}", task, prompt, reply, rev
+        if task == "word-length":
+            prompt = rng.choice(_WORD_PROMPTS[task]).format(w=w)
+            return f"{task}:{w}", task, prompt, f'"{w}" is spelled {spelled}, so it has {len(w)} letters.', str(len(w))
+        c = rng.choice(w) if rng.random() < 0.75 else rng.choice(_ALPHABET)
+        prompt = rng.choice(_WORD_PROMPTS[task]).format(w=w, c=c)
+        n = w.count(c)
+        times = "time" if n == 1 else "times"
+        reply = f'{spelled}: the letter "{c}" appears {n} {times}.'
+        return f"{task}:{w}:{c}", task, prompt, reply, str(n)
+    return make
+
+
+# ------------------------------------------------------------------------------------ units
+_UNITS = {
+    # name: (from unit, to unit, factor as Decimal to multiply, value picker, prompt templates)
+    "km-m": ("km", "m", Decimal(1000), lambda r: r.randint(1, 99),
+             ["Convert {v} km to meters.", "How many meters are in {v} kilometers?", "{v} km = ? m", "What is {v} km in meters?"]),
+    "m-km": ("m", "km", Decimal("0.001"), lambda r: r.randint(1, 99) * 100,
+             ["Convert {v} m to kilometers.", "How many kilometers is {v} meters?", "{v} m = ? km", "What is {v} meters in km?"]),
+    "m-cm": ("m", "cm", Decimal(100), lambda r: r.randint(1, 99),
+             ["Convert {v} m to centimeters.", "How many centimeters are in {v} meters?", "{v} m = ? cm"]),
+    "cm-m": ("cm", "m", Decimal("0.01"), lambda r: r.randint(1, 99) * 10,
+             ["Convert {v} cm to meters.", "How many meters is {v} centimeters?", "{v} cm = ? m"]),
+    "kg-g": ("kg", "g", Decimal(1000), lambda r: r.randint(1, 99),
+             ["Convert {v} kg to grams.", "How many grams are in {v} kilograms?", "{v} kg = ? g", "What is {v} kg in grams?"]),
+    "g-kg": ("g", "kg", Decimal("0.001"), lambda r: r.randint(1, 99) * 100,
+             ["Convert {v} g to kilograms.", "How many kilograms is {v} grams?", "{v} g = ? kg"]),
+    "h-min": ("hours", "minutes", Decimal(60), lambda r: r.randint(1, 48),
+              ["Convert {v} hours to minutes.", "How many minutes are in {v} hours?", "{v} hours = ? minutes"]),
+    "min-h": ("minutes", "hours", None, lambda r: r.randint(1, 40) * 15,
+              ["Convert {v} minutes to hours.", "How many hours is {v} minutes?", "{v} minutes = ? hours"]),
+    "c-f": ("°C", "°F", None, lambda r: r.randint(-40, 100),
+            ["Convert {v} °C to Fahrenheit.", "What is {v} degrees Celsius in Fahrenheit?", "{v}°C in °F?",
+             "How many degrees Fahrenheit is {v} °C?"]),
+    "f-c": ("°F", "°C", None, lambda r: r.randint(-40, 212),
+            ["Convert {v} °F to Celsius.", "What is {v} degrees Fahrenheit in Celsius?", "{v}°F in °C?",
+             "How many degrees Celsius is {v} °F?"]),
+}
+
+
+def convert(kind: str, v: int) -> Decimal:
+    """The exact (or rule-rounded, for temperatures) result of conversion ``kind`` of value ``v``."""
+    if kind == "c-f":
+        return round1(Decimal(v) * 9 / 5 + 32)
+    if kind == "f-c":
+        return round1((Decimal(v) - 32) * 5 / 9)
+    if kind == "min-h":
+        return Decimal(v) / 60  # v is a multiple of 15: exact
+    return Decimal(v) * _UNITS[kind][2]
+
+
+def _units(rng: random.Random):
+    kind = rng.choice(sorted(_UNITS))
+    src, dst, factor, pick, prompts = _UNITS[kind]
+    v = pick(rng)
+    out = fmt_num(convert(kind, v))
+    prompt = rng.choice(prompts).format(v=v)
+    if kind == "c-f":
+        reply = f"°F = °C × 9 / 5 + 32 = {v} × 9 / 5 + 32 = {fmt_num(Decimal(v) * 9 / 5)} + 32 = {out}, so {v} °C = {out} °F."
+    elif kind == "f-c":
+        diff = v - 32
+        reply = f"°C = (°F - 32) × 5 / 9 = {diff} × 5 / 9 = {out} (rounded to one decimal), so {v} °F = {out} °C."
+    elif factor is not None and factor >= 1:
+        reply = f"1 {src[:-1] if src == 'hours' else src} = {fmt_num(factor)} {dst}, so {v} {src} = {v} × {fmt_num(factor)} = {out} {dst}."
+    else:
+        per = {"m-km": "1000", "cm-m": "100", "g-kg": "1000", "min-h": "60"}[kind]
+        one = {"m-km": "1 km = 1000 m", "cm-m": "1 m = 100 cm", "g-kg": "1 kg = 1000 g", "min-h": "1 hour = 60 minutes"}[kind]
+        reply = f"{one}, so {v} {src} = {v} / {per} = {out} {dst}."
+    return f"units:{kind}:{v}", "units", prompt, reply, out
+
+
+# ------------------------------------------------------------------------------------ code
+ALGORITHMS = ("quicksort", "binary_search", "fibonacci", "factorial", "bubble_sort", "gcd")
+CODE_FUNCTIONS = {"quicksort": "quicksort", "binary_search": "binary_search", "fibonacci": "fibonacci",
+                  "factorial": "factorial", "bubble_sort": "bubble_sort", "gcd": "gcd"}
+CODE = {
+    "quicksort": '''def quicksort(arr):
+    if len(arr) <= 1:
+        return arr
+    pivot = arr[len(arr) // 2]
+    left = [x for x in arr if x < pivot]
+    middle = [x for x in arr if x == pivot]
+    right = [x for x in arr if x > pivot]
+    return quicksort(left) + middle + quicksort(right)
+
+
+print(quicksort([3, 6, 8, 10, 1, 2, 1]))
+''',
+    "binary_search": '''def binary_search(arr, target):
+    low, high = 0, len(arr) - 1
+    while low <= high:
+        mid = (low + high) // 2
+        if arr[mid] == target:
+            return mid
+        if arr[mid] < target:
+            low = mid + 1
+        else:
+            high = mid - 1
+    return -1
+
+
+print(binary_search([1, 3, 5, 7, 9, 11], 7))
+''',
+    "fibonacci": '''def fibonacci(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+print([fibonacci(i) for i in range(10)])
+''',
+    "factorial": '''def factorial(n):
+    result = 1
+    for i in range(2, n + 1):
+        result *= i
+    return result
+
+
+print(factorial(5))
+''',
+    "bubble_sort": '''def bubble_sort(arr):
+    arr = list(arr)
+    n = len(arr)
+    for i in range(n):
+        swapped = False
+        for j in range(n - 1 - i):
+            if arr[j] > arr[j + 1]:
+                arr[j], arr[j + 1] = arr[j + 1], arr[j]
+                swapped = True
+        if not swapped:
+            break
+    return arr
+
+
+print(bubble_sort([5, 1, 4, 2, 8]))
+''',
+    "gcd": '''def gcd(a, b):
+    while b:
+        a, b = b, a % b
+    return abs(a)
+
+
+print(gcd(48, 18))
+''',
+}
+_CODE_INTRO = {
+    "quicksort": "Here is quicksort in Python. It picks a pivot, splits the list into smaller, equal and larger "
+                 "elements, and sorts the two sides recursively:",
+    "binary_search": "Here is binary search in Python. It halves the search range of a sorted list until it finds "
+                     "the target, and returns its index (or -1 if it is missing):",
+    "fibonacci": "Here is a Python function for the Fibonacci numbers. It returns the n-th number, with "
+                 "fibonacci(0) = 0 and fibonacci(1) = 1:",
+    "factorial": "Here is the factorial function in Python. It multiplies the numbers from 2 to n "
+                 "(and factorial(0) = 1):",
+    "bubble_sort": "Here is bubble sort in Python. It swaps neighbouring elements that are out of order until a "
+                   "pass makes no swap:",
+    "gcd": "Here is the greatest common divisor in Python, with Euclid's algorithm:",
+}
+_CODE_NAMES = {
+    "quicksort": ["quicksort", "Quicksort", "quick sort", "Quick Sort", "QuickSort"],
+    "binary_search": ["binary search", "Binary Search", "binary_search", "Binary search"],
+    "fibonacci": ["fibonacci", "Fibonacci", "Fibonacci numbers", "the Fibonacci sequence"],
+    "factorial": ["factorial", "Factorial", "the factorial function", "factorials"],
+    "bubble_sort": ["bubble sort", "Bubble Sort", "bubblesort", "Bubble sort"],
+    "gcd": ["gcd", "GCD", "greatest common divisor", "Euclid's algorithm", "the Euclidean algorithm"],
+}
+_CODE_TEMPLATES = [
+    "Write a Python code of the {n} algorithm.", "Write a Python function for {n}.", "Implement {n} in Python.",
+    "Can you show me {n} in Python?", "Give me Python code for {n}.", "How do I implement {n} in Python?",
+    "Show me a Python implementation of {n}.", "Write {n} in Python.", "Python code for {n}, please.",
+    "write a python function that implements {n}", "I need {n} in Python.", "Code {n} in Python.",
+    "Could you write {n} in Python for me?", "Write a Python program for {n}.", "Python implementation of {n}?",
+]
+#: the wordings the issue asks for by name: always in training, and always evaluated
+CANONICAL_CODE_PROMPTS = {
+    "quicksort": "Write a Python code of the Quicksort algorithm.",
+    "binary_search": "Write a Python code of the Binary Search algorithm.",
+    "fibonacci": "Write a Python function for Fibonacci.",
+    "factorial": "Write a Python function for factorial.",
+    "bubble_sort": "Write a Python code of the Bubble Sort algorithm.",
+    "gcd": "Write a Python function for gcd.",
+}
+
+
+def code_prompts(algo: str) -> list[str]:
+    """Every wording of a request for ``algo`` (templates x names)."""
+    out = [CANONICAL_CODE_PROMPTS[algo]]
+    for t in _CODE_TEMPLATES:
+        for n in _CODE_NAMES[algo]:
+            p = t.format(n=n)
+            if p not in out:
+                out.append(p)
+    return out
+
+
+def code_reply(algo: str) -> str:
+    return f"{_CODE_INTRO[algo]}\n\n```python\n{CODE[algo]}```"
+
+
+def _code(rng: random.Random):
+    algo = rng.choice(ALGORITHMS)
+    prompt = rng.choice(code_prompts(algo))
+    return f"code:{prompt}", f"code-{algo}", prompt, code_reply(algo), algo
+
+
+# ------------------------------------------------------------------------------------ chat
+_ABOUT = ("I am a small Mixture-of-Experts demo model, trained with dynamoe on a synthetic corpus. I can do "
+          "integer arithmetic, sort and reverse lists, reverse words and count their letters, convert units "
+          "(km, m, cm, kg, g, hours, minutes, °C, °F), and write Python code for quicksort, binary search, "
+          "fibonacci, factorial, bubble sort and gcd.")
+_CHAT = [
+    (["Hello!", "Hi", "Hello", "hi!", "Hey", "Good morning!", "Hi there"],
+     "Hello! " + _ABOUT.replace("I am", "I'm", 1) + " What would you like to try?"),
+    (["Who are you?", "What are you?", "Tell me about yourself.", "What is your name?"], _ABOUT),
+    (["What can you do?", "Help", "help", "What can I ask you?", "What are your skills?"],
+     _ABOUT + ' For example, ask "What is 47 + 38?" or "Write a Python code of the Quicksort algorithm."'),
+    (["Thank you!", "Thanks", "thanks!", "Great, thank you."], "You're welcome! Ask me anything else you like."),
+    (["Bye", "Goodbye!", "See you later."], "Goodbye! Have a nice day."),
+]
+
+
+def _chat(rng: random.Random):
+    prompts, reply = rng.choice(_CHAT)
+    prompt = rng.choice(prompts)
+    return f"chat:{prompt}", "chat", prompt, reply, reply
+
+
+# ------------------------------------------------------------------------------------ corpus
+MAKERS: dict[str, Callable] = {
+    "add": _arith("add"), "sub": _arith("sub"), "mul": _arith("mul"),
+    "sort": _list_task("sort"), "sort-desc": _list_task("sort-desc"), "reverse-list": _list_task("reverse-list"),
+    "reverse-word": _word_task("reverse-word"), "word-length": _word_task("word-length"),
+    "letter-count": _word_task("letter-count"), "units": _units, "code": _code, "chat": _chat,
+}
+SKILLS = tuple(MAKERS)
+#: the training mixture (share of conversations)
+TRAIN_WEIGHTS = {"add": 0.13, "sub": 0.11, "mul": 0.13, "sort": 0.09, "sort-desc": 0.05, "reverse-list": 0.08,
+                 "reverse-word": 0.07, "word-length": 0.05, "letter-count": 0.05, "units": 0.10, "code": 0.09,
+                 "chat": 0.05}
+_NO_HELD_OUT = ("chat",)  # trained on every wording: a greeting has no "unseen" variant worth scoring
+
+
+def _in_split(key: str, skill: str, split: str, split_seed: int, fraction: float) -> bool:
+    if skill in _NO_HELD_OUT:
+        return split == "train"
+    if skill == "code" and key[len("code:"):] in CANONICAL_CODE_PROMPTS.values():
+        return split == "train"
+    return is_held_out(key, split_seed, fraction) == (split == "held_out")
+
+
+def _one(rng: random.Random, skill: str, split: str, split_seed: int, fraction: float):
+    for _ in range(10_000):
+        key, group, prompt, reply, answer = MAKERS[skill](rng)
+        if _in_split(key, skill, split, split_seed, fraction):
+            return key, group, prompt, reply, answer
+    raise RuntimeError(f"no {split} problem found for skill {skill!r} (held_out_fraction={fraction})")
+
+
+def generate(seed: int, n: int, split: str = "train", skills: Optional[Iterable[str]] = None,
+             weights: Optional[dict] = None, split_seed: int = DEFAULT_SPLIT_SEED,
+             held_out_fraction: float = DEFAULT_HELD_OUT_FRACTION, system_rate: float = 0.1,
+             multi_turn_rate: float = 0.05) -> list[Example]:
+    """``n`` conversations of ``split`` ('train' | 'held_out'), deterministic in all arguments.
+
+    skills: restrict to these (default all; 'chat' has no held-out problems). weights: skill -> share
+    (default :data:`TRAIN_WEIGHTS`; held-out: equal shares). system_rate / multi_turn_rate: share of
+    training conversations with a system message / a second exchange (held-out ones have neither).
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    if not 0 < held_out_fraction < 1:
+        raise ValueError(f"held_out_fraction must be in (0, 1), got {held_out_fraction!r}")
+    chosen = list(skills) if skills is not None else list(SKILLS)
+    bad = [s for s in chosen if s not in MAKERS]
+    if bad:
+        raise ValueError(f"unknown skills {bad}; known: {list(SKILLS)}")
+    if split == "held_out":
+        chosen = [s for s in chosen if s not in _NO_HELD_OUT]
+    if not chosen:
+        raise ValueError(f"no skill left to generate for split {split!r}")
+    w = weights or (TRAIN_WEIGHTS if split == "train" else {})
+    shares = [float(w.get(s, 1.0 if not w else 0.0)) for s in chosen]
+    if sum(shares) <= 0:
+        raise ValueError(f"weights give every chosen skill zero share: {w}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        skill = rng.choices(chosen, shares)[0]
+        key, group, prompt, reply, answer = _one(rng, skill, split, split_seed, held_out_fraction)
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
+        if split == "train":
+            if rng.random() < multi_turn_rate:
+                s2 = rng.choices(chosen, shares)[0]
+                _, _, p2, r2, _ = _one(rng, s2, split, split_seed, held_out_fraction)
+                messages = [{"role": "user", "content": p2}, {"role": "assistant", "content": r2}] + messages
+            if rng.random() < system_rate:
+                messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] + messages
+        out.append(Example(skill, group, messages, answer, key))
+    return out
+
+
+def write_jsonl(examples: Iterable[Example], path_or_file) -> None:
+    """One JSON object per line (sorted keys, UTF-8): the byte-identical form of a corpus."""
+    if hasattr(path_or_file, "write"):
+        for ex in examples:
+            path_or_file.write(ex.to_json() + "\n")
+        return
+    with open(path_or_file, "w", encoding="utf-8", newline="\n") as f:
+        write_jsonl(examples, f)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int, default=20, help="number of conversations")
+    p.add_argument("--split", choices=SPLITS, default="train")
+    p.add_argument("--skills", nargs="*", choices=SKILLS, default=None)
+    p.add_argument("--out", default="-", help="JSONL file ('-': stdout)")
+    args = p.parse_args(argv)
+    examples = generate(args.seed, args.n, args.split, args.skills)
+    if args.out == "-":
+        write_jsonl(examples, sys.stdout)
+    else:
+        write_jsonl(examples, args.out)
+
+
+if __name__ == "__main__":
+    main()

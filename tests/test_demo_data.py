@@ -1,0 +1,191 @@
+"""The demo corpus (dynamoe.examples.demo_data) and its tokenizer (demo_tokenizer): deterministic,
+correct answers (arithmetic checked by evaluating every step, code by running it), held-out problems
+disjoint from training, and a tokenizer that dynamoe and transformers read the same way."""
+import io
+import re
+from decimal import ROUND_HALF_UP, Decimal
+
+import pytest
+
+from dynamoe.examples import demo_data as dd
+from dynamoe.examples import demo_tokenizer as dt
+from dynamoe.examples.eval_demo import run_code_tests
+
+
+def _jsonl(examples) -> bytes:
+    f = io.StringIO()
+    dd.write_jsonl(examples, f)
+    return f.getvalue().encode()
+
+
+@pytest.fixture(scope="module")
+def train():
+    return dd.generate(0, 6000)
+
+
+@pytest.fixture(scope="module")
+def held():
+    return dd.generate(7, 1500, "held_out")
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes():
+    a, b, c = dd.generate(3, 400), dd.generate(3, 400), dd.generate(4, 400)
+    assert _jsonl(a) == _jsonl(b)
+    assert _jsonl(a) != _jsonl(c)
+    assert _jsonl(dd.generate(3, 300, "held_out")) == _jsonl(dd.generate(3, 300, "held_out"))
+
+
+def test_every_skill_and_many_phrasings(train):
+    skills = {e.skill for e in train}
+    assert skills == set(dd.SKILLS)
+    for skill in ("add", "sort", "reverse-word", "units", "code"):
+        prompts = {re.sub(r"[-\d.]+|\[.*\]|\"\w+\"|\b[a-z]{3,}\b(?=[.?]?$)", "#", e.prompt[-1]["content"])
+                   for e in train if e.skill == skill}
+        assert len(prompts) >= 5, (skill, prompts)
+    assert any(e.prompt[-1]["content"] == "Write a Python code of the Quicksort algorithm." for e in train)
+    assert any(e.messages[0]["role"] == "system" for e in train)
+    assert any(sum(m["role"] == "assistant" for m in e.messages) == 2 for e in train)
+
+
+def _eval_expr(expr: str) -> int:
+    expr = expr.replace("×", "*").replace("−", "-").strip()
+    assert re.fullmatch(r"[-\d\s+*]+", expr), expr
+    return eval(expr)  # noqa: S307 -- digits and + - * only (checked above)
+
+
+@pytest.mark.parametrize("split", ["train", "held_out"])
+def test_arithmetic_answers_evaluate(split):
+    examples = dd.generate(11, 3000, split, skills=["add", "sub", "mul"])
+    for e in examples:
+        a, b = (int(x) for x in e.reply.split(" = ")[0].replace("×", "+").replace("-", "+").split("+"))
+        text = e.prompt[-1]["content"]
+        in_prompt = [int(x) for x in re.findall(r"\d+", text)]
+        # the order the prompt means: "Subtract 57 from 91." is 91 - 57
+        assert in_prompt == ([b, a] if re.search(r"from|away", text) else [a, b]), (text, e.reply)
+        want = {"add": a + b, "sub": a - b, "mul": a * b}[e.skill]
+        assert e.answer == str(want)
+        steps = e.reply.split(" = ")  # every step of the worked answer has the same value
+        assert all(_eval_expr(s) == want for s in steps), e.reply
+        assert dd.final_answer(e.group, e.reply) == e.answer
+        assert e.group == f"{e.skill}-{max(len(str(a)), len(str(b)))}d"
+
+
+def test_list_word_and_unit_answers(train):
+    for e in train:
+        text = e.prompt[-1]["content"]
+        if e.skill in ("sort", "sort-desc", "reverse-list"):
+            xs = [int(x) for x in re.findall(r"\d+", text)]
+            want = sorted(xs) if e.skill == "sort" else sorted(xs, reverse=True) if e.skill == "sort-desc" else xs[::-1]
+            assert e.answer == dd.fmt_list(want) == dd.final_answer(e.skill, e.reply)
+        elif e.skill in ("reverse-word", "word-length"):
+            word = next(w for w in dd.WORDS if re.search(rf"\b{w}\b", text))
+            assert e.answer == (word[::-1] if e.skill == "reverse-word" else str(len(word)))
+            assert dd.final_answer(e.skill, e.reply) == e.answer
+        elif e.skill == "letter-count":
+            word, letter = e.key.split(":")[1:]
+            assert e.answer == str(word.count(letter)) == dd.final_answer(e.skill, e.reply)
+        elif e.skill == "units":
+            kind, v = e.key.split(":")[1], int(e.key.split(":")[2])
+            exact = {"km-m": v * 1000, "m-km": v / 1000, "m-cm": v * 100, "cm-m": v / 100, "kg-g": v * 1000,
+                     "g-kg": v / 1000, "h-min": v * 60, "min-h": v / 60, "c-f": v * 9 / 5 + 32,
+                     "f-c": (v - 32) * 5 / 9}[kind]
+            want = Decimal(repr(exact))
+            if kind in ("c-f", "f-c"):  # the corpus's rule: one decimal, half away from zero
+                want = Decimal(str((Decimal(v) * 9 / 5 + 32) if kind == "c-f" else (Decimal(v) - 32) * 5 / 9))
+                want = want.quantize(Decimal("0.1"), rounding=ROUND_HALF_UP)
+                assert abs(float(want) - exact) <= 0.05 + 1e-9
+            assert Decimal(e.answer) == want, (e.key, e.answer)
+            assert dd.final_answer("units", e.reply) == e.answer
+
+
+@pytest.mark.parametrize("algo", dd.ALGORITHMS)
+def test_code_answers_run_and_pass(algo):
+    reply = dd.code_reply(algo)
+    assert dd.code_block(reply) == dd.CODE[algo]
+    ok, detail = run_code_tests(algo, dd.code_block(reply))
+    assert ok, detail
+    assert len(dd.code_prompts(algo)) >= 20 and dd.CANONICAL_CODE_PROMPTS[algo] in dd.code_prompts(algo)
+
+
+def test_held_out_disjoint_from_training(train, held):
+    train_keys = {e.key for e in train}
+    assert not train_keys & {e.key for e in held}
+    train_prompts = {e.prompt[-1]["content"] for e in train if e.skill != "chat"}
+    assert not train_prompts & {e.prompt[-1]["content"] for e in held}
+    # arithmetic: operand pairs disjoint (either order for + and ×)
+    pairs = {(e.skill, *sorted(map(int, re.findall(r"\d+", e.prompt[-1]["content"])))) for e in train
+             if e.skill in ("add", "mul")}
+    for e in held:
+        if e.skill in ("add", "mul"):
+            assert (e.skill, *sorted(map(int, re.findall(r"\d+", e.prompt[-1]["content"])))) not in pairs
+        assert dd.is_held_out(e.key) or e.skill == "code"
+    assert {e.skill for e in held} == set(dd.SKILLS) - {"chat"}
+    assert all(len(e.messages) == 2 for e in held)
+
+
+def test_generate_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="split"):
+        dd.generate(0, 1, "test")
+    with pytest.raises(ValueError, match="unknown skills"):
+        dd.generate(0, 1, skills=["poetry"])
+    with pytest.raises(ValueError, match="no skill left"):
+        dd.generate(0, 1, "held_out", skills=["chat"])
+
+
+# ----------------------------------------------------------------------------------- tokenizer
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    tok = dt.train_tokenizer((dt.render(e.messages) for e in dd.generate(0, 3000)), vocab_size=1200)
+    dt.save_tokenizer(tok, str(out))
+    return str(out)
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 47 + 38?"}],
+    [{"role": "system", "content": "Answer concisely."}, {"role": "user", "content": "Sort [5, 3, 9]."},
+     {"role": "assistant", "content": "Sorted in ascending order: [3, 5, 9]"},
+     {"role": "user", "content": "Convert 25 °C to Fahrenheit — and 7 km × 2?"}],
+]
+
+
+def test_tokenizer_round_trip_and_specials(tok_dir):
+    from dynamoe.engine import Tokenizer
+
+    tok = Tokenizer.from_dir(tok_dir)
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_ids == [tok.token_to_id("<|im_end|>")]
+    assert tok.pad_token == "<|endoftext|>" and 1000 <= tok.vocab_size <= 1200
+    for text in ["What is 47 + 38?", "25 °C = 77 °F", "−12 × 3 … naïve café 🙂", dd.CODE["quicksort"], "  spaces\n\ttab"]:
+        assert tok.decode(tok.encode(text)) == text
+    # digits are single tokens
+    assert [tok.id_to_token(i) for i in tok.encode("1234")] == ["1", "2", "3", "4"]
+
+
+def test_chat_template_matches_transformers(tok_dir):
+    from transformers import AutoTokenizer
+
+    from dynamoe.engine import Tokenizer
+
+    ours, hf = Tokenizer.from_dir(tok_dir), AutoTokenizer.from_pretrained(tok_dir)
+    assert hf.eos_token == "<|im_end|>"
+    for conv in CONVERSATIONS:
+        for gen in (True, False):
+            text = ours.apply_chat_template(conv, add_generation_prompt=gen)
+            assert text == hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+            assert text == dt.render(conv, add_generation_prompt=gen)
+            assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+    assert ours.apply_chat_template(CONVERSATIONS[0]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 + 2?"}]}]
+    assert ours.apply_chat_template(parts) == hf.apply_chat_template(parts, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(parts) == dt.render([{"role": "user", "content": "What is 2 + 2?"}], True)
+
+
+def test_loss_mask_covers_assistant_replies_only(tok_dir):
+    from tokenizers import Tokenizer as HFTok
+
+    tok = HFTok.from_file(f"{tok_dir}/tokenizer.json")
+    conv = CONVERSATIONS[1] + [{"role": "assistant", "content": "25 °C = 77 °F"}]
+    ids, mask = dt.encode_conversation(tok, conv)
+    kept = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert kept == "Sorted in ascending order: [3, 5, 9]<|im_end|>25 °C = 77 °F<|im_end|>"
+    assert dt.encode_conversations(tok, [conv, CONVERSATIONS[0]])[0] == (ids, mask)
