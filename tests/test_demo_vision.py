@@ -94,8 +94,7 @@ def test_digits_quick():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module", [moe_mnist, moe_cifar10])
-def test_digits_default_run(module, request):
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("slow (up to a minute on 2 busy cores): run with -m slow")
+def test_digits_default_run(module):
+    """The example's default run (up to a minute on 2 busy cores): `pytest -m slow`."""
     hist = module.main(["--dataset", "digits"])
     assert hist["test_accuracy"][-1] >= 0.90
