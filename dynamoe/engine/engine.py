@@ -19,7 +19,6 @@ import collections
 import inspect
 import itertools
 import logging
-import operator
 import queue
 import threading
 import time
@@ -30,9 +29,10 @@ import torch
 from torch import Tensor
 
 from .detokenizer import IncrementalDecoder, StopStrings
+from .prompts import encode_prompt, token_list
 from .sampling import SamplingParams, TokenLogprob, sample
 
-__all__ = ["GenerationEngine", "Request", "TokenEvent", "RequestStats", "encode_prompt"]
+__all__ = ["GenerationEngine", "Request", "TokenEvent", "RequestStats", "encode_prompt"]  # encode_prompt: .prompts
 
 log = logging.getLogger(__name__)
 
@@ -153,44 +153,6 @@ class Request:
                 f"output={len(self.output_ids)} tokens, finish_reason={self.finish_reason!r})")
 
 
-def encode_prompt(tokenizer, prompt, *, chat: bool | None = None, system: str | None = None,
-                  thinking: bool | None = None, tools=None, chat_template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of ``prompt``: a list of chat messages (rendered with the chat template), text (with
-    ``chat=True``: one user message; else encoded as is), or token ids (returned as a list)."""
-    is_messages = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)
-    if is_messages or chat:
-        if tokenizer is None:
-            raise ValueError("chat prompts need a tokenizer")
-        if not is_messages and not isinstance(prompt, str):
-            raise ValueError(f"chat=True needs text or a list of messages, got {type(prompt).__name__}")
-        messages = prompt if is_messages else [{"role": "user", "content": prompt}]
-        return tokenizer.encode_chat(messages, system=system, enable_thinking=thinking, tools=tools,
-                                     **(chat_template_kwargs or {}))
-    if system is not None:
-        raise ValueError("system is only used with chat prompts (messages, or chat=True)")
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer; pass token ids or a tokenizer")
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, Tensor):
-        return prompt.tolist()
-    if isinstance(prompt, (list, tuple)):
-        return list(prompt)
-    raise ValueError(f"prompt must be text, token ids or a list of chat messages, got {type(prompt).__name__}")
-
-
-def _token_list(seq, name: str) -> list[int]:
-    if isinstance(seq, (str, bytes)):
-        raise ValueError(f"{name} must be a sequence of int token ids, got {type(seq).__name__}")
-    try:
-        out = [operator.index(t) for t in seq]
-    except TypeError:
-        raise ValueError(f"{name} must be a sequence of int token ids, got {seq!r:.80}") from None
-    if any(isinstance(t, bool) for t in seq):
-        raise ValueError(f"{name} must hold int token ids, not bools")
-    return out
-
-
 def _model_device(model) -> torch.device:
     for p in itertools.chain(model.parameters(), model.buffers()):
         return p.device
@@ -283,7 +245,7 @@ class GenerationEngine:
                                  f"got {tuple(prompt.shape)} {prompt.dtype}")
             prompt_ids = prompt.tolist()
         else:
-            prompt_ids = _token_list(prompt, "prompt")
+            prompt_ids = token_list(prompt, "prompt")
         if not prompt_ids:
             raise ValueError("prompt must hold at least one token")
         if self.vocab_size is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size):
@@ -305,7 +267,7 @@ class GenerationEngine:
         stops = StopStrings(stop)
         if stops.stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        stop_ids = frozenset(_token_list(stop_token_ids, "stop_token_ids"))
+        stop_ids = frozenset(token_list(stop_token_ids, "stop_token_ids"))
         if not ignore_eos:
             stop_ids |= self.eos_token_ids
         decoder = (IncrementalDecoder(self.tokenizer.decode, context=prompt_ids)
