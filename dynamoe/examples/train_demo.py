@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
-import platform
 import random
-import shlex
 import sys
 import time
 from typing import Optional
@@ -41,6 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import demo_data, demo_tokenizer
+from .demo_export import CARD_SCORES_END, CARD_SCORES_START, cpu_name, export_hf, hf_state_dict, model_card
+from .demo_export import card_command
 
 __all__ = ["main", "build_parser", "model_config", "build_model", "init_weights", "enable_balance_loss",
            "moe_aux_loss", "lm_loss", "hf_state_dict", "export_hf", "lr_at", "DEFAULT_OUT", "CARD_SCORES_START",
@@ -50,7 +49,6 @@ DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 MAX_EXPORT_BYTES = 40 * 1024 * 1024
 TOKENIZER_SAMPLE = 20_000       # conversations the BPE is trained on
 HELD_OUT_CONVERSATIONS = 512    # for the eval loss (fewer for small corpora: a tenth of --corpus-size)
-CARD_SCORES_START, CARD_SCORES_END = "<!-- eval-scores:start -->", "<!-- eval-scores:end -->"
 
 
 # ------------------------------------------------------------------------------------ flags
@@ -311,6 +309,10 @@ def _atomic_save(obj, path: str) -> None:
         raise
 
 
+def _command(args, stats: dict) -> str:
+    return card_command(_run_key(args), vars(build_parser().parse_args([])), stats.get("threads", torch.get_num_threads()))
+
+
 def _run_key(args) -> dict:
     """The flags a checkpoint must agree with to be resumed (everything that shapes the run)."""
     skip = {"out", "ckpt_dir", "ckpt_every", "eval_every", "fresh", "stop_after", "threads", "progress", "export",
@@ -336,141 +338,6 @@ def load_checkpoint(path: str, model, optimizer, args) -> tuple[int, list]:
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])
     return int(state["step"]), list(state["history"])
-
-
-# ------------------------------------------------------------------------------------ export
-def hf_state_dict(model, dtype: torch.dtype = torch.bfloat16) -> dict[str, Tensor]:
-    """Our parameters under Hugging Face's Qwen3-MoE names: the gate as ``mlp.gate.weight``, the fused
-    experts split per expert (``mlp.experts.{e}.gate_proj|up_proj|down_proj.weight``); no tied head."""
-    out = {}
-    tied = model.config.tie_word_embeddings
-    for name, p in model.state_dict().items():
-        if name.endswith("_num_global_experts") or "rotary" in name or (tied and name == "lm_head.weight"):
-            continue
-        p = p.detach().to(dtype)
-        if name.endswith(".moe.experts.gate_up_proj"):           # [E, 2F, D]: gate rows, then up rows
-            prefix = model.checkpoint_name(name[: -len(".gate_up_proj")])
-            F_ = p.size(1) // 2
-            for e in range(p.size(0)):
-                out[f"{prefix}.{e}.gate_proj.weight"] = p[e, :F_].contiguous()
-                out[f"{prefix}.{e}.up_proj.weight"] = p[e, F_:].contiguous()
-        elif name.endswith(".moe.experts.down_proj"):            # [E, D, F]
-            prefix = model.checkpoint_name(name[: -len(".down_proj")])
-            for e in range(p.size(0)):
-                out[f"{prefix}.{e}.down_proj.weight"] = p[e].contiguous()
-        else:
-            out[model.checkpoint_name(name)] = p.contiguous()
-    return out
-
-
-def export_hf(model, config: dict, tokenizer_dir: str, out_dir: str, card: str) -> int:
-    """Write the HF folder (see the module docstring); returns the size of model.safetensors in bytes."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    tensors = hf_state_dict(model)
-    weights = os.path.join(out_dir, "model.safetensors")
-    tmp = weights + ".tmp"
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, weights)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
-    gen = {"eos_token_id": [config["eos_token_id"]], "pad_token_id": config["pad_token_id"], "do_sample": False,
-           "max_new_tokens": 256}
-    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump(gen, f, indent=2)
-        f.write("\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(out_dir, name))
-    with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
-        f.write(card)
-    return os.path.getsize(weights)
-
-
-def card_command(args, threads: int) -> str:
-    """The command that reproduces the run: the main flags always, the others where not the default."""
-    defaults = vars(build_parser().parse_args([]))
-    always = ("steps", "batch_size", "seq_len", "seed", "dtype")
-    run = _run_key(args)
-    parts = ["python -m dynamoe.examples.train_demo"]
-    for k in list(always) + [k for k in run if k not in always and run[k] != defaults.get(k)]:
-        parts += [f"--{k.replace('_', '-')}", shlex.quote(str(run[k]))]
-    return " ".join(parts + ["--threads", str(threads)])
-
-
-def model_card(args, config: dict, params: tuple[int, int], stats: dict) -> str:
-    total, active = params
-    counts = stats.get("skill_counts", {})
-    skills = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-    cmd = card_command(args, stats.get("threads", torch.get_num_threads()))
-    return f"""---
-license: mit
-library_name: dynamoe
-pipeline_tag: text-generation
-tags: [mixture-of-experts, qwen3_moe, demo, synthetic-data]
----
-
-# dynamoe demo-moe
-
-A small Mixture-of-Experts chat model that ships inside the `dynamoe` package, so `make serve` has a real
-model to serve on a machine with no GPU and no downloads. It was trained from scratch by dynamoe's own
-example, `python -m dynamoe.examples.train_demo`, with dynamoe's MoE layers and their balance loss.
-It is a toy: it knows only the skills below, and only in the phrasings it was trained on or close to them.
-
-## Model
-
-| | |
-| --- | --- |
-| architecture | Qwen3-MoE (`Qwen3MoeForCausalLM`; loads with `dynamoe.models.load` and with transformers) |
-| layers / hidden / heads (kv) | {config['num_hidden_layers']} / {config['hidden_size']} / {config['num_attention_heads']} ({config['num_key_value_heads']}) |
-| experts | {config['num_experts']} routed experts per layer, top-{config['num_experts_per_tok']}, expert hidden size {config['moe_intermediate_size']} |
-| parameters | {total / 1e6:.1f} M total, {active / 1e6:.1f} M active per token (tied embeddings) |
-| vocabulary | {stats.get('vocab', '?')} byte-level BPE tokens (digits split one per token), ChatML chat template, eos `<|im_end|>` |
-| context | {config['max_position_embeddings']} positions (trained on rows of {args.seq_len}) |
-| weights | bf16 safetensors, {stats.get('export_mb', 0):.1f} MB |
-
-## Data
-
-Synthetic, generated by `dynamoe.examples.demo_data` (seed {args.seed}): {args.corpus_size} training
-conversations ({skills}). Skills: integer arithmetic (+ − × on 1–3 digit numbers, multi-digit products
-shown as partial products), sorting and reversing lists, reversing words and counting their letters,
-unit conversions (km/m/cm, kg/g, hours/minutes, °C/°F rounded to one decimal, half away from zero), and
-Python functions for quicksort, binary search, fibonacci, factorial, bubble sort and gcd.
-The evaluation prompts are held out: their problems (for arithmetic, the operand pairs) never occur in
-training.
-
-## Training
-
-```
-{cmd}
-```
-
-{_steps_text(stats)} of {args.batch_size} × {args.seq_len} tokens ({stats.get('tokens', 0) / 1e6:.1f} M tokens,
-loss on assistant tokens only), AdamW (lr {args.lr:g}, warmup {args.warmup}, cosine to {args.lr * args.min_lr_ratio:g},
-weight decay {args.weight_decay:g}), Switch balance loss × {args.aux_loss_coef:g}, {args.dtype},
-{stats.get('threads', '?')} CPU threads ({stats.get('cpu', '?')}), {stats.get('wall_min', 0):.0f} minutes.
-Training loss {stats.get('train_loss', float('nan')):.4f} (mean of the last 50 steps), held-out loss {stats.get('eval_loss', float('nan')):.4f}.
-
-## Evaluation
-
-Held-out prompts per skill, greedy decoding through dynamoe's engine, exact match on the final answer;
-code answers are run in a subprocess against test inputs (`python -m dynamoe.examples.eval_demo`).
-
-{CARD_SCORES_START}
-Not evaluated yet: run `python -m dynamoe.examples.eval_demo --update-card`.
-{CARD_SCORES_END}
-
-## Use
-
-```
-make serve                                   # web UI at http://127.0.0.1:8000
-python -c "import dynamoe; print(dynamoe.generate('dynamoe/assets/demo-moe', 'What is 47 + 38?', chat=True, temperature=0))"
-```
-"""
 
 
 # ------------------------------------------------------------------------------------ loop
@@ -617,14 +484,14 @@ def main(argv=None) -> dict:
                  "of_steps": args.steps,
                  "tokens": step * tokens_per_step, "train_loss": sum(train_losses) / len(train_losses),
                  "eval_loss": last["eval_loss"], "threads": torch.get_num_threads(),
-                 "cpu": _cpu_name(), "wall_min": wall_total / 60}
+                 "cpu": cpu_name(), "wall_min": wall_total / 60}
         card_args = argparse.Namespace(**vars(args))
         stats["export_mb"] = 0.0
         size = export_hf(model, config, summary["tokenizer_dir"], args.out,
-                         model_card(card_args, config, (total_params, active_params), stats))
+                         model_card(card_args, config, (total_params, active_params), stats, _command(card_args, stats)))
         stats["export_mb"] = size / 2**20
         with open(os.path.join(args.out, "README.md"), "w", encoding="utf-8") as f:  # now with the size
-            f.write(model_card(card_args, config, (total_params, active_params), stats))
+            f.write(model_card(card_args, config, (total_params, active_params), stats, _command(card_args, stats)))
         log(f"[export] {args.out}: model.safetensors {size / 2**20:.1f} MB")
         if size > MAX_EXPORT_BYTES:
             log(f"[export] WARNING: the weights exceed the {MAX_EXPORT_BYTES / 2**20:.0f} MB the package may ship")
@@ -634,22 +501,6 @@ def main(argv=None) -> dict:
             for p, r in zip(prompts, sample_replies(model, summary["tokenizer_dir"], prompts)):
                 log(f"[sample] {p!r} -> {r!r}")
     return summary
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _steps_text(stats: dict) -> str:
-    done, of = stats.get("steps", 0), stats.get("of_steps", stats.get("steps", 0))
-    return f"{done} steps" if done >= of else f"{done} steps (a partial export: {done} of the run's {of})"
 
 
 if __name__ == "__main__":
