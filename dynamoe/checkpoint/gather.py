@@ -9,22 +9,13 @@ import sys
 
 import torch
 
+from .atomic import save_atomic
 from .reshard import gather
 
 
 def _load(path: str) -> dict:
     obj = torch.load(path, map_location="cpu", weights_only=True)
     return obj.get("model", obj) if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict) else obj
-
-
-def save_atomic(obj, path: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def main(argv=None) -> None:

@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from .gather import _load, save_atomic
+from .atomic import save_atomic
+from .gather import _load
 from .reshard import scatter
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..checkpoint.atomic import save_atomic
 from ..moe import RoutingStats
 from ..moe.config import parse_parallel_type
 
@@ -279,17 +280,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer, scaler=None, steps: 
     folder, then ``os.replace`` -- a crash mid-write never leaves a truncated checkpoint at ``path``."""
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "scaler": scaler.state_dict() if scaler is not None else None, "steps": steps}
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    save_atomic(state, path)
     dist_print(f"[Checkpoint] saved model and optimizer state to `{path}` ({steps} training steps).")
 
 

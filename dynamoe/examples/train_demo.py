@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checkpoint.atomic import save_atomic
 from . import demo_data, demo_tokenizer
 from .demo_export import CARD_SCORES_END, CARD_SCORES_START, cpu_name, export_hf, hf_state_dict, model_card
 from .demo_export import card_command
@@ -285,7 +286,7 @@ def prepare_data(args, ckpt_dir: str, log) -> dict:
         counts[e.skill] = counts.get(e.skill, 0) + 1
     data = {"key": data_key, "train_ids": train_ids, "train_mask": train_mask, "eval_ids": eval_ids,
             "eval_mask": eval_mask, "skill_counts": counts}
-    _atomic_save(data, cache)
+    save_atomic(data, cache)
     data["tokenizer"] = tok
     log(f"[data] {len(train)} training conversations -> {train_ids.size(0)} rows of {args.seq_len + 1} tokens "
         f"({int(train_mask.sum())} assistant tokens), {len(held)} held-out -> {eval_ids.size(0)} rows, "
@@ -294,21 +295,6 @@ def prepare_data(args, ckpt_dir: str, log) -> dict:
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-def _atomic_save(obj, path: str) -> None:
-    """torch.save into a temporary file beside ``path``, fsync, then rename: never a torn file."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
 def _command(args, stats: dict) -> str:
     return card_command(_run_key(args), vars(build_parser().parse_args([])), stats.get("threads", torch.get_num_threads()))
 
@@ -321,7 +307,7 @@ def _run_key(args) -> dict:
 
 
 def save_checkpoint(path: str, model, optimizer, step: int, history: list, args) -> None:
-    _atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+    save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                   "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "history": history,
                   "run": _run_key(args)}, path)
 

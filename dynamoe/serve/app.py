@@ -18,14 +18,14 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 from ..engine import GenerationEngine, Tokenizer
 from . import anthropic_api, openai_api
-from .body import read_json
+from .body import SamplingFields, read_json
 from .errors import APIError, error_body
 from .sse import GenerationResponse
 from .state import ServerConfig, ServerState
@@ -39,22 +39,12 @@ ROUTES = {"/", "/chat", "/health", "/metrics", "/v1/models", "/v1/chat/completio
 OPEN_ROUTES = {"/health"}
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(SamplingFields):
     """``POST /chat``: ``text`` as one user turn (through the chat template unless ``raw``)."""
     model_config = ConfigDict(extra="forbid")
     text: str
     system: str | None = None
     raw: bool = False
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
     enable_thinking: bool | None = None
 
 

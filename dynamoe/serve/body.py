@@ -9,9 +9,23 @@ from starlette.requests import Request
 
 from .errors import APIError
 
-__all__ = ["read_json", "validation_message"]
+__all__ = ["read_json", "validation_message", "SamplingFields"]
 
 M = TypeVar("M", bound=BaseModel)
+
+
+class SamplingFields(BaseModel):
+    """The sampling fields every generating route accepts (validated later by SamplingParams)."""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
 
 
 def validation_message(err: ValidationError) -> tuple[str, str | None]:

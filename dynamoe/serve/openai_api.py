@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .body import read_json
+from .body import SamplingFields, read_json
 from .errors import APIError, sse_error
 from .parsing import OutputParser, Part, new_id
 from .runner import Generation
@@ -36,22 +36,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(SamplingFields):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
     ignore_eos: bool = False
 
 
