@@ -2,9 +2,10 @@
 :func:`dynamoe.ops.linear` (the bf16 GEMV kernel for decode-sized inputs, F.linear otherwise)."""
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
-from ..ops import linear
+from ..ops import cpu_kernels, linear
 
 __all__ = ["Linear", "use_fast_linears_"]
 
@@ -17,7 +18,11 @@ class Linear(nn.Linear):
 def use_fast_linears_(model: nn.Module) -> nn.Module:
     """Switch every plain nn.Linear in ``model`` to :class:`Linear` in place (same parameters, same
     state dict, same results up to the kernel's fp32 accumulation order)."""
+    bf16_cpu = False
     for m in model.modules():
         if type(m) is nn.Linear:
             m.__class__ = Linear
+            bf16_cpu = bf16_cpu or (m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu")
+    if bf16_cpu:
+        cpu_kernels.load()  # build (once per machine) now, not in the middle of the first request
     return model
