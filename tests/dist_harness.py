@@ -20,17 +20,24 @@ def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       DYNAMOE_COLLECTIVE_TIMEOUT_SEC=os.environ.get("DYNAMOE_COLLECTIVE_TIMEOUT_SEC", "60"))
     torch.set_num_threads(1)
+    ok = False
     try:
         from dynamoe.parallel import net
         net.init_process_group("gloo")
         fn(rank, world, *args)
         dist.barrier()
+        ok = True
     except BaseException:  # noqa: BLE001 -- report to the parent, whatever it was
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if ok:  # skip the interpreter's shutdown, which gloo's threads occasionally abort (see examples/_common.py)
+        import sys
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> None:
