@@ -80,8 +80,19 @@ def write_kv(cache: KVCache, layer: int, slots_B: Tensor, positions_BT: Tensor, 
         buf = cache.buffer(layer, name, K, cache.max_seq_len, d)
         # buf[slot_b, :, pos_bt] for every (b, t): advanced indices around a slice -> [B, T, K, d]
         buf[slots_B[:, None], :, positions_BT] = t.transpose(1, 2).to(buf.dtype)
-        out[name] = buf[:, :, :kv_len].index_select(0, slots_B).to(t.dtype)
+        out[name] = _slot_rows(buf, slots_B, kv_len).to(t.dtype)
     return out
+
+
+def _slot_rows(buf: Tensor, slots_B: Tensor, kv_len: int) -> Tensor:
+    """The batch's slots' first ``kv_len`` positions: a view when the slots are consecutive (one
+    sequence, or a batch in slot order; checked only on CPU, where reading ``slots`` costs nothing),
+    else a gathered copy. The copy grows with the context: a view saves it on every layer and step."""
+    if slots_B.device.type == "cpu" and slots_B.numel():
+        s0, B = int(slots_B[0]), slots_B.numel()
+        if B == 1 or torch.equal(slots_B, torch.arange(s0, s0 + B)):
+            return buf[s0:s0 + B, :, :kv_len]
+    return buf[:, :, :kv_len].index_select(0, slots_B)
 
 
 class Attention(nn.Module):
