@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test serve helloworld bench venv clean
+.PHONY: test serve helloworld bench venv clean chromium
 
 venv: $(STAMP)
 
@@ -15,8 +15,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(PY) -m pytest -q
+
+# Debian's headless Chromium for the web-UI test (tests/test_serve_http.py). Installed only where it is
+# missing and apt-get can run as root; elsewhere that one test is skipped and says why.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { apt-get install -y -q chromium >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
+	  echo "make: chromium is not installed and cannot be here; the browser test will be skipped"
 
 helloworld: $(STAMP)
 	$(PY) -m dynamoe.examples.helloworld --batch_size 4 --num_tokens 256 --model_dim 256 --hidden_size 512 --num_local_experts 4 --top 2 --num_steps 10
