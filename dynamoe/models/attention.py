@@ -19,7 +19,7 @@ from .cache import KVCache
 from .norms import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
 
-__all__ = ["Attention", "attention_mask", "attend", "write_kv"]
+__all__ = ["Attention", "attention_mask", "attend", "write_kv", "cached_length"]
 
 
 def attention_mask(q_pos_BT: Tensor, k_pos_BL: Tensor, window: int | None) -> Tensor:
@@ -67,6 +67,14 @@ def attend(q_BHTd: Tensor, k_BKLd: Tensor, v_BKLd: Tensor, q_pos_BT: Tensor, k_p
     if sinks_H is not None:
         return _attend_with_sinks(q_BHTd, k_BKLd, v_BKLd, mask, scale, sinks_H)
     return _sdpa(q_BHTd, k_BKLd, v_BKLd, mask, scale, causal=False)
+
+
+def cached_length(positions_BT: Tensor, slots: Tensor | None, kv_len: int | None) -> int:
+    """Keys each row of a cached forward may see (max position + 1), unless the caller knows it;
+    a clear error when the slots are missing."""
+    if slots is None:
+        raise ValueError("attention with a cache needs slots (LongTensor [B])")
+    return int(positions_BT[:, -1].max()) + 1 if kv_len is None else kv_len
 
 
 def write_kv(cache: KVCache, layer: int, slots_B: Tensor, positions_BT: Tensor, kv_len: int,
@@ -144,10 +152,7 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin, self.rope_interleaved)  # [B, K, T, d]
         k_pos = None
         if cache is not None:
-            if slots is None:
-                raise ValueError("attention with a cache needs slots (LongTensor [B])")
-            if kv_len is None:
-                kv_len = int(positions_BT[:, -1].max()) + 1
+            kv_len = cached_length(positions_BT, slots, kv_len)
             kv = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, k=k, v=v)
             k, v = kv["k"], kv["v"]
             k_pos = torch.arange(kv_len, device=x_BTD.device).expand(B, kv_len)

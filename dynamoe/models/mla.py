@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .attention import _sdpa, attend, write_kv
+from .attention import _sdpa, attend, cached_length, write_kv
 from .cache import KVCache
 from .indexer import Indexer, SharedIndex
 from .norms import RMSNorm
@@ -148,10 +148,7 @@ class MLAttention(nn.Module):
         k_rope = apply_rope(k_rope, cos, sin, self.rope_interleaved)
         k_pos = None
         if cache is not None:
-            if slots is None:
-                raise ValueError("attention with a cache needs slots (LongTensor [B])")
-            if kv_len is None:
-                kv_len = int(positions_BT[:, -1].max()) + 1
+            kv_len = cached_length(positions_BT, slots, kv_len)
             kv = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, latent=latent, k_rope=k_rope)
             latent, k_rope = kv["latent"], kv["k_rope"]                        # [B, 1, L, C], [B, 1, L, r]
             k_pos = torch.arange(kv_len, device=x_BTD.device).expand(B, kv_len)
