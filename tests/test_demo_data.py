@@ -49,25 +49,79 @@ def test_every_skill_and_many_phrasings(train):
 
 def _eval_expr(expr: str) -> int:
     expr = expr.replace("×", "*").replace("−", "-").strip()
-    assert re.fullmatch(r"[-\d\s+*]+", expr), expr
-    return eval(expr)  # noqa: S307 -- digits and + - * only (checked above)
+    assert re.fullmatch(r"[-\d\s+*()]+", expr), expr
+    return eval(expr)  # noqa: S307 -- digits, parentheses and + - * only (checked above)
+
+
+def _digit(n: int, i: int) -> int:
+    return n // 10 ** i % 10
+
+
+def _check_columns(steps: str, op: str, terms: list[int]) -> int:
+    """Checks worked column steps ("4 + 8 = 12, 5 + 1 + 1 = 7" / "12 - 7 = 5, 8 - 1 - 3 = 4") digit by
+    digit against ``terms`` and returns the number they spell (ones first; the last sum written whole)."""
+    cols = steps.split(", ")
+    assert len(cols) == len(str(max(terms))), steps
+    carry, out = 0, []
+    for i, col in enumerate(cols):
+        lhs, rhs = col.split(" = ")
+        parts = [int(x) for x in lhs.split(f" {op} ")]
+        assert _eval_expr(lhs) == int(rhs), col
+        if op == "+":
+            assert parts == [_digit(t, i) for t in terms] + ([carry] if carry else []), (steps, i)
+            carry = int(rhs) // 10
+            out.append(rhs if i == len(cols) - 1 else str(int(rhs) % 10))
+        else:
+            a, b = terms
+            top = parts[0]
+            assert top % 10 == _digit(a, i) and top in (_digit(a, i), 10 + _digit(a, i)), (steps, i)
+            assert parts[1:] == ([carry] if carry else []) + [_digit(b, i)], (steps, i)
+            assert 0 <= int(rhs) <= 9, col
+            carry = 1 if top >= 10 else 0
+            out.append(rhs)
+    return int("".join(reversed(out)))
 
 
 @pytest.mark.parametrize("split", ["train", "held_out"])
 def test_arithmetic_answers_evaluate(split):
     examples = dd.generate(11, 3000, split, skills=["add", "sub", "mul"])
     for e in examples:
-        a, b = (int(x) for x in e.reply.split(" = ")[0].replace("×", "+").replace("-", "+").split("+"))
+        m = re.match(r"(\d+) ([-+×]) (\d+)", e.reply)
+        a, b = int(m.group(1)), int(m.group(3))
         text = e.prompt[-1]["content"]
         in_prompt = [int(x) for x in re.findall(r"\d+", text)]
         # the order the prompt means: "Subtract 57 from 91." is 91 - 57
         assert in_prompt == ([b, a] if re.search(r"from|away", text) else [a, b]), (text, e.reply)
         want = {"add": a + b, "sub": a - b, "mul": a * b}[e.skill]
         assert e.answer == str(want)
-        steps = e.reply.split(" = ")  # every step of the worked answer has the same value
-        assert all(_eval_expr(s) == want for s in steps), e.reply
+        head, _, rest = e.reply.partition(": ")
+        chain = head.split(" = ")  # every step of the equality chain has the same value
+        assert all(_eval_expr(s) == want for s in chain), e.reply
+        if rest:  # column steps, then "so a op b = result"
+            steps, so = rest.split(", so ")
+            assert _eval_expr(so.split(" = ")[0]) == want and int(so.split(" = ")[1]) == want, e.reply
+            if e.skill == "sub":
+                assert _check_columns(steps, "-", [max(a, b), min(a, b)]) == abs(want), e.reply
+            else:  # the column sum of the last link of the chain: the operands or the partial products
+                terms = [int(t) for t in chain[-1].split(" + ")]
+                assert _check_columns(steps, "+", terms) == want, e.reply
+        else:
+            assert max(a, b) < 10 or (e.skill == "mul" and len(chain) == 2), e.reply
         assert dd.final_answer(e.group, e.reply) == e.answer
         assert e.group == f"{e.skill}-{max(len(str(a)), len(str(b)))}d"
+
+
+def test_column_steps_carry_and_borrow():
+    assert dd.column_add([28, 47]) == "8 + 7 = 15, 2 + 4 + 1 = 7"
+    assert dd.column_add([999, 1]) == "9 + 1 = 10, 9 + 0 + 1 = 10, 9 + 0 + 1 = 10"
+    assert dd.column_sub(100, 99) == "10 - 9 = 1, 10 - 1 - 9 = 0, 1 - 1 - 0 = 0"
+    assert dd._sub_reply(43, 92) == "43 - 92 = -(92 - 43): 12 - 3 = 9, 9 - 1 - 4 = 4, so 43 - 92 = -49"
+
+
+def test_sorting_groups_mixed_lengths():
+    assert dd._length_groups([38, 2, 46, 7], descending=False) == "1-digit: 2, 7; 2-digit: 38, 46. "
+    assert dd._length_groups([38, 2, 46, 7], descending=True) == "2-digit: 38, 46; 1-digit: 2, 7. "
+    assert dd._length_groups([38, 46], descending=True) == ""
 
 
 def test_list_word_and_unit_answers(train):
@@ -159,6 +213,10 @@ def test_tokenizer_round_trip_and_specials(tok_dir):
         assert tok.decode(tok.encode(text)) == text
     # digits are single tokens
     assert [tok.id_to_token(i) for i in tok.encode("1234")] == ["1", "2", "3", "4"]
+    # a quoted word is single letters (so it can be written backwards); an unquoted one stays merged
+    pieces = [tok.id_to_token(i) for i in tok.encode('the answer is "planet"')]
+    assert pieces[pieces.index('Ġ"') + 1:pieces.index('Ġ"') + 8] == ["p", "l", "a", "n", "e", "t", '"']
+    assert "Ġanswer" in pieces
 
 
 def test_chat_template_matches_transformers(tok_dir):

@@ -42,6 +42,8 @@ __all__ = ["Example", "generate", "SKILLS", "TRAIN_WEIGHTS", "CODE", "CODE_FUNCT
            "CANONICAL_CODE_PROMPTS", "final_answer", "is_held_out", "write_jsonl", "code_block", "conversation_text"]
 
 SPLITS = ("train", "held_out")
+#: bumped whenever a reply format or the mixture changes (cached training data is rebuilt)
+DATA_VERSION = 2
 DEFAULT_SPLIT_SEED = 1234
 DEFAULT_HELD_OUT_FRACTION = 0.1
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are a small demo model trained with dynamoe.",
@@ -160,24 +162,78 @@ def _digits_pair(rng: random.Random, op: str) -> tuple[int, int]:
     return da, db
 
 
+def _digits(n: int, width: int) -> list[int]:
+    """The decimal digits of ``n`` >= 0, ones first, padded with zeros to ``width``."""
+    s = str(n)[::-1]
+    return [int(s[i]) if i < len(s) else 0 for i in range(width)]
+
+
+def column_add(terms: list[int]) -> str:
+    """Column-by-column addition of non-negative ``terms``, ones first: ``"4 + 8 = 12, 5 + 1 + 1 = 7"``
+    (the carry is added as its own term; the last column's sum is written whole)."""
+    width = max(len(str(t)) for t in terms)
+    cols = list(zip(*(_digits(t, width) for t in terms)))
+    steps, carry = [], 0
+    for col in cols:
+        s = sum(col) + carry
+        expr = " + ".join(map(str, col)) + (f" + {carry}" if carry else "")
+        steps.append(f"{expr} = {s}")
+        carry = s // 10
+    return ", ".join(steps)
+
+
+def column_sub(a: int, b: int) -> str:
+    """Column-by-column subtraction ``a - b`` with ``a >= b >= 0``, ones first: a column that must borrow
+    is written ``"12 - 7 = 5"``, the next one takes the borrow as ``"- 1"``: ``"8 - 1 - 3 = 4"``."""
+    width = len(str(a))
+    steps, borrow = [], 0
+    for x, y in zip(_digits(a, width), _digits(b, width)):
+        take = f" - {borrow}" if borrow else ""
+        if x - borrow >= y:
+            steps.append(f"{x}{take} - {y} = {x - borrow - y}")
+            borrow = 0
+        else:
+            steps.append(f"1{x}{take} - {y} = {10 + x - borrow - y}")
+            borrow = 1
+    return ", ".join(steps)
+
+def _add_reply(a: int, b: int) -> str:
+    if max(a, b) < 10:
+        return f"{a} + {b} = {a + b}"
+    return f"{a} + {b}: {column_add([a, b])}, so {a} + {b} = {a + b}"
+
+
+def _sub_reply(a: int, b: int) -> str:
+    if a < b:  # a - b = -(b - a): subtract the smaller from the larger, then negate
+        if b < 10:
+            return f"{a} - {b} = -({b} - {a}) = {a - b}"
+        return f"{a} - {b} = -({b} - {a}): {column_sub(b, a)}, so {a} - {b} = {a - b}"
+    if a < 10:
+        return f"{a} - {b} = {a - b}"
+    return f"{a} - {b}: {column_sub(a, b)}, so {a} - {b} = {a - b}"
+
+
 def _mul_reply(a: int, b: int) -> str:
     r = a * b
     terms = [int(c) * 10 ** i for i, c in enumerate(reversed(str(b))) if c != "0"][::-1]
     if len(terms) <= 1:
         return f"{a} × {b} = {r}"
     parts = " + ".join(f"{a} × {t}" for t in terms)
-    prods = " + ".join(str(a * t) for t in terms)
-    return f"{a} × {b} = {parts} = {prods} = {r}"
+    prods = [a * t for t in terms]
+    return f"{a} × {b} = {parts} = {' + '.join(map(str, prods))}: {column_add(prods)}, so {a} × {b} = {r}"
+
+
+_REPLIES = {"add": _add_reply, "sub": _sub_reply, "mul": _mul_reply}
 
 
 def _arith(op: str) -> Callable:
     def make(rng: random.Random):
         da, db = _digits_pair(rng, op)
         a, b = _operand(rng, da), _operand(rng, db)
-        sym, fn = _OPS[op]
+        fn = _OPS[op][1]
         key = f"{op}:{min(a, b)},{max(a, b)}" if op in ("add", "mul") else f"{op}:{a},{b}"
         prompt = rng.choice(_ARITH_PROMPTS[op]).format(a=a, b=b)
-        reply = _mul_reply(a, b) if op == "mul" else f"{a} {sym} {b} = {fn(a, b)}"
+        reply = _REPLIES[op](a, b)
         group = f"{op}-{max(len(str(a)), len(str(b)))}d"
         return key, group, prompt, reply, str(fn(a, b))
     return make
@@ -206,8 +262,22 @@ def _list_task(task: str) -> Callable:
             out, lead = sorted(xs, reverse=True), "Sorted in descending order"
         else:
             out, lead = xs[::-1], "Reversed"
-        return f"{task}:{fmt_list(xs)}", task, prompt, f"{lead}: {fmt_list(out)}", fmt_list(out)
+        reply = f"{lead}: {fmt_list(out)}"
+        if task != "reverse-list":
+            reply = _length_groups(xs, descending=task == "sort-desc") + reply
+        return f"{task}:{fmt_list(xs)}", task, prompt, reply, fmt_list(out)
     return make
+
+
+def _length_groups(xs: list[int], descending: bool) -> str:
+    """A sorting reply's first step when the list mixes 1- and 2-digit numbers: the numbers of each
+    length in list order (longer first when descending), so that only equal-length numbers, whose
+    order is their digits' order, are compared afterwards. Empty when all have the same length."""
+    groups = {n: [x for x in xs if len(str(x)) == n] for n in (1, 2)}
+    if not groups[1] or not groups[2]:
+        return ""
+    order = (2, 1) if descending else (1, 2)
+    return "; ".join(f"{n}-digit: {', '.join(map(str, groups[n]))}" for n in order) + ". "
 
 
 # ------------------------------------------------------------------------------------ words
@@ -491,8 +561,8 @@ MAKERS: dict[str, Callable] = {
 }
 SKILLS = tuple(MAKERS)
 #: the training mixture (share of conversations)
-TRAIN_WEIGHTS = {"add": 0.13, "sub": 0.11, "mul": 0.13, "sort": 0.09, "sort-desc": 0.05, "reverse-list": 0.08,
-                 "reverse-word": 0.07, "word-length": 0.05, "letter-count": 0.05, "units": 0.10, "code": 0.09,
+TRAIN_WEIGHTS = {"add": 0.12, "sub": 0.13, "mul": 0.13, "sort": 0.09, "sort-desc": 0.07, "reverse-list": 0.06,
+                 "reverse-word": 0.07, "word-length": 0.05, "letter-count": 0.05, "units": 0.10, "code": 0.08,
                  "chat": 0.05}
 _NO_HELD_OUT = ("chat",)  # trained on every wording: a greeting has no "unseen" variant worth scoring
 

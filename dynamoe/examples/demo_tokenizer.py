@@ -2,8 +2,8 @@
 Qwen3-style (ChatML) chat template.
 
 Digits are split one per token before BPE (as Qwen's tokenizers do), so numbers are sequences of
-digits and arithmetic is learnable; the spelled-out words of the corpus (``p-l-a-n-e-t``) are single
-letters for the same reason. Special tokens: ``<|endoftext|>`` (padding), ``<|im_start|>``,
+digits and arithmetic is learnable; the spelled-out words of the corpus (``p-l-a-n-e-t``) and quoted
+words (``"planet"``) are single letters for the same reason. Special tokens: ``<|endoftext|>`` (padding), ``<|im_start|>``,
 ``<|im_end|>`` (end of a turn: the eos token).
 
 Saved as ``tokenizer.json`` + ``tokenizer_config.json`` (with the template), so
@@ -15,8 +15,13 @@ import json
 import os
 from typing import Iterable, Sequence
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "PAD", "IM_START", "IM_END", "train_tokenizer", "save_tokenizer",
+__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "QUOTED_LETTER", "PAD", "IM_START", "IM_END", "train_tokenizer", "save_tokenizer",
            "render", "encode_conversation", "encode_conversations"]
+
+#: a letter of a word that ends right before a double quote: such words (``"planet"``: the words the
+#: demo's word skills quote, and their answers) are split into single letters, so that writing a word
+#: backwards or copying it letter by letter never needs a BPE merge the model has not seen.
+QUOTED_LETTER = r'\p{L}(?=\p{L}*")'
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD, IM_START, IM_END)
@@ -48,6 +53,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 3072, min_frequency:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QUOTED_LETTER), behavior="isolated"),
         pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])

@@ -56,7 +56,7 @@ HELD_OUT_CONVERSATIONS = 512    # for the eval loss (fewer for small corpora: a 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("run")
-    g.add_argument("--steps", type=int, default=2200, help="optimizer steps (~40 min on 2 idle CPU cores)")
+    g.add_argument("--steps", type=int, default=2600, help="optimizer steps (~45 min on 2 idle CPU cores)")
     g.add_argument("--batch-size", type=int, default=16, help="rows per step")
     g.add_argument("--seq-len", type=int, default=256, help="tokens per row (whole conversations are packed into rows)")
     g.add_argument("--out", default=DEFAULT_OUT, help="where the HF folder is written at the end")
@@ -264,7 +264,7 @@ def prepare_data(args, ckpt_dir: str, log) -> dict:
 
     tok_dir = os.path.join(ckpt_dir, "tokenizer")
     data_key = {"seed": args.seed, "corpus_size": args.corpus_size, "seq_len": args.seq_len,
-                "vocab_size": args.vocab_size, "format": 1}
+                "vocab_size": args.vocab_size, "format": 1, "data_version": demo_data.DATA_VERSION}
     cache = os.path.join(ckpt_dir, "data.pt")
     if os.path.exists(cache) and os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
         data = torch.load(cache, weights_only=True)
