@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..ops import moe_decode
 from ..ops.routing import check_top_k
 from ..ops.scratch import scratch
 from . import losses
@@ -22,7 +23,7 @@ from .config import MoEConfig, check_capacity_factor, check_overlap_degree, pars
 from .exchange import LocalExchange, exchange_for
 from .dispatch import (DispatchPlan, RoutingStats, build_plan, combine_padded, combine_ragged, dispatch_padded,
                        dispatch_ragged)
-from .experts import SharedExperts, build_experts
+from .experts import GLUExperts, SharedExperts, build_experts
 from .gates import Routing, build_gate, route
 from .sharding import OUTPUT_BIAS, merge_shards, shard_spec_of
 
@@ -222,10 +223,20 @@ class MoELayer(nn.Module):
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             routing = route(self.gates[gate_index], gcfg, x_TD, E, k, cfg.normalize_gate, self.training,
                             need_scores=cfg.aux_loss != "none" or cfg.batch_prioritized_routing or cfg.device_loss_groups > 0)
-            priority = routing.scores_TE.max(dim=1).values if cfg.batch_prioritized_routing else None
-            plan = build_plan(routing.ids_TK, routing.weights_TK, E, cf, priority, alignment=alignment,
-                              agree_max=self.exchange.agree_max if self.world_size > 1 else None)
+            fused = self._fused_decode(x_TD, routing, cf) if T <= moe_decode.MAX_TOKENS else None
+            if fused is None:
+                priority = routing.scores_TE.max(dim=1).values if cfg.batch_prioritized_routing else None
+                plan = build_plan(routing.ids_TK, routing.weights_TK, E, cf, priority, alignment=alignment,
+                                  agree_max=self.exchange.agree_max if self.world_size > 1 else None)
             l_aux, loss_terms = self._losses(routing, gcfg)
+
+        if fused is not None:  # a decode step's experts in one kernel call
+            y_TO, load_E, max_load = fused
+            if self.shared_experts is not None:
+                y_TO = y_TO + self.shared_experts(x_TD)
+            stats = RoutingStats(load=load_E, kept=load_E, dropped=0, capacity=max_load, top_k=k,
+                                 capacity_factor=float(cf), layout=chosen_layout, losses=loss_terms)
+            return self._finish(y_TO, out_shape, orig_dtype, l_aux, stats)
 
         if data_parallel:  # every expert on every rank for this call: no token exchange
             y_TO = self._data_parallel_experts(x_TD, plan, chosen_layout)
@@ -243,6 +254,15 @@ class MoELayer(nn.Module):
         return self._finish(y_TO, out_shape, orig_dtype, l_aux, stats)
 
     # ---- pieces of forward --------------------------------------------------------------------
+    def _fused_decode(self, x_TD: Tensor, routing, cf: float):
+        """A decode step's experts in one kernel call (dynamoe.ops.moe_decode), where that is the
+        same computation: inference, dropless, built-in GLU experts whole on this process. None
+        otherwise (the general path runs)."""
+        if (self.training or cf != 0 or self.world_size > 1 or self.sharded_count > 1
+                or type(self.experts) is not GLUExperts):
+            return None
+        return moe_decode.glu_decode(x_TD, routing.ids_TK, routing.weights_TK, self.experts)
+
     def _check_input(self, input: Tensor, reserve_dims: int):
         if not isinstance(input, Tensor):
             raise ValueError(f"input must be a torch.Tensor, got {type(input).__name__}")

@@ -3,6 +3,7 @@
 // Registered in packed_gemv.cpp's module (one extension).
 #include <torch/extension.h>
 #include "token_chunks.h"
+#include "bf16_gemv.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
@@ -12,7 +13,7 @@
 #endif
 
 namespace {
-constexpr int kRowBlock = 4;
+constexpr int kRowBlock = dynamoe::kGemvRowBlock;
 
 // R consecutive weight rows at once for TT tokens: R*TT accumulators in registers, every x vector
 // loaded once per R rows and every weight vector once per TT tokens.
@@ -46,6 +47,9 @@ void bf16_rows(const c10::BFloat16* w, int64_t I, const c10::BFloat16* x, int64_
     for (int t = 0; t < TT; ++t) acc_out[r * 8 + t] = acc_s[r][t];
 }
 
+}  // namespace
+
+namespace dynamoe {
 // Output rows [o0, o0 + R) (fewer at the end) of one weight for all T rows of x.
 void row_block(const c10::BFloat16* wp, int64_t O, int64_t I, int64_t o0, const c10::BFloat16* xp, int64_t xs,
                int64_t T, const c10::BFloat16* bp, c10::BFloat16* op, int64_t os) {
@@ -65,6 +69,11 @@ void row_block(const c10::BFloat16* wp, int64_t O, int64_t I, int64_t o0, const 
 // Work items per thread: at least ~1 MiB of weights, so small matrices stay on one thread (a
 // parallel region costs microseconds, and far more when another process holds the other cores).
 int64_t grain_blocks(int64_t I) { return std::max<int64_t>(1, (int64_t{1} << 20) / (kRowBlock * I * 2)); }
+}  // namespace dynamoe
+
+namespace {
+using dynamoe::grain_blocks;
+using dynamoe::row_block;
 
 void check_x_out(const torch::Tensor& x, const torch::Tensor& out, int64_t I, int64_t O) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "x must be bf16 [T, I] with unit stride");

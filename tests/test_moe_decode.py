@@ -1,0 +1,129 @@
+"""The fused decode path of the MoE layer (dynamoe.ops.moe_decode): a decode step's routed GLU experts
+in one kernel call give what a per-token, per-expert loop in fp32 gives, report the same routing
+statistics, and run only where they are the same computation."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dynamoe.moe import ExpertConfig, GateConfig, MoEConfig, MoELayer
+from dynamoe.ops import cpu_kernels, moe_decode
+from dynamoe.ops.activations import glu_activation
+
+kernels = cpu_kernels.load()
+needs_kernel = pytest.mark.skipif(kernels is None, reason="the CPU kernels could not be built here")
+
+
+def _layer(E=8, k=2, D=64, Fh=48, act="silu", bias=False, shared=0, cf=0.0, seed=0):
+    torch.manual_seed(seed)
+    cfg = MoEConfig(model_dim=D, gates=[GateConfig(type="top", k=k, capacity_factor=cf, fp32_gate=True)],
+                    experts=ExpertConfig(type="glu", num_experts_per_device=E, hidden_size_per_expert=Fh,
+                                         glu_activation=act, glu_bias=bias, gpt_oss_limit=0.5,
+                                         num_shared_experts=shared),
+                    aux_loss="none", dtype=torch.bfloat16, check_finite=False)
+    layer = MoELayer(cfg).eval()
+    with torch.no_grad():  # larger values, so that clamps and signs matter
+        for p in layer.experts.parameters():
+            p.mul_(4)
+    return layer
+
+
+def _reference(layer, x_TD):
+    """Per token, per chosen expert, in fp32 from the bf16 weights (routing taken from the gate)."""
+    ex = layer.experts
+    logits = F.linear(x_TD.float(), layer.gates[0].wg.weight.float())
+    w, ids = torch.softmax(logits, -1).topk(layer.top_k, dim=-1)
+    w = w / w.sum(-1, keepdim=True) if layer.top_k > 1 else w
+    Fh = ex.gate_up_proj.size(1) // 2
+    out = torch.zeros(x_TD.size(0), ex.down_proj.size(1))
+    for t in range(x_TD.size(0)):
+        for j in range(layer.top_k):
+            e = int(ids[t, j])
+            gu = ex.gate_up_proj[e].float() @ x_TD[t].float()
+            if ex.gate_up_proj_bias is not None:
+                gu = gu + ex.gate_up_proj_bias[e].float()
+            h = glu_activation(gu[:Fh], gu[Fh:], ex.activation, ex.alpha, ex.limit)
+            y = ex.down_proj[e].float() @ h
+            if ex.down_proj_bias is not None:
+                y = y + ex.down_proj_bias[e].float()
+            out[t] += w[t, j] * y
+    if layer.shared_experts is not None:
+        out += layer.shared_experts(x_TD).float()
+    return out, torch.bincount(ids.flatten(), minlength=layer.num_global_experts)
+
+
+def _spy(monkeypatch):
+    used = []
+    real = moe_decode.glu_decode
+
+    def spy(*a, **kw):
+        r = real(*a, **kw)
+        used.append(r is not None)
+        return r
+
+    monkeypatch.setattr(moe_decode, "glu_decode", spy)
+    return used
+
+
+@needs_kernel
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "relu", "gpt_oss"])
+@pytest.mark.parametrize("T,k", [(1, 1), (1, 4), (2, 2), (5, 3), (8, 2)])
+def test_matches_per_expert_loop(monkeypatch, act, T, k):
+    used = _spy(monkeypatch)
+    layer = _layer(E=6, k=k, act=act, bias=act == "gpt_oss", Fh=40)
+    x = torch.randn(1, T, 64).bfloat16()
+    with torch.inference_mode():
+        y = layer(x)
+    want, load = _reference(layer, x[0])
+    assert used == [True]
+    assert y.shape == (1, T, 64) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y[0].float(), want, atol=3e-2 * want.abs().max().item(), rtol=3e-2)
+    st = y.routing_stats
+    assert torch.equal(st.load, load) and torch.equal(st.kept, load) and st.dropped == 0
+    assert st.capacity == int(load.max()) and st.top_k == k and st.num_tokens == T
+
+
+@needs_kernel
+def test_shared_experts_and_general_path_agree(monkeypatch):
+    layer = _layer(E=8, k=2, shared=1, Fh=32)
+    x = torch.randn(3, 64).bfloat16()
+    used = _spy(monkeypatch)
+    with torch.inference_mode():
+        fused = layer(x)
+    assert used == [True]
+    monkeypatch.setattr(moe_decode, "glu_decode", lambda *a, **kw: None)
+    with torch.inference_mode():
+        general = layer(x)
+    torch.testing.assert_close(fused.float(), general.float(), atol=3e-2 * general.abs().max().item(), rtol=3e-2)
+    assert torch.equal(fused.routing_stats.load, general.routing_stats.load)
+    assert fused.routing_stats.capacity == general.routing_stats.capacity
+
+
+@needs_kernel
+def test_not_used_where_it_is_not_the_same_computation(monkeypatch):
+    used = _spy(monkeypatch)
+    x = torch.randn(2, 64).bfloat16()
+    layer = _layer()
+    layer(x)  # autograd on: the experts' gradients need the general path
+    with torch.inference_mode():
+        layer(torch.randn(9, 64).bfloat16())  # more tokens than the kernel's row chunk
+        layer.float()(x.float())  # fp32 weights
+        _layer(cf=1.0)(x)  # a capacity that may drop: the plan decides
+    layer.bfloat16().train()
+    with torch.no_grad():
+        layer(x)  # training mode
+    assert used == [False, False]  # the autograd and the fp32 calls asked the kernel, which declined
+
+
+@needs_kernel
+def test_kernel_checks_its_arguments():
+    ex = _layer(E=4).experts
+    x = torch.randn(2, 64).bfloat16()
+    out, load = x.new_empty(2, 64), torch.empty(4, dtype=torch.long)
+    ids = torch.tensor([[0, 4], [1, 2]])
+    w = torch.ones(2, 2)
+    with pytest.raises(RuntimeError, match="expert id 4 out of range"):
+        kernels.bf16_moe_glu_decode_out(x, ids, w, ex.gate_up_proj.detach(), ex.down_proj.detach(), None, None, 0,
+                                        1.0, 7.0, out, load)
+    with pytest.raises(RuntimeError, match="x must have 1..8 rows"):
+        kernels.bf16_moe_glu_decode_out(torch.randn(9, 64).bfloat16(), ids, w, ex.gate_up_proj.detach(),
+                                        ex.down_proj.detach(), None, None, 0, 1.0, 7.0, out, load)
