@@ -13,13 +13,13 @@ kernels = cpu_kernels.load()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="the CPU kernels could not be built here")
 
 
-def _layer(E=8, k=2, D=64, Fh=48, act="silu", bias=False, shared=0, cf=0.0, seed=0):
+def _layer(E=8, k=2, D=64, Fh=48, act="silu", bias=False, shared=0, cf=0.0, seed=0, dtype=torch.bfloat16):
     torch.manual_seed(seed)
     cfg = MoEConfig(model_dim=D, gates=[GateConfig(type="top", k=k, capacity_factor=cf, fp32_gate=True)],
                     experts=ExpertConfig(type="glu", num_experts_per_device=E, hidden_size_per_expert=Fh,
                                          glu_activation=act, glu_bias=bias, gpt_oss_limit=0.5,
                                          num_shared_experts=shared),
-                    aux_loss="none", dtype=torch.bfloat16, check_finite=False)
+                    aux_loss="none", dtype=dtype, check_finite=False)
     layer = MoELayer(cfg).eval()
     with torch.no_grad():  # larger values, so that clamps and signs matter
         for p in layer.experts.parameters():
@@ -67,16 +67,18 @@ def _spy(monkeypatch):
 @needs_kernel
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "relu", "gpt_oss"])
 @pytest.mark.parametrize("T,k", [(1, 1), (1, 4), (2, 2), (5, 3), (8, 2)])
-def test_matches_per_expert_loop(monkeypatch, act, T, k):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matches_per_expert_loop(monkeypatch, act, T, k, dtype):
     used = _spy(monkeypatch)
-    layer = _layer(E=6, k=k, act=act, bias=act == "gpt_oss", Fh=40)
-    x = torch.randn(1, T, 64).bfloat16()
+    layer = _layer(E=6, k=k, act=act, bias=act == "gpt_oss", Fh=40, D=72, dtype=dtype)  # D: a 16-tail
+    x = torch.randn(1, T, 72).to(dtype)
     with torch.inference_mode():
         y = layer(x)
     want, load = _reference(layer, x[0])
     assert used == [True]
-    assert y.shape == (1, T, 64) and y.dtype == torch.bfloat16
-    torch.testing.assert_close(y[0].float(), want, atol=3e-2 * want.abs().max().item(), rtol=3e-2)
+    assert y.shape == (1, T, 72) and y.dtype == dtype
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y[0].float(), want, atol=tol * want.abs().max().item(), rtol=tol)
     st = y.routing_stats
     assert torch.equal(st.load, load) and torch.equal(st.kept, load) and st.dropped == 0
     assert st.capacity == int(load.max()) and st.top_k == k and st.num_tokens == T
@@ -106,12 +108,13 @@ def test_not_used_where_it_is_not_the_same_computation(monkeypatch):
     layer(x)  # autograd on: the experts' gradients need the general path
     with torch.inference_mode():
         layer(torch.randn(9, 64).bfloat16())  # more tokens than the kernel's row chunk
-        layer.float()(x.float())  # fp32 weights
+        layer(x.half())  # fp16 input: the layer casts it to the weights' dtype, and the kernel runs
+        layer.half()(x.half())  # fp16 weights: no kernel
         _layer(cf=1.0)(x)  # a capacity that may drop: the plan decides
     layer.bfloat16().train()
     with torch.no_grad():
         layer(x)  # training mode
-    assert used == [False, False]  # the autograd and the fp32 calls asked the kernel, which declined
+    assert used == [False, True, False]  # autograd and fp16 weights: the kernel declined
 
 
 @needs_kernel
@@ -122,8 +125,11 @@ def test_kernel_checks_its_arguments():
     ids = torch.tensor([[0, 4], [1, 2]])
     w = torch.ones(2, 2)
     with pytest.raises(RuntimeError, match="expert id 4 out of range"):
-        kernels.bf16_moe_glu_decode_out(x, ids, w, ex.gate_up_proj.detach(), ex.down_proj.detach(), None, None, 0,
-                                        1.0, 7.0, out, load)
+        kernels.moe_glu_decode_out(x, ids, w, ex.gate_up_proj.detach(), ex.down_proj.detach(), None, None, 0,
+                                   1.0, 7.0, out, load)
     with pytest.raises(RuntimeError, match="x must have 1..8 rows"):
-        kernels.bf16_moe_glu_decode_out(torch.randn(9, 64).bfloat16(), ids, w, ex.gate_up_proj.detach(),
-                                        ex.down_proj.detach(), None, None, 0, 1.0, 7.0, out, load)
+        kernels.moe_glu_decode_out(torch.randn(9, 64).bfloat16(), ids, w, ex.gate_up_proj.detach(),
+                                   ex.down_proj.detach(), None, None, 0, 1.0, 7.0, out, load)
+    with pytest.raises(RuntimeError, match="must be bf16 or fp32"):
+        kernels.moe_glu_decode_out(x.half(), ids, w, ex.gate_up_proj.detach().half(), ex.down_proj.detach().half(),
+                                   None, None, 0, 1.0, 7.0, out.half(), load)

@@ -3,7 +3,7 @@
 // Registered in packed_gemv.cpp's module (one extension).
 #include <torch/extension.h>
 #include "token_chunks.h"
-#include "bf16_gemv.h"
+#include "gemv_blocks.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
@@ -68,7 +68,7 @@ void row_block(const c10::BFloat16* wp, int64_t O, int64_t I, int64_t o0, const 
 
 // Work items per thread: at least ~1 MiB of weights, so small matrices stay on one thread (a
 // parallel region costs microseconds, and far more when another process holds the other cores).
-int64_t grain_blocks(int64_t I) { return std::max<int64_t>(1, (int64_t{1} << 20) / (kRowBlock * I * 2)); }
+int64_t grain_blocks(int64_t I, int64_t elem) { return std::max<int64_t>(1, (int64_t{1} << 20) / (kRowBlock * I * elem)); }
 }  // namespace dynamoe
 
 namespace {

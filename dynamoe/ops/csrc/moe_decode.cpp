@@ -1,4 +1,4 @@
-// A decode step's routed GLU experts in one call (bf16 weights, CPU): for T <= 8 tokens with K experts
+// A decode step's routed GLU experts in one call (bf16 or fp32 weights, CPU): for T <= 8 tokens with K experts
 // each, out[t] = sum_k w[t, k] * down[e](act(gate[e] x_t, up[e] x_t)) with e = ids[t, k].
 //
 // Every expert chosen by some token is one group (its weight rows are read once for all its tokens):
@@ -12,7 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
-#include "bf16_gemv.h"
+#include "gemv_blocks.h"
 
 namespace {
 enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kRelu = 3, kGptOss = 4 };
@@ -33,12 +33,13 @@ inline float act_gate(float g, int64_t kind, float alpha, float limit) {
   }
 }
 
-// gate_up over the groups' rows: g = (expert, first row, rows) into gu [pairs, 2F]
-void run_groups(const std::vector<int64_t>& groups, const c10::BFloat16* w, int64_t O, int64_t I,
-                const c10::BFloat16* x, const c10::BFloat16* bias, c10::BFloat16* out) {
+// one weight [E, O, I] over the groups' rows: g = (expert, first row, rows), x [pairs, I] -> out [pairs, O]
+template <typename scalar_t>
+void run_groups(const std::vector<int64_t>& groups, const scalar_t* w, int64_t O, int64_t I, const scalar_t* x,
+                const scalar_t* bias, scalar_t* out) {
   const int64_t G = static_cast<int64_t>(groups.size()) / 3;
   const int64_t blocks = (O + dynamoe::kGemvRowBlock - 1) / dynamoe::kGemvRowBlock;
-  at::parallel_for(0, G * blocks, dynamoe::grain_blocks(I), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, G * blocks, dynamoe::grain_blocks(I, sizeof(scalar_t)), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / blocks, e = groups[3 * g], off = groups[3 * g + 1];
       dynamoe::row_block(w + e * O * I, O, I, (item % blocks) * dynamoe::kGemvRowBlock, x + off * I, I,
@@ -47,27 +48,29 @@ void run_groups(const std::vector<int64_t>& groups, const c10::BFloat16* w, int6
   });
 }
 
-const c10::BFloat16* optional_bias(const c10::optional<torch::Tensor>& b, int64_t E, int64_t O, const char* name) {
+template <typename scalar_t>
+const scalar_t* optional_bias(const c10::optional<torch::Tensor>& b, int64_t E, int64_t O, c10::ScalarType dtype,
+                              const char* name) {
   if (!b.has_value()) return nullptr;
-  TORCH_CHECK(b->dim() == 2 && b->size(0) == E && b->size(1) == O && b->scalar_type() == torch::kBFloat16 &&
-              b->is_contiguous(), name, " must be contiguous bf16 [", E, ", ", O, "]");
-  return b->data_ptr<c10::BFloat16>();
+  TORCH_CHECK(b->dim() == 2 && b->size(0) == E && b->size(1) == O && b->scalar_type() == dtype &&
+              b->is_contiguous(), name, " must be contiguous ", dtype, " [", E, ", ", O, "]");
+  return b->data_ptr<scalar_t>();
 }
-}  // namespace
 
-int64_t bf16_moe_glu_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w_gate_up,
-                                torch::Tensor w_down, c10::optional<torch::Tensor> b_gate_up,
-                                c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
-                                torch::Tensor out, torch::Tensor load) {
-  TORCH_CHECK(w_gate_up.dim() == 3 && w_gate_up.scalar_type() == torch::kBFloat16 && w_gate_up.is_contiguous(),
-              "w_gate_up must be contiguous bf16 [E, 2F, D]");
-  TORCH_CHECK(w_down.dim() == 3 && w_down.scalar_type() == torch::kBFloat16 && w_down.is_contiguous(),
-              "w_down must be contiguous bf16 [E, O, F]");
+template <typename scalar_t>
+int64_t moe_glu_decode(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w_gate_up,
+                       torch::Tensor w_down, c10::optional<torch::Tensor> b_gate_up,
+                       c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
+                       torch::Tensor out, torch::Tensor load) {
+  const c10::ScalarType dtype = w_gate_up.scalar_type();
+  TORCH_CHECK(w_gate_up.dim() == 3 && w_gate_up.is_contiguous(), "w_gate_up must be contiguous [E, 2F, D]");
+  TORCH_CHECK(w_down.dim() == 3 && w_down.scalar_type() == dtype && w_down.is_contiguous(),
+              "w_down must be contiguous ", dtype, " [E, O, F]");
   const int64_t E = w_gate_up.size(0), F2 = w_gate_up.size(1), D = w_gate_up.size(2), F = F2 / 2;
   const int64_t O = w_down.size(1);
   TORCH_CHECK(F2 % 2 == 0 && w_down.size(0) == E && w_down.size(2) == F, "w_down must be [", E, ", O, ", F, "]");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.size(1) == D,
-              "x must be contiguous bf16 [T, ", D, "]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.is_contiguous() && x.size(1) == D,
+              "x must be contiguous ", dtype, " [T, ", D, "]");
   const int64_t T = x.size(0);
   TORCH_CHECK(T >= 1 && T <= 8, "x must have 1..8 rows, got ", T);
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == torch::kLong && ids.is_contiguous(),
@@ -75,13 +78,13 @@ int64_t bf16_moe_glu_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tenso
   const int64_t K = ids.size(1);
   TORCH_CHECK(weights.dim() == 2 && weights.size(0) == T && weights.size(1) == K &&
               weights.scalar_type() == torch::kFloat && weights.is_contiguous(), "weights must be contiguous fp32 [T, K]");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == O && out.scalar_type() == torch::kBFloat16 &&
-              out.is_contiguous(), "out must be contiguous bf16 [T, ", O, "]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == O && out.scalar_type() == dtype &&
+              out.is_contiguous(), "out must be contiguous ", dtype, " [T, ", O, "]");
   TORCH_CHECK(load.dim() == 1 && load.size(0) == E && load.scalar_type() == torch::kLong && load.is_contiguous(),
               "load must be contiguous int64 [", E, "]");
   TORCH_CHECK(act >= kSilu && act <= kGptOss, "act must be 0..4 (silu, gelu, gelu_tanh, relu, gpt_oss), got ", act);
-  const c10::BFloat16* bgu = optional_bias(b_gate_up, E, F2, "b_gate_up");
-  const c10::BFloat16* bd = optional_bias(b_down, E, O, "b_down");
+  const scalar_t* bgu = optional_bias<scalar_t>(b_gate_up, E, F2, dtype, "b_gate_up");
+  const scalar_t* bd = optional_bias<scalar_t>(b_down, E, O, dtype, "b_down");
 
   // groups: experts in order of first use; pairs sorted by group; pair p = (token, weight)
   const int64_t* ip = ids.data_ptr<int64_t>();
@@ -106,8 +109,8 @@ int64_t bf16_moe_glu_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tenso
   }
   std::vector<int64_t> fill(E, 0);
   auto xg = torch::empty({T * K, D}, x.options());
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  c10::BFloat16* xgp = xg.data_ptr<c10::BFloat16>();
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  scalar_t* xgp = xg.data_ptr<scalar_t>();
   for (int64_t t = 0; t < T; ++t)
     for (int64_t k = 0; k < K; ++k) {
       const int64_t e = ip[t * K + k], p = first[e] + fill[e]++;
@@ -117,29 +120,44 @@ int64_t bf16_moe_glu_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tenso
     }
 
   auto gu = torch::empty({T * K, F2}, x.options());
-  run_groups(groups, w_gate_up.data_ptr<c10::BFloat16>(), F2, D, xgp, bgu, gu.data_ptr<c10::BFloat16>());
+  run_groups<scalar_t>(groups, w_gate_up.data_ptr<scalar_t>(), F2, D, xgp, bgu, gu.data_ptr<scalar_t>());
   auto h = torch::empty({T * K, F}, x.options());
-  c10::BFloat16* gup = gu.data_ptr<c10::BFloat16>();
-  c10::BFloat16* hp = h.data_ptr<c10::BFloat16>();
+  scalar_t* gup = gu.data_ptr<scalar_t>();
+  scalar_t* hp = h.data_ptr<scalar_t>();
   const float a = static_cast<float>(alpha), lim = static_cast<float>(limit);
   for (int64_t p = 0; p < T * K; ++p)
     for (int64_t f = 0; f < F; ++f) {
       const float g = static_cast<float>(gup[p * F2 + f]);
       float u = static_cast<float>(gup[p * F2 + F + f]);
       if (act == kGptOss) u = std::min(std::max(u, -lim), lim) + 1.f;
-      hp[p * F + f] = c10::BFloat16(act_gate(g, act, a, lim) * u);
+      hp[p * F + f] = static_cast<scalar_t>(act_gate(g, act, a, lim) * u);
     }
   auto y = torch::empty({T * K, O}, x.options());
-  run_groups(groups, w_down.data_ptr<c10::BFloat16>(), O, F, hp, bd, y.data_ptr<c10::BFloat16>());
+  run_groups<scalar_t>(groups, w_down.data_ptr<scalar_t>(), O, F, hp, bd, y.data_ptr<scalar_t>());
 
   std::vector<float> acc(T * O, 0.f);
-  const c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const scalar_t* yp = y.data_ptr<scalar_t>();
   for (int64_t p = 0; p < T * K; ++p) {
     float* row = acc.data() + pair_token[p] * O;
     const float w = pair_weight[p];
     for (int64_t o = 0; o < O; ++o) row[o] += w * static_cast<float>(yp[p * O + o]);
   }
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < T * O; ++i) op[i] = c10::BFloat16(acc[i]);
+  scalar_t* op = out.data_ptr<scalar_t>();
+  for (int64_t i = 0; i < T * O; ++i) op[i] = static_cast<scalar_t>(acc[i]);
   return max_load;
+}
+}  // namespace
+
+int64_t moe_glu_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w_gate_up,
+                           torch::Tensor w_down, c10::optional<torch::Tensor> b_gate_up,
+                           c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
+                           torch::Tensor out, torch::Tensor load) {
+  switch (w_gate_up.scalar_type()) {
+    case torch::kBFloat16:
+      return moe_glu_decode<c10::BFloat16>(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, act, alpha, limit, out, load);
+    case torch::kFloat:
+      return moe_glu_decode<float>(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, act, alpha, limit, out, load);
+    default:
+      TORCH_CHECK(false, "w_gate_up must be bf16 or fp32, got ", w_gate_up.scalar_type());
+  }
 }

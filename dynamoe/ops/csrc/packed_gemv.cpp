@@ -245,14 +245,14 @@ bool has_avx512_bf16() {
 #endif
 }
 
-int64_t bf16_moe_glu_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w_gate_up,
-                                torch::Tensor w_down, c10::optional<torch::Tensor> b_gate_up,
-                                c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
-                                torch::Tensor out, torch::Tensor load);
+int64_t moe_glu_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w_gate_up,
+                           torch::Tensor w_down, c10::optional<torch::Tensor> b_gate_up,
+                           c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
+                           torch::Tensor out, torch::Tensor load);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("bf16_moe_glu_decode_out", &bf16_moe_glu_decode_out,
-        "a decode step's routed GLU experts (T <= 8 rows, bf16): out [T, O], load [E] filled; returns the max load");
+  m.def("moe_glu_decode_out", &moe_glu_decode_out,
+        "a decode step's routed GLU experts (T <= 8 rows, bf16 or fp32): out [T, O], load [E] filled; returns the max load");
   m.def("bf16_gemv_out", &bf16_gemv_out, "out [T, O] = x [T, I] @ W^T (+ bias): bf16 in and out, fp32 accumulation");
   m.def("bf16_grouped_gemv_out", &bf16_grouped_gemv_out,
         "per group (expert e, row offset, rows 1..8): out[rows] = x[rows] @ W[e]^T (+ bias[e]); W bf16 [E, O, I]");
