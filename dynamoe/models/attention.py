@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops import linear
 from .cache import KVCache
 from .norms import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
@@ -63,6 +64,12 @@ def attend(q_BHTd: Tensor, k_BKLd: Tensor, v_BKLd: Tensor, q_pos_BT: Tensor, k_p
     consecutive positions (plain causal attention: the fast path of SDPA)."""
     if k_pos_BL is None and window is None and sinks_H is None:
         return _sdpa(q_BHTd, k_BKLd, v_BKLd, None, scale, causal=q_BHTd.size(2) > 1)
+    if (k_pos_BL is not None and sinks_H is None and q_BHTd.size(0) == 1 and q_BHTd.size(2) == 1
+            and (window is None or k_BKLd.size(2) <= window) and q_pos_BT.device.type == "cpu"
+            and int(q_pos_BT[0, 0]) == k_BKLd.size(2) - 1):
+        # one sequence's decode step over exactly its keys 0..position: every key is visible, so
+        # no mask (building one costs more than this step's attention)
+        return _sdpa(q_BHTd, k_BKLd, v_BKLd, None, scale, causal=False)
     mask = attention_mask(q_pos_BT, q_pos_BT if k_pos_BL is None else k_pos_BL, window)
     if sinks_H is not None:
         return _attend_with_sinks(q_BHTd, k_BKLd, v_BKLd, mask, scale, sinks_H)
@@ -83,11 +90,15 @@ def write_kv(cache: KVCache, layer: int, slots_B: Tensor, positions_BT: Tensor, 
     (allocated [slots, K, max_seq_len, d]), and return the buffers' first ``kv_len`` positions of
     the batch's slots, [B, K, kv_len, d], in the new tensors' dtype."""
     out = {}
+    one_row = slots_B.device.type == "cpu" and positions_BT.device.type == "cpu" and slots_B.numel() == 1
     for name, t in new.items():
-        _, K, _, d = t.shape
+        _, K, T, d = t.shape
         buf = cache.buffer(layer, name, K, cache.max_seq_len, d)
-        # buf[slot_b, :, pos_bt] for every (b, t): advanced indices around a slice -> [B, T, K, d]
-        buf[slots_B[:, None], :, positions_BT] = t.transpose(1, 2).to(buf.dtype)
+        if one_row and T == 1:  # one sequence's decode step: a plain copy, not an index_put
+            buf[int(slots_B[0]), :, int(positions_BT[0, 0])].copy_(t[0, :, 0])
+        else:
+            # buf[slot_b, :, pos_bt] for every (b, t): advanced indices around a slice -> [B, T, K, d]
+            buf[slots_B[:, None], :, positions_BT] = t.transpose(1, 2).to(buf.dtype)
         out[name] = _slot_rows(buf, slots_B, kv_len).to(t.dtype)
     return out
 
@@ -133,6 +144,56 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(num_heads, **kw)) if sinks else None
         # shared by all layers and owned (registered) by the model: a plain reference here
         object.__setattr__(self, "rotary", rotary)
+        object.__setattr__(self, "_qkv", None)  # (weight, bias) that q/k/v_proj are views of, see fuse_qkv_
+
+    def fuse_qkv_(self) -> bool:
+        """Store q_proj, k_proj and v_proj's weights (and biases) in one [(H + 2K) d, D] buffer, each
+        parameter a view of its rows, so that inference runs one matmul (one GEMV at decode) instead
+        of three. Names, shapes and the state dict are unchanged. Only for plain linears whose
+        parameters need no gradient (a loaded model); True when fused."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(isinstance(p, nn.Linear) and type(p.weight) is nn.Parameter for p in projs):
+            return False
+        ws, bs = [p.weight for p in projs], [p.bias for p in projs]
+        if (len({(w.dtype, w.device) for w in ws}) != 1 or any(w.requires_grad for w in ws)
+                or (any(b is None for b in bs) and not all(b is None for b in bs))):
+            return False
+        with torch.no_grad():
+            weight = torch.cat([w.detach() for w in ws])
+            bias = None if bs[0] is None else torch.cat([b.detach() for b in bs])
+            row = 0
+            for p in projs:
+                n = p.weight.size(0)
+                p.weight = nn.Parameter(weight[row:row + n], requires_grad=False)
+                if bias is not None:
+                    p.bias = nn.Parameter(bias[row:row + n], requires_grad=False)
+                row += n
+        object.__setattr__(self, "_qkv", (weight, bias))
+        return True
+
+    def _project_qkv(self, x_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v projections: one matmul over the fused buffer while the parameters are still its
+        views (a parameter replaced since falls back to three), else three."""
+        qkv = self._qkv
+        if qkv is not None and not self._still_fused(qkv):  # e.g. moved by .to(): free the old buffer
+            qkv = None
+            object.__setattr__(self, "_qkv", None)
+        if qkv is not None and not torch.is_grad_enabled():
+            out = linear(x_BTD, qkv[0], qkv[1])
+            nq, nk = self.q_proj.weight.size(0), self.k_proj.weight.size(0)
+            return out[..., :nq], out[..., nq:nq + nk], out[..., nq + nk:]
+        return self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+
+    def _still_fused(self, qkv) -> bool:
+        weight, bias = qkv
+        row_bytes = weight.stride(0) * weight.element_size()
+        ptr, row = weight.data_ptr(), 0
+        for p in (self.q_proj, self.k_proj, self.v_proj):
+            if p.weight.data_ptr() != ptr + row * row_bytes or (bias is not None and (
+                    p.bias is None or p.bias.data_ptr() != bias.data_ptr() + row * bias.element_size())):
+                return False
+            row += p.weight.size(0)
+        return True
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
@@ -142,9 +203,8 @@ class Attention(nn.Module):
                 kv_len: int | None = None) -> Tensor:
         B, T, _ = x_BTD.shape
         H, K, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x_BTD).view(B, T, H, d)
-        k = self.k_proj(x_BTD).view(B, T, K, d)
-        v = self.v_proj(x_BTD).view(B, T, K, d).transpose(1, 2)
+        q, k, v = self._project_qkv(x_BTD)
+        q, k, v = q.reshape(B, T, H, d), k.reshape(B, T, K, d), v.reshape(B, T, K, d).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rotary(positions_BT, q.dtype)
