@@ -15,6 +15,9 @@ with ``trans_w=True`` ``x_e @ w[e].T`` (``w`` is [E, O, I], the nn.Linear layout
   shapes whose strides are not 16-byte aligned, a CPU backward through the [E, I, O] layout, and
   any (device, dtype) on which the kernel once refused to run go to the loop instead.
 
+With ``backend=None`` on CUDA at inference (no autograd), Triton installed and ``DYNAMOE_NO_TRITON``
+unset, the Triton grouped GEMM (dynamoe.ops.triton.grouped_gemm) runs instead: one launch for all groups.
+
 The counts arrive as Python ints (the dispatch plan already synchronised once to size things), so
 neither backend adds a host synchronisation.
 
@@ -32,6 +35,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .gemv import KERNEL_MAX_ROWS, small_rows_kernel
+from .triton import FLOAT_DTYPES, no_grad_needed, use_triton
 
 __all__ = ["grouped_mm", "grouped_mm_reference", "default_backend"]
 
@@ -262,6 +266,11 @@ def grouped_mm(
     if w.dtype != x_NI.dtype:  # autocast does not reach mm(out=): cast like it would (differentiably)
         w = w.to(x_NI.dtype)
         bias = bias.to(x_NI.dtype) if bias is not None else None
+    if backend is None and use_triton(x_NI, w) and x_NI.dtype in FLOAT_DTYPES and no_grad_needed(x_NI, w, bias, row_scale):
+        # --- Triton fast path (GPU inference; dynamoe.ops.triton.grouped_gemm): no per-group launches ---
+        from .triton.grouped_gemm import grouped_gemm as triton_grouped_gemm, offsets_from_counts
+        return triton_grouped_gemm(x_NI, w, offsets_from_counts(counts, x_NI.device), bias, trans_w,
+                                   row_scale=row_scale, out=out)
     backend = backend or default_backend(x_NI.device)
     if backend not in ("loop", "torch"):
         raise ValueError(f"backend must be 'loop', 'torch' or None, got {backend!r}")

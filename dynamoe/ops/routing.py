@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .triton import FLOAT_DTYPES, ROUTING_MAX_EXPERTS, no_grad_needed, use_triton
+
 __all__ = [
     "check_top_k",
     "softmax_topk",
@@ -32,6 +34,13 @@ def check_top_k(top_k: int, num_experts: int) -> int:
 def _upcast(t: Tensor) -> Tensor:
     """fp16/bf16 -> fp32+; fp32+ and fp64 stay (fp64 keeps gradcheck exact)."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _triton_path(*ts: Tensor | None) -> bool:
+    """GPU fast path (dynamoe.ops.triton.routing): CUDA, Triton, no autograd, half/fp32, E <= 1024."""
+    x = ts[0]
+    return (use_triton(*ts) and x.dtype in FLOAT_DTYPES and x.size(-1) <= ROUTING_MAX_EXPERTS
+            and no_grad_needed(*ts))
 
 
 def _check_logits(logits_TE: Tensor, name: str = "logits") -> None:
@@ -69,6 +78,9 @@ def softmax_topk(
     """
     _check_logits(logits_TE)
     check_top_k(top_k, logits_TE.size(1))
+    if _triton_path(logits_TE):  # --- Triton fast path (GPU): one launch ---
+        from .triton import routing as triton_routing
+        return triton_routing.softmax_topk(logits_TE, top_k, renormalize, need_probs)
     logits_TE = _upcast(logits_TE)
     top_logits_TK, ids_TK = torch.topk(logits_TE, top_k, dim=-1)
     probs_TE = torch.softmax(logits_TE, dim=-1) if (need_probs or not renormalize) else None
@@ -109,6 +121,10 @@ def sigmoid_group_topk(
             f"top_k={top_k} exceeds the experts in the {topk_group} selected groups "
             f"({topk_group} x {E // n_group}); raise topk_group or lower top_k"
         )
+    if _triton_path(logits_TE, correction_bias_E):  # --- Triton fast path (GPU): one launch ---
+        from .triton import routing as triton_routing
+        return triton_routing.sigmoid_group_topk(logits_TE, top_k, correction_bias_E, n_group, topk_group,
+                                                 renormalize, route_scale)
     scores_TE = torch.sigmoid(_upcast(logits_TE))
     choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.to(scores_TE.dtype)
     if n_group > 1 and topk_group < n_group:
@@ -153,8 +169,12 @@ def qwen3_moe_scaled_topk(
         raise ValueError(f"probs must be a floating-point tensor [..., experts], got {probs.dtype} {tuple(probs.shape)}")
     flat = probs.reshape(-1, probs.size(-1))
     check_top_k(top_k, flat.size(1))
-    vals_TK, ids_TK = torch.topk(_upcast(flat), top_k, dim=-1)
-    vals_TK = vals_TK / vals_TK.sum(-1, keepdim=True).clamp_min(torch.finfo(vals_TK.dtype).tiny)
+    if _triton_path(flat):  # --- Triton fast path (GPU): one launch ---
+        from .triton import routing as triton_routing
+        vals_TK, ids_TK = triton_routing.normalized_topk(flat, top_k)
+    else:
+        vals_TK, ids_TK = torch.topk(_upcast(flat), top_k, dim=-1)
+        vals_TK = vals_TK / vals_TK.sum(-1, keepdim=True).clamp_min(torch.finfo(vals_TK.dtype).tiny)
     shape = tuple(probs.shape[:-1]) + (top_k,)
     return (_write_out(vals_TK.view(shape), top_v_out, "top_v_out"),
             _write_out(ids_TK.view(shape), top_k_out, "top_k_out"))

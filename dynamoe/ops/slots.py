@@ -18,6 +18,8 @@ import math
 import torch
 from torch import Tensor
 
+from .triton import use_triton
+
 __all__ = ["capacity", "expert_slots"]
 
 
@@ -53,6 +55,10 @@ def expert_slots(ids_TK: Tensor, num_experts: int, priority_T: Tensor | None = N
             ragged row order. Its i-th entry is the assignment that lands in sorted row i.
     """
     T, K = ids_TK.shape
+    if priority_T is None and use_triton(ids_TK):  # --- Triton fast path (GPU; dynamoe.ops.triton.permute) ---
+        from .triton.permute import sort_by_expert
+        s = sort_by_expert(ids_TK, num_experts)
+        return s.slots_TK, s.counts_E.long(), s.order_N
     if priority_T is None:
         token_order_T = None
         ids_KT = ids_TK.t().reshape(-1)
