@@ -13,7 +13,8 @@ NVFP4 output is weight-only (no ``input_scale``: that needs calibration data).
 ``dynamoe serve [--model DIR | --try_path DIR ...] [--served-model-name N] [--host H] [--port N]
 [--max_seq_len N] [--serve core|webui] [--thinking_effort low|medium|high] [--max-num-seqs N]
 [--api-key K] [--dtype ...] [--chat-template FILE]`` serves the model over HTTP (OpenAI and Anthropic
-APIs, /chat, /metrics, a web UI); see :mod:`dynamoe.serve.cli`.
+APIs, /chat, /metrics, a web UI); see :mod:`dynamoe.serve.cli`. Under torchrun (``torchrun --nproc_per_node W
+-m dynamoe.cli serve ...``) the routed experts are split over the W ranks and rank 0 serves HTTP.
 Also runs as ``python -m dynamoe.cli``.
 """
 from __future__ import annotations

@@ -33,7 +33,7 @@ def test_cli_errors(tmp_path, monkeypatch, capsys):
     assert "has no config.json" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert cli.main(["serve", "--model", str(tmp_path)]) == 2
-    assert "multi-rank serving not supported yet" in capsys.readouterr().err
+    assert "WORLD_SIZE=2 but RANK is not set: start the ranks with torchrun" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["serve", "--serve", "gui"])
     with pytest.raises(SystemExit):

@@ -2,7 +2,8 @@
 
 ``GenerationEngine(model, tokenizer, max_seq_len, max_batch)`` serves many requests at once
 (``add_request`` / ``step`` / ``cancel``); ``generate`` / ``stream`` run one prompt; ``load`` reads a
-checkpoint folder. Heavy imports (``tokenizers``, ``jinja2``) happen on first use.
+checkpoint folder. Heavy imports (``tokenizers``, ``jinja2``) happen on first use. Expert-parallel
+models run on several ranks through :mod:`dynamoe.engine.distributed` (rank 0 drives, the others follow).
 """
 from .detokenizer import IncrementalDecoder, StopStrings
 from .engine import GenerationEngine, Request, RequestStats, TokenEvent, encode_prompt

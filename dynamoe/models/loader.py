@@ -9,6 +9,12 @@ ModelOpt NVFP4 via ``hf_quant_config.json``) keep their packed weights packed: r
 
 Every checkpoint tensor must be used and every parameter found: a missing, unexpected or
 mis-shaped tensor is a ValueError naming the tensor (and the expected and found shapes).
+
+Expert parallelism (``group`` of W ranks): every MoE block keeps E/W routed experts -- rank r the
+global experts [r*E/W, (r+1)*E/W), as the MoE layer's all-to-all expects -- and reads only theirs
+(per-expert tensors of other experts are skipped; stacked ones are read row range only); everything
+else (embeddings, attention, norms, router, shared experts, lm_head) is loaded whole on every rank.
+The other ranks' expert tensors count as used. Every rank must then run the same forwards.
 """
 from __future__ import annotations
 
@@ -83,6 +89,11 @@ class _Recording(Mapping):
         self.read.add(name)
         return t
 
+    def get_slice(self, name):
+        t = self.tensors.get_slice(name)
+        self.read.add(name)
+        return t
+
     def __contains__(self, name) -> bool:
         return name in self.tensors
 
@@ -96,6 +107,8 @@ class _Recording(Mapping):
 class _Filler:
     def __init__(self, model: CausalLM, tensors: _Recording, qcfg, dtype: torch.dtype, device: torch.device):
         self.model, self.tensors, self.qcfg, self.dtype, self.device = model, tensors, qcfg, dtype, device
+        # expert parallelism: checkpoint prefix of a block's per-expert tensors -> (E, this rank's experts)
+        self.partial_experts: dict[str, tuple[int, range]] = {}
 
     def read(self, ours: str, expected_shape, allow_quantized: bool = False):
         name = self.model.checkpoint_name(ours)
@@ -137,9 +150,11 @@ class _Filler:
 
     def experts(self, name: str, block: SparseMoeBlock) -> None:
         model, experts = self.model, block.moe.experts
-        ew = read_experts(self.tensors, self.qcfg, model.checkpoint_name(name + ".moe.experts"), model.expert_layout,
-                          experts.num_local_experts, experts.hidden_size, experts.model_dim, self.dtype, self.device,
-                          bias=model.expert_bias)
+        prefix, local = model.checkpoint_name(name + ".moe.experts"), block.local_experts
+        if len(local) != block.num_experts:
+            self.partial_experts[prefix] = (block.num_experts, local)
+        ew = read_experts(self.tensors, self.qcfg, prefix, model.expert_layout, block.num_experts, experts.hidden_size,
+                          experts.model_dim, self.dtype, self.device, bias=model.expert_bias, local=local)
         if ew.quantized:
             block.moe.experts = QuantizedExperts(ew.w1, ew.w2, "glu", ew.b1, ew.b2, glu_kind=experts.activation,
                                                  alpha=experts.alpha, limit=experts.limit,
@@ -200,6 +215,18 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="loading", unit="module", file=sys.stderr, leave=False)
 
 
+_EXPERT_NAME = re.compile(r"(.*)\.(\d+)\.")   # "<prefix>.<expert>." -- the last numeric component
+
+
+def _other_ranks_expert(name: str, partial: dict) -> bool:
+    """Whether ``name`` is a per-expert tensor of an expert another rank holds (expert parallelism)."""
+    m = _EXPERT_NAME.match(name)
+    if m is None or m.group(1) not in partial:
+        return False
+    E, local = partial[m.group(1)]
+    return int(m.group(2)) < E and int(m.group(2)) not in local
+
+
 def _ignorable(name: str, config: ModelConfig) -> bool:
     if name.endswith("rotary_emb.inv_freq"):
         return True
@@ -209,27 +236,50 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
     return bool(m) and int(m.group(1)) >= config.num_hidden_layers
 
 
-def load(path, dtype: Union[torch.dtype, str] = torch.float32, device=None, progress: bool = True) -> CausalLM:
+def _world_size(group) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("group was given but torch.distributed is not initialised (call init_process_group first)")
+    return dist.get_world_size(group)
+
+
+def load(path, dtype: Union[torch.dtype, str] = torch.float32, device=None, progress: bool = True,
+         group=None) -> CausalLM:
     """Load a Hugging Face checkpoint folder as a dynamoe model in eval mode.
 
     path: folder with config.json and model.safetensors (or shards + model.safetensors.index.json).
     dtype: compute dtype (float32, bfloat16, float16). device: where the weights go (default CPU).
     progress: a tqdm bar on stderr.
+    group: a torch.distributed process group (e.g. ``dist.group.WORLD``) of W > 1 ranks for expert
+    parallelism (see the module docstring): every rank of the group calls ``load`` alike and then runs
+    the same forwards, whose outputs equal the one-process model's. num_experts must be divisible by W.
     """
     path = os.fspath(path)
     _check_folder(path)
     dtype = _check_dtype(dtype)
     device = torch.device(device if device is not None else "cpu")
     config = load_config(path)
+    world = _world_size(group)
+    if world > 1 and config.num_experts and config.num_experts % world:
+        raise ValueError(f"num_experts={config.num_experts} of {path!r} is not divisible by the world size {world}: "
+                         f"expert parallelism gives every rank num_experts / world size experts")
     qcfg = quant_config_from_dir(path)
     builder = builder_for(config)
     with torch.device("meta"):
         model = builder(config, dtype=dtype)
+        if world > 1:
+            for _, block in model.moe_layers():
+                block.expert_parallel_(group)
     files = CheckpointTensors(path)
     tensors = _Recording(files)
     try:
-        _Filler(model, tensors, qcfg, dtype, device).run(progress)
-        unexpected = sorted(n for n in files if n not in tensors.read and not _ignorable(n, config))
+        filler = _Filler(model, tensors, qcfg, dtype, device)
+        filler.run(progress)
+        unexpected = sorted(n for n in files if n not in tensors.read and not _ignorable(n, config)
+                            and not _other_ranks_expert(n, filler.partial_experts))
     finally:
         files.close()
     if unexpected:

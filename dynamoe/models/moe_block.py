@@ -17,6 +17,8 @@ forward's :class:`~dynamoe.moe.RoutingStats` is kept on ``last_stats``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -102,6 +104,31 @@ class SparseMoeBlock(nn.Module):
         self.moe = MoELayer(MoEConfig(model_dim=D, gates=[gate], experts=experts, aux_loss="none", dtype=dtype,
                                       check_finite=False))
         self.last_stats = None
+
+    @property
+    def local_experts(self) -> range:
+        """The global ids of the routed experts this process holds (all E, unless expert parallel)."""
+        L = self.moe.num_local_experts
+        return range(self.moe.exchange.rank * L, (self.moe.exchange.rank + 1) * L)
+
+    def expert_parallel_(self, group) -> None:
+        """Keep only this rank's share of the routed experts: over ``group``'s W ranks, rank r holds
+        global experts [r*E/W, (r+1)*E/W) (the MoE layer's all-to-all convention) and every forward
+        exchanges tokens with the other ranks; the router and the shared experts stay whole. Every rank
+        must then run the same forwards. Rebuilds ``self.moe`` with fresh parameters: the loader calls
+        this on the meta device, before reading the weights."""
+        from ..parallel import net   # importing dynamoe.parallel registers the all-to-all exchange
+
+        world = net.get_world_size(group)
+        if world == 1:
+            return
+        E = self.num_experts
+        if E % world:
+            raise ValueError(f"num_experts={E} is not divisible by the world size {world}: expert parallelism "
+                             f"gives every rank num_experts / world size experts")
+        cfg = self.moe.config
+        local = dataclasses.replace(cfg.experts, num_experts_per_device=E // world)
+        self.moe = MoELayer(dataclasses.replace(cfg, experts=local), group=group)
 
     def materialize_buffers(self, device) -> None:
         """Buffers of the MoE layer when the model was built on the meta device."""

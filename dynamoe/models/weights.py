@@ -14,6 +14,10 @@ rows), ``w2`` = down [E, D, F], optional biases b1 [E, 2F], b2 [E, D]. On disk:
 
 Readers stream: the dense result is allocated once in the target dtype and filled one expert (or
 one tensor) at a time; packed weights stay packed (:mod:`dynamoe.quant.checkpoint`).
+
+Expert parallelism reads a contiguous range of experts (``local``): per-expert tensors of the other
+experts are not read at all; stacked tensors (leading dim E) are read row range only, through
+safetensors' lazy slices when the mapping offers ``get_slice`` (:class:`ExpertRows`).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from torch import Tensor
 from ..quant.base import QuantizedWeight
 from ..quant.checkpoint import QuantConfig, concat_out, deinterleave_gate_up, read_weight, stack_experts
 
-__all__ = ["PerExpert", "FusedInterleaved", "ExpertWeights", "read_experts", "check_shape"]
+__all__ = ["PerExpert", "FusedInterleaved", "ExpertWeights", "ExpertRows", "read_experts", "check_shape"]
 
 log = logging.getLogger(__name__)
 Weight = Union[Tensor, QuantizedWeight]
@@ -73,14 +77,52 @@ def _gate_then_up(t: Tensor, dim: int) -> Tensor:
     return torch.cat([t[tuple(even)], t[tuple(odd)]], dim=dim)
 
 
+class ExpertRows(Mapping):
+    """The checkpoint as seen by the experts ``local`` (a contiguous range of the ``num_experts``):
+    a stacked expert tensor -- leading dim ``num_experts`` -- comes back as rows ``local`` only, read
+    from disk alone where the mapping has safetensors' lazy ``get_slice``; a 0-d tensor (one value
+    for every expert) whole. Any other shape cannot be split by expert: ValueError naming it."""
+
+    def __init__(self, tensors: Mapping, local: range, num_experts: int):
+        self.tensors, self.local, self.num_experts = tensors, local, num_experts
+
+    def __getitem__(self, name: str) -> Tensor:
+        a, b = self.local.start, self.local.stop
+        get_slice = getattr(self.tensors, "get_slice", None)
+        if get_slice is not None:
+            lazy = get_slice(name)
+            shape = tuple(lazy.get_shape())
+            if shape and shape[0] == self.num_experts:
+                return lazy[a:b]
+        else:
+            t = self.tensors[name]
+            shape = tuple(t.shape)
+            if shape and shape[0] == self.num_experts:
+                return t[a:b].clone()   # not a view: the parameter must not keep every expert alive
+        if not shape:
+            return self.tensors[name]
+        raise ValueError(f"tensor {name!r} of shape {shape} cannot be split by expert for expert parallelism: "
+                         f"a stacked expert tensor needs num_experts={self.num_experts} along dim 0")
+
+    def __contains__(self, name) -> bool:
+        return name in self.tensors
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
 def _dense(w: Weight, dtype) -> Tensor:
     return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w.to(dtype)
 
 
-def _read_per_expert(tensors: Mapping, qcfg, prefix: str, layout: PerExpert, E: int, F_: int, D: int,
+def _read_per_expert(tensors: Mapping, qcfg, prefix: str, layout: PerExpert, local: range, F_: int, D: int,
                      dtype, device) -> ExpertWeights:
+    E = len(local)
     names = [(f"{prefix}.{e}.{layout.gate}.weight", f"{prefix}.{e}.{layout.up}.weight", f"{prefix}.{e}.{layout.down}.weight")
-             for e in range(E)]
+             for e in local]
     first = read_weight(tensors, names[0][0], qcfg)
     if isinstance(first, QuantizedWeight):
         parts = [[read_weight(tensors, n, qcfg) for n in trio] for trio in names]
@@ -153,14 +195,22 @@ def _read_fused_interleaved(tensors: Mapping, qcfg, prefix: str, E: int, F_: int
 
 
 def read_experts(tensors: Mapping, qcfg: Optional[QuantConfig], prefix: str, layout, num_experts: int,
-                 hidden_size: int, model_dim: int, dtype: torch.dtype, device, bias: bool = False) -> ExpertWeights:
+                 hidden_size: int, model_dim: int, dtype: torch.dtype, device, bias: bool = False,
+                 local: Optional[range] = None) -> ExpertWeights:
     """The routed experts under checkpoint prefix ``prefix`` (e.g. ``model.layers.3.mlp.experts``), in
-    our layout: dense in ``dtype`` on ``device``, or packed QuantizedWeights (moved to ``device``)."""
+    our layout: dense in ``dtype`` on ``device``, or packed QuantizedWeights (moved to ``device``).
+    ``num_experts``: E in the checkpoint; ``local``: the contiguous range of them to read (default all;
+    expert parallelism reads its rank's share), which sets the leading dim L of the result."""
     E, F_, D = num_experts, hidden_size, model_dim
+    local = range(E) if local is None else local
+    if local.step != 1 or not 0 <= local.start < local.stop <= E:
+        raise ValueError(f"local must be a non-empty contiguous range within [0, {E}), got {local!r}")
     if isinstance(layout, PerExpert):
         if bias:
             raise ValueError("per-expert checkpoints with expert biases are not supported")
-        return _read_per_expert(tensors, qcfg, prefix, layout, E, F_, D, dtype, device)
+        return _read_per_expert(tensors, qcfg, prefix, layout, local, F_, D, dtype, device)
     if isinstance(layout, FusedInterleaved):
-        return _read_fused_interleaved(tensors, qcfg, prefix, E, F_, D, dtype, device, bias)
+        if len(local) != E:
+            tensors = ExpertRows(tensors, local, E)
+        return _read_fused_interleaved(tensors, qcfg, prefix, len(local), F_, D, dtype, device, bias)
     raise ValueError(f"unknown expert layout {layout!r}; expected PerExpert or FusedInterleaved")

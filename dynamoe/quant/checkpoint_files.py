@@ -62,6 +62,12 @@ class CheckpointTensors(Mapping):
             raise KeyError(name)
         return self._handle(self.where[name]).get_tensor(name)
 
+    def get_slice(self, name: str):
+        """safetensors' lazy view of tensor ``name``: ``.get_shape()``, and ``[a:b]`` reads those rows only."""
+        if name not in self.where:
+            raise KeyError(name)
+        return self._handle(self.where[name]).get_slice(name)
+
     def __contains__(self, name) -> bool:
         return name in self.where
 

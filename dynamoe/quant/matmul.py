@@ -7,6 +7,7 @@ Legend: N rows, E experts, I input features, O output features.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops import cpu_kernels
+from ..ops.triton import FLOAT_DTYPES, use_triton
 from .base import QuantizedWeight
 from .codecs import E4M3_MAX, e4m3_decode, e4m3_encode
 from .fp8_block import BlockFP8Weight
@@ -86,46 +88,73 @@ def quantized_linear(x: Tensor, w: QuantizedWeight, bias: Tensor | None = None, 
     return F.linear(x, w.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
+def _triton_grouped_mm(x_NI: Tensor, w: QuantizedWeight, counts: list, bias, row_scale, out) -> Tensor | None:
+    """dynamoe.ops.triton.quant_gemm: all experts in one launch, tiles decoded in registers; None for
+    a format it does not know."""
+    from ..ops.triton import quant_gemm
+    from ..ops.triton.grouped_gemm import offsets_from_counts
+    offsets = offsets_from_counts(counts, x_NI.device)
+    kw = dict(bias=None if bias is None else bias.to(x_NI.dtype), row_scale=row_scale, out=out)
+    if isinstance(w, BlockFP8Weight):
+        return quant_gemm.fp8_block_gemm(x_NI, w.weight, w.weight_scale_inv, offsets, w.block, w.scale_fmt == "ue8m0", **kw)
+    if isinstance(w, MXFP4Weight):
+        return quant_gemm.mxfp4_gemm(x_NI, w.blocks, w.scales, offsets, **kw)
+    if isinstance(w, NVFP4Weight):
+        return quant_gemm.nvfp4_gemm(x_NI, w.weight, w.weight_scale, w.weight_scale_2, offsets, **kw)
+    return None
+
+
 def quantized_grouped_mm(x_NI: Tensor, w: QuantizedWeight, counts: Sequence[int], bias: Tensor | None = None,
                          row_scale: Tensor | None = None, out: Tensor | None = None,
                          act_quant: str | None = None) -> Tensor:
     """Rows sorted by expert times each expert's packed weight W_e [O, I] (the Linear layout):
-    y_rows(e) = (x_rows(e) @ W_e^T + b_e) * s_rows. Differentiable in x, bias and row_scale (the
-    weights are constants); ``out`` is an inference-only output buffer."""
+    y_rows(e) = (x_rows(e) @ W_e^T + b_e) * s_rows. ``counts``: E row counts, or k*E with group g using
+    expert g % E (as :func:`dynamoe.ops.grouped_mm`; the expert-parallel exchange delivers W source
+    blocks of the L local experts); each expert's weight is dequantized at most once per call.
+    Differentiable in x, bias and row_scale (the weights are constants); ``out`` is an inference-only
+    output buffer."""
     _check(x_NI, w, act_quant)
     counts = [int(c) for c in counts]
-    if w.num_leading != 1 or len(counts) != w.shape[0] or sum(counts) != x_NI.size(0):
-        raise ValueError(f"need a [E, O, I] weight and E counts summing to N={x_NI.size(0)}; got weight {tuple(w.shape)}, "
-                         f"{len(counts)} counts summing to {sum(counts)}")
+    E = w.shape[0] if w.num_leading == 1 else 0
+    if not E or not counts or len(counts) % E or sum(counts) != x_NI.size(0):
+        raise ValueError(f"need a [E, O, I] weight and E counts (or a multiple of E) summing to N={x_NI.size(0)}; got "
+                         f"weight {tuple(w.shape)}, {len(counts)} counts summing to {sum(counts)}")
     if act_quant == "fp8":
         x_NI = fp8_activation_quant(x_NI)
     O = w.shape[1]
     track = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_NI, bias, row_scale))
     if out is not None and track:
         raise ValueError("out= is for inference only (no autograd)")
-    pieces = []
+    if not track and x_NI.dtype in FLOAT_DTYPES and use_triton(x_NI, getattr(w, w._tensor_fields()[0])):
+        y = _triton_grouped_mm(x_NI, w, counts, bias, row_scale, out)  # --- Triton fast path (GPU inference) ---
+        if y is not None:
+            return y
+    pieces: dict[int, Tensor] = {}
     if not track and out is None:
         out = x_NI.new_empty(x_NI.size(0), O)
-    off = 0
-    for e, c in enumerate(counts):
-        if c:
+    offsets = [0, *itertools.accumulate(counts)]
+    for e in range(E):
+        w_e = None
+        for g in range(e, len(counts), E):
+            off, c = offsets[g], counts[g]
+            if not c:
+                continue
             x_e = x_NI.narrow(0, off, c)
             b_e = None if bias is None else bias[e].to(x_NI.dtype)
             y_e = None if track else packed_gemv(x_e, w[e])
             if y_e is not None:  # decode-sized: straight from the packed bytes
                 out.narrow(0, off, c).copy_(y_e if b_e is None else y_e + b_e)
-                off += c
                 continue
-            w_e = w[e].dequantize(x_NI.dtype)  # one expert's weight, then dropped
+            if w_e is None:
+                w_e = w[e].dequantize(x_NI.dtype)  # one expert's weight, dropped after its groups
             if track:
-                pieces.append(F.linear(x_e, w_e, b_e))
+                pieces[g] = F.linear(x_e, w_e, b_e)
             elif b_e is None:
                 torch.mm(x_e, w_e.t(), out=out.narrow(0, off, c))
             else:
                 torch.addmm(b_e, x_e, w_e.t(), out=out.narrow(0, off, c))
-        off += c
     if track:
-        y = torch.cat(pieces) if pieces else x_NI.new_zeros(0, O)
+        y = torch.cat([pieces[g] for g in sorted(pieces)]) if pieces else x_NI.new_zeros(0, O)
         return y if row_scale is None else y * row_scale.to(y.dtype).unsqueeze(1)
     if row_scale is not None:
         out.mul_(row_scale.to(out.dtype).unsqueeze(1))

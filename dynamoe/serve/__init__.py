@@ -10,7 +10,8 @@ on first use of these names.
 
 Files: ``app`` (routes, auth, error shapes), ``openai_api``, ``anthropic_api``, ``parsing`` (reasoning
 and tool-call parsers), ``runner`` (engine thread <-> asyncio), ``state`` (shared request steps),
-``metrics``, ``body``, ``errors``, ``sse``, ``webui``, ``cli``.
+``metrics``, ``body``, ``errors``, ``sse``, ``webui``, ``cli``, ``multirank`` (``dynamoe serve`` under torchrun:
+expert parallel, HTTP on rank 0).
 """
 from __future__ import annotations
 

@@ -3,6 +3,13 @@
 The model path comes only from the command line: ``--model DIR``, else the first existing of the
 ``--try_path DIR`` flags (repeatable), else the embedded demo model (``dynamoe/assets/demo-moe/``) when
 this build has it. Nothing here imports torch or FastAPI until the command runs.
+
+Multi-rank (expert parallel) serving: under torchrun (``WORLD_SIZE`` > 1, ``RANK``, ``LOCAL_RANK``; or
+``LOCAL_SIZE`` ranks per node, the launcher's name, when ``LOCAL_RANK`` is missing) every rank joins the
+process group (NCCL on ``cuda:LOCAL_RANK``, else gloo on CPU) and loads 1/WORLD_SIZE of the routed
+experts with everything else replicated; rank 0 serves HTTP, the other ranks bind no port and repeat
+rank 0's forwards (:mod:`dynamoe.engine.distributed`). ``torchrun --standalone --nproc_per_node 2 -m
+dynamoe.cli serve --model DIR``. Stopping rank 0 (Ctrl-C, SIGTERM to the torchrun job) stops them all.
 """
 from __future__ import annotations
 
@@ -11,7 +18,8 @@ import ipaddress
 import os
 import sys
 
-__all__ = ["add_serve_parser", "serve_command", "resolve_model_path", "DEMO_MODEL_DIR"]
+__all__ = ["add_serve_parser", "serve_command", "resolve_model_path", "rank_environment", "server_config", "announce",
+           "DEMO_MODEL_DIR"]
 
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "demo-moe")
 
@@ -41,7 +49,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                        description="Serve a Hugging Face checkpoint folder over HTTP with continuous batching: "
                                    "POST /chat (plain-text stream), OpenAI /v1/chat/completions, /v1/completions, "
                                    "/v1/models, Anthropic /v1/messages, /health, /metrics (Prometheus) and a web "
-                                   "UI at /.")
+                                   "UI at /. Under torchrun (WORLD_SIZE > 1) the routed experts are split over "
+                                   "the ranks (expert parallel): rank 0 serves HTTP, every rank runs the model, "
+                                   "e.g. torchrun --standalone --nproc_per_node 2 -m dynamoe.cli serve --model DIR.")
     s.add_argument("--model", metavar="DIR", help="checkpoint folder (config.json, weights, tokenizer.json)")
     s.add_argument("--try_path", "--try-path", action="append", default=[], metavar="DIR",
                    help="candidate checkpoint folder; repeatable, the first that exists is served")
@@ -64,7 +74,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "/health; default: $DYNAMOE_API_KEY, else none")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weight dtype (default: the loader's)")
-    s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu; under "
+                                                  "torchrun cuda means cuda:LOCAL_RANK)")
     s.add_argument("--chat-template", "--chat_template", dest="chat_template", metavar="FILE",
                    help="chat template file (.jinja, or JSON with chat_template) instead of the checkpoint's")
     s.add_argument("--max-request-bytes", dest="max_request_bytes", type=_positive_int, default=32 * 2**20,
@@ -101,13 +112,50 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _env_int(env, name: str) -> int | None:
+    raw = env.get(name, "")
+    if raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def rank_environment(env=None) -> tuple[int, int, int, int] | None:
+    """``(rank, world_size, local_rank, local_size)`` from torchrun's (or dynamoe.launcher.run's)
+    environment, or None for one process (``WORLD_SIZE`` unset or 1). ``LOCAL_SIZE`` (else
+    ``LOCAL_WORLD_SIZE``) is the ranks per node; without ``LOCAL_RANK`` the local rank is
+    ``RANK % LOCAL_SIZE``. ValueError naming the variable when something does not fit."""
+    env = os.environ if env is None else env
+    world = _env_int(env, "WORLD_SIZE")
+    if world is None or world == 1:
+        return None
+    rank = _env_int(env, "RANK")
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE must be >= 1, got {world}")
+    if rank is None:
+        raise ValueError(f"WORLD_SIZE={world} but RANK is not set: start the ranks with torchrun")
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK must be in [0, {world}) for WORLD_SIZE={world}, got {rank}")
+    local_size = _env_int(env, "LOCAL_SIZE") or _env_int(env, "LOCAL_WORLD_SIZE") or world
+    if not 1 <= local_size <= world:
+        raise ValueError(f"LOCAL_SIZE (ranks per node) must be in [1, {world}], got {local_size}")
+    local_rank = _env_int(env, "LOCAL_RANK")
+    local_rank = rank % local_size if local_rank is None else local_rank
+    if not 0 <= local_rank < local_size:
+        raise ValueError(f"LOCAL_RANK must be in [0, {local_size}) (LOCAL_SIZE ranks per node), got {local_rank}")
+    return rank, world, local_rank, local_size
+
+
 def serve_command(args, err=None) -> int:
-    """Run ``dynamoe serve`` with parsed ``args`` until interrupted; returns the exit status."""
+    """Run ``dynamoe serve`` with parsed ``args`` until interrupted; returns the exit status. Under
+    torchrun (WORLD_SIZE > 1) every rank runs it: see the module docstring."""
     err = err or sys.stderr
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1:
-        print(f"dynamoe serve: error: multi-rank serving not supported yet (WORLD_SIZE={world}); "
-              f"run a single process", file=err)
+    try:
+        ranks = rank_environment()
+    except ValueError as e:
+        print(f"dynamoe serve: error: {e}", file=err)
         return 2
     try:
         path = resolve_model_path(args.model, args.try_path)
@@ -122,13 +170,15 @@ def serve_command(args, err=None) -> int:
         print(f"dynamoe serve: error: --chat-template {args.chat_template!r} is not a file", file=err)
         return 2
     api_key = args.api_key or os.environ.get("DYNAMOE_API_KEY") or None
+    if ranks is not None:
+        from .multirank import serve_ranks
+        return serve_ranks(args, path, api_key, ranks, err)
 
     import torch
     import uvicorn
 
     from ..engine import GenerationEngine, load
     from .app import create_app
-    from .state import ServerConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -140,18 +190,30 @@ def serve_command(args, err=None) -> int:
     except (ValueError, OSError) as e:
         print(f"dynamoe serve: error: {e}", file=err)
         return 1
-    name = args.served_model_name or os.path.basename(os.path.normpath(path))
-    config = ServerConfig(model_name=name, max_seq_len=max_seq_len, max_num_seqs=args.max_num_seqs, api_key=api_key,
-                          webui=args.serve == "webui", thinking_effort=args.thinking_effort,
-                          max_request_bytes=args.max_request_bytes)
+    config = server_config(args, path, api_key, max_seq_len)
     app = create_app(engine, tokenizer, config)
-    if not _is_loopback(args.host) and api_key is None:
-        print(f"dynamoe serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
-              f"port can use the model", file=err)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"dynamoe serve: {name} ({params / 1e6:.1f}M parameters, {device}) from {path}; max_seq_len "
-          f"{max_seq_len}, max-num-seqs {args.max_num_seqs}, api key {'on' if api_key else 'off'}, "
-          f"{'web UI and APIs' if config.webui else 'APIs only'} on http://{args.host}:{args.listen_port}",
-          file=err, flush=True)
+    announce(args, config, f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {device}", path, err)
     uvicorn.run(app, host=args.host, port=args.listen_port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
+
+
+def server_config(args, path: str, api_key: str | None, max_seq_len: int):
+    """The :class:`ServerConfig` of the parsed flags."""
+    from .state import ServerConfig
+
+    name = args.served_model_name or os.path.basename(os.path.normpath(path))
+    return ServerConfig(model_name=name, max_seq_len=max_seq_len, max_num_seqs=args.max_num_seqs, api_key=api_key,
+                        webui=args.serve == "webui", thinking_effort=args.thinking_effort,
+                        max_request_bytes=args.max_request_bytes)
+
+
+def announce(args, config, what: str, path: str, err) -> None:
+    """The start-up lines on ``err``: a warning when open to the network without a key, then the banner
+    (``what``: the model's size and device, in parentheses)."""
+    if not _is_loopback(args.host) and config.api_key is None:
+        print(f"dynamoe serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
+              f"port can use the model", file=err)
+    print(f"dynamoe serve: {config.model_name} ({what}) from {path}; max_seq_len "
+          f"{config.max_seq_len}, max-num-seqs {args.max_num_seqs}, api key {'on' if config.api_key else 'off'}, "
+          f"{'web UI and APIs' if config.webui else 'APIs only'} on http://{args.host}:{args.listen_port}",
+          file=err, flush=True)
