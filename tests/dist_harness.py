@@ -53,7 +53,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> None:
         while not procs.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{world} ranks did not finish within {timeout:.0f} s")
-    except mp.ProcessException as exc:  # raised in a rank, or a rank exited non-zero
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # raised in a rank, or exited non-zero
         msgs = []
         while not errors.empty():
             msgs.append(errors.get())
