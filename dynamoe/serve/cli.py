@@ -18,7 +18,7 @@ import ipaddress
 import os
 import sys
 
-__all__ = ["add_serve_parser", "serve_command", "resolve_model_path", "rank_environment", "server_config", "announce",
+__all__ = ["add_serve_parser", "serve_command", "resolve_model_path", "rank_environment", "build_engine", "server_config", "announce",
            "DEMO_MODEL_DIR"]
 
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "demo-moe")
@@ -177,16 +177,13 @@ def serve_command(args, err=None) -> int:
     import torch
     import uvicorn
 
-    from ..engine import GenerationEngine, load
+    from ..engine import load
     from .app import create_app
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         model, tokenizer = load(path, dtype=args.dtype, device=device, chat_template=args.chat_template)
-        mpe = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        max_seq_len = args.max_seq_len or (min(int(mpe), 4096) if mpe else 4096)
-        engine = GenerationEngine(model, tokenizer, max_seq_len=max_seq_len, max_batch=args.max_num_seqs,
-                                  prefill_chunk=2048)
+        engine, max_seq_len = build_engine(args, model, tokenizer)
     except (ValueError, OSError) as e:
         print(f"dynamoe serve: error: {e}", file=err)
         return 1
@@ -195,6 +192,17 @@ def serve_command(args, err=None) -> int:
     announce(args, config, f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {device}", path, err)
     uvicorn.run(app, host=args.host, port=args.listen_port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
+
+
+def build_engine(args, model, tokenizer):
+    """(the GenerationEngine for ``model`` with the parsed flags, its max_seq_len): ``--max_seq_len``,
+    else the model's max_position_embeddings capped at 4096."""
+    from ..engine import GenerationEngine
+
+    mpe = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    max_seq_len = args.max_seq_len or (min(int(mpe), 4096) if mpe else 4096)
+    engine = GenerationEngine(model, tokenizer, max_seq_len=max_seq_len, max_batch=args.max_num_seqs, prefill_chunk=2048)
+    return engine, max_seq_len
 
 
 def server_config(args, path: str, api_key: str | None, max_seq_len: int):

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from .cli import announce, server_config
+from .cli import announce, build_engine, server_config
 
 __all__ = ["serve_ranks", "rank_device"]
 
@@ -104,7 +104,6 @@ def _load(args, path: str, rank: int, device, err):
 def _lead(args, path, api_key, model, tokenizer, channel, world: int, device, err) -> int:
     import uvicorn
 
-    from ..engine import GenerationEngine
     from ..engine.distributed import LeaderModel
     from .app import create_app
 
@@ -119,10 +118,7 @@ def _lead(args, path, api_key, model, tokenizer, channel, world: int, device, er
     leader = LeaderModel(model, channel, on_fatal=on_fatal)
     try:
         try:
-            mpe = getattr(model.config, "max_position_embeddings", None)
-            max_seq_len = args.max_seq_len or (min(int(mpe), 4096) if mpe else 4096)
-            engine = GenerationEngine(leader, tokenizer, max_seq_len=max_seq_len, max_batch=args.max_num_seqs,
-                                      prefill_chunk=2048)
+            engine, max_seq_len = build_engine(args, leader, tokenizer)
         except (ValueError, OSError) as e:
             print(f"dynamoe serve: error: {e}", file=err)
             return 1
