@@ -157,6 +157,33 @@ def test_expert_parallel_load_matches_one_process(checkpoints):
     run_ranks(2, ep_worker, checkpoints, timeout=300)
 
 
+def split_worker(rank, world, dirs):
+    """Replicated tokens (multi-rank serving): a large batch is split over the ranks and gathered; the
+    logits and every layer's routing statistics are the whole batch's, as in one process."""
+    torch.set_num_threads(1)
+    for name in ("qwen3", "gpt_oss_mxfp4"):
+        ref = dm.load(dirs[name], progress=False)
+        ep = dm.load(dirs[name], progress=False, group=dist.group.WORLD)
+        calls = []
+        for _, block in ep.moe_layers():
+            block.replicated_tokens_()
+            block.split_min_rows_per_rank = 5
+            real = block._forward_split
+            block._forward_split = lambda x, W, real=real: calls.append(x.shape) or real(x, W)
+        with torch.no_grad():
+            for ids in (IDS, IDS[:, :5], IDS[:1, :9]):   # 24 rows (split 12/12), 10 (split 5/5), 9 (not split)
+                want, got = ref(ids), ep(ids)
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=name)
+                for (_, rb), (_, eb) in zip(ref.moe_layers(), ep.moe_layers()):
+                    assert torch.equal(eb.last_stats.load, rb.last_stats.load), name
+                    assert torch.equal(eb.last_stats.kept, rb.last_stats.kept) and eb.last_stats.dropped == 0
+        assert len(calls) == 2 * len(list(ep.moe_layers())), calls
+
+
+def test_replicated_tokens_split_over_ranks(checkpoints):
+    run_ranks(2, split_worker, checkpoints, timeout=300)
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block"])
 def test_packed_experts_take_source_blocks(fmt):
     """What the expert-parallel exchange hands a rank's L packed experts: W source blocks of L groups

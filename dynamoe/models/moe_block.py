@@ -136,7 +136,51 @@ class SparseMoeBlock(nn.Module):
         self.moe._load_since_update = torch.zeros(len(self.moe.gates), self.num_experts, dtype=torch.int64,
                                                   device=device)
 
+    #: under expert parallelism with the same tokens on every rank (multi-rank serving), batches of at
+    #: least this many rows per rank are split: each rank routes 1/W of the rows and the outputs are
+    #: gathered (one all-gather), instead of every rank sending every row to the experts' owners
+    split_min_rows_per_rank = 16
+
     def forward(self, x_BTD: Tensor) -> Tensor:
+        W = self.moe.world_size
+        if (self.replicated_tokens and W > 1 and not torch.is_grad_enabled()
+                and x_BTD.numel() // self.hidden_size >= W * self.split_min_rows_per_rank):
+            return self._forward_split(x_BTD, W)
         y = self.moe(x_BTD)
         self.last_stats = y.routing_stats
         return y
+
+    #: set by :meth:`replicated_tokens_`: every rank runs this block on the same tokens
+    replicated_tokens = False
+
+    def replicated_tokens_(self, on: bool = True) -> None:
+        """Declare that every rank of the expert-parallel group calls this block with the same tokens
+        (dynamoe.engine.distributed: rank 0 drives, the others repeat its forwards). Then large
+        batches are split over the ranks (see :attr:`split_min_rows_per_rank`); the output and
+        ``last_stats`` are the whole batch's either way. Wrong when ranks hold different tokens."""
+        self.replicated_tokens = bool(on)
+
+    def _forward_split(self, x_BTD: Tensor, W: int) -> Tensor:
+        import torch.distributed as dist
+
+        from ..moe.dispatch import RoutingStats
+
+        x = x_BTD.reshape(-1, x_BTD.size(-1))
+        N, rank, group = x.size(0), self.moe.exchange.rank, self.moe.group
+        per = -(-N // W)
+        lo, hi = min(rank * per, N), min((rank + 1) * per, N)
+        y_local = self.moe(x[lo:hi])
+        st = y_local.routing_stats
+        mine = y_local.new_zeros(per, y_local.size(-1))   # equal blocks for the all-gather
+        mine[:hi - lo] = y_local
+        blocks = [torch.empty_like(mine) for _ in range(W)]
+        dist.all_gather(blocks, mine, group=group)
+        dropped = torch.tensor([st.dropped], dtype=st.load.dtype, device=st.load.device)
+        counts = torch.cat([st.load, st.kept, dropped]).to(x.device)
+        dist.all_reduce(counts, group=group)   # the whole batch's routing statistics on every rank
+        E = st.load.numel()
+        counts = counts.cpu()
+        self.last_stats = RoutingStats(load=counts[:E], kept=counts[E:2 * E], dropped=int(counts[2 * E]),
+                                       capacity=st.capacity, top_k=st.top_k, capacity_factor=st.capacity_factor,
+                                       layout=st.layout, losses=st.losses)
+        return torch.cat(blocks)[:N].view(*x_BTD.shape[:-1], y_local.size(-1))

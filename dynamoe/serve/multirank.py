@@ -94,6 +94,8 @@ def _load(args, path: str, rank: int, device, err):
     try:
         kwargs = {"dtype": args.dtype} if args.dtype is not None else {}
         model = load(path, device=device, progress=rank == 0, group=dist.group.WORLD, **kwargs)
+        for _, block in model.moe_layers():  # every rank runs rank 0's forwards: split large batches
+            block.replicated_tokens_()
         tokenizer = Tokenizer.from_dir(path, chat_template=args.chat_template) if rank == 0 else None
         return model, tokenizer
     except (ValueError, OSError) as e:
