@@ -71,6 +71,39 @@ def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(pid, num_m, num_n, offsets_ptr, gather_ptr, G, E_W, GATHER: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's tile: (N tile, weight e, rows, row mask, source rows in x, whether it is a real
+    tile). Shared by the bf16 and the packed-weight kernels."""
+    pid_m, pid_n = _swizzle(pid, num_m, num_n, GROUP_M)
+    g, row0, row_end, valid = _tile_of(pid_m, offsets_ptr, G, BLOCK_M, BLOCK_G)
+    e = (g % E_W).to(tl.int64)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = (rows < row_end) & valid
+    if GATHER:
+        src = tl.load(gather_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    return pid_n, e, rows, rmask, src, valid
+
+
+@triton.jit
+def _epilogue(acc, acc_up, e, rows, rmask, cols, cmask, bias_ptr, stride_be, F_UP, scale_ptr, out_ptr, stride_om,
+              HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SWIGLU: tl.constexpr):
+    """+ bias, SwiGLU, * row scale, all in fp32, then one rounding into ``out``."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * stride_be + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if SWIGLU:
+            acc_up += tl.load(bias_ptr + e * stride_be + F_UP + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def _grouped_gemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, gather_ptr, offsets_ptr, out_ptr,
                          G, E_W, O, I, F_UP, num_m,
                          stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_om,
@@ -78,17 +111,9 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, gather_ptr, offsets_
                          SWIGLU: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr):
-    num_n = tl.cdiv(O, BLOCK_N)
-    pid_m, pid_n = _swizzle(tl.program_id(0), num_m, num_n, GROUP_M)
-    g, row0, row_end, valid = _tile_of(pid_m, offsets_ptr, G, BLOCK_M, BLOCK_G)
+    pid_n, e, rows, rmask, src, valid = _tile_rows(tl.program_id(0), num_m, tl.cdiv(O, BLOCK_N), offsets_ptr,
+                                                   gather_ptr, G, E_W, GATHER, BLOCK_M, BLOCK_G, GROUP_M)
     if valid:
-        e = (g % E_W).to(tl.int64)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
-        if GATHER:
-            src = tl.load(gather_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        else:
-            src = rows.to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < O
         ks = tl.arange(0, BLOCK_K)
@@ -111,16 +136,8 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, gather_ptr, offsets_
                 acc_up = _dot(a, b_up, acc_up, IEEE)
             a_ptrs += BLOCK_K * stride_xk
             b_ptrs += BLOCK_K * stride_wk
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + e * stride_be + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            if SWIGLU:
-                acc_up += tl.load(bias_ptr + e * stride_be + F_UP + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        if SWIGLU:
-            acc = acc * tl.sigmoid(acc) * acc_up
-        if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+        _epilogue(acc, acc_up, e, rows, rmask, cols, cmask, bias_ptr, stride_be, F_UP, scale_ptr, out_ptr, stride_om,
+                  HAS_BIAS, HAS_SCALE, SWIGLU)
 
 
 def offsets_from_counts(counts: Sequence[int], device) -> Tensor:

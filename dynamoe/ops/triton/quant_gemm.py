@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import fix_interpreter, interpreted, next_pow2
-from .grouped_gemm import _dot, _swizzle, _tile_of, pick_config
+from .grouped_gemm import _dot, _epilogue, _tile_rows, pick_config
 
 fix_interpreter()
 
@@ -100,17 +100,9 @@ def _quant_gemm_kernel(x_ptr, q_ptr, s_ptr, s2_ptr, bias_ptr, scale_ptr, gather_
                        SWIGLU: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr):
-    num_n = tl.cdiv(O, BLOCK_N)
-    pid_m, pid_n = _swizzle(tl.program_id(0), num_m, num_n, GROUP_M)
-    g, row0, row_end, valid = _tile_of(pid_m, offsets_ptr, G, BLOCK_M, BLOCK_G)
+    pid_n, e, rows, rmask, src, valid = _tile_rows(tl.program_id(0), num_m, tl.cdiv(O, BLOCK_N), offsets_ptr,
+                                                   gather_ptr, G, E_W, GATHER, BLOCK_M, BLOCK_G, GROUP_M)
     if valid:
-        e = (g % E_W).to(tl.int64)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
-        if GATHER:
-            src = tl.load(gather_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        else:
-            src = rows.to(tl.int64)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < O
         s2 = 1.0
@@ -165,16 +157,8 @@ def _quant_gemm_kernel(x_ptr, q_ptr, s_ptr, s2_ptr, bias_ptr, scale_ptr, gather_
                         hi = hi.to(tl.float32)
                     acc_up = _dot(a_even, lo, acc_up, IEEE)
                     acc_up = _dot(a_odd, hi, acc_up, IEEE)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + e * stride_be + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            if SWIGLU:
-                acc_up += tl.load(bias_ptr + e * stride_be + F_UP + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        if SWIGLU:
-            acc = acc * tl.sigmoid(acc) * acc_up
-        if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + n[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+        _epilogue(acc, acc_up, e, rows, rmask, n, nmask, bias_ptr, stride_be, F_UP, scale_ptr, out_ptr, stride_om,
+                  HAS_BIAS, HAS_SCALE, SWIGLU)
 
 
 def _launch(fmt: int, x: Tensor, q: Tensor, s: Tensor, s2: Tensor | None, shape: tuple, offsets_G1: Tensor,
