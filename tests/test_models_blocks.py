@@ -105,6 +105,29 @@ def test_rmsnorm_matches_transformers(weight_in_fp32):
     assert torch.equal(ours(x), ref(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("weight_in_fp32", [False, True])
+def test_rmsnorm_inference_kernel_matches_torch_path(dtype, weight_in_fp32):
+    """Under no_grad on CPU the norm is one kernel call: the same values as the op-by-op path (fp32
+    statistics; a bf16 result may differ by the last bit where the sum's order moves a rounding),
+    for whole rows and for heads viewed out of a wider row."""
+    ours = RMSNorm(64, 1e-6, weight_in_fp32=weight_in_fp32).to(dtype)
+    with torch.no_grad():
+        ours.weight.normal_()
+    g = torch.Generator().manual_seed(0)
+    wide = (torch.randn(5, 3, 7 * 64, generator=g) * 3).to(dtype)
+    for x in (wide[..., :64], wide[..., 64:5 * 64].unflatten(-1, (4, 64)), wide[:1, :1, :64]):
+        want = ours(x)   # grad mode: the op-by-op path
+        with torch.no_grad():
+            got = ours(x)
+        assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        else:
+            diff = (got.float() - want.float()).abs()
+            assert (diff <= want.float().abs() * 2 ** -7).all() and (diff > 0).float().mean() < 0.02
+
+
 def test_attention_mask_rows_at_different_positions():
     q_pos = torch.tensor([[3], [6]])  # row 0 decodes position 3, row 1 position 6
     k_pos = torch.arange(7).expand(2, 7)

@@ -250,7 +250,10 @@ int64_t moe_glu_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor wei
                            c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
                            torch::Tensor out, torch::Tensor load);
 
+void rms_norm_out(torch::Tensor x, torch::Tensor w, double eps, bool weight_in_fp32, torch::Tensor out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm_out", &rms_norm_out, "RMSNorm of x [N, dim] (bf16 or fp32) into out, fp32 statistics");
   m.def("moe_glu_decode_out", &moe_glu_decode_out,
         "a decode step's routed GLU experts (T <= 8 rows, bf16 or fp32): out [T, O], load [E] filled; returns the max load");
   m.def("bf16_gemv_out", &bf16_gemv_out, "out [T, O] = x [T, I] @ W^T (+ bias): bf16 in and out, fp32 accumulation");
