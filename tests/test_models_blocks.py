@@ -166,3 +166,24 @@ def test_sigmoid_moe_block_matches_deepseek_v3():
             getattr(moe.shared_experts, n).weight.copy_(getattr(ref.shared_experts, n).weight)
         x = torch.randn(2, 7, 64, generator=g)
         torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dims", [32, 16])
+def test_rope_inference_kernel_matches_torch_path(dtype, interleaved, rotary_dims):
+    """Under no_grad on CPU RoPE is one kernel call with the op-by-op path's roundings: equal values,
+    also for partial rotary and for q/k viewed out of a fused [B, T, (H + 2K) d] projection."""
+    g = torch.Generator().manual_seed(0)
+    B, T, H, d = 2, 3, 4, 32
+    fused = torch.randn(B, T, (H + 4) * d, generator=g).to(dtype)
+    q = fused[..., :H * d].unflatten(-1, (H, d)).transpose(1, 2)       # [B, H, T, d], strided
+    ang = torch.randn(B, T, rotary_dims // 2, generator=g)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    for x in (q, q.contiguous(), q[:1, :, -1:]):
+        c, s = cos[:x.size(0), -x.size(2):], sin[:x.size(0), -x.size(2):]
+        want = apply_rope(x, c, s, interleaved)   # grad mode: the op-by-op path
+        with torch.no_grad():
+            got = apply_rope(x, c, s, interleaved)
+        assert got.shape == want.shape and got.dtype == dtype
+        assert torch.equal(got, want)

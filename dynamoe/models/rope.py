@@ -10,6 +10,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..ops import cpu_kernels
 from .config import RopeConfig
 
 __all__ = ["rope_frequencies", "yarn_mscale", "RotaryEmbedding", "apply_rope"]
@@ -127,6 +128,13 @@ def apply_rope(x_BHTd: Tensor, cos_BTR: Tensor, sin_BTR: Tensor, interleaved: bo
     ``rope_interleave``): pairs are (2i, 2i + 1), and the rotated dims come out half-split ordered
     (as transformers does: q and k get the same permutation, so q.k is unchanged).
     """
+    if (not torch.is_grad_enabled() and x_BHTd.device.type == "cpu" and x_BHTd.dtype in (torch.bfloat16, torch.float32)
+            and x_BHTd.stride(-1) == 1 and cos_BTR.dtype == x_BHTd.dtype and x_BHTd.numel()):
+        k = cpu_kernels.load()
+        if k is not None:  # inference on CPU: one kernel call, the same roundings
+            out = torch.empty(x_BHTd.shape, dtype=x_BHTd.dtype)
+            k.rope_out(x_BHTd, cos_BTR.contiguous(), sin_BTR.contiguous(), interleaved, out)
+            return out
     half = cos_BTR.size(-1)
     R = 2 * half
     cos, sin = cos_BTR.unsqueeze(1), sin_BTR.unsqueeze(1)  # [B, 1, T, R/2]

@@ -20,7 +20,7 @@ import threading
 
 __all__ = ["load", "MAX_ROWS"]
 
-SOURCES = ("packed_gemv.cpp", "bf16_gemv.cpp", "f32_gemv.cpp", "moe_decode.cpp", "rms_norm.cpp")
+SOURCES = ("packed_gemv.cpp", "bf16_gemv.cpp", "f32_gemv.cpp", "moe_decode.cpp", "rms_norm.cpp", "rope.cpp")
 
 MAX_ROWS = 16  # the kernel keeps one accumulator per row in registers
 _lock = threading.Lock()
@@ -59,7 +59,7 @@ def load():
                 here = os.path.join(os.path.dirname(__file__), "csrc")
                 module = cpp_extension.load(
                     name="dynamoe_cpu_kernels", sources=[os.path.join(here, f) for f in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DDYNAMOE_CSRC_HASH={_csrc_hash(here)}"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", f"-DDYNAMOE_CSRC_HASH={_csrc_hash(here)}"],
                     extra_ldflags=["-fopenmp"], verbose=False,
                 )
             except Exception as exc:  # noqa: BLE001 -- any build failure means: use the fallback

@@ -252,7 +252,10 @@ int64_t moe_glu_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor wei
 
 void rms_norm_out(torch::Tensor x, torch::Tensor w, double eps, bool weight_in_fp32, torch::Tensor out);
 
+void rope_out(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, bool interleaved, torch::Tensor out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_out", &rope_out, "rotary embedding of x [B, H, T, d] (bf16 or fp32) with cos/sin [B, T, R/2] into out");
   m.def("rms_norm_out", &rms_norm_out, "RMSNorm of x [N, dim] (bf16 or fp32) into out, fp32 statistics");
   m.def("moe_glu_decode_out", &moe_glu_decode_out,
         "a decode step's routed GLU experts (T <= 8 rows, bf16 or fp32): out [T, O], load [E] filled; returns the max load");

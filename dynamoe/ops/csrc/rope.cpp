@@ -1,0 +1,61 @@
+// Rotary position embedding for inference on CPU in one call (instead of ~7 small ops per tensor),
+// with torch's rounding: for bf16 every product and sum is rounded to bf16 as the op-by-op path does.
+//   half-split pairs (i, i + R/2), or interleaved pairs (2i, 2i + 1) written out half-split (as
+//   transformers does for DeepSeek); dims past R = 2 * half pass through (partial rotary).
+// x [B, H, T, d] with unit stride along d (any other strides), cos/sin [B, T, half] contiguous,
+// out [B, H, T, d] contiguous.
+#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+#include <cstdint>
+
+namespace {
+template <typename scalar_t>
+inline float rnd(float v) { return static_cast<float>(static_cast<scalar_t>(v)); }
+
+template <typename scalar_t>
+void rope_rows(const torch::Tensor& x, const scalar_t* c, const scalar_t* s, int64_t half, bool interleaved,
+               scalar_t* out) {
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), d = x.size(3);
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), s2 = x.stride(2);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t) {
+        const scalar_t* xr = xp + b * s0 + h * s1 + t * s2;
+        const scalar_t* cr = c + (b * T + t) * half;
+        const scalar_t* sr = s + (b * T + t) * half;
+        scalar_t* o = out + ((b * H + h) * T + t) * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = static_cast<float>(interleaved ? xr[2 * i] : xr[i]);
+          const float x2 = static_cast<float>(interleaved ? xr[2 * i + 1] : xr[i + half]);
+          const float ci = static_cast<float>(cr[i]), si = static_cast<float>(sr[i]);
+          o[i] = static_cast<scalar_t>(rnd<scalar_t>(x1 * ci) - rnd<scalar_t>(x2 * si));
+          o[i + half] = static_cast<scalar_t>(rnd<scalar_t>(x2 * ci) + rnd<scalar_t>(x1 * si));
+        }
+        for (int64_t i = 2 * half; i < d; ++i) o[i] = xr[i];
+      }
+}
+}  // namespace
+
+void rope_out(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, bool interleaved, torch::Tensor out) {
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1, "x must be [B, H, T, d] with unit stride along d");
+  const int64_t B = x.size(0), T = x.size(2), d = x.size(3);
+  TORCH_CHECK(cos.dim() == 3 && cos.size(0) == B && cos.size(1) == T && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
+              sin.is_contiguous() && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos and sin must be contiguous [B, T, R/2] of x's dtype");
+  const int64_t half = cos.size(2);
+  TORCH_CHECK(2 * half <= d, "rotary dims 2 * ", half, " exceed the head dim ", d);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "out must be contiguous like x");
+  switch (x.scalar_type()) {
+    case torch::kBFloat16:
+      rope_rows(x, cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(), half, interleaved,
+                out.data_ptr<c10::BFloat16>());
+      break;
+    case torch::kFloat:
+      rope_rows(x, cos.data_ptr<float>(), sin.data_ptr<float>(), half, interleaved, out.data_ptr<float>());
+      break;
+    default:
+      TORCH_CHECK(false, "x must be bf16 or fp32, got ", x.scalar_type());
+  }
+}
