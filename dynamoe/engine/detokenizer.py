@@ -8,12 +8,15 @@ emits the new suffix, and holds text back while it ends with U+FFFD (an unfinish
 
 :class:`StopStrings` cuts the text at the first stop string and holds back any tail that could be the
 start of one, so no part of a stop string ever reaches the client.
+
+:func:`decode_keeping` decodes like ``skip_special_tokens=True`` but keeps the special tokens it is
+given: the markers an output parser reads (GPT-OSS's ``<|channel|>``, GLM's ``<tool_call>``...).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Collection, Sequence
 
-__all__ = ["IncrementalDecoder", "StopStrings"]
+__all__ = ["IncrementalDecoder", "StopStrings", "special_token_ids", "decode_keeping"]
 
 _REPLACEMENT = "\ufffd"
 
@@ -58,6 +61,28 @@ class IncrementalDecoder:
         self._prefix, self._read = self._read, len(self.ids)
         self._prefix_text = self._decode(self.ids[self._prefix:self._read])
         return delta
+
+
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of the tokens ``tokenizer.decode(..., skip_special_tokens=True)`` skips: the added tokens marked
+    special (``tokenizer`` is a :class:`~dynamoe.engine.Tokenizer` or a ``tokenizers.Tokenizer``)."""
+    backend = getattr(tokenizer, "backend", tokenizer)
+    added = backend.get_added_tokens_decoder() if hasattr(backend, "get_added_tokens_decoder") else {}
+    return frozenset(i for i, t in added.items() if t.special)
+
+
+def decode_keeping(tokenizer, keep_ids: Collection[int], special_ids: Collection[int] | None = None
+                   ) -> Callable[[Sequence[int]], str]:
+    """A ``decode(ids) -> str`` that skips special tokens except ``keep_ids``; plain ``tokenizer.decode``
+    when there is nothing to keep. ``special_ids``: :func:`special_token_ids` of ``tokenizer``, if known."""
+    keep = frozenset(int(i) for i in keep_ids)
+    if not keep:
+        return tokenizer.decode
+    drop = frozenset(special_token_ids(tokenizer) if special_ids is None else special_ids) - keep
+
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False)
+    return decode
 
 
 class StopStrings:

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from .detokenizer import IncrementalDecoder, StopStrings
+from .detokenizer import IncrementalDecoder, StopStrings, decode_keeping, special_token_ids
 from .prompts import encode_prompt, token_list
 from .sampling import SamplingParams, TokenLogprob, sample
 
@@ -201,6 +201,7 @@ class GenerationEngine:
             ids += cfg_eos if isinstance(cfg_eos, (list, tuple)) else ([cfg_eos] if cfg_eos is not None else [])
             eos_token_ids = ids
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self._special_ids: frozenset[int] | None = None   # the tokenizer's, on first use
         self.cache = model.new_cache(max_batch, max_seq_len, dtype=cache_dtype, device=self.device)
 
         # waiting queue, free slots, request states, cancel flags; re-entrant so that an on_event callback
@@ -222,7 +223,8 @@ class GenerationEngine:
     def add_request(self, prompt: str | Sequence[int] | Tensor, params: SamplingParams | None = None,
                     max_tokens: int | None = None, stop: Sequence[str] | str = (), stop_token_ids: Sequence[int] = (),
                     *, clip_max_tokens: bool = False, ignore_eos: bool = False, request_id: str | None = None,
-                    on_event: Callable[[TokenEvent], None] | None = None) -> Request:
+                    on_event: Callable[[TokenEvent], None] | None = None,
+                    keep_special_ids: Sequence[int] = ()) -> Request:
         """Queue a request and return its handle.
 
         prompt: token ids (or text, encoded with the tokenizer's special tokens). max_tokens: tokens to
@@ -231,6 +233,8 @@ class GenerationEngine:
         stop: strings that end the output (not included in it). stop_token_ids: tokens that end it, in
         addition to EOS (unless ``ignore_eos``). on_event: called with each event on the stepping thread,
         under the engine's lock: keep it short (e.g. ``loop.call_soon_threadsafe(queue.put_nowait, ev)``).
+        keep_special_ids: special tokens whose text stays in the output text (markers an output parser
+        reads, e.g. GPT-OSS's ``<|channel|>``); the others are skipped as usual.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -270,8 +274,12 @@ class GenerationEngine:
         stop_ids = frozenset(token_list(stop_token_ids, "stop_token_ids"))
         if not ignore_eos:
             stop_ids |= self.eos_token_ids
-        decoder = (IncrementalDecoder(self.tokenizer.decode, context=prompt_ids)
-                   if self.tokenizer is not None else None)
+        decoder = None
+        if self.tokenizer is not None:
+            keep = token_list(keep_special_ids, "keep_special_ids")
+            if keep and self._special_ids is None:
+                self._special_ids = special_token_ids(self.tokenizer)
+            decoder = IncrementalDecoder(decode_keeping(self.tokenizer, keep, self._special_ids), context=prompt_ids)
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             req = Request(rid, prompt_ids, params, max_tokens, stop_ids, stops, decoder, on_event)

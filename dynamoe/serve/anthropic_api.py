@@ -161,7 +161,7 @@ def _effort(output_config: dict | None) -> str | None:
         else None
 
 
-async def _render(st: ServerState, body: _Base) -> tuple[str, list[int], bool]:
+async def _render(st: ServerState, body: _Base) -> tuple[str, list[int], list[dict] | None]:
     messages = anthropic_messages(body.system, body.messages)
     tools = anthropic_tools(body.tools)
     if (body.tool_choice or {}).get("type") == "none":
@@ -169,7 +169,7 @@ async def _render(st: ServerState, body: _Base) -> tuple[str, list[int], bool]:
     text, ids = await asyncio.to_thread(st.render_chat, messages, tools=tools,
                                         enable_thinking=_thinking_switch(body.thinking),
                                         reasoning_effort=_effort(body.output_config))
-    return text, ids, tools is not None
+    return text, ids, tools
 
 
 def stop_reason(finish_reason: str | None, stop, parser: OutputParser) -> tuple[str, str | None]:
@@ -197,20 +197,20 @@ async def count_tokens(request: Request):
 async def messages(request: Request):
     st = server(request)
     body = await read_json(request, st.config.max_request_bytes, MessagesRequest)
-    prompt_text, ids, use_tools = await _render(st, body)
+    prompt_text, ids, tools = await _render(st, body)
     st.check_prompt(ids, "messages")
     max_tokens = st.max_tokens(body.max_tokens, "max_tokens")
     params = st.sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     stops = list(body.stop_sequences or [])
     if any(not s for s in stops):
         raise APIError(400, "stop_sequences must not hold empty strings")
+    parser = st.output_parser(prompt_text, tools)
     gen = st.runner.generation()
     try:
-        gen.add(ids, params, max_tokens, stops)
+        gen.add(ids, params, max_tokens, stops, **st.decode_options(parser))
     except ValueError as err:
         gen.cancel()
         raise APIError(400, str(err)) from None
-    parser = st.output_parser(prompt_text, use_tools)
     msg_id = new_id("msg_")
     if body.stream:
         return GenerationResponse(gen, _stream(st, gen, parser, msg_id, len(ids), request.url.path))

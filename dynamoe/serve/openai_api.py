@@ -168,7 +168,8 @@ def _sampling_fields(body: _Common) -> dict:
 
 
 def _add_choices(st: ServerState, gen: Generation, prompts: list[list[int]], n: int, fields: dict,
-                 max_tokens: int | None, stop: list[str], ignore_eos: bool, param: str) -> None:
+                 max_tokens: int | None, stop: list[str], ignore_eos: bool, param: str,
+                 options: dict | None = None) -> None:
     seed = fields.get("seed")
     for ids in prompts:
         st.check_prompt(ids, param)
@@ -176,7 +177,7 @@ def _add_choices(st: ServerState, gen: Generation, prompts: list[list[int]], n: 
             f = dict(fields, seed=None if seed is None else (seed + j) % 2**64)
             params = st.sampling(**f)
             try:
-                gen.add(ids, params, max_tokens, stop, ignore_eos=ignore_eos)
+                gen.add(ids, params, max_tokens, stop, ignore_eos=ignore_eos, **(options or {}))
             except ValueError as err:
                 raise APIError(400, str(err), param=param) from None
 
@@ -249,13 +250,14 @@ async def chat_completions(request: Request):
         fields["logprobs"] = body.top_logprobs or 0
     elif body.top_logprobs is not None:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    parsers = [st.output_parser(prompt_text, body.tools if use_tools else None) for _ in range(body.n)]
     gen = st.runner.generation()
     try:
-        _add_choices(st, gen, [ids], body.n, fields, max_tokens, _stops(body.stop), body.ignore_eos, "messages")
+        _add_choices(st, gen, [ids], body.n, fields, max_tokens, _stops(body.stop), body.ignore_eos, "messages",
+                     st.decode_options(parsers[0], body.ignore_eos))
     except BaseException:
         gen.cancel()
         raise
-    parsers = [st.output_parser(prompt_text, use_tools) for _ in range(body.n)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = _chat_stream(st, gen, parsers, len(ids), include_usage, want_lp, request.url.path)

@@ -96,17 +96,20 @@ class Generation:
         self._last_event = time.monotonic()
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None,
-            stop: Sequence[str] = (), ignore_eos: bool = False) -> Request:
-        """Queue one engine request (ValueError for a prompt that does not fit, bad stops...)."""
+            stop: Sequence[str] = (), ignore_eos: bool = False, *, stop_token_ids: Sequence[int] = (),
+            keep_special_ids: Sequence[int] = ()) -> Request:
+        """Queue one engine request (ValueError for a prompt that does not fit, bad stops...).
+        ``stop_token_ids`` and ``keep_special_ids``: see :meth:`GenerationEngine.add_request`."""
         index = len(self.requests)
         deliver = self.runner._deliver
 
         def on_event(ev: TokenEvent) -> None:   # engine thread, under its lock: hand over and return
             deliver(self, index, ev)
 
-        req = self.runner.engine.add_request(list(prompt_ids), params, max_tokens, stop, clip_max_tokens=True,
-                                             ignore_eos=ignore_eos, request_id=f"{self.id}-{index}",
-                                             on_event=on_event)
+        req = self.runner.engine.add_request(list(prompt_ids), params, max_tokens, stop, stop_token_ids,
+                                             clip_max_tokens=True, ignore_eos=ignore_eos,
+                                             request_id=f"{self.id}-{index}", on_event=on_event,
+                                             keep_special_ids=keep_special_ids)
         self.requests.append(req)
         return req
 

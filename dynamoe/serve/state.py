@@ -3,6 +3,7 @@ and the steps from a request body to engine inputs (chat rendering, sampling par
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -11,7 +12,8 @@ from typing import Any
 from ..engine import GenerationEngine, SamplingParams, Tokenizer
 from .errors import APIError
 from .metrics import ExpertLoad, Metrics
-from .parsing import OutputParser, prompt_opens_think, think_tags_for, tool_parser_for
+from .parsing import (HarmonyParser, OutputParser, mistral_tool_parser, prompt_opens_think, think_tags_for,
+                      tool_parser_for, uses_harmony)
 from .runner import EngineRunner
 
 __all__ = ["ServerConfig", "ServerState"]
@@ -44,6 +46,26 @@ def _template_texts(tokenizer: Tokenizer | None) -> str:
     return t or ""
 
 
+def _nine_char_ids(messages: list[dict]) -> list[dict]:
+    """The messages with every tool-call id made 9 letters and digits, as Mistral's templates require
+    (they raise on any other). Ids that already are stay (the ones this server gave Mistral's calls);
+    others keep their last 9 letters and digits (``toolu_`` + such an id comes back as it), or, when
+    shorter, become a hash of themselves. A call and its result map alike."""
+    def fix(cid):
+        if not isinstance(cid, str) or (len(cid) == 9 and cid.isalnum() and cid.isascii()):
+            return cid
+        alnum = "".join(c for c in cid if c.isascii() and c.isalnum())
+        return alnum[-9:] if len(alnum) >= 9 else hashlib.sha1(cid.encode()).hexdigest()[:9]
+
+    out = copy.deepcopy(messages)
+    for m in out:
+        for tc in m.get("tool_calls") or []:
+            tc["id"] = fix(tc.get("id"))
+        if m.get("tool_call_id") is not None:
+            m["tool_call_id"] = fix(m["tool_call_id"])
+    return out
+
+
 def _args_as_text(messages: list[dict]) -> list[dict]:
     """The messages with every tool call's ``arguments`` as JSON text (templates that concatenate it)."""
     out = copy.deepcopy(messages)
@@ -71,6 +93,7 @@ class ServerState:
         vocab_has = (lambda t: tokenizer.token_to_id(t) is not None) if tokenizer is not None else (lambda t: False)
         self.think_tags = think_tags_for(template, vocab_has)
         self.tool_parser = tool_parser_for(template)
+        self.harmony = uses_harmony(template)
 
     # --- names and limits ---------------------------------------------------------------------------
 
@@ -137,6 +160,8 @@ class ServerState:
             kwargs.setdefault("reasoning_effort", effort)
         if enable_thinking is not None:
             kwargs["enable_thinking"] = bool(enable_thinking)
+        if self.tool_parser is mistral_tool_parser:
+            messages = _nine_char_ids(messages)
         try:
             try:
                 text = self.tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
@@ -150,11 +175,27 @@ class ServerState:
             raise APIError(400, str(err), param="messages") from None
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
-    def output_parser(self, prompt_text: str | None, tools: bool) -> OutputParser:
-        """How this request's output splits: think tags (chat routes), tool calls (when tools were sent)."""
+    def output_parser(self, prompt_text: str | None, tools: list[dict] | bool | None) -> OutputParser:
+        """How this request's output splits: think tags (chat routes), tool calls (when ``tools`` were sent;
+        their schemas type bare-text argument values), or GPT-OSS's harmony channels (chat routes)."""
+        if prompt_text is not None and self.harmony:
+            return OutputParser(harmony=HarmonyParser(tools=bool(tools)))
         tags = self.think_tags if prompt_text is not None else None
+        tool_list = tools if isinstance(tools, list) else None
         return OutputParser(tags, prompt_opens_think(prompt_text or "", tags),
-                            self.tool_parser() if tools and self.tool_parser else None)
+                            self.tool_parser(tool_list) if tools and self.tool_parser else None)
+
+    def decode_options(self, parser: OutputParser, ignore_eos: bool = False) -> dict:
+        """``Generation.add`` keywords for a request read by ``parser``: the special tokens among its markers
+        (kept in the text: a detokenizer skips them by default) and its stop tokens (harmony's ``<|call|>``
+        and ``<|return|>``, also when generation_config.json does not list them; not with ``ignore_eos``)."""
+        if self.tokenizer is None:
+            return {}
+
+        def ids(tokens):
+            return [i for i in (self.tokenizer.token_to_id(t) for t in tokens) if i is not None]
+        return {"keep_special_ids": ids(parser.markers),
+                "stop_token_ids": [] if ignore_eos else ids(parser.stop_markers)}
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
