@@ -252,7 +252,8 @@ def scripted_engine(tmp_dir: str, max_batch: int = 4, delay: float = 0.0, max_se
         write_tokenizer_dir(tmp_dir, chat_template=QWEN3_TEMPLATE)
     tok = Tokenizer.from_dir(tmp_dir)
     model = ScriptedLM(tok, script, eos_token_id=tok.token_to_id("<|im_end|>"), delay=delay)
-    return GenerationEngine(model, tok, max_seq_len=max_seq_len, max_batch=max_batch), tok
+    # the script is chosen from the whole prompt at position 0: no prefix cache (it holds no keys/values)
+    return GenerationEngine(model, tok, max_seq_len=max_seq_len, max_batch=max_batch, prefix_caching=False), tok
 
 
 def scripted_server(tmp_path_factory) -> InProcessServer:

@@ -44,6 +44,21 @@ def test_chat_non_stream_and_stream_agree(client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_next_turn_reports_cached_prompt_tokens(client):
+    """The server's prefix cache: a conversation's next turn reuses the keys/values of the first
+    (OpenAI's usage.prompt_tokens_details.cached_tokens), with the same reply as without them."""
+    turn = [{"role": "user", "content": "tell me about the mixture of experts layer"}]
+    first = client.chat.completions.create(model="tiny-moe", messages=turn, max_tokens=6, temperature=0)
+    convo = turn + [{"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "and more"}]
+    second = client.chat.completions.create(model="tiny-moe", messages=convo, max_tokens=6, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - 2 <= cached < second.usage.prompt_tokens
+    again = client.chat.completions.create(model="tiny-moe", messages=convo, max_tokens=6, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == second.choices[0].message.content
+
+
 def test_stream_helper_and_include_usage(client):
     text = client.chat.completions.create(model="tiny-moe", messages=MSGS, max_tokens=12, temperature=0)\
         .choices[0].message.content

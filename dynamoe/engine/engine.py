@@ -59,6 +59,7 @@ class RequestStats:
     """Wall-clock times (``time.perf_counter`` seconds) and counts of one request."""
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0             # prompt tokens whose keys/values were reused from the slot (prefix cache)
     arrival: float = 0.0
     scheduled: float | None = None     # prefill started
     first_token: float | None = None   # prefill done, first token sampled
@@ -79,7 +80,7 @@ class RequestStats:
     @property
     def prefill_tokens_per_s(self) -> float | None:
         s = self.prefill_s
-        return None if not s else self.prompt_tokens / s
+        return None if not s else (self.prompt_tokens - self.cached_tokens) / s
 
     @property
     def decode_ms_per_token(self) -> float | None:
@@ -88,7 +89,8 @@ class RequestStats:
         return 1000.0 * (self.finished - self.first_token) / (self.output_tokens - 1)
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens, "queue_s": self.queue_s,
+        return {"prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                "cached_tokens": self.cached_tokens, "queue_s": self.queue_s,
                 "prefill_s": self.prefill_s, "time_to_first_token_s": self.time_to_first_token_s,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_ms_per_token": self.decode_ms_per_token}
 
@@ -159,6 +161,15 @@ def _model_device(model) -> torch.device:
     return torch.device("cpu")
 
 
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 class GenerationEngine:
     """Continuous batching of generation requests for one model (see the module docstring).
 
@@ -168,11 +179,18 @@ class GenerationEngine:
     max_batch: cache slots = requests decoded together. prefill_chunk: split longer prompts into
     chunks of this many tokens (bounds the [T, V] logits of a long prefill); None = whole prompt.
     eos_token_ids: stop tokens of every request; default the tokenizer's and the model config's.
+    prefix_caching: a finished request leaves its keys/values in its slot; a new request goes to the
+    free slot holding the longest prefix of its prompt (at least ``min_cached_prefix`` tokens) and
+    prefills only the rest -- a chat's next turn re-reads none of the conversation so far.
     """
+
+    #: the shortest shared prefix worth steering a request to a slot for (shorter: least recently
+    #: used free slot, so that longer cached conversations survive)
+    min_cached_prefix = 4
 
     def __init__(self, model, tokenizer=None, max_seq_len: int | None = None, max_batch: int = 8, *,
                  cache_dtype: torch.dtype | None = None, device=None, prefill_chunk: int | None = None,
-                 eos_token_ids: Sequence[int] | None = None):
+                 eos_token_ids: Sequence[int] | None = None, prefix_caching: bool = True):
         config = getattr(model, "config", None)
         if max_seq_len is None:
             mpe = getattr(config, "max_position_embeddings", None)
@@ -212,10 +230,16 @@ class GenerationEngine:
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []      # in slot-assignment order
         self._free_slots = list(range(max_batch))
+        # prefix cache: the tokens whose keys/values each slot's buffers hold (positions 0..n-1), and
+        # when each slot was freed (least recently used first when no slot shares a prefix)
+        self.prefix_caching = bool(prefix_caching)
+        self._slot_tokens: list[list[int]] = [[] for _ in range(max_batch)]
+        self._slot_freed = [0] * max_batch
+        self._frees = itertools.count(1)
         self._ids = itertools.count()
         self._stepping = False
         self._loop_thread: threading.Thread | None = None
-        self.totals = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "steps": 0,
+        self.totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0, "steps": 0,
                        "prefill_s": 0.0, "decode_s": 0.0}
 
     # --- requests -----------------------------------------------------------------------------------
@@ -324,17 +348,18 @@ class GenerationEngine:
                 admitted = []
                 while self._waiting and self._free_slots:
                     req = self._waiting.popleft()
-                    req.slot = self._free_slots.pop(0)
+                    req.slot, req.stats.cached_tokens = self._take_slot(req.prompt_ids)
                     req.state = RUNNING
                     req.stats.scheduled = time.perf_counter()
                     self._running.append(req)
                     admitted.append(req)
             events: list[TokenEvent] = []
             try:
-                # prompts of equal length are prefilled together, in arrival order of the first of each length
+                # prompts with as many tokens left to prefill are prefilled together, in arrival order of
+                # the first of each length
                 groups: dict[int, list[Request]] = {}
                 for req in admitted:
-                    groups.setdefault(len(req.prompt_ids), []).append(req)
+                    groups.setdefault(len(req.prompt_ids) - req.stats.cached_tokens, []).append(req)
                 try:
                     for group in groups.values():
                         self._prefill(group, events)
@@ -353,16 +378,43 @@ class GenerationEngine:
                 self.totals["steps"] += 1
             return events
 
+    def _take_slot(self, prompt_ids: list[int]) -> tuple[int, int]:
+        """(free slot, prompt tokens already in it) for a new request (caller holds ``_lock``): the slot
+        with the longest shared prefix, else the least recently freed one. At least the prompt's last
+        token is always prefilled (its logits start the output)."""
+        best, reuse = None, 0
+        if self.prefix_caching:
+            for slot in self._free_slots:
+                n = _common_prefix(self._slot_tokens[slot], prompt_ids, len(prompt_ids) - 1)
+                if n > reuse:
+                    best, reuse = slot, n
+        if best is None or reuse < self.min_cached_prefix:
+            best, reuse = min(self._free_slots, key=lambda s: self._slot_freed[s]), 0
+        self._free_slots.remove(best)
+        self.cache.lengths[best] = reuse
+        self._slot_tokens[best] = []  # being overwritten from position reuse on: known again when freed
+        return best, reuse
+
+    def _release_slot(self, r: Request, valid: bool) -> None:
+        """Free ``r``'s slot (caller holds ``_lock``), remembering which tokens its buffers hold when
+        ``valid`` (not after a failed forward, whose writes are undefined)."""
+        slot = r.slot
+        n = int(self.cache.lengths[slot]) if valid and self.prefix_caching else 0
+        self._slot_tokens[slot] = (r.prompt_ids + r.output_ids)[:n]
+        self._slot_freed[slot] = next(self._frees)
+        self.cache.free(slot)
+        self._free_slots.append(slot)
+        self._free_slots.sort()
+        r.slot = None
+
     def _requeue(self, reqs: list[Request]) -> None:
         """Put admitted requests that were not prefilled back at the head of the queue."""
         with self._lock:
             for r in reversed(reqs):
-                self.cache.free(r.slot)
-                self._free_slots.append(r.slot)
-                r.slot, r.state, r.stats.scheduled = None, WAITING, None
+                self._release_slot(r, valid=False)
+                r.state, r.stats.scheduled, r.stats.cached_tokens = WAITING, None, 0
                 self._running.remove(r)
                 self._waiting.appendleft(r)
-            self._free_slots.sort()
 
     def _forward(self, reqs: list[Request], ids: list[list[int]]) -> Tensor:
         ids_BT = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -381,14 +433,16 @@ class GenerationEngine:
         return getattr(out, "logits", out)
 
     def _prefill(self, reqs: list[Request], events: list[TokenEvent]) -> None:
+        """Prefill the prompt tokens after each request's cached prefix (the same count for all)."""
         t0 = time.perf_counter()
-        T = len(reqs[0].prompt_ids)
+        T = len(reqs[0].prompt_ids) - reqs[0].stats.cached_tokens
         chunk = self.prefill_chunk or T
         for start in range(0, T, chunk):
-            logits = self._forward(reqs, [r.prompt_ids[start:start + chunk] for r in reqs])
+            logits = self._forward(reqs, [r.prompt_ids[r.stats.cached_tokens + start:][:chunk] for r in reqs])
         self._sample_and_emit(reqs, logits[:, -1], events, first=True)
         self.totals["prefill_s"] += time.perf_counter() - t0
-        self.totals["prompt_tokens"] += T * len(reqs)
+        self.totals["prompt_tokens"] += sum(len(r.prompt_ids) for r in reqs)
+        self.totals["cached_tokens"] += sum(r.stats.cached_tokens for r in reqs)
 
     def _decode(self, reqs: list[Request], events: list[TokenEvent]) -> None:
         t0 = time.perf_counter()
@@ -483,10 +537,7 @@ class GenerationEngine:
         if r.state == FINISHED:
             return
         if r.slot is not None:
-            self.cache.free(r.slot)
-            self._free_slots.append(r.slot)
-            self._free_slots.sort()
-            r.slot = None
+            self._release_slot(r, valid=reason != "error")
         if r in self._running:
             self._running.remove(r)
         r.state = FINISHED

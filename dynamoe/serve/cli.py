@@ -67,6 +67,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--thinking_effort", "--thinking-effort", choices=["low", "medium", "high"], default=None,
                    help="default reasoning effort, passed to chat templates as reasoning_effort (gpt-oss); "
                         "requests may override it")
+    s.add_argument("--prefix-caching", "--prefix_caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the keys/values a finished request left in its slot for a new request "
+                                      "with the same prompt prefix (a chat's next turn)")
     s.add_argument("--max-num-seqs", "--max_num_seqs", dest="max_num_seqs", type=_positive_int, default=8,
                    metavar="N", help="sequences decoded together (batch slots); more requests wait (default 8)")
     s.add_argument("--api-key", "--api_key", dest="api_key", metavar="KEY",
@@ -201,7 +204,8 @@ def build_engine(args, model, tokenizer):
 
     mpe = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     max_seq_len = args.max_seq_len or (min(int(mpe), 4096) if mpe else 4096)
-    engine = GenerationEngine(model, tokenizer, max_seq_len=max_seq_len, max_batch=args.max_num_seqs, prefill_chunk=2048)
+    engine = GenerationEngine(model, tokenizer, max_seq_len=max_seq_len, max_batch=args.max_num_seqs, prefill_chunk=2048,
+                              prefix_caching=getattr(args, "prefix_caching", True))
     return engine, max_seq_len
 
 

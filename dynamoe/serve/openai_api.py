@@ -221,9 +221,14 @@ def _delta(part: Part, tool_index: int) -> dict:
     return {"content": part.text}
 
 
-def _usage(gen: Generation, prompt_tokens: int) -> dict:
+def _usage(gen: Generation, prompt_tokens: int, cached: bool = False) -> dict:
+    """OpenAI usage; ``cached``: add ``prompt_tokens_details.cached_tokens`` (one prompt, n choices: the
+    prompt tokens every choice found in the engine's prefix cache)."""
     done = sum(len(r.output_ids) for r in gen.requests)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": min((r.stats.cached_tokens for r in gen.requests), default=0)}
+    return usage
 
 
 # --- chat completions -----------------------------------------------------------------------------
@@ -295,7 +300,7 @@ async def _chat_collect(st, request, gen, parsers, prompt_tokens, want_lp) -> di
         choices.append({"index": i, "message": msg, "logprobs": {"content": lps[i]} if want_lp else None,
                         "finish_reason": _finish(reasons[i], parsers[i])})
     return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()),
-            "model": st.model_name, "choices": choices, "usage": _usage(gen, prompt_tokens)}
+            "model": st.model_name, "choices": choices, "usage": _usage(gen, prompt_tokens, cached=True)}
 
 
 async def _chat_stream(st, gen, parsers, prompt_tokens, include_usage, want_lp, path) -> AsyncIterator[str]:
@@ -340,7 +345,7 @@ async def _chat_stream(st, gen, parsers, prompt_tokens, include_usage, want_lp, 
             yield chunk([choice(i, {}, _finish(ev.finish_reason, parsers[i]), lp=pending[i])])
             pending[i] = []
     if include_usage:
-        yield chunk([], _usage(gen, prompt_tokens))
+        yield chunk([], _usage(gen, prompt_tokens, cached=True))
     yield "data: [DONE]\n\n"
 
 
