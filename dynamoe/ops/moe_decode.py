@@ -8,8 +8,8 @@ run as GEMVs (AVX512-BF16 dot products for bf16 weights, AVX-512 FMAs for fp32; 
 the activation and the weighted sum per token in fp32.
 
 It applies only where it is exact in meaning: inference (no autograd), CPU, bf16 or fp32 weights with
-activations of the same dtype, 1..8 tokens, built-in GLU experts held whole on this process; :func:`glu_decode` returns None otherwise
-and the caller runs the general path.
+activations of the same dtype, 1..16 tokens, built-in GLU experts held whole on this process;
+:func:`glu_decode` returns None otherwise and the caller runs the general path.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from . import cpu_kernels
 
 __all__ = ["glu_decode", "MAX_TOKENS", "ACT_CODES"]
 
-MAX_TOKENS = 8  # the kernel's row chunk: one group's tokens are a compile-time count
+MAX_TOKENS = 16  # decode batches; a group of more than 8 tokens runs as row chunks of 8
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "gpt_oss": 4}
 
 

@@ -1,4 +1,4 @@
-// A decode step's routed GLU experts in one call (bf16 or fp32 weights, CPU): for T <= 8 tokens with K experts
+// A decode step's routed GLU experts in one call (bf16 or fp32 weights, CPU): for T <= 16 tokens with K experts
 // each, out[t] = sum_k w[t, k] * down[e](act(gate[e] x_t, up[e] x_t)) with e = ids[t, k].
 //
 // Every expert chosen by some token is one group (its weight rows are read once for all its tokens):
@@ -72,7 +72,7 @@ int64_t moe_glu_decode(torch::Tensor x, torch::Tensor ids, torch::Tensor weights
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.is_contiguous() && x.size(1) == D,
               "x must be contiguous ", dtype, " [T, ", D, "]");
   const int64_t T = x.size(0);
-  TORCH_CHECK(T >= 1 && T <= 8, "x must have 1..8 rows, got ", T);
+  TORCH_CHECK(T >= 1 && T <= 16, "x must have 1..16 rows, got ", T);
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == torch::kLong && ids.is_contiguous(),
               "ids must be contiguous int64 [T, K]");
   const int64_t K = ids.size(1);
