@@ -19,14 +19,14 @@ def use_fast_linears_(model: nn.Module) -> nn.Module:
     """Switch every plain nn.Linear in ``model`` to :class:`Linear` in place, and fuse each
     attention's q/k/v weights into one buffer (``fuse_qkv_``: one matmul instead of three) -- same
     parameters, same state dict, same results up to the kernels' fp32 accumulation order."""
-    bf16_cpu = False
     for m in model.modules():
         if type(m) is nn.Linear:
             m.__class__ = Linear
-            bf16_cpu = bf16_cpu or (m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu")
     for m in model.modules():
         if hasattr(m, "fuse_qkv_"):
             m.fuse_qkv_()
-    if bf16_cpu:
-        cpu_kernels.load()  # build (once per machine) now, not in the middle of the first request
+    if any(p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32) for p in model.parameters()):
+        # the decode kernels (GEMV, MoE experts, RMSNorm, RoPE): built once per machine, now rather
+        # than in the middle of the first request
+        cpu_kernels.load()
     return model

@@ -38,8 +38,22 @@ def _csrc_hash(folder: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _will_build(here: str) -> bool:
+    """Whether ``load()`` is going to compile (no build of these sources in torch's extension cache)."""
+    try:
+        from torch.utils import cpp_extension
+
+        folder = cpp_extension._get_build_directory("dynamoe_cpu_kernels", verbose=False)
+        with open(os.path.join(folder, "build.ninja"), encoding="utf-8") as f:
+            built = f"DYNAMOE_CSRC_HASH={_csrc_hash(here)}" in f.read()
+        return not (built and os.path.exists(os.path.join(folder, "dynamoe_cpu_kernels.so")))
+    except Exception:  # noqa: BLE001 -- only decides whether to announce the build
+        return True
+
+
 def load():
-    """The compiled module, or None when it cannot be built here (reason logged once)."""
+    """The compiled module, or None when it cannot be built here (reason logged once). The first call on
+    a machine compiles it (a minute or two, announced on stderr)."""
     if "module" in _state:
         return _state["module"]
     with _lock:
@@ -57,6 +71,9 @@ def load():
                 if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
                 here = os.path.join(os.path.dirname(__file__), "csrc")
+                if _will_build(here):
+                    print("dynamoe: compiling the CPU kernels (dynamoe/ops/csrc) for this machine, once; a minute "
+                          "or two ...", file=sys.stderr, flush=True)
                 module = cpp_extension.load(
                     name="dynamoe_cpu_kernels", sources=[os.path.join(here, f) for f in SOURCES],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", f"-DDYNAMOE_CSRC_HASH={_csrc_hash(here)}"],
