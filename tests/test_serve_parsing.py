@@ -11,9 +11,10 @@ from dynamoe.serve.anthropic_api import AnthropicEvents, anthropic_messages, ant
 from dynamoe.serve.errors import APIError
 from dynamoe.serve.metrics import Histogram, Metrics
 from dynamoe.serve.openai_api import openai_messages
-from dynamoe.serve.parsing import (HarmonyParser, OutputParser, Part, ReasoningParser, ToolCall, deepseek_tool_parser,
-                                   glm_tool_parser, hermes_tool_parser, kimi_tool_parser, mistral_tool_parser,
-                                   prompt_opens_think, tool_parser_for, uses_harmony)
+from dynamoe.serve.harmony import HarmonyParser, uses_harmony
+from dynamoe.serve.parsing import OutputParser, Part, ReasoningParser, ToolCall, prompt_opens_think
+from dynamoe.serve.tool_formats import (deepseek_tool_parser, glm_tool_parser, hermes_tool_parser, kimi_tool_parser,
+                                        mistral_tool_parser, tool_parser_for)
 
 QWEN_OUT = ('<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n'
             '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'

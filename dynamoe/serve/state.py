@@ -12,8 +12,9 @@ from typing import Any
 from ..engine import GenerationEngine, SamplingParams, Tokenizer
 from .errors import APIError
 from .metrics import ExpertLoad, Metrics
-from .parsing import (HarmonyParser, OutputParser, mistral_tool_parser, prompt_opens_think, think_tags_for,
-                      tool_parser_for, uses_harmony)
+from .harmony import HarmonyParser, uses_harmony
+from .parsing import OutputParser, prompt_opens_think, think_tags_for
+from .tool_formats import mistral_tool_parser, tool_parser_for
 from .runner import EngineRunner
 
 __all__ = ["ServerConfig", "ServerState"]
