@@ -165,7 +165,7 @@ def test_sigmoid_moe_block_matches_deepseek_v3():
         for n in ("gate_proj", "up_proj", "down_proj"):
             getattr(moe.shared_experts, n).weight.copy_(getattr(ref.shared_experts, n).weight)
         x = torch.randn(2, 7, 64, generator=g)
-        torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)  # fp32 sums in another order
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -133,3 +133,31 @@ def test_kernel_checks_its_arguments():
     with pytest.raises(RuntimeError, match="must be bf16 or fp32"):
         kernels.moe_glu_decode_out(x.half(), ids, w, ex.gate_up_proj.detach().half(), ex.down_proj.detach().half(),
                                    None, None, 0, 1.0, 7.0, out.half(), load)
+
+
+# ------------------------------------------------------------------------------------ packed experts
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("act,T,k", [("silu", 1, 2), ("gpt_oss", 3, 3), ("silu", 16, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_experts_match_the_general_path(monkeypatch, fmt, act, T, k, dtype):
+    """Blockwise FP8, MXFP4 and NVFP4 GLU experts (dynamoe.quant.quantize_experts_) through the packed
+    decode kernel give what the layer's general path (dequantize or packed GEMVs per expert) gives."""
+    from dynamoe.quant import quantize_experts_
+
+    kw = {"block": (32, 32)} if fmt == "fp8_block" else {}
+    layer = _layer(E=6, k=k, D=64, Fh=64, act=act, bias=act == "gpt_oss", dtype=dtype)
+    quantize_experts_(layer, fmt, **kw)
+    assert type(layer.experts).__name__ == "QuantizedExperts"
+    x = torch.randn(T, 64).to(dtype)
+    used = []
+    real = moe_decode.packed_glu_decode
+    monkeypatch.setattr(moe_decode, "packed_glu_decode", lambda *a: used.append(1) or real(*a))
+    with torch.inference_mode():
+        fused = layer(x)
+        monkeypatch.setattr(moe_decode, "packed_glu_decode", lambda *a: None)
+        general = layer(x)
+    assert used == [1] and fused.dtype == dtype and fused.shape == (T, 64)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(fused.float(), general.float(), atol=tol * general.abs().max().item(), rtol=tol)
+    assert torch.equal(fused.routing_stats.load, general.routing_stats.load)

@@ -256,12 +256,15 @@ class MoELayer(nn.Module):
     # ---- pieces of forward --------------------------------------------------------------------
     def _fused_decode(self, x_TD: Tensor, routing, cf: float):
         """A decode step's experts in one kernel call (dynamoe.ops.moe_decode), where that is the
-        same computation: inference, dropless, built-in GLU experts whole on this process. None
-        otherwise (the general path runs)."""
-        if (self.training or cf != 0 or self.world_size > 1 or self.sharded_count > 1
-                or type(self.experts) is not GLUExperts):
+        same computation: inference, dropless, built-in GLU experts or packed GLU experts whole on
+        this process. None otherwise (the general path runs)."""
+        if self.training or cf != 0 or self.world_size > 1 or self.sharded_count > 1:
             return None
-        return moe_decode.glu_decode(x_TD, routing.ids_TK, routing.weights_TK, self.experts)
+        if type(self.experts) is GLUExperts:
+            return moe_decode.glu_decode(x_TD, routing.ids_TK, routing.weights_TK, self.experts)
+        if type(self.experts).__name__ == "QuantizedExperts":  # dynamoe.quant (imports this package)
+            return moe_decode.packed_glu_decode(x_TD, routing.ids_TK, routing.weights_TK, self.experts)
+        return None
 
     def _check_input(self, input: Tensor, reserve_dims: int):
         if not isinstance(input, Tensor):

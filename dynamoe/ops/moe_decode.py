@@ -54,3 +54,48 @@ def glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tup
     max_load = k.moe_glu_decode_out(x, ids, w, wgu, wd, bgu, bd, ACT_CODES[experts.activation],
                                     float(experts.alpha), float(experts.limit), out, load)
     return out, load, max_load
+
+
+PACKED_FORMATS = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2}
+
+
+def _packed_fields(w) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    """(a, b, c, block0, block1) of a stacked packed weight, as csrc/moe_decode_packed.cpp takes them."""
+    fmt = w.format
+    if fmt == "fp8_block":
+        return w.weight.view(torch.uint8), w.scales().contiguous(), torch.empty(0), w.block[0], w.block[1]
+    if fmt == "mxfp4":
+        return w.blocks, w.scales, torch.empty(0), 1, 1
+    return (w.weight, w.weight_scale.view(torch.uint8), w.weight_scale_2.float().reshape(-1).contiguous(), 1, 1)
+
+
+def packed_glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tuple[Tensor, Tensor, int] | None:
+    """:func:`glu_decode` for packed experts (dynamoe.quant.QuantizedExperts of kind 'glu' in blockwise
+    FP8, MXFP4 or NVFP4, no activation quantization): the packed bytes are decoded in registers, the
+    activations are fp32 inside the kernel, the output comes back in x's dtype. None where it does not
+    apply."""
+    T = x_TD.size(0)
+    if (not 1 <= T <= MAX_TOKENS or x_TD.device.type != "cpu" or not x_TD.is_floating_point()
+            or x_TD.dtype == torch.float64 or torch.is_grad_enabled() or getattr(experts, "kind", None) != "glu"
+            or getattr(experts, "act_quant", None) is not None or experts.glu_kind not in ACT_CODES):
+        return None
+    w1, w2 = experts.w1, experts.w2
+    if w1.format not in PACKED_FORMATS or w2.format != w1.format or w1.device.type != "cpu":
+        return None
+    if w1.format == "fp8_block" and tuple(w1.block) != tuple(w2.block):
+        return None
+    k = cpu_kernels.load()
+    if k is None:
+        return None
+    a1, b1, c1, blk0, blk1 = _packed_fields(w1)
+    a2, b2, c2, _, _ = _packed_fields(w2)
+    bias1 = None if experts.b1 is None else experts.b1.float().contiguous()
+    bias2 = None if experts.b2 is None else experts.b2.float().contiguous()
+    x = x_TD.float().contiguous()
+    out = torch.empty(T, w2.shape[1], dtype=torch.float32)
+    load = torch.empty(w1.shape[0], dtype=torch.long)
+    max_load = k.packed_moe_glu_decode_out(PACKED_FORMATS[w1.format], x, ids_TK.to(torch.long).contiguous(),
+                                           weights_TK.to(torch.float32).contiguous(), a1, b1, c1, a2, b2, c2, blk0,
+                                           blk1, bias1, bias2, ACT_CODES[experts.glu_kind], float(experts.alpha),
+                                           float(experts.limit), out, load)
+    return out.to(x_TD.dtype), load, max_load
