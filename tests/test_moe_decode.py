@@ -129,7 +129,7 @@ def test_kernel_checks_its_arguments():
                                    1.0, 7.0, out, load)
     with pytest.raises(RuntimeError, match="x must have 1..16 rows"):
         kernels.moe_glu_decode_out(torch.randn(17, 64).bfloat16(), ids, w, ex.gate_up_proj.detach(),
-                                   ex.down_proj.detach(), None, None, 0, 1.0, 7.0, out, load)
+                                   ex.down_proj.detach(), None, None, 0, 1.0, 7.0, torch.empty(17, 64).bfloat16(), load)
     with pytest.raises(RuntimeError, match="must be bf16 or fp32"):
         kernels.moe_glu_decode_out(x.half(), ids, w, ex.gate_up_proj.detach().half(), ex.down_proj.detach().half(),
                                    None, None, 0, 1.0, 7.0, out.half(), load)
@@ -161,3 +161,53 @@ def test_packed_experts_match_the_general_path(monkeypatch, fmt, act, T, k, dtyp
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(fused.float(), general.float(), atol=tol * general.abs().max().item(), rtol=tol)
     assert torch.equal(fused.routing_stats.load, general.routing_stats.load)
+
+
+# ------------------------------------------------------------------------------------ FFN experts
+@needs_kernel
+@pytest.mark.parametrize("act", ["relu", "gelu", "silu"])
+@pytest.mark.parametrize("T,k,bias", [(1, 2, True), (4, 1, False), (16, 3, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ffn_experts_match_per_expert_loop(monkeypatch, act, T, k, bias, dtype):
+    """Tutel-layout FFN experts (fc1 [E, F, D], fc2 [E, F, O], biases; output_dim != model_dim) through
+    the decode kernel against a per-token, per-expert loop in fp32."""
+    used = _spy_name(monkeypatch, "ffn_decode")
+    torch.manual_seed(1)
+    cfg = MoEConfig(model_dim=64, gates=[GateConfig(type="top", k=k, capacity_factor=0.0, fp32_gate=True)],
+                    experts=ExpertConfig(type="ffn", num_experts_per_device=6, hidden_size_per_expert=300,
+                                         activation_fn=act, has_fc1_bias=bias, has_fc2_bias=bias, output_dim=80),
+                    aux_loss="none", dtype=dtype, check_finite=False)
+    layer = MoELayer(cfg).eval()
+    x = torch.randn(T, 64).to(dtype)
+    with torch.inference_mode():
+        y = layer(x)
+    ex = layer.experts
+    logits = F.linear(x.float(), layer.gates[0].wg.weight.float())
+    w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
+    w = w / w.sum(-1, keepdim=True) if k > 1 else w
+    fn = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[act]
+    want = torch.zeros(T, 80)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            h = ex.batched_fc1_w[e].float() @ x[t].float()
+            h = fn(h + ex.batched_fc1_bias[e].float() if bias else h)
+            o = h @ ex.batched_fc2_w[e].float()
+            want[t] += w[t, j] * (o + ex.batched_fc2_bias[e].float() if bias else o)
+    assert used == [True] and y.shape == (T, 80) and y.dtype == dtype
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
+    assert torch.equal(y.routing_stats.load, torch.bincount(ids.flatten(), minlength=6))
+
+
+def _spy_name(monkeypatch, name):
+    used = []
+    real = getattr(moe_decode, name)
+
+    def spy(*a, **kw):
+        r = real(*a, **kw)
+        used.append(r is not None)
+        return r
+
+    monkeypatch.setattr(moe_decode, name, spy)
+    return used

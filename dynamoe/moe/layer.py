@@ -23,7 +23,7 @@ from .config import MoEConfig, check_capacity_factor, check_overlap_degree, pars
 from .exchange import LocalExchange, exchange_for
 from .dispatch import (DispatchPlan, RoutingStats, build_plan, combine_padded, combine_ragged, dispatch_padded,
                        dispatch_ragged)
-from .experts import GLUExperts, SharedExperts, build_experts
+from .experts import FFNExperts, GLUExperts, SharedExperts, build_experts
 from .gates import Routing, build_gate, route
 from .sharding import OUTPUT_BIAS, merge_shards, shard_spec_of
 
@@ -256,12 +256,14 @@ class MoELayer(nn.Module):
     # ---- pieces of forward --------------------------------------------------------------------
     def _fused_decode(self, x_TD: Tensor, routing, cf: float):
         """A decode step's experts in one kernel call (dynamoe.ops.moe_decode), where that is the
-        same computation: inference, dropless, built-in GLU experts or packed GLU experts whole on
-        this process. None otherwise (the general path runs)."""
+        same computation: inference, dropless, built-in FFN/GLU experts or packed GLU experts whole
+        on this process. None otherwise (the general path runs)."""
         if self.training or cf != 0 or self.world_size > 1 or self.sharded_count > 1:
             return None
         if type(self.experts) is GLUExperts:
             return moe_decode.glu_decode(x_TD, routing.ids_TK, routing.weights_TK, self.experts)
+        if type(self.experts) is FFNExperts:
+            return moe_decode.ffn_decode(x_TD, routing.ids_TK, routing.weights_TK, self.experts)
         if type(self.experts).__name__ == "QuantizedExperts":  # dynamoe.quant (imports this package)
             return moe_decode.packed_glu_decode(x_TD, routing.ids_TK, routing.weights_TK, self.experts)
         return None

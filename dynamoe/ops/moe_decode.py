@@ -14,11 +14,12 @@ activations of the same dtype, 1..16 tokens, built-in GLU experts held whole on 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import cpu_kernels
 
-__all__ = ["glu_decode", "MAX_TOKENS", "ACT_CODES"]
+__all__ = ["glu_decode", "ffn_decode", "packed_glu_decode", "MAX_TOKENS", "ACT_CODES"]
 
 MAX_TOKENS = 16  # decode batches; a group of more than 8 tokens runs as row chunks of 8
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "gpt_oss": 4}
@@ -53,6 +54,28 @@ def glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tup
     load = torch.empty(wgu.size(0), dtype=torch.long)
     max_load = k.moe_glu_decode_out(x, ids, w, wgu, wd, bgu, bd, ACT_CODES[experts.activation],
                                     float(experts.alpha), float(experts.limit), out, load)
+    return out, load, max_load
+
+
+def ffn_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tuple[Tensor, Tensor, int] | None:
+    """:func:`glu_decode` for FFN experts in Tutel's layout (``batched_fc1_w`` [E, F, D], ``batched_fc2_w``
+    [E, F, O], optional biases; ReLU, GELU or SiLU): fc1 as GEMVs, fc2 as row-scaled sums of its rows."""
+    T = x_TD.size(0)
+    act = {F.relu: 3, F.gelu: 1, F.silu: 0}.get(experts.activation_fn)
+    if (act is None or not 1 <= T <= MAX_TOKENS or x_TD.device.type != "cpu" or x_TD.dtype not in DTYPES
+            or torch.is_grad_enabled()):
+        return None
+    w1, w2, b1, b2 = experts.batched_fc1_w, experts.batched_fc2_w, experts.batched_fc1_bias, experts.batched_fc2_bias
+    if not all(_usable(t, x_TD.dtype) for t in (w1, w2, b1, b2)):
+        return None
+    k = cpu_kernels.load()
+    if k is None:
+        return None
+    x = x_TD if x_TD.is_contiguous() else x_TD.contiguous()
+    out = x.new_empty(T, w2.size(2))
+    load = torch.empty(w1.size(0), dtype=torch.long)
+    max_load = k.moe_ffn_decode_out(x, ids_TK.to(torch.long).contiguous(), weights_TK.to(torch.float32).contiguous(),
+                                    w1, w2, b1, b2, act, out, load)
     return out, load, max_load
 
 

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+#include "decode_pairs.h"
 #include "packed_rows.h"
 #include "token_chunks.h"
 
@@ -97,19 +98,6 @@ void rows(const Packed& w, int64_t e, int64_t o0, int64_t o1, const float* x, co
   }
 }
 
-inline float act_gate(float g, int64_t kind, float alpha, float limit) {
-  switch (kind) {
-    case 0: return g / (1.f + std::exp(-g));
-    case 1: return 0.5f * g * (1.f + std::erf(g * 0.70710678118654752f));
-    case 2: return 0.5f * g * (1.f + std::tanh(0.79788456080286536f * (g + 0.044715f * g * g * g)));
-    case 3: return g > 0.f ? g : 0.f;
-    default: {
-      const float c = std::min(g, limit);
-      return c / (1.f + std::exp(-alpha * c));
-    }
-  }
-}
-
 // one weight over all groups: x [pairs, I] (and its halves) -> out [pairs, O], one parallel region
 void run(const Packed& w, const std::vector<int64_t>& groups, const std::vector<float>& x, const std::vector<float>& xe,
          const std::vector<float>& xo, const float* bias, float* out, const float* lut, const float* e8m0,
@@ -141,17 +129,6 @@ int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor id
   TORCH_CHECK(F2 % 2 == 0 && w2.E == E && w2.I == F, "w2 must be [", E, ", O, ", F, "] for w1 [", E, ", ", F2, ", ", D, "]");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) == D,
               "x must be contiguous fp32 [T, ", D, "]");
-  const int64_t T = x.size(0);
-  TORCH_CHECK(T >= 1 && T <= 16, "x must have 1..16 rows, got ", T);
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == torch::kLong && ids.is_contiguous(),
-              "ids must be contiguous int64 [T, K]");
-  const int64_t K = ids.size(1);
-  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat && weights.is_contiguous(),
-              "weights must be contiguous fp32 [T, K]");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == O && out.scalar_type() == torch::kFloat &&
-              out.is_contiguous(), "out must be contiguous fp32 [T, ", O, "]");
-  TORCH_CHECK(load.dim() == 1 && load.size(0) == E && load.scalar_type() == torch::kLong && load.is_contiguous(),
-              "load must be contiguous int64 [", E, "]");
   TORCH_CHECK(act >= 0 && act <= 4, "act must be 0..4 (silu, gelu, gelu_tanh, relu, gpt_oss), got ", act);
   const float* bp1 = nullptr;
   const float* bp2 = nullptr;
@@ -166,35 +143,11 @@ int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor id
     bp2 = b2->data_ptr<float>();
   }
 
-  // groups of pairs by expert, in order of first use
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  const float* wp = weights.data_ptr<float>();
-  int64_t* lp = load.data_ptr<int64_t>();
-  std::fill(lp, lp + E, int64_t{0});
-  std::vector<int64_t> order;
-  for (int64_t i = 0; i < T * K; ++i) {
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "expert id ", ip[i], " out of range [0, ", E, ")");
-    if (lp[ip[i]]++ == 0) order.push_back(ip[i]);
-  }
-  std::vector<int64_t> groups, first(E), fill(E, 0), pair_token(T * K);
-  std::vector<float> pair_weight(T * K);
-  int64_t off = 0, max_load = 0;
-  for (int64_t e : order) {
-    groups.insert(groups.end(), {e, off, lp[e]});
-    first[e] = off;
-    off += lp[e];
-    max_load = std::max(max_load, lp[e]);
-  }
-  const int64_t P = T * K;
+  const int64_t T = x.size(0);
+  const dynamoe::DecodePairs d = dynamoe::group_pairs(ids, weights, T, E, load);
+  const int64_t P = static_cast<int64_t>(d.pair_token.size());
   std::vector<float> xg(P * D);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t e = ip[t * K + k], p = first[e] + fill[e]++;
-      pair_token[p] = t;
-      pair_weight[p] = wp[t * K + k];
-      std::copy(xp + t * D, xp + (t + 1) * D, xg.data() + p * D);
-    }
+  dynamoe::gather_pairs(d, x.data_ptr<float>(), D, xg.data());
 
   float lut[256], e8m0[256], e4m3_raw[256];
   for (int v = 0; v < 256; ++v) {
@@ -205,25 +158,18 @@ int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor id
   std::vector<float> xe, xo;
   if (fmt != 0) split_even_odd(xg.data(), P, D, xe, xo);
   std::vector<float> gu(P * F2);
-  run(w1, groups, xg, xe, xo, bp1, gu.data(), lut, e8m0, e4m3_raw);
+  run(w1, d.groups, xg, xe, xo, bp1, gu.data(), lut, e8m0, e4m3_raw);
 
   std::vector<float> hbuf(P * F);
   const float a = static_cast<float>(alpha), lim = static_cast<float>(limit);
   for (int64_t p = 0; p < P; ++p)
     for (int64_t f = 0; f < F; ++f) {
-      float u = gu[p * F2 + F + f];
-      if (act == 4) u = std::min(std::max(u, -lim), lim) + 1.f;
-      hbuf[p * F + f] = act_gate(gu[p * F2 + f], act, a, lim) * u;
+      hbuf[p * F + f] = dynamoe::glu_value(gu[p * F2 + f], gu[p * F2 + F + f], act, a, lim);
     }
   if (fmt != 0) split_even_odd(hbuf.data(), P, F, xe, xo);
   std::vector<float> y(P * O);
-  run(w2, groups, hbuf, xe, xo, bp2, y.data(), lut, e8m0, e4m3_raw);
+  run(w2, d.groups, hbuf, xe, xo, bp2, y.data(), lut, e8m0, e4m3_raw);
 
-  float* op = out.data_ptr<float>();
-  std::fill(op, op + T * O, 0.f);
-  for (int64_t p = 0; p < P; ++p) {
-    float* row = op + pair_token[p] * O;
-    for (int64_t o = 0; o < O; ++o) row[o] += pair_weight[p] * y[p * O + o];
-  }
-  return max_load;
+  dynamoe::combine_pairs(d, y.data(), T, O, out.data_ptr<float>());
+  return d.max_load;
 }

@@ -148,7 +148,13 @@ int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor id
                                   c10::optional<torch::Tensor> b1, c10::optional<torch::Tensor> b2, int64_t act,
                                   double alpha, double limit, torch::Tensor out, torch::Tensor load);
 
+int64_t moe_ffn_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w1, torch::Tensor w2,
+                           c10::optional<torch::Tensor> b1, c10::optional<torch::Tensor> b2, int64_t act,
+                           torch::Tensor out, torch::Tensor load);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("moe_ffn_decode_out", &moe_ffn_decode_out,
+        "a decode step's routed FFN experts in Tutel's layout (T <= 16 rows, bf16 or fp32): out [T, O], load [E]");
   m.def("packed_moe_glu_decode_out", &packed_moe_glu_decode_out,
         "a decode step's routed GLU experts with packed weights (0 FP8, 1 MXFP4, 2 NVFP4; T <= 16, fp32 x/out)");
   m.def("rope_out", &rope_out, "rotary embedding of x [B, H, T, d] (bf16 or fp32) with cos/sin [B, T, R/2] into out");
