@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 
 def _csrc_hash(folder: str) -> str:
-    """A digest of every source and header: torch rebuilds when the flags change, and it hashes
-    only the listed sources, so a header edit must show up in the flags."""
+    """A digest of every source and header (torch's own rebuild check sees only the listed sources,
+    not the headers they include); it is part of the extension's name."""
     h = hashlib.sha1()
     for name in sorted(os.listdir(folder)):
         with open(os.path.join(folder, name), "rb") as f:
@@ -38,15 +38,20 @@ def _csrc_hash(folder: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _module_name(here: str) -> str:
+    """The extension's name, one per version of the sources: two dynamoe checkouts (or a running
+    process and a newer one) never rebuild each other's library under torch's extension cache."""
+    return f"dynamoe_cpu_kernels_{_csrc_hash(here)}"
+
+
 def _will_build(here: str) -> bool:
     """Whether ``load()`` is going to compile (no build of these sources in torch's extension cache)."""
     try:
         from torch.utils import cpp_extension
 
-        folder = cpp_extension._get_build_directory("dynamoe_cpu_kernels", verbose=False)
-        with open(os.path.join(folder, "build.ninja"), encoding="utf-8") as f:
-            built = f"DYNAMOE_CSRC_HASH={_csrc_hash(here)}" in f.read()
-        return not (built and os.path.exists(os.path.join(folder, "dynamoe_cpu_kernels.so")))
+        name = _module_name(here)
+        folder = cpp_extension._get_build_directory(name, verbose=False)
+        return not os.path.exists(os.path.join(folder, f"{name}.so"))
     except Exception:  # noqa: BLE001 -- only decides whether to announce the build
         return True
 
@@ -75,8 +80,8 @@ def load():
                     print("dynamoe: compiling the CPU kernels (dynamoe/ops/csrc) for this machine, once; a minute "
                           "or two ...", file=sys.stderr, flush=True)
                 module = cpp_extension.load(
-                    name="dynamoe_cpu_kernels", sources=[os.path.join(here, f) for f in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", f"-DDYNAMOE_CSRC_HASH={_csrc_hash(here)}"],
+                    name=_module_name(here), sources=[os.path.join(here, f) for f in SOURCES],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                     extra_ldflags=["-fopenmp"], verbose=False,
                 )
             except Exception as exc:  # noqa: BLE001 -- any build failure means: use the fallback
