@@ -27,6 +27,9 @@ PROMPTS = [
     ("What is 12 × 11?", "mul-2d", "132"),
     ("Reverse the list [4, 8, 15, 16].", "reverse-list", "[16, 15, 8, 4]"),
     ("Convert 5 km to meters.", "units", "5000"),
+    ("What is 64 - 29?", "sub-2d", "35"),
+    ("Sort [42, 7, 93, 15].", "sort", "[7, 15, 42, 93]"),
+    ('Reverse the word "planet".', "reverse-word", "tenalp"),
 ]
 QUICKSORT = "Write a Python code of the Quicksort algorithm."
 

@@ -133,7 +133,7 @@ training.
 {steps_text(stats)} of {args.batch_size} × {args.seq_len} tokens ({stats.get('tokens', 0) / 1e6:.1f} M tokens,
 loss on assistant tokens only), AdamW (lr {args.lr:g}, warmup {args.warmup}, cosine to {args.lr * args.min_lr_ratio:g},
 weight decay {args.weight_decay:g}), Switch balance loss × {args.aux_loss_coef:g}, {args.dtype},
-{stats.get('threads', '?')} CPU threads ({stats.get('cpu', '?')}), {stats.get('wall_min', 0):.0f} minutes.
+{stats.get('threads', '?')} CPU thread{'' if stats.get('threads') == 1 else 's'} ({stats.get('cpu', '?')}), {stats.get('wall_min', 0):.0f} minutes.
 Training loss {stats.get('train_loss', float('nan')):.4f} (mean of the last 50 steps), held-out loss {stats.get('eval_loss', float('nan')):.4f}.
 
 ## Evaluation

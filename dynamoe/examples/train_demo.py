@@ -399,7 +399,7 @@ def main(argv=None) -> dict:
     total_params, active_params = count_params(model)
     log(f"[model] qwen3_moe: {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-{args.top_k} "
         f"(F={args.moe_intermediate}), vocab {config['vocab_size']}: {total_params / 1e6:.2f} M parameters, "
-        f"{active_params / 1e6:.2f} M active per token; {torch.get_num_threads()} threads, {args.dtype}")
+        f"{active_params / 1e6:.2f} M active per token; {torch.get_num_threads()} thread{'' if torch.get_num_threads() == 1 else 's'}, {args.dtype}")
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
