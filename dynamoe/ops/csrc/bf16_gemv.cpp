@@ -56,6 +56,12 @@ void row_block(const c10::BFloat16* wp, int64_t O, int64_t I, int64_t o0, const 
   constexpr int R = kRowBlock;
   float acc[R * 8];
   const int rows = static_cast<int>(std::min<int64_t>(R, O - o0));
+#if defined(__AVX512BF16__)
+  // the next block's rows, so that cold weights stream in while this block is computed
+  if (o0 + 2 * R <= O)
+    for (int64_t c = 0; c < R * I * 2; c += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wp + (o0 + R) * I) + c, _MM_HINT_T0);
+#endif
   dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
     if (rows == R) bf16_rows<TT, R>(wp + o0 * I, I, xp + t0 * xs, xs, acc);
     else for (int r = 0; r < rows; ++r) bf16_rows<TT, 1>(wp + (o0 + r) * I, I, xp + t0 * xs, xs, acc + r * 8);

@@ -21,6 +21,7 @@
 namespace {
 using namespace dynamoe::packed;
 constexpr int64_t kRowsPerItem = 16;
+constexpr int64_t kAhead = 4;  // rows prefetched ahead
 
 struct Packed {
   int64_t fmt, E, O, I, blk0 = 1, blk1 = 1;
@@ -70,10 +71,15 @@ void rows(const Packed& w, int64_t e, int64_t o0, int64_t o1, const float* x, co
     const int64_t C = (I + w.blk1 - 1) / w.blk1, R = (w.O + w.blk0 - 1) / w.blk0;
     const uint8_t* q = w.a + e * w.O * I;
     const float* s = w.bf + e * R * C;
-    for (int64_t o = o0; o < o1; ++o)
+    for (int64_t o = o0; o < o1; ++o) {
+#if defined(__AVX512F__)
+      if (o + kAhead < w.O)
+        for (int64_t c = 0; c < I; c += 64) _mm_prefetch(reinterpret_cast<const char*>(q + (o + kAhead) * I + c), _MM_HINT_T0);
+#endif
       dynamoe::for_token_chunks(Tg, [&]<int TT>(int64_t t0) {
         fp8_row<TT>(q + o * I, I, x + t0 * I, s + (o / w.blk0) * C, w.blk1, lut_fp8, out + t0 * out_stride + o, out_stride);
       });
+    }
     return;
   }
   const int64_t G = w.fmt == 1 ? I / 32 : I / 16;
@@ -84,6 +90,12 @@ void rows(const Packed& w, int64_t e, int64_t o0, int64_t o1, const float* x, co
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* srow = w.b8 + (e * w.O + o) * G;
     const uint8_t* prow = w.a + (e * w.O + o) * h;
+#if defined(__AVX512F__)
+    // the packed bytes of a row ahead: decoding is too short per byte for the hardware prefetcher
+    // to hide the memory latency of weights that are not in cache
+    if (o + kAhead < w.O)
+      for (int64_t c = 0; c < h; c += 64) _mm_prefetch(reinterpret_cast<const char*>(prow + kAhead * h + c), _MM_HINT_T0);
+#endif
     if (w.fmt == 1) {
       for (int64_t g = 0; g < G; ++g) gs[g] = e8m0[srow[g]];
       dynamoe::for_token_chunks(Tg, [&]<int TT>(int64_t t0) {
