@@ -42,7 +42,8 @@ def test_every_skill_and_many_phrasings(train):
         prompts = {re.sub(r"[-\d.]+|\[.*\]|\"\w+\"|\b[a-z]{3,}\b(?=[.?]?$)", "#", e.prompt[-1]["content"])
                    for e in train if e.skill == skill}
         assert len(prompts) >= 5, (skill, prompts)
-    assert any(e.prompt[-1]["content"] == "Write a Python code of the Quicksort algorithm." for e in train)
+    code = dd.generate(0, 3000, skills=["code"])  # the seeds' example request is one of the trained wordings
+    assert any(e.prompt[-1]["content"] == "Write a Python code of the Quicksort algorithm." for e in code)
     assert any(e.messages[0]["role"] == "system" for e in train)
     assert any(sum(m["role"] == "assistant" for m in e.messages) == 2 for e in train)
 
@@ -116,6 +117,22 @@ def test_column_steps_carry_and_borrow():
     assert dd.column_add([999, 1]) == "9 + 1 = 10, 9 + 0 + 1 = 10, 9 + 0 + 1 = 10"
     assert dd.column_sub(100, 99) == "10 - 9 = 1, 10 - 1 - 9 = 0, 1 - 1 - 0 = 0"
     assert dd._sub_reply(43, 92) == "43 - 92 = -(92 - 43): 12 - 3 = 9, 9 - 1 - 4 = 4, so 43 - 92 = -49"
+
+
+def test_products_are_written_part_by_part():
+    assert dd.place_parts(305) == [300, 5] and dd.place_parts(0) == [] and dd.place_parts(7) == [7]
+    assert dd._mul_reply(75, 8) == ("75 × 8 = (70 + 5) × 8 = 70 × 8 + 5 × 8 = 560 + 40: 0 + 0 = 0, 6 + 4 = 10, "
+                                    "5 + 0 + 1 = 6, so 75 × 8 = 600")
+    assert dd._mul_reply(40, 20) == "40 × 20 = 800" and dd._mul_reply(0, 7) == "0 × 7 = 0"
+    for e in dd.generate(5, 2000, skills=["mul"]):
+        chain = e.reply.partition(": ")[0].split(" = ")
+        if len(chain) == 2:  # answered directly: at most one nonzero digit on each side
+            continue
+        for pair in chain[2].split(" + "):  # every product is digit x digit times a power of ten
+            x, y = pair.split(" × ")
+            assert len(dd.place_parts(int(x))) == len(dd.place_parts(int(y))) == 1, e.reply
+        assert [int(x) * int(y) for x, y in (p.split(" × ") for p in chain[2].split(" + "))] == \
+            [int(v) for v in chain[3].split(" + ")], e.reply
 
 
 def test_sorting_groups_mixed_lengths():

@@ -59,6 +59,13 @@ def test_resume_refuses_other_flags(runs):
                                 "--lr", "1e-3", "--no-export"])
 
 
+def test_resume_refuses_other_data_version(runs, monkeypatch):
+    monkeypatch.setattr(train_demo.demo_data, "DATA_VERSION", train_demo.demo_data.DATA_VERSION + 1)
+    with pytest.raises(SystemExit, match="data_version"):
+        train_demo.main(TINY + ["--out", str(runs["root"] / "part"), "--ckpt-dir", str(runs["root"] / "part-ckpt"),
+                                "--no-export"])
+
+
 def test_export_loads_in_dynamoe_and_transformers(runs):
     from transformers import AutoModelForCausalLM
 

@@ -3,9 +3,11 @@
 Skills (``Example.skill``) and the eval groups they report under (``Example.group``):
 
 * ``add`` / ``sub`` / ``mul`` -- integer arithmetic on 1-3 digit numbers (group ``add-2d``: the larger
-  operand has 2 digits). Multi-digit multiplication answers show the partial products
-  (``47 × 38 = 47 × 30 + 47 × 8 = 1410 + 376 = 1786``); the rest answer directly.
-* ``sort`` / ``sort-desc`` / ``reverse-list`` -- lists of 2-7 integers in 0..99.
+  operand has 2 digits). Answers work column by column from the ones (carries and borrows written
+  out); a product splits both operands into place-value parts and writes every part-by-part product
+  (``47 × 8 = (40 + 7) × 8 = 40 × 8 + 7 × 8 = 320 + 56``) before summing them by columns; 1-digit
+  problems answer directly.
+* ``sort`` / ``sort-desc`` / ``reverse-list`` -- lists of 2-7 integers in 0..99 (some in 0..9 only).
 * ``reverse-word`` / ``word-length`` / ``letter-count`` -- characters of English words; answers spell
   the word out first (``p-l-a-n-e-t``), which the tokenizer splits into single letters.
 * ``units`` -- km/m/cm, kg/g, hours/minutes, °C/°F. Rounding rule: results are exact or rounded to one
@@ -47,7 +49,7 @@ __all__ = ["Example", "generate", "SKILLS", "TRAIN_WEIGHTS", "CODE", "CODE_FUNCT
 
 SPLITS = ("train", "held_out")
 #: bumped whenever a reply format or the mixture changes (cached training data is rebuilt)
-DATA_VERSION = 2
+DATA_VERSION = 3
 DEFAULT_SPLIT_SEED = 1234
 DEFAULT_HELD_OUT_FRACTION = 0.1
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are a small demo model trained with dynamoe.",
@@ -217,14 +219,26 @@ def _sub_reply(a: int, b: int) -> str:
     return f"{a} - {b}: {column_sub(a, b)}, so {a} - {b} = {a - b}"
 
 
+def place_parts(n: int) -> list[int]:
+    """The nonzero place-value parts of ``n`` >= 0, largest first: 305 -> [300, 5]; 0 -> []."""
+    s = str(n)
+    return [int(c) * 10 ** (len(s) - 1 - i) for i, c in enumerate(s) if c != "0"]
+
+
 def _mul_reply(a: int, b: int) -> str:
+    """Long multiplication by the distributive law: each operand split into its place-value parts, every
+    product of two parts (one digit times one digit, then the zeros) written out, then the products
+    summed column by column: ``75 × 8 = (70 + 5) × 8 = 70 × 8 + 5 × 8 = 560 + 40: ...``."""
     r = a * b
-    terms = [int(c) * 10 ** i for i, c in enumerate(reversed(str(b))) if c != "0"][::-1]
-    if len(terms) <= 1:
+    pa, pb = place_parts(a), place_parts(b)
+    if len(pa) * len(pb) <= 1:
         return f"{a} × {b} = {r}"
-    parts = " + ".join(f"{a} × {t}" for t in terms)
-    prods = [a * t for t in terms]
-    return f"{a} × {b} = {parts} = {' + '.join(map(str, prods))}: {column_add(prods)}, so {a} × {b} = {r}"
+    grouped = " × ".join(f"({' + '.join(map(str, p))})" if len(p) > 1 else str(p[0]) for p in (pa, pb))
+    pairs = [(x, y) for x in pa for y in pb]
+    prods = [x * y for x, y in pairs]
+    expanded = " + ".join(f"{x} × {y}" for x, y in pairs)
+    return (f"{a} × {b} = {grouped} = {expanded} = {' + '.join(map(str, prods))}: {column_add(prods)}, "
+            f"so {a} × {b} = {r}")
 
 
 _REPLIES = {"add": _add_reply, "sub": _sub_reply, "mul": _mul_reply}
@@ -258,7 +272,8 @@ _LIST_PROMPTS = {
 
 def _list_task(task: str) -> Callable:
     def make(rng: random.Random):
-        xs = [rng.randint(0, 99) for _ in range(rng.randint(2, 7))]
+        hi = 9 if rng.random() < 0.15 else 99  # some lists of 1-digit numbers only
+        xs = [rng.randint(0, hi) for _ in range(rng.randint(2, 7))]
         prompt = rng.choice(_LIST_PROMPTS[task]).format(l=fmt_list(xs), c=", ".join(map(str, xs)))
         if task == "sort":
             out, lead = sorted(xs), "Sorted in ascending order"
@@ -430,8 +445,8 @@ MAKERS: dict[str, Callable] = {
 }
 SKILLS = tuple(MAKERS)
 #: the training mixture (share of conversations)
-TRAIN_WEIGHTS = {"add": 0.12, "sub": 0.13, "mul": 0.13, "sort": 0.09, "sort-desc": 0.07, "reverse-list": 0.06,
-                 "reverse-word": 0.07, "word-length": 0.05, "letter-count": 0.05, "units": 0.10, "code": 0.08,
+TRAIN_WEIGHTS = {"add": 0.12, "sub": 0.13, "mul": 0.15, "sort": 0.09, "sort-desc": 0.07, "reverse-list": 0.06,
+                 "reverse-word": 0.07, "word-length": 0.04, "letter-count": 0.05, "units": 0.09, "code": 0.08,
                  "chat": 0.05}
 _NO_HELD_OUT = ("chat",)  # trained on every wording: a greeting has no "unseen" variant worth scoring
 

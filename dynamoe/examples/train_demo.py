@@ -296,14 +296,17 @@ def prepare_data(args, ckpt_dir: str, log) -> dict:
 
 # ------------------------------------------------------------------------------------ checkpoints
 def _command(args, stats: dict) -> str:
-    return card_command(_run_key(args), vars(build_parser().parse_args([])), stats.get("threads", torch.get_num_threads()))
+    flags = {k: v for k, v in _run_key(args).items() if k != "data_version"}
+    return card_command(flags, vars(build_parser().parse_args([])), stats.get("threads", torch.get_num_threads()))
 
 
 def _run_key(args) -> dict:
-    """The flags a checkpoint must agree with to be resumed (everything that shapes the run)."""
+    """What a checkpoint must agree with to be resumed: every flag that shapes the run, and the data
+    version (a checkpoint trained on other replies must not continue on these)."""
     skip = {"out", "ckpt_dir", "ckpt_every", "eval_every", "fresh", "stop_after", "threads", "progress", "export",
             "samples", "export_partial"}
-    return {k: v for k, v in sorted(vars(args).items()) if k not in skip}
+    key = {k: v for k, v in sorted(vars(args).items()) if k not in skip}
+    return {**key, "data_version": demo_data.DATA_VERSION}
 
 
 def save_checkpoint(path: str, model, optimizer, step: int, history: list, args) -> None:
@@ -317,7 +320,7 @@ def load_checkpoint(path: str, model, optimizer, args) -> tuple[int, list]:
     if state.get("run") != _run_key(args):
         diff = sorted(k for k in set(state.get("run", {})) | set(_run_key(args))
                       if state.get("run", {}).get(k) != _run_key(args).get(k))
-        raise SystemExit(f"error: checkpoint {path!r} was written with other flags ({', '.join(diff)}); "
+        raise SystemExit(f"error: checkpoint {path!r} was written with other flags or data ({', '.join(diff)}); "
                          f"pass the same flags to resume, --fresh to start over, or another --ckpt-dir")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
