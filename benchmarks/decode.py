@@ -72,11 +72,11 @@ def time_dynamoe(model, prompt: torch.Tensor, new: int) -> tuple[float, float, l
     with torch.inference_mode():
         t0 = time.perf_counter()
         logits = model(prompt, cache=cache, logits_to_keep=1)
-        tok = logits[:, -1].argmax(-1, keepdim=True)
+        tok = logits[:, -1].float().argmax(-1, keepdim=True)  # fp32, as the engine's sampler and HF's generate
         t1 = time.perf_counter()
         out.append(int(tok))
         for _ in range(new - 1):
-            tok = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)
+            tok = model(tok, cache=cache)[:, -1].float().argmax(-1, keepdim=True)
             out.append(int(tok))
         t2 = time.perf_counter()
     return t1 - t0, t2 - t0, out

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops import linear
+from ..ops import cpu_kernels, linear
 from .cache import KVCache
 from .norms import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
@@ -198,6 +198,44 @@ class Attention(nn.Module):
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"sliding_window={self.sliding_window}, sinks={self.sinks is not None}")
+
+    def decode_step(self, h_BTD: Tensor, norm: nn.Module, positions_BT: Tensor, cache: KVCache, slots: Tensor,
+                    kv_len: int | None = None) -> Tensor | None:
+        """``h + self(norm(h), ...)`` for one sequence's decode step (B = T = 1) in one kernel call
+        (csrc/attn_decode.cpp: norm, fused q/k/v GEMV, q/k norms, RoPE, cache write, attention with
+        window and sinks, o_proj, residual); None where it does not apply (autograd, not CPU, dtypes
+        other than bf16/fp32 or mixed, q/k/v not fused, a norm that is not RMSNorm, the keys not
+        exactly the slot's 0..position) and the caller runs the op-by-op path."""
+        qkv = self._qkv
+        if (qkv is None or h_BTD.device.type != "cpu" or h_BTD.dtype not in (torch.bfloat16, torch.float32)
+                or tuple(h_BTD.shape[:2]) != (1, 1) or torch.is_grad_enabled() or type(norm) is not RMSNorm
+                or slots is None or slots.numel() != 1 or slots.device.type != "cpu"
+                or positions_BT.device.type != "cpu" or not self._still_fused(qkv)):
+            return None
+        dt = h_BTD.dtype
+        o = self.o_proj
+        if (not isinstance(o, nn.Linear) or o.weight.dtype != dt or qkv[0].dtype != dt or norm.weight.dtype != dt
+                or cache.dtype != dt or (self.q_norm is not None and self.q_norm.weight.dtype != dt)):
+            return None
+        pos = int(positions_BT[0, 0])
+        if kv_len is not None and kv_len != pos + 1:
+            return None
+        k = cpu_kernels.load()
+        if k is None:
+            return None
+        K, d = self.num_kv_heads, self.head_dim
+        kbuf = cache.buffer(self.layer_idx, "k", K, cache.max_seq_len, d)
+        vbuf = cache.buffer(self.layer_idx, "v", K, cache.max_seq_len, d)
+        cos, sin = self.rotary(positions_BT, dt)
+        out = torch.empty_like(h_BTD)
+        qn, kn = self.q_norm, self.k_norm
+        k.attn_decode_out(h_BTD.contiguous(), norm.weight, norm.eps, norm.weight_in_fp32, qkv[0], qkv[1],
+                          None if qn is None else qn.weight, None if kn is None else kn.weight,
+                          1e-6 if qn is None else qn.eps, cos.contiguous(), sin.contiguous(), self.rope_interleaved,
+                          kbuf, vbuf, int(slots[0]), pos, self.sliding_window or 0,
+                          None if self.sinks is None else self.sinks.float().contiguous(), self.scale, o.weight,
+                          o.bias, out)
+        return out
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:

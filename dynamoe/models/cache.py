@@ -45,10 +45,14 @@ class KVCache:
         would pass ``max_seq_len``."""
         if slots.dim() != 1 or slots.dtype != torch.long:
             raise ValueError(f"slots must be a 1-D LongTensor, got {tuple(slots.shape)} {slots.dtype}")
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
-            raise ValueError(f"slots must be in [0, {self.num_slots}), got {slots.tolist()}")
-        if slots.numel() != torch.unique(slots).numel():
-            raise ValueError(f"slots must be distinct, got {slots.tolist()}")
+        if slots.numel() == 1:  # one sequence's step: plain ints (the general checks cost more than a decode op)
+            if not 0 <= int(slots[0]) < self.num_slots:
+                raise ValueError(f"slots must be in [0, {self.num_slots}), got {slots.tolist()}")
+        else:
+            if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
+                raise ValueError(f"slots must be in [0, {self.num_slots}), got {slots.tolist()}")
+            if slots.numel() != torch.unique(slots).numel():
+                raise ValueError(f"slots must be distinct, got {slots.tolist()}")
         start = self.lengths[slots]
         if slots.numel() and int(start.max()) + new_tokens > self.max_seq_len:
             raise ValueError(f"sequence length {int(start.max()) + new_tokens} exceeds max_seq_len={self.max_seq_len}")

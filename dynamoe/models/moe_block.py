@@ -70,6 +70,10 @@ class BiasedRouter(nn.Module):
     def forward(self, x_TD: Tensor) -> Tensor:
         return F.linear(x_TD.float(), self.weight.float(), self.bias.float())
 
+    def fp32_linear(self) -> tuple[Tensor, Tensor]:
+        """(W, bias): the logits are x W^T + bias in fp32 (see dynamoe.moe.gates.LinearGate.fp32_linear)."""
+        return self.weight, self.bias
+
 
 class SparseMoeBlock(nn.Module):
     """Routed experts (a dynamoe MoELayer, ``self.moe``) for one decoder layer.

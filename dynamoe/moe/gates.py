@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ..ops.routing import sigmoid_group_topk, softmax_topk
 from .config import GateConfig
 
-__all__ = ["Routing", "LinearGate", "CosineGate", "build_gate", "route"]
+__all__ = ["Routing", "LinearGate", "CosineGate", "build_gate", "route", "renormalizes"]
 
 
 @dataclass
@@ -69,6 +69,12 @@ class LinearGate(nn.Module):
             return F.linear(x_TD.float(), w.float())
         return F.linear(x_TD.to(w.dtype), w)
 
+    def fp32_linear(self) -> tuple[Tensor, Tensor | None] | None:
+        """(W, bias) when the logits are x W^T (+ bias) computed in fp32 (fused kernels may compute
+        them so); None when they are computed in a lower precision."""
+        w = self.wg.weight
+        return (w, None) if self.fp32_gate or w.dtype == torch.float32 else None
+
 
 class CosineGate(nn.Module):
     """Cosine router (Tutel's ``cosine_top``): logits = cos(proj(x), sim_e) / temperature, with the
@@ -112,6 +118,15 @@ def build_gate(cfg: GateConfig, model_dim: int, num_experts: int, dtype=None, de
     return module.to(dtype=dtype, device=device) if (dtype is not None or device is not None) else module
 
 
+def renormalizes(cfg: GateConfig, top_k: int, normalize_gate: bool) -> bool:
+    """Whether ``cfg``'s gate renormalizes the K chosen weights to sum to 1 (``cfg.normalize``, or by
+    default: always for sigmoid gates, for softmax gates when the layer's ``normalize_gate`` is on
+    and K > 1)."""
+    if cfg.normalize is not None:
+        return cfg.normalize
+    return True if cfg.type == "sigmoid" else (normalize_gate and top_k > 1)
+
+
 def route(gate: nn.Module, cfg: GateConfig, x_TD: Tensor, num_experts: int, top_k: int, normalize_gate: bool,
           training: bool, need_scores: bool) -> Routing:
     """Run ``gate`` on ``x_TD`` and apply ``cfg``'s scoring policy with ``top_k`` experts per token."""
@@ -125,12 +140,12 @@ def route(gate: nn.Module, cfg: GateConfig, x_TD: Tensor, num_experts: int, top_
         noisy_TE = logits_TE + cfg.gate_noise * torch.randn_like(logits_TE) / E
     if cfg.type == "sigmoid":
         bias = getattr(gate, "e_score_correction_bias", None)
-        renorm = True if cfg.normalize is None else cfg.normalize
+        renorm = renormalizes(cfg, top_k, normalize_gate)
         weights_TK, ids_TK, scores_TE = sigmoid_group_topk(
             noisy_TE, top_k, bias, cfg.n_group, cfg.topk_group, renorm, cfg.route_scale
         )
     else:
-        renorm = (normalize_gate and top_k > 1) if cfg.normalize is None else cfg.normalize
+        renorm = renormalizes(cfg, top_k, normalize_gate)
         weights_TK, ids_TK, scores_TE = softmax_topk(noisy_TE, top_k, renorm, need_probs=need_scores)
         if cfg.route_scale != 1.0:
             weights_TK = weights_TK * cfg.route_scale

@@ -24,7 +24,7 @@ from .exchange import LocalExchange, exchange_for
 from .dispatch import (DispatchPlan, RoutingStats, build_plan, combine_padded, combine_ragged, dispatch_padded,
                        dispatch_ragged)
 from .experts import FFNExperts, GLUExperts, SharedExperts, build_experts
-from .gates import Routing, build_gate, route
+from .gates import Routing, build_gate, renormalizes, route
 from .sharding import OUTPUT_BIAS, merge_shards, shard_spec_of
 
 __all__ = ["MoELayer", "LAYOUTS"]
@@ -189,6 +189,12 @@ class MoELayer(nn.Module):
             layout: "padded" | "ragged" (alternative to megablocks_size).
             use_2dh: two-level all-to-all across ranks (within nodes of LOCAL_SIZE ranks, then across).
         """
+        if (gate_index == 0 and capacity_factor is None and top_k is None and reserve_dims == 1 and adaptive_r is None
+                and megablocks_size is None and layout is None and a2a_ffn_overlap_degree is None and use_2dh is None
+                and not self.training and not torch.is_grad_enabled()):
+            y = self._decode_step(input)
+            if y is not None:
+                return y
         cfg = self.config
         x_TD, out_shape, orig_dtype = self._check_input(input, reserve_dims)
         use_2dh = cfg.use_2dh if use_2dh is None else use_2dh
@@ -260,13 +266,51 @@ class MoELayer(nn.Module):
         on this process. None otherwise (the general path runs)."""
         if self.training or cf != 0 or self.world_size > 1 or self.sharded_count > 1:
             return None
+        return self._decode_experts(x_TD, routing.ids_TK, routing.weights_TK)
+
+    def _decode_experts(self, x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor):
         if type(self.experts) is GLUExperts:
-            return moe_decode.glu_decode(x_TD, routing.ids_TK, routing.weights_TK, self.experts)
+            return moe_decode.glu_decode(x_TD, ids_TK, weights_TK, self.experts)
         if type(self.experts) is FFNExperts:
-            return moe_decode.ffn_decode(x_TD, routing.ids_TK, routing.weights_TK, self.experts)
+            return moe_decode.ffn_decode(x_TD, ids_TK, weights_TK, self.experts)
         if type(self.experts).__name__ == "QuantizedExperts":  # dynamoe.quant (imports this package)
-            return moe_decode.packed_glu_decode(x_TD, routing.ids_TK, routing.weights_TK, self.experts)
+            return moe_decode.packed_glu_decode(x_TD, ids_TK, weights_TK, self.experts)
         return None
+
+    def _decode_step(self, input) -> Tensor | None:
+        """The whole layer for a decode step in two kernel calls (router, then experts; see
+        dynamoe.ops.moe_decode), skipping the general path's per-call checks and plan: inference with
+        the configured switches, one process, a dropless gate whose logits are an fp32 linear, no
+        auxiliary losses, input already in the experts' dtype, 1..16 tokens on CPU. None otherwise."""
+        cfg = self.config
+        gcfg = cfg.gates[0]
+        if (not isinstance(input, Tensor) or input.device.type != "cpu" or input.dim() < 2
+                or input.size(-1) != self.model_dim or self.world_size > 1 or self.sharded_count > 1
+                or gcfg.capacity_factor != 0 or cfg.aux_loss != "none" or cfg.z_loss_coef or cfg.device_loss_groups
+                or cfg.batch_prioritized_routing or torch.is_autocast_enabled("cpu")):
+            return None
+        x_TD = input.reshape(-1, self.model_dim)
+        if not 1 <= x_TD.size(0) <= moe_decode.MAX_TOKENS:
+            return None
+        p = next(self.experts.parameters(), None)
+        if p is None or p.dtype != x_TD.dtype:
+            return None
+        if cfg.check_finite and not bool(torch.isfinite(x_TD.sum())):
+            return None  # the general path names the problem
+        k = gcfg.k
+        routed = moe_decode.route_decode(x_TD, self.gates[0], gcfg.type, k, renormalizes(gcfg, k, cfg.normalize_gate),
+                                         gcfg.route_scale, gcfg.n_group, gcfg.topk_group)
+        if routed is None:
+            return None
+        fused = self._decode_experts(x_TD, *routed)
+        if fused is None:
+            return None
+        y_TO, load_E, max_load = fused
+        if self.shared_experts is not None:
+            y_TO = y_TO + self.shared_experts(x_TD)
+        stats = RoutingStats(load=load_E, kept=load_E, dropped=0, capacity=max_load, top_k=k, capacity_factor=0.0,
+                             layout="ragged" if hasattr(self.experts, "forward_ragged") else "padded", losses={})
+        return self._finish(y_TO, list(input.shape[:-1]) + [y_TO.size(-1)], input.dtype, _NO_AUX_LOSS, stats)
 
     def _check_input(self, input: Tensor, reserve_dims: int):
         if not isinstance(input, Tensor):
@@ -462,6 +506,11 @@ class MoELayer(nn.Module):
         y.routing_stats = stats
         self.l_aux = l_aux
         return self.result_func(y) if self.result_func is not None else y
+
+
+#: the auxiliary loss of a fast decode step (no loss is configured there): one shared, never-modified
+#: CPU zero instead of a new tensor per layer and step
+_NO_AUX_LOSS = torch.zeros(())
 
 
 def _world_size(group) -> int:

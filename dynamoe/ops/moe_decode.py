@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import cpu_kernels
 
-__all__ = ["glu_decode", "ffn_decode", "packed_glu_decode", "MAX_TOKENS", "ACT_CODES"]
+__all__ = ["route_decode", "glu_decode", "ffn_decode", "packed_glu_decode", "MAX_TOKENS", "ACT_CODES"]
 
 MAX_TOKENS = 16  # decode batches; a group of more than 8 tokens runs as row chunks of 8
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "gpt_oss": 4}
@@ -30,6 +30,41 @@ DTYPES = (torch.bfloat16, torch.float32)
 
 def _usable(t: Tensor | None, dtype: torch.dtype) -> bool:
     return t is None or (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu")
+
+
+def route_decode(x_TD: Tensor, gate, gate_type: str, top_k: int, renormalize: bool, scale: float = 1.0,
+                 n_group: int = 1, topk_group: int = 1) -> tuple[Tensor, Tensor] | None:
+    """(ids [T, K] int64, weights [T, K] fp32) of a decode step's router in one kernel call: logits
+    x W^T (+ bias) in fp32, then :func:`dynamoe.ops.routing.softmax_topk` (``gate_type`` 'top' or
+    'custom', as dynamoe.moe.gates.route) or :func:`~dynamoe.ops.routing.sigmoid_group_topk` ('sigmoid', with the gate's
+    ``e_score_correction_bias``), weights times ``scale``. ``gate`` must offer ``fp32_linear()`` ->
+    (W, bias) (LinearGate with fp32_gate, GPT-OSS's router). None where that does not apply: other
+    gates, T outside 1..16, autograd, non-CPU, other dtypes."""
+    T = x_TD.size(0)
+    fp32_linear = getattr(gate, "fp32_linear", None)
+    if (fp32_linear is None or not 1 <= T <= MAX_TOKENS
+            or x_TD.device.type != "cpu" or x_TD.dtype not in DTYPES or torch.is_grad_enabled()):
+        return None
+    lin = fp32_linear()
+    if lin is None:
+        return None
+    w, b = lin
+    E = w.size(0)
+    if w.device.type != "cpu" or w.dtype not in DTYPES or not w.is_contiguous() or not 1 <= top_k <= E:
+        return None
+    if gate_type == "sigmoid" and 1 < n_group and topk_group < n_group and (
+            E % n_group or not 1 <= topk_group or topk_group * (E // n_group) < top_k):
+        return None  # the general path raises the clear error
+    k = cpu_kernels.load()
+    if k is None:
+        return None
+    sel = getattr(gate, "e_score_correction_bias", None) if gate_type == "sigmoid" else None
+    ids = torch.empty(T, top_k, dtype=torch.long)
+    weights = torch.empty(T, top_k, dtype=torch.float32)
+    k.route_decode_out(x_TD.contiguous(), w, None if b is None else b.float().contiguous(),
+                       None if sel is None else sel.float().contiguous(), 1 if gate_type == "sigmoid" else 0,
+                       bool(renormalize), float(scale), int(n_group), int(topk_group), ids, weights)
+    return ids, weights
 
 
 def glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tuple[Tensor, Tensor, int] | None:

@@ -152,7 +152,24 @@ int64_t moe_ffn_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor wei
                            c10::optional<torch::Tensor> b1, c10::optional<torch::Tensor> b2, int64_t act,
                            torch::Tensor out, torch::Tensor load);
 
+void route_decode_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
+                      c10::optional<torch::Tensor> sel_bias, int64_t kind, bool renormalize, double scale,
+                      int64_t n_group, int64_t topk_group, torch::Tensor ids, torch::Tensor weights);
+
+void attn_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32, torch::Tensor w_qkv,
+                     c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
+                     c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor cos, torch::Tensor sin,
+                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, int64_t slot, int64_t pos,
+                     int64_t window, c10::optional<torch::Tensor> sinks, double scale, torch::Tensor w_o,
+                     c10::optional<torch::Tensor> b_o, torch::Tensor out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attn_decode_out", &attn_decode_out,
+        "one sequence's decode step through an attention block: out = h + o_proj(attention(RoPE(qk-norm(qkv(norm(h))))))"
+        " with k/v written into the cache");
+  m.def("route_decode_out", &route_decode_out,
+        "router of a decode step: fp32 logits of x [T, D] @ W^T (+ bias), softmax (0) or DeepSeek sigmoid-group (1) "
+        "top-k into ids [T, K] int64 and weights [T, K] fp32");
   m.def("moe_ffn_decode_out", &moe_ffn_decode_out,
         "a decode step's routed FFN experts in Tutel's layout (T <= 16 rows, bf16 or fp32): out [T, O], load [E]");
   m.def("packed_moe_glu_decode_out", &packed_moe_glu_decode_out,

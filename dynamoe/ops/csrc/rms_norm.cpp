@@ -7,6 +7,7 @@
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <cstdint>
+#include "decode_rows.h"
 
 namespace {
 template <typename scalar_t>
@@ -14,19 +15,7 @@ void rms_rows(const scalar_t* x, int64_t xs, const scalar_t* w, int64_t N, int64
               scalar_t* out) {
   auto body = [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      const scalar_t* xr = x + n * xs;
-      float ss = 0.f;
-      for (int64_t i = 0; i < dim; ++i) {
-        const float v = static_cast<float>(xr[i]);
-        ss += v * v;
-      }
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
-      scalar_t* orow = out + n * dim;
-      for (int64_t i = 0; i < dim; ++i) {
-        const float h = static_cast<float>(xr[i]) * r;
-        orow[i] = weight_fp32 ? static_cast<scalar_t>(static_cast<float>(w[i]) * h)
-                              : static_cast<scalar_t>(static_cast<float>(w[i]) * static_cast<float>(static_cast<scalar_t>(h)));
-      }
+      dynamoe::rms_row(x + n * xs, w, dim, eps, weight_fp32, out + n * dim);
     }
   };
   // rows of a decode step are few and short: one thread unless there is real work

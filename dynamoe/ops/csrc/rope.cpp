@@ -7,11 +7,9 @@
 #include <torch/extension.h>
 #include <c10/util/BFloat16.h>
 #include <cstdint>
+#include "decode_rows.h"
 
 namespace {
-template <typename scalar_t>
-inline float rnd(float v) { return static_cast<float>(static_cast<scalar_t>(v)); }
-
 template <typename scalar_t>
 void rope_rows(const torch::Tensor& x, const scalar_t* c, const scalar_t* s, int64_t half, bool interleaved,
                scalar_t* out) {
@@ -20,20 +18,9 @@ void rope_rows(const torch::Tensor& x, const scalar_t* c, const scalar_t* s, int
   const scalar_t* xp = x.data_ptr<scalar_t>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t t = 0; t < T; ++t) {
-        const scalar_t* xr = xp + b * s0 + h * s1 + t * s2;
-        const scalar_t* cr = c + (b * T + t) * half;
-        const scalar_t* sr = s + (b * T + t) * half;
-        scalar_t* o = out + ((b * H + h) * T + t) * d;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = static_cast<float>(interleaved ? xr[2 * i] : xr[i]);
-          const float x2 = static_cast<float>(interleaved ? xr[2 * i + 1] : xr[i + half]);
-          const float ci = static_cast<float>(cr[i]), si = static_cast<float>(sr[i]);
-          o[i] = static_cast<scalar_t>(rnd<scalar_t>(x1 * ci) - rnd<scalar_t>(x2 * si));
-          o[i + half] = static_cast<scalar_t>(rnd<scalar_t>(x2 * ci) + rnd<scalar_t>(x1 * si));
-        }
-        for (int64_t i = 2 * half; i < d; ++i) o[i] = xr[i];
-      }
+      for (int64_t t = 0; t < T; ++t)
+        dynamoe::rope_row(xp + b * s0 + h * s1 + t * s2, c + (b * T + t) * half, s + (b * T + t) * half, half, d,
+                          interleaved, out + ((b * H + h) * T + t) * d);
 }
 }  // namespace
 

@@ -1,0 +1,176 @@
+// One sequence's decode step through a decoder layer's attention block in one call (CPU, bf16 or fp32):
+//   x = RMSNorm(h); q, k, v = x W_qkv^T (+ b); q/k RMSNorm per head (optional); RoPE on q and k;
+//   k, v written into the cache at (slot, pos); per query head, softmax(q k_j^T * scale) over the keys
+//   j of its KV head in [pos - window + 1, pos] (all of 0..pos without a window), with an optional
+//   per-head sink logit in the softmax's denominator (GPT-OSS); out = h + (attention W_o^T (+ b)).
+// It replaces ~40 small ops per layer and step. Roundings follow the op-by-op path where it rounds
+// (projections, norms, RoPE, the attention output and the residual sum in x's dtype); the attention
+// itself is fp32 (scores, softmax, weighted sum), as SDPA computes it on CPU.
+// Registered in packed_gemv.cpp's module.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+#include "decode_rows.h"
+#include "gemv_blocks.h"
+
+namespace {
+constexpr int kLanes = 16;
+
+template <typename scalar_t>
+inline float dot_f32(const float* q, const scalar_t* k, int64_t d) {
+  float acc[kLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += q[i + j] * static_cast<float>(k[i + j]);
+  float s = 0.f;
+  for (int j = 0; j < kLanes; ++j) s += acc[j];
+  for (; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
+// out [O] = W [O, I] x [I] (+ bias), fp32 accumulation, rounded to the dtype
+template <typename scalar_t>
+void gemv(const scalar_t* x, const scalar_t* w, int64_t O, int64_t I, const scalar_t* bias, scalar_t* out) {
+  const int64_t blocks = (O + dynamoe::kGemvRowBlock - 1) / dynamoe::kGemvRowBlock;
+  at::parallel_for(0, blocks, dynamoe::grain_blocks(I, sizeof(scalar_t)), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      dynamoe::row_block(w, O, I, b * dynamoe::kGemvRowBlock, x, I, 1, bias, out, O);
+  });
+}
+
+// per query head h (KV head h / G): the softmax-weighted sum of the keys [j0, j1) of the slot's cache
+template <typename scalar_t>
+void attend(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, int64_t L, int64_t H, int64_t K, int64_t d,
+            int64_t j0, int64_t j1, float scale, const float* sinks, scalar_t* out) {
+  const int64_t G = H / K, n = j1 - j0;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, n * d));
+  at::parallel_for(0, H, grain, [&](int64_t hb, int64_t he) {
+    std::vector<float> p(n), acc(d), qf(d);
+    for (int64_t h = hb; h < he; ++h) {
+      const scalar_t* kb = kc + (h / G) * L * d;
+      const scalar_t* vb = vc + (h / G) * L * d;
+      for (int64_t i = 0; i < d; ++i) qf[i] = static_cast<float>(q[h * d + i]);
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        p[j] = dot_f32(qf.data(), kb + (j0 + j) * d, d) * scale;
+        mx = std::max(mx, p[j]);
+      }
+      if (sinks) mx = std::max(mx, sinks[h]);
+      float den = sinks ? std::exp(sinks[h] - mx) : 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        p[j] = std::exp(p[j] - mx);
+        den += p[j];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float wj = p[j] / den;
+        const scalar_t* vr = vb + (j0 + j) * d;
+        for (int64_t i = 0; i < d; ++i) acc[i] += wj * static_cast<float>(vr[i]);
+      }
+      for (int64_t i = 0; i < d; ++i) out[h * d + i] = static_cast<scalar_t>(acc[i]);
+    }
+  });
+}
+
+template <typename scalar_t>
+const scalar_t* opt_ptr(const c10::optional<torch::Tensor>& t, int64_t n, c10::ScalarType dtype, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->numel() == n && t->is_contiguous() && t->scalar_type() == dtype, name, " must be contiguous ", dtype,
+              " with ", n, " elements");
+  return t->data_ptr<scalar_t>();
+}
+
+template <typename scalar_t>
+void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double norm_eps, bool norm_weight_fp32,
+                 const torch::Tensor& w_qkv, const c10::optional<torch::Tensor>& b_qkv,
+                 const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm, double qk_eps,
+                 const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved, torch::Tensor& k_cache,
+                 torch::Tensor& v_cache, int64_t slot, int64_t pos, int64_t window,
+                 const c10::optional<torch::Tensor>& sinks, double scale, const torch::Tensor& w_o,
+                 const c10::optional<torch::Tensor>& b_o, torch::Tensor& out) {
+  const c10::ScalarType dt = h.scalar_type();
+  const int64_t D = h.numel();
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+              v_cache.is_contiguous() && k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
+              "k_cache and v_cache must be contiguous [slots, K, L, d] of h's dtype");
+  const int64_t K = k_cache.size(1), L = k_cache.size(2), d = k_cache.size(3);
+  TORCH_CHECK(w_o.dim() == 2 && w_o.size(0) == D && w_o.size(1) % d == 0 && w_o.is_contiguous() && w_o.scalar_type() == dt,
+              "w_o must be contiguous [", D, ", H * ", d, "] of h's dtype");
+  const int64_t H = w_o.size(1) / d;
+  TORCH_CHECK(H % K == 0, "query heads ", H, " must be a multiple of the KV heads ", K);
+  const int64_t Q = (H + 2 * K) * d;
+  TORCH_CHECK(w_qkv.dim() == 2 && w_qkv.size(0) == Q && w_qkv.size(1) == D && w_qkv.is_contiguous() &&
+              w_qkv.scalar_type() == dt, "w_qkv must be contiguous [", Q, ", ", D, "] of h's dtype");
+  TORCH_CHECK(norm_w.numel() == D && norm_w.is_contiguous() && norm_w.scalar_type() == dt, "norm_w must be [", D, "]");
+  TORCH_CHECK(slot >= 0 && slot < k_cache.size(0) && pos >= 0 && pos < L, "slot ", slot, " / position ", pos,
+              " outside the cache [", k_cache.size(0), ", ", L, "]");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  const int64_t half = cos.numel();
+  TORCH_CHECK(sin.numel() == half && 2 * half <= d && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.scalar_type() == dt && sin.scalar_type() == dt, "cos and sin must be contiguous [R/2 <= d/2] of h's dtype");
+  TORCH_CHECK(out.numel() == D && out.is_contiguous() && out.scalar_type() == dt, "out must be contiguous [", D, "]");
+  const float* sk = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->numel() == H && sinks->is_contiguous() && sinks->scalar_type() == torch::kFloat,
+                "sinks must be contiguous fp32 [", H, "]");
+    sk = sinks->data_ptr<float>();
+  }
+  const scalar_t* bqkv = opt_ptr<scalar_t>(b_qkv, Q, dt, "b_qkv");
+  const scalar_t* qn = opt_ptr<scalar_t>(q_norm, d, dt, "q_norm");
+  const scalar_t* kn = opt_ptr<scalar_t>(k_norm, d, dt, "k_norm");
+  TORCH_CHECK((qn == nullptr) == (kn == nullptr), "q_norm and k_norm go together");
+  const scalar_t* bo = opt_ptr<scalar_t>(b_o, D, dt, "b_o");
+
+  const scalar_t* hp = h.data_ptr<scalar_t>();
+  std::vector<scalar_t> x(D), qkv(Q), tmp(d), q(H * d), attn(H * d), o(D);
+  dynamoe::rms_row(hp, norm_w.data_ptr<scalar_t>(), D, static_cast<float>(norm_eps), norm_weight_fp32, x.data());
+  gemv(x.data(), w_qkv.data_ptr<scalar_t>(), Q, D, bqkv, qkv.data());
+  const scalar_t* c = cos.data_ptr<scalar_t>();
+  const scalar_t* s = sin.data_ptr<scalar_t>();
+  const float qe = static_cast<float>(qk_eps);
+  scalar_t* kc = k_cache.data_ptr<scalar_t>() + slot * K * L * d;
+  scalar_t* vc = v_cache.data_ptr<scalar_t>() + slot * K * L * d;
+  for (int64_t i = 0; i < H + K; ++i) {  // query heads, then key heads: norm, RoPE
+    const scalar_t* src = qkv.data() + i * d;
+    if (qn) {
+      dynamoe::rms_row(src, i < H ? qn : kn, d, qe, false, tmp.data());
+      src = tmp.data();
+    }
+    scalar_t* dst = i < H ? q.data() + i * d : kc + ((i - H) * L + pos) * d;
+    dynamoe::rope_row(src, c, s, half, d, interleaved, dst);
+  }
+  for (int64_t g = 0; g < K; ++g)
+    std::copy(qkv.data() + (H + K + g) * d, qkv.data() + (H + K + g + 1) * d, vc + (g * L + pos) * d);
+  const int64_t j0 = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  attend(q.data(), kc, vc, L, H, K, d, j0, pos + 1, static_cast<float>(scale), sk, attn.data());
+  gemv(attn.data(), w_o.data_ptr<scalar_t>(), D, H * d, bo, o.data());
+  scalar_t* op = out.data_ptr<scalar_t>();
+  for (int64_t i = 0; i < D; ++i) op[i] = static_cast<scalar_t>(static_cast<float>(hp[i]) + static_cast<float>(o[i]));
+}
+}  // namespace
+
+void attn_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32, torch::Tensor w_qkv,
+                     c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
+                     c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor cos, torch::Tensor sin,
+                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, int64_t slot, int64_t pos,
+                     int64_t window, c10::optional<torch::Tensor> sinks, double scale, torch::Tensor w_o,
+                     c10::optional<torch::Tensor> b_o, torch::Tensor out) {
+  TORCH_CHECK(h.is_contiguous() && h.device().is_cpu(), "h must be a contiguous CPU tensor [1, D]");
+  switch (h.scalar_type()) {
+    case torch::kBFloat16:
+      attn_decode<c10::BFloat16>(h, norm_w, norm_eps, norm_weight_fp32, w_qkv, b_qkv, q_norm, k_norm, qk_eps, cos, sin,
+                                 interleaved, k_cache, v_cache, slot, pos, window, sinks, scale, w_o, b_o, out);
+      break;
+    case torch::kFloat:
+      attn_decode<float>(h, norm_w, norm_eps, norm_weight_fp32, w_qkv, b_qkv, q_norm, k_norm, qk_eps, cos, sin,
+                         interleaved, k_cache, v_cache, slot, pos, window, sinks, scale, w_o, b_o, out);
+      break;
+    default:
+      TORCH_CHECK(false, "h must be bf16 or fp32, got ", h.scalar_type());
+  }
+}

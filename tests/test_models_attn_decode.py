@@ -1,0 +1,115 @@
+"""One sequence's decode step through an attention block in one kernel call (Attention.decode_step,
+csrc/attn_decode.cpp) for every attention variant the GQA families use -- q/k norm (Qwen3), sinks +
+sliding window shorter than the sequence + biases + YaRN (GPT-OSS), partial RoPE + q/k/v biases (GLM-4.5),
+a plain sliding window (Mixtral): fp32 steps equal the full recompute, bf16 steps equal the op-by-op
+path within bf16 rounding, and the kernel runs only where it applies."""
+import pytest
+import torch
+
+from models_util import one_thread  # noqa: F401 (autouse fixture)
+from models_util import VOCAB, randomize_, save_tiny
+
+transformers = pytest.importorskip("transformers")
+
+import dynamoe.models as dm  # noqa: E402
+from dynamoe.models.attention import Attention  # noqa: E402
+from dynamoe.ops import cpu_kernels  # noqa: E402
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=256, bos_token_id=None, eos_token_id=None)
+FAMILIES = {
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, **COMMON)),
+    "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=6, **COMMON)),
+    "glm4_moe": lambda: transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+        intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_shared_experts=1, attention_bias=True, use_qk_norm=True, **COMMON)),
+    "mixtral_window": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, **COMMON)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def folder(request, tmp_path_factory):
+    torch.manual_seed(0)
+    hf = FAMILIES[request.param]().eval()
+    randomize_(hf, seed=2, scales={"sinks": 1.0})
+    return save_tiny(hf, tmp_path_factory.mktemp(request.param))
+
+
+def _spy(monkeypatch):
+    used = []
+    real = Attention.decode_step
+
+    def spy(self, *a, **kw):
+        r = real(self, *a, **kw)
+        used.append(r is not None)
+        return r
+
+    monkeypatch.setattr(Attention, "decode_step", spy)
+    return used
+
+
+def _decode(model, ids, prefill=6, slot=1):
+    cache = model.new_cache(3, 40)
+    slots = torch.tensor([slot])
+    with torch.no_grad():
+        steps = [model(ids[:, :prefill], cache=cache, slots=slots)]
+        for t in range(prefill, ids.size(1)):
+            steps.append(model(ids[:, t:t + 1], cache=cache, slots=slots))
+    return torch.cat(steps, dim=1)
+
+
+IDS = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(7))
+
+
+def test_fp32_steps_equal_full_recompute(folder, monkeypatch):
+    model = dm.load(folder, progress=False)
+    used = _spy(monkeypatch)
+    got = _decode(model, IDS)
+    assert used and all(used) and len(used) == 2 * (IDS.size(1) - 6)
+    with torch.no_grad():
+        full = model(IDS)
+    torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_equals_op_by_op_block(folder, dtype):
+    """Each layer's attention block alone (no MoE routing downstream to amplify a rounding): the kernel's
+    h + attn(norm(h)) against the op-by-op path's on identical caches, step by step past the window."""
+    model = dm.load(folder, dtype=dtype, progress=False)
+    g = torch.Generator().manual_seed(3)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    slots = torch.tensor([1])
+    for layer in model.model.layers:
+        attn, norm = layer.self_attn, layer.input_layernorm
+        fast_cache, slow_cache = model.new_cache(2, 40), model.new_cache(2, 40)
+        with torch.no_grad():
+            for pos in range(12):
+                h = torch.randn(1, 1, 64, generator=g).to(dtype)
+                positions = torch.tensor([[pos]])
+                fast = attn.decode_step(h, norm, positions, fast_cache, slots, pos + 1)
+                slow = h + attn(norm(h), positions, slow_cache, slots, pos + 1)
+                assert fast is not None and fast.dtype == dtype and fast.shape == h.shape
+                torch.testing.assert_close(fast.float(), slow.float(), atol=tol * slow.abs().max().item(), rtol=tol)
+        for name in ("k", "v"):  # the kernel wrote the same keys and values into the cache
+            a = fast_cache.buffer(attn.layer_idx, name, attn.num_kv_heads, 40, attn.head_dim)[1, :, :12]
+            b = slow_cache.buffer(attn.layer_idx, name, attn.num_kv_heads, 40, attn.head_dim)[1, :, :12]
+            torch.testing.assert_close(a.float(), b.float(), atol=tol * b.abs().max().item(), rtol=tol)
+
+
+def test_not_used_where_it_does_not_apply(folder, monkeypatch):
+    model = dm.load(folder, progress=False)
+    used = _spy(monkeypatch)
+    cache = model.new_cache(2, 40)
+    with torch.no_grad():
+        model(IDS[:, :4].repeat(2, 1), cache=cache)             # prefill: T > 1, never asked
+        model(IDS[:, 4:5].repeat(2, 1), cache=cache)            # two sequences: the batched path
+    assert used == []
+    cache = model.new_cache(1, 40)
+    model(IDS[:, :4], cache=cache)
+    model(IDS[:, 4:5], cache=cache)  # autograd on: the op-by-op path
+    assert used == []
