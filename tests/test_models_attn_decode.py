@@ -77,39 +77,70 @@ def test_fp32_steps_equal_full_recompute(folder, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_block_equals_op_by_op_block(folder, dtype):
+@pytest.mark.parametrize("rows", [1, 3])
+def test_block_equals_op_by_op_block(folder, dtype, rows):
     """Each layer's attention block alone (no MoE routing downstream to amplify a rounding): the kernel's
-    h + attn(norm(h)) against the op-by-op path's on identical caches, step by step past the window."""
+    h + attn(norm(h)) against the op-by-op path's on identical caches, step by step past the window
+    (rows > 1: rows at different positions, slots out of order)."""
     model = dm.load(folder, dtype=dtype, progress=False)
     g = torch.Generator().manual_seed(3)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    slots = torch.tensor([1])
+    slots = torch.tensor([1, 3, 0][:rows])
+    start = torch.tensor([0, 3, 1][:rows])
     for layer in model.model.layers:
         attn, norm = layer.self_attn, layer.input_layernorm
-        fast_cache, slow_cache = model.new_cache(2, 40), model.new_cache(2, 40)
+        fast_cache, slow_cache = model.new_cache(4, 40), model.new_cache(4, 40)
         with torch.no_grad():
-            for pos in range(12):
-                h = torch.randn(1, 1, 64, generator=g).to(dtype)
-                positions = torch.tensor([[pos]])
-                fast = attn.decode_step(h, norm, positions, fast_cache, slots, pos + 1)
-                slow = h + attn(norm(h), positions, slow_cache, slots, pos + 1)
+            for step in range(12):
+                h = torch.randn(rows, 1, 64, generator=g).to(dtype)
+                positions = (start + step)[:, None]
+                kv_len = int(positions.max()) + 1
+                fast = attn.decode_step(h, norm, positions, fast_cache, slots, kv_len)
+                slow = h + attn(norm(h), positions, slow_cache, slots, kv_len)
                 assert fast is not None and fast.dtype == dtype and fast.shape == h.shape
                 torch.testing.assert_close(fast.float(), slow.float(), atol=tol * slow.abs().max().item(), rtol=tol)
         for name in ("k", "v"):  # the kernel wrote the same keys and values into the cache
-            a = fast_cache.buffer(attn.layer_idx, name, attn.num_kv_heads, 40, attn.head_dim)[1, :, :12]
-            b = slow_cache.buffer(attn.layer_idx, name, attn.num_kv_heads, 40, attn.head_dim)[1, :, :12]
+            a = fast_cache.buffer(attn.layer_idx, name, attn.num_kv_heads, 40, attn.head_dim)
+            b = slow_cache.buffer(attn.layer_idx, name, attn.num_kv_heads, 40, attn.head_dim)
             torch.testing.assert_close(a.float(), b.float(), atol=tol * b.abs().max().item(), rtol=tol)
+
+
+def test_batched_rows_at_different_lengths(folder, monkeypatch):
+    """Three sequences of different lengths in slots out of order decode together (one kernel call per
+    layer and step) and each row's logits equal the full recompute of its own sequence."""
+    model = dm.load(folder, progress=False)
+    g = torch.Generator().manual_seed(11)
+    seqs = [torch.randint(0, VOCAB, (1, n), generator=g) for n in (14, 9, 12)]
+    slots = torch.tensor([2, 0, 3])
+    cache = model.new_cache(4, 40)
+    used = _spy(monkeypatch)
+    steps = 4
+    with torch.no_grad():
+        for b, seq in enumerate(seqs):  # prefill each alone, all but the last `steps` tokens
+            model(seq[:, :-steps], cache=cache, slots=slots[b:b + 1])
+        got = []
+        for i in range(steps):
+            col = torch.cat([seq[:, seq.size(1) - steps + i:seq.size(1) - steps + i + 1] for seq in seqs])
+            got.append(model(col, cache=cache, slots=slots))
+        for b, seq in enumerate(seqs):
+            full = model(seq)[0, -steps:]
+            torch.testing.assert_close(torch.cat([x[b] for x in got]), full, atol=1e-5, rtol=1e-5)
+    assert used and all(used) and len(used) == 2 * steps
 
 
 def test_not_used_where_it_does_not_apply(folder, monkeypatch):
     model = dm.load(folder, progress=False)
     used = _spy(monkeypatch)
-    cache = model.new_cache(2, 40)
+    cache = model.new_cache(17, 40)
     with torch.no_grad():
-        model(IDS[:, :4].repeat(2, 1), cache=cache)             # prefill: T > 1, never asked
-        model(IDS[:, 4:5].repeat(2, 1), cache=cache)            # two sequences: the batched path
+        model(IDS[:, :4].repeat(17, 1), cache=cache)            # prefill: T > 1, never asked
+        model(IDS[:, 4:5].repeat(17, 1), cache=cache)           # 17 sequences: the op-by-op path
     assert used == []
     cache = model.new_cache(1, 40)
     model(IDS[:, :4], cache=cache)
     model(IDS[:, 4:5], cache=cache)  # autograd on: the op-by-op path
     assert used == []
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():  # a norm of another kind: declined by the attention itself
+        assert attn.decode_step(torch.zeros(1, 1, 64), torch.nn.LayerNorm(64), torch.tensor([[0]]), cache,
+                                torch.tensor([0])) is None

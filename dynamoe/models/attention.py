@@ -201,24 +201,23 @@ class Attention(nn.Module):
 
     def decode_step(self, h_BTD: Tensor, norm: nn.Module, positions_BT: Tensor, cache: KVCache, slots: Tensor,
                     kv_len: int | None = None) -> Tensor | None:
-        """``h + self(norm(h), ...)`` for one sequence's decode step (B = T = 1) in one kernel call
-        (csrc/attn_decode.cpp: norm, fused q/k/v GEMV, q/k norms, RoPE, cache write, attention with
-        window and sinks, o_proj, residual); None where it does not apply (autograd, not CPU, dtypes
-        other than bf16/fp32 or mixed, q/k/v not fused, a norm that is not RMSNorm, the keys not
-        exactly the slot's 0..position) and the caller runs the op-by-op path."""
+        """``h + self(norm(h), ...)`` for a decode step (T = 1 new token for each of B <= 16 sequences in
+        distinct slots) in one kernel call (csrc/attn_decode.cpp: norm, fused q/k/v GEMV, q/k norms,
+        RoPE, cache write, attention over each row's keys 0..position with window and sinks, o_proj,
+        residual); None where it does not apply (autograd, not CPU, dtypes other than bf16/fp32 or mixed,
+        q/k/v not fused, a norm that is not RMSNorm) and the caller runs the op-by-op path. ``kv_len``
+        is not needed: each row sees exactly its keys 0..position, as the op-by-op path's mask allows."""
         qkv = self._qkv
+        B = h_BTD.size(0)
         if (qkv is None or h_BTD.device.type != "cpu" or h_BTD.dtype not in (torch.bfloat16, torch.float32)
-                or tuple(h_BTD.shape[:2]) != (1, 1) or torch.is_grad_enabled() or type(norm) is not RMSNorm
-                or slots is None or slots.numel() != 1 or slots.device.type != "cpu"
+                or h_BTD.size(1) != 1 or not 1 <= B <= 16 or torch.is_grad_enabled() or type(norm) is not RMSNorm
+                or slots is None or slots.numel() != B or slots.device.type != "cpu"
                 or positions_BT.device.type != "cpu" or not self._still_fused(qkv)):
             return None
         dt = h_BTD.dtype
         o = self.o_proj
         if (not isinstance(o, nn.Linear) or o.weight.dtype != dt or qkv[0].dtype != dt or norm.weight.dtype != dt
                 or cache.dtype != dt or (self.q_norm is not None and self.q_norm.weight.dtype != dt)):
-            return None
-        pos = int(positions_BT[0, 0])
-        if kv_len is not None and kv_len != pos + 1:
             return None
         k = cpu_kernels.load()
         if k is None:
@@ -229,10 +228,11 @@ class Attention(nn.Module):
         cos, sin = self.rotary(positions_BT, dt)
         out = torch.empty_like(h_BTD)
         qn, kn = self.q_norm, self.k_norm
-        k.attn_decode_out(h_BTD.contiguous(), norm.weight, norm.eps, norm.weight_in_fp32, qkv[0], qkv[1],
+        k.attn_decode_out(h_BTD.reshape(B, -1).contiguous(), norm.weight, norm.eps, norm.weight_in_fp32, qkv[0], qkv[1],
                           None if qn is None else qn.weight, None if kn is None else kn.weight,
-                          1e-6 if qn is None else qn.eps, cos.contiguous(), sin.contiguous(), self.rope_interleaved,
-                          kbuf, vbuf, int(slots[0]), pos, self.sliding_window or 0,
+                          1e-6 if qn is None else qn.eps, cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(),
+                          self.rope_interleaved, kbuf, vbuf, slots.to(torch.long).contiguous(),
+                          positions_BT.reshape(B).to(torch.long).contiguous(), self.sliding_window or 0,
                           None if self.sinks is None else self.sinks.float().contiguous(), self.scale, o.weight,
                           o.bias, out)
         return out

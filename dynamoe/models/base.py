@@ -37,7 +37,7 @@ class DecoderLayer(nn.Module):
     def forward(self, h_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:
         fused = None
-        if cache is not None and h_BTD.size(0) == 1 and h_BTD.size(1) == 1 and not torch.is_grad_enabled():
+        if cache is not None and h_BTD.size(1) == 1 and h_BTD.size(0) <= 16 and not torch.is_grad_enabled():
             step = getattr(self.self_attn, "decode_step", None)  # one kernel call for the attention block
             fused = None if step is None else step(h_BTD, self.input_layernorm, positions_BT, cache, slots, kv_len)
         if fused is not None:

@@ -1,8 +1,10 @@
-// One sequence's decode step through a decoder layer's attention block in one call (CPU, bf16 or fp32):
-//   x = RMSNorm(h); q, k, v = x W_qkv^T (+ b); q/k RMSNorm per head (optional); RoPE on q and k;
-//   k, v written into the cache at (slot, pos); per query head, softmax(q k_j^T * scale) over the keys
-//   j of its KV head in [pos - window + 1, pos] (all of 0..pos without a window), with an optional
-//   per-head sink logit in the softmax's denominator (GPT-OSS); out = h + (attention W_o^T (+ b)).
+// A decode step (one new token for each of B <= 16 sequences) through a decoder layer's attention block
+// in one call (CPU, bf16 or fp32). Per row b:
+//   x = RMSNorm(h_b); q, k, v = x W_qkv^T (+ b); q/k RMSNorm per head (optional); RoPE on q and k at
+//   position pos_b; k, v written into the cache at (slot_b, pos_b); per query head, softmax(q k_j^T *
+//   scale) over the keys j of its KV head in [pos_b - window + 1, pos_b] (all of 0..pos_b without a
+//   window), with an optional per-head sink logit in the softmax's denominator (GPT-OSS);
+//   out_b = h_b + (attention W_o^T (+ b)). The projections run as GEMVs over all B rows at once.
 // It replaces ~40 small ops per layer and step. Roundings follow the op-by-op path where it rounds
 // (projections, norms, RoPE, the attention output and the residual sum in x's dtype); the attention
 // itself is fp32 (scores, softmax, weighted sum), as SDPA computes it on CPU.
@@ -33,31 +35,38 @@ inline float dot_f32(const float* q, const scalar_t* k, int64_t d) {
   return s;
 }
 
-// out [O] = W [O, I] x [I] (+ bias), fp32 accumulation, rounded to the dtype
+// out [B, O] = x [B, I] W^T [O, I] (+ bias), fp32 accumulation, rounded to the dtype
 template <typename scalar_t>
-void gemv(const scalar_t* x, const scalar_t* w, int64_t O, int64_t I, const scalar_t* bias, scalar_t* out) {
+void gemv(const scalar_t* x, int64_t B, const scalar_t* w, int64_t O, int64_t I, const scalar_t* bias, scalar_t* out) {
   const int64_t blocks = (O + dynamoe::kGemvRowBlock - 1) / dynamoe::kGemvRowBlock;
   at::parallel_for(0, blocks, dynamoe::grain_blocks(I, sizeof(scalar_t)), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      dynamoe::row_block(w, O, I, b * dynamoe::kGemvRowBlock, x, I, 1, bias, out, O);
+      dynamoe::row_block(w, O, I, b * dynamoe::kGemvRowBlock, x, I, B, bias, out, O);
   });
 }
 
-// per query head h (KV head h / G): the softmax-weighted sum of the keys [j0, j1) of the slot's cache
+// per row b and query head h (KV head h / G): the softmax-weighted sum of the keys [j0_b, pos_b] of the
+// row's slot in the cache [slots, K, L, d]
 template <typename scalar_t>
-void attend(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, int64_t L, int64_t H, int64_t K, int64_t d,
-            int64_t j0, int64_t j1, float scale, const float* sinks, scalar_t* out) {
-  const int64_t G = H / K, n = j1 - j0;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, n * d));
-  at::parallel_for(0, H, grain, [&](int64_t hb, int64_t he) {
-    std::vector<float> p(n), acc(d), qf(d);
-    for (int64_t h = hb; h < he; ++h) {
-      const scalar_t* kb = kc + (h / G) * L * d;
-      const scalar_t* vb = vc + (h / G) * L * d;
-      for (int64_t i = 0; i < d; ++i) qf[i] = static_cast<float>(q[h * d + i]);
+void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* slots,
+            const int64_t* pos, int64_t window, int64_t B, int64_t L, int64_t H, int64_t K, int64_t d, float scale,
+            const float* sinks, scalar_t* out) {
+  const int64_t G = H / K;
+  int64_t longest = 1;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, pos[b] + 1);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (longest * d));
+  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(longest), acc(d), qf(d);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / H, h = item % H;
+      const int64_t j0 = window > 0 ? std::max<int64_t>(0, pos[b] - window + 1) : 0, n = pos[b] + 1 - j0;
+      const scalar_t* kb = k_cache + (slots[b] * K + h / G) * L * d + j0 * d;
+      const scalar_t* vb = v_cache + (slots[b] * K + h / G) * L * d + j0 * d;
+      const scalar_t* qr = q + (b * H + h) * d;
+      for (int64_t i = 0; i < d; ++i) qf[i] = static_cast<float>(qr[i]);
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < n; ++j) {
-        p[j] = dot_f32(qf.data(), kb + (j0 + j) * d, d) * scale;
+        p[j] = dot_f32(qf.data(), kb + j * d, d) * scale;
         mx = std::max(mx, p[j]);
       }
       if (sinks) mx = std::max(mx, sinks[h]);
@@ -69,10 +78,11 @@ void attend(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, int64_t L
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
         const float wj = p[j] / den;
-        const scalar_t* vr = vb + (j0 + j) * d;
+        const scalar_t* vr = vb + j * d;
         for (int64_t i = 0; i < d; ++i) acc[i] += wj * static_cast<float>(vr[i]);
       }
-      for (int64_t i = 0; i < d; ++i) out[h * d + i] = static_cast<scalar_t>(acc[i]);
+      scalar_t* o = out + (b * H + h) * d;
+      for (int64_t i = 0; i < d; ++i) o[i] = static_cast<scalar_t>(acc[i]);
     }
   });
 }
@@ -90,15 +100,16 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
                  const torch::Tensor& w_qkv, const c10::optional<torch::Tensor>& b_qkv,
                  const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm, double qk_eps,
                  const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved, torch::Tensor& k_cache,
-                 torch::Tensor& v_cache, int64_t slot, int64_t pos, int64_t window,
+                 torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& positions, int64_t window,
                  const c10::optional<torch::Tensor>& sinks, double scale, const torch::Tensor& w_o,
                  const c10::optional<torch::Tensor>& b_o, torch::Tensor& out) {
   const c10::ScalarType dt = h.scalar_type();
-  const int64_t D = h.numel();
+  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= 16, "h must be [B, D] with 1 <= B <= 16");
+  const int64_t B = h.size(0), D = h.size(1);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
               v_cache.is_contiguous() && k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
               "k_cache and v_cache must be contiguous [slots, K, L, d] of h's dtype");
-  const int64_t K = k_cache.size(1), L = k_cache.size(2), d = k_cache.size(3);
+  const int64_t S = k_cache.size(0), K = k_cache.size(1), L = k_cache.size(2), d = k_cache.size(3);
   TORCH_CHECK(w_o.dim() == 2 && w_o.size(0) == D && w_o.size(1) % d == 0 && w_o.is_contiguous() && w_o.scalar_type() == dt,
               "w_o must be contiguous [", D, ", H * ", d, "] of h's dtype");
   const int64_t H = w_o.size(1) / d;
@@ -107,13 +118,22 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
   TORCH_CHECK(w_qkv.dim() == 2 && w_qkv.size(0) == Q && w_qkv.size(1) == D && w_qkv.is_contiguous() &&
               w_qkv.scalar_type() == dt, "w_qkv must be contiguous [", Q, ", ", D, "] of h's dtype");
   TORCH_CHECK(norm_w.numel() == D && norm_w.is_contiguous() && norm_w.scalar_type() == dt, "norm_w must be [", D, "]");
-  TORCH_CHECK(slot >= 0 && slot < k_cache.size(0) && pos >= 0 && pos < L, "slot ", slot, " / position ", pos,
-              " outside the cache [", k_cache.size(0), ", ", L, "]");
+  TORCH_CHECK(slots.numel() == B && positions.numel() == B && slots.scalar_type() == torch::kLong &&
+              positions.scalar_type() == torch::kLong && slots.is_contiguous() && positions.is_contiguous(),
+              "slots and positions must be contiguous int64 [", B, "]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < S && pp[b] >= 0 && pp[b] < L, "slot ", sp[b], " / position ", pp[b],
+                " outside the cache [", S, ", ", L, "]");
+    for (int64_t c = 0; c < b; ++c) TORCH_CHECK(sp[c] != sp[b], "slots must be distinct, got ", sp[b], " twice");
+  }
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
-  const int64_t half = cos.numel();
-  TORCH_CHECK(sin.numel() == half && 2 * half <= d && cos.is_contiguous() && sin.is_contiguous() &&
-              cos.scalar_type() == dt && sin.scalar_type() == dt, "cos and sin must be contiguous [R/2 <= d/2] of h's dtype");
-  TORCH_CHECK(out.numel() == D && out.is_contiguous() && out.scalar_type() == dt, "out must be contiguous [", D, "]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && sin.sizes() == cos.sizes() && 2 * cos.size(1) <= d &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == dt && sin.scalar_type() == dt,
+              "cos and sin must be contiguous [B, R/2 <= d/2] of h's dtype");
+  const int64_t half = cos.size(1);
+  TORCH_CHECK(out.numel() == B * D && out.is_contiguous() && out.scalar_type() == dt, "out must be contiguous [B, ", D, "]");
   const float* sk = nullptr;
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->numel() == H && sinks->is_contiguous() && sinks->scalar_type() == torch::kFloat,
@@ -127,48 +147,52 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
   const scalar_t* bo = opt_ptr<scalar_t>(b_o, D, dt, "b_o");
 
   const scalar_t* hp = h.data_ptr<scalar_t>();
-  std::vector<scalar_t> x(D), qkv(Q), tmp(d), q(H * d), attn(H * d), o(D);
-  dynamoe::rms_row(hp, norm_w.data_ptr<scalar_t>(), D, static_cast<float>(norm_eps), norm_weight_fp32, x.data());
-  gemv(x.data(), w_qkv.data_ptr<scalar_t>(), Q, D, bqkv, qkv.data());
-  const scalar_t* c = cos.data_ptr<scalar_t>();
-  const scalar_t* s = sin.data_ptr<scalar_t>();
+  std::vector<scalar_t> x(B * D), qkv(B * Q), tmp(d), q(B * H * d), attn(B * H * d), o(B * D);
+  for (int64_t b = 0; b < B; ++b)
+    dynamoe::rms_row(hp + b * D, norm_w.data_ptr<scalar_t>(), D, static_cast<float>(norm_eps), norm_weight_fp32,
+                     x.data() + b * D);
+  gemv(x.data(), B, w_qkv.data_ptr<scalar_t>(), Q, D, bqkv, qkv.data());
   const float qe = static_cast<float>(qk_eps);
-  scalar_t* kc = k_cache.data_ptr<scalar_t>() + slot * K * L * d;
-  scalar_t* vc = v_cache.data_ptr<scalar_t>() + slot * K * L * d;
-  for (int64_t i = 0; i < H + K; ++i) {  // query heads, then key heads: norm, RoPE
-    const scalar_t* src = qkv.data() + i * d;
-    if (qn) {
-      dynamoe::rms_row(src, i < H ? qn : kn, d, qe, false, tmp.data());
-      src = tmp.data();
+  scalar_t* kc = k_cache.data_ptr<scalar_t>();
+  scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const scalar_t* c = cos.data_ptr<scalar_t>() + b * half;
+    const scalar_t* s = sin.data_ptr<scalar_t>() + b * half;
+    const scalar_t* row = qkv.data() + b * Q;
+    for (int64_t i = 0; i < H + K; ++i) {  // query heads, then key heads: norm, RoPE
+      const scalar_t* src = row + i * d;
+      if (qn) {
+        dynamoe::rms_row(src, i < H ? qn : kn, d, qe, false, tmp.data());
+        src = tmp.data();
+      }
+      scalar_t* dst = i < H ? q.data() + (b * H + i) * d : kc + ((sp[b] * K + i - H) * L + pp[b]) * d;
+      dynamoe::rope_row(src, c, s, half, d, interleaved, dst);
     }
-    scalar_t* dst = i < H ? q.data() + i * d : kc + ((i - H) * L + pos) * d;
-    dynamoe::rope_row(src, c, s, half, d, interleaved, dst);
+    for (int64_t g = 0; g < K; ++g)
+      std::copy(row + (H + K + g) * d, row + (H + K + g + 1) * d, vc + ((sp[b] * K + g) * L + pp[b]) * d);
   }
-  for (int64_t g = 0; g < K; ++g)
-    std::copy(qkv.data() + (H + K + g) * d, qkv.data() + (H + K + g + 1) * d, vc + (g * L + pos) * d);
-  const int64_t j0 = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-  attend(q.data(), kc, vc, L, H, K, d, j0, pos + 1, static_cast<float>(scale), sk, attn.data());
-  gemv(attn.data(), w_o.data_ptr<scalar_t>(), D, H * d, bo, o.data());
+  attend(q.data(), kc, vc, sp, pp, window, B, L, H, K, d, static_cast<float>(scale), sk, attn.data());
+  gemv(attn.data(), B, w_o.data_ptr<scalar_t>(), D, H * d, bo, o.data());
   scalar_t* op = out.data_ptr<scalar_t>();
-  for (int64_t i = 0; i < D; ++i) op[i] = static_cast<scalar_t>(static_cast<float>(hp[i]) + static_cast<float>(o[i]));
+  for (int64_t i = 0; i < B * D; ++i) op[i] = static_cast<scalar_t>(static_cast<float>(hp[i]) + static_cast<float>(o[i]));
 }
 }  // namespace
 
 void attn_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32, torch::Tensor w_qkv,
                      c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
                      c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor cos, torch::Tensor sin,
-                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, int64_t slot, int64_t pos,
-                     int64_t window, c10::optional<torch::Tensor> sinks, double scale, torch::Tensor w_o,
-                     c10::optional<torch::Tensor> b_o, torch::Tensor out) {
-  TORCH_CHECK(h.is_contiguous() && h.device().is_cpu(), "h must be a contiguous CPU tensor [1, D]");
+                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                     torch::Tensor positions, int64_t window, c10::optional<torch::Tensor> sinks, double scale,
+                     torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor out) {
+  TORCH_CHECK(h.is_contiguous() && h.device().is_cpu(), "h must be a contiguous CPU tensor [B, D]");
   switch (h.scalar_type()) {
     case torch::kBFloat16:
       attn_decode<c10::BFloat16>(h, norm_w, norm_eps, norm_weight_fp32, w_qkv, b_qkv, q_norm, k_norm, qk_eps, cos, sin,
-                                 interleaved, k_cache, v_cache, slot, pos, window, sinks, scale, w_o, b_o, out);
+                                 interleaved, k_cache, v_cache, slots, positions, window, sinks, scale, w_o, b_o, out);
       break;
     case torch::kFloat:
       attn_decode<float>(h, norm_w, norm_eps, norm_weight_fp32, w_qkv, b_qkv, q_norm, k_norm, qk_eps, cos, sin,
-                         interleaved, k_cache, v_cache, slot, pos, window, sinks, scale, w_o, b_o, out);
+                         interleaved, k_cache, v_cache, slots, positions, window, sinks, scale, w_o, b_o, out);
       break;
     default:
       TORCH_CHECK(false, "h must be bf16 or fp32, got ", h.scalar_type());

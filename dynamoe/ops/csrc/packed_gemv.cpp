@@ -159,14 +159,14 @@ void route_decode_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Ten
 void attn_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32, torch::Tensor w_qkv,
                      c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
                      c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor cos, torch::Tensor sin,
-                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, int64_t slot, int64_t pos,
-                     int64_t window, c10::optional<torch::Tensor> sinks, double scale, torch::Tensor w_o,
-                     c10::optional<torch::Tensor> b_o, torch::Tensor out);
+                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                     torch::Tensor positions, int64_t window, c10::optional<torch::Tensor> sinks, double scale,
+                     torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attn_decode_out", &attn_decode_out,
-        "one sequence's decode step through an attention block: out = h + o_proj(attention(RoPE(qk-norm(qkv(norm(h))))))"
-        " with k/v written into the cache");
+        "a decode step of B <= 16 sequences through an attention block: out = h + o_proj(attention(RoPE(qk-norm("
+        "qkv(norm(h)))))) with k/v written into the cache at (slots, positions)");
   m.def("route_decode_out", &route_decode_out,
         "router of a decode step: fp32 logits of x [T, D] @ W^T (+ bias), softmax (0) or DeepSeek sigmoid-group (1) "
         "top-k into ids [T, K] int64 and weights [T, K] fp32");
