@@ -25,10 +25,12 @@ PROMPTS = [
     ("What is 23 + 45?", "add-2d", "68"),
     ("What is 81 - 37?", "sub-2d", "44"),
     ("What is 12 × 11?", "mul-2d", "132"),
+    ("What is 75 × 8?", "mul-2d", "600"),
     ("Reverse the list [4, 8, 15, 16].", "reverse-list", "[16, 15, 8, 4]"),
     ("Convert 5 km to meters.", "units", "5000"),
     ("What is 64 - 29?", "sub-2d", "35"),
     ("Sort [42, 7, 93, 15].", "sort", "[7, 15, 42, 93]"),
+    ("Sort [6, 2, 9, 4].", "sort", "[2, 4, 6, 9]"),
     ('Reverse the word "planet".', "reverse-word", "tenalp"),
 ]
 QUICKSORT = "Write a Python code of the Quicksort algorithm."
