@@ -129,9 +129,11 @@ def _packed_fields(w) -> tuple[Tensor, Tensor, Tensor, int, int]:
 
 def packed_glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tuple[Tensor, Tensor, int] | None:
     """:func:`glu_decode` for packed experts (dynamoe.quant.QuantizedExperts of kind 'glu' in blockwise
-    FP8, MXFP4 or NVFP4, no activation quantization): the packed bytes are decoded in registers, the
-    activations are fp32 inside the kernel, the output comes back in x's dtype. None where it does not
-    apply."""
+    FP8, MXFP4 or NVFP4, no activation quantization): the packed bytes are decoded in registers. bf16
+    activations (where the kernels have AVX512-BF16) stay bf16: the weights are decoded into bf16 and
+    multiplied with bf16 dot products, fp32 accumulation, the GLU output rounded to bf16 before the down
+    projection (as bf16 experts do); other activations run in fp32 inside the kernel. The output comes
+    back in x's dtype. None where it does not apply."""
     T = x_TD.size(0)
     if (not 1 <= T <= MAX_TOKENS or x_TD.device.type != "cpu" or not x_TD.is_floating_point()
             or x_TD.dtype == torch.float64 or torch.is_grad_enabled() or getattr(experts, "kind", None) != "glu"
@@ -149,11 +151,12 @@ def packed_glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts)
     a2, b2, c2, _, _ = _packed_fields(w2)
     bias1 = None if experts.b1 is None else experts.b1.float().contiguous()
     bias2 = None if experts.b2 is None else experts.b2.float().contiguous()
-    x = x_TD.float().contiguous()
+    bf16_acts = x_TD.dtype == torch.bfloat16 and k.has_avx512_bf16()
+    x = x_TD.contiguous() if bf16_acts else x_TD.float().contiguous()
     out = torch.empty(T, w2.shape[1], dtype=torch.float32)
     load = torch.empty(w1.shape[0], dtype=torch.long)
     max_load = k.packed_moe_glu_decode_out(PACKED_FORMATS[w1.format], x, ids_TK.to(torch.long).contiguous(),
                                            weights_TK.to(torch.float32).contiguous(), a1, b1, c1, a2, b2, c2, blk0,
                                            blk1, bias1, bias2, ACT_CODES[experts.glu_kind], float(experts.alpha),
-                                           float(experts.limit), out, load)
+                                           float(experts.limit), out, load, bf16_acts)
     return out.to(x_TD.dtype), load, max_load

@@ -44,14 +44,16 @@ def fp8_activation_quant(x: Tensor, group: int = 128) -> Tensor:
 
 def packed_gemv(x_TI: Tensor, w: QuantizedWeight) -> Tensor | None:
     """y [T, O] = x [T, I] @ W^T in fp32 straight from the packed bytes (T <= 16, CPU), or None when
-    no kernel applies here (other device, too many rows, kernels not built)."""
+    no kernel applies here (other device, too many rows, kernels not built). bf16 x goes to the kernels
+    as bf16 where they have AVX512-BF16 (bf16 dot products on the decoded weights, fp32 accumulation);
+    other x in fp32."""
     if (x_TI.device.type != "cpu" or not 1 <= x_TI.size(0) <= cpu_kernels.MAX_ROWS or w.num_leading
             or x_TI.dtype == torch.float64):  # the kernels accumulate in fp32
         return None
     k = cpu_kernels.load()
     if k is None:
         return None
-    x = x_TI.float().contiguous()
+    x = x_TI.contiguous() if x_TI.dtype == torch.bfloat16 and k.has_avx512_bf16() else x_TI.float().contiguous()
     if isinstance(w, MXFP4Weight):
         return k.mxfp4_gemv(x, w.blocks, w.scales)
     if isinstance(w, NVFP4Weight):

@@ -1,8 +1,11 @@
 // A decode step's routed GLU experts with packed weights (blockwise FP8, MXFP4, NVFP4) in one call, as
 // moe_decode.cpp does for bf16/fp32: tokens grouped by expert (each expert's packed bytes read once for
 // all its tokens), gate_up rows in one parallel region, the activation in fp32, down rows in a second
-// region, the weighted sum per token in fp32. x, biases and out are fp32 (the packed row kernels of
-// packed_rows.h take fp32 activations). Fills load[E] and returns the largest load.
+// region, the weighted sum per token in fp32. Biases and out are fp32; x is fp32, or bf16 with bf16_acts:
+// then the activations go into the bf16 row kernels of packed_rows.h (weights decoded into bf16 words:
+// AVX512-BF16 dot products for an expert's single token, fp32 FMAs on the widened words for several;
+// where those kernels are not compiled in, x is widened to fp32) and the GLU output h is rounded to bf16
+// before the down projection, as bf16 experts do. Fills load[E] and returns the largest load.
 //
 // A packed weight [E, O, I] is three tensors and two ints, by format:
 //   0 FP8:   a = e4m3 bytes [E, O, I], b = fp32 scales [E, ceil(O/blk0), ceil(I/blk1)]
@@ -21,7 +24,6 @@
 namespace {
 using namespace dynamoe::packed;
 constexpr int64_t kRowsPerItem = 16;
-constexpr int64_t kAhead = 4;  // rows prefetched ahead
 
 struct Packed {
   int64_t fmt, E, O, I, blk0 = 1, blk1 = 1;
@@ -63,46 +65,92 @@ Packed packed_weight(int64_t fmt, const torch::Tensor& a, const torch::Tensor& b
   return w;
 }
 
-// rows [o0, o1) of expert e for Tg tokens: x [Tg, I] (FP8) or its even/odd halves xe, xo [Tg, I/2] (FP4)
-void rows(const Packed& w, int64_t e, int64_t o0, int64_t o1, const float* x, const float* xe, const float* xo,
-          int64_t Tg, float* out, int64_t out_stride, const float* lut_fp8, const float* e8m0, const float* e4m3_raw) {
+// The activations [pairs, I] of one weight, in the forms the row kernels take: fp32 x (FP8) or its even
+// and odd halves xe, xo [pairs, I/2] (FP4); or (bf16 path) bf16 words q [pairs, qs] laid out by
+// fp8_bf16_acts / fp4_bf16_acts and their fp32 values qf [pairs, qs] by fp8_f32_acts / fp4_f32_acts.
+struct Acts {
+  const float* x = nullptr;
+  const float* xe = nullptr;
+  const float* xo = nullptr;
+  const uint16_t* q = nullptr;  // one-token chunks (dot products)
+  const float* qf = nullptr;    // the same in the widened kernels' fp32 layout (chunks of several tokens)
+  int64_t qs = 0;
+};
+
+// rows [o0, o1) of expert e for the Tg pairs from pair `off` of a
+void rows(const Packed& w, int64_t e, int64_t o0, int64_t o1, const Acts& a, int64_t off, int64_t Tg, float* out,
+          int64_t out_stride) {
+  const ByteTables& tab = byte_tables();
   const int64_t I = w.I, h = I / 2;
+#if defined(DYNAMOE_PACKED_BF16)
+  const uint16_t* xq = a.q ? a.q + off * a.qs : nullptr;
+  const float* xqf = a.q ? a.qf + off * a.qs : nullptr;
+#endif
   if (w.fmt == 0) {
     const int64_t C = (I + w.blk1 - 1) / w.blk1, R = (w.O + w.blk0 - 1) / w.blk0;
     const uint8_t* q = w.a + e * w.O * I;
     const float* s = w.bf + e * R * C;
+    const int64_t ahead = prefetch_ahead_rows(I);
+    if (o0 == 0) prefetch_first_rows(q, 0, w.O, I, ahead);  // an expert's first rows (later ones: ahead)
     for (int64_t o = o0; o < o1; ++o) {
-#if defined(__AVX512F__)
-      if (o + kAhead < w.O)
-        for (int64_t c = 0; c < I; c += 64) _mm_prefetch(reinterpret_cast<const char*>(q + (o + kAhead) * I + c), _MM_HINT_T0);
+      prefetch_row(q, o, w.O, I, ahead);
+#if defined(DYNAMOE_PACKED_BF16)
+      if (xq) {
+        dynamoe::for_token_chunks(Tg, [&]<int TT>(int64_t t0) {
+          fp8_row_acts<TT>(q + o * I, I, xq + t0 * a.qs, xqf + t0 * a.qs, a.qs, s + (o / w.blk0) * C, w.blk1,
+                           out + t0 * out_stride + o, out_stride);
+        });
+        continue;
+      }
 #endif
+      const float* x = a.x + off * I;
       dynamoe::for_token_chunks(Tg, [&]<int TT>(int64_t t0) {
-        fp8_row<TT>(q + o * I, I, x + t0 * I, s + (o / w.blk0) * C, w.blk1, lut_fp8, out + t0 * out_stride + o, out_stride);
+        fp8_row<TT>(q + o * I, I, x + t0 * I, s + (o / w.blk0) * C, w.blk1, tab.e4m3, out + t0 * out_stride + o, out_stride);
       });
     }
     return;
   }
   const int64_t G = w.fmt == 1 ? I / 32 : I / 16;
-  std::vector<float> gs(G);
+  // the bf16 kernels read whole 64-byte steps of scales (4 or 8 groups): zeros past the row's groups
+  const int64_t steps = (h + kFp4StepBytes - 1) / kFp4StepBytes;
+  std::vector<float> gs(std::max(G, steps * (w.fmt == 1 ? 4 : 8)), 0.f);
   float e4m3[256];
   if (w.fmt == 2)
-    for (int v = 0; v < 256; ++v) e4m3[v] = e4m3_raw[v] * w.global[e];
+    for (int v = 0; v < 256; ++v) e4m3[v] = tab.e4m3[v] * w.global[e];
+  const float* xe = a.xe ? a.xe + off * h : nullptr;
+  const float* xo = a.xo ? a.xo + off * h : nullptr;
+  const int64_t ahead = prefetch_ahead_rows(h);
+  if (o0 == 0) prefetch_first_rows(w.a + e * w.O * h, 0, w.O, h, ahead);  // an expert's first rows
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* srow = w.b8 + (e * w.O + o) * G;
     const uint8_t* prow = w.a + (e * w.O + o) * h;
-#if defined(__AVX512F__)
-    // the packed bytes of a row ahead: decoding is too short per byte for the hardware prefetcher
-    // to hide the memory latency of weights that are not in cache
-    if (o + kAhead < w.O)
-      for (int64_t c = 0; c < h; c += 64) _mm_prefetch(reinterpret_cast<const char*>(prow + kAhead * h + c), _MM_HINT_T0);
-#endif
+    prefetch_row(w.a + e * w.O * h, o, w.O, h, ahead);  // the packed bytes of the row `ahead` rows on
+    prefetch_row(w.b8 + e * w.O * G, o, w.O, G, ahead);  // and its scales
     if (w.fmt == 1) {
-      for (int64_t g = 0; g < G; ++g) gs[g] = e8m0[srow[g]];
+      e8m0_row_scales(srow, G, tab.e8m0, gs.data());
+#if defined(DYNAMOE_PACKED_BF16)
+      if (xq) {
+        dynamoe::for_token_chunks(Tg, [&]<int TT>(int64_t t0) {
+          fp4_row_acts<TT, 16>(prow, h, xq + t0 * a.qs, xqf + t0 * a.qs, a.qs, gs.data(), out + t0 * out_stride + o,
+                               out_stride);
+        });
+        continue;
+      }
+#endif
       dynamoe::for_token_chunks(Tg, [&]<int TT>(int64_t t0) {
         fp4_row<TT, 16>(prow, h, xe + t0 * h, xo + t0 * h, h, gs.data(), out + t0 * out_stride + o, out_stride);
       });
     } else {
       nvfp4_row_scales(srow, G, w.global[e], e4m3, gs.data());
+#if defined(DYNAMOE_PACKED_BF16)
+      if (xq) {
+        dynamoe::for_token_chunks(Tg, [&]<int TT>(int64_t t0) {
+          fp4_row_acts<TT, 8>(prow, h, xq + t0 * a.qs, xqf + t0 * a.qs, a.qs, gs.data(), out + t0 * out_stride + o,
+                              out_stride);
+        });
+        continue;
+      }
+#endif
       dynamoe::for_token_chunks(Tg, [&]<int TT>(int64_t t0) {
         fp4_row<TT, 8>(prow, h, xe + t0 * h, xo + t0 * h, h, gs.data(), out + t0 * out_stride + o, out_stride);
       });
@@ -110,23 +158,48 @@ void rows(const Packed& w, int64_t e, int64_t o0, int64_t o1, const float* x, co
   }
 }
 
-// one weight over all groups: x [pairs, I] (and its halves) -> out [pairs, O], one parallel region
-void run(const Packed& w, const std::vector<int64_t>& groups, const std::vector<float>& x, const std::vector<float>& xe,
-         const std::vector<float>& xo, const float* bias, float* out, const float* lut, const float* e8m0,
-         const float* e4m3_raw) {
-  const int64_t G = static_cast<int64_t>(groups.size()) / 3, O = w.O, I = w.I;
+// one weight over all groups: activations [pairs, I] -> out [pairs, O], one parallel region
+void run(const Packed& w, const std::vector<int64_t>& groups, const Acts& a, const float* bias, float* out) {
+  const int64_t G = static_cast<int64_t>(groups.size()) / 3, O = w.O;
   const int64_t chunks = (O + kRowsPerItem - 1) / kRowsPerItem;
   at::parallel_for(0, G * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / chunks, e = groups[3 * g], off = groups[3 * g + 1], n = groups[3 * g + 2];
       const int64_t o0 = (item % chunks) * kRowsPerItem, o1 = std::min(O, o0 + kRowsPerItem);
-      rows(w, e, o0, o1, x.data() + off * I, xe.empty() ? nullptr : xe.data() + off * (I / 2),
-           xo.empty() ? nullptr : xo.data() + off * (I / 2), n, out + off * O, O, lut, e8m0, e4m3_raw);
+      rows(w, e, o0, o1, a, off, n, out + off * O, O);
       if (bias)
         for (int64_t t = 0; t < n; ++t)
           for (int64_t o = o0; o < o1; ++o) out[(off + t) * O + o] += bias[e * O + o];
     }
   });
+}
+
+// Activations [P, I] as bf16 words (in order) into the bf16 kernels' layout for format fmt
+void bf16_layout(int64_t fmt, const uint16_t* x, int64_t P, int64_t I, std::vector<uint16_t>& q, std::vector<float>& qf,
+                 Acts& a) {
+  a.qs = fmt == 0 ? fp8_bf16_stride(I) : fp4_bf16_stride(I);
+  q.resize(P * a.qs);
+  qf.resize(P * a.qs);
+  if (fmt == 0) {
+    fp8_bf16_acts(x, P, I, I, q.data());
+    fp8_f32_acts(x, P, I, I, qf.data());
+  } else {
+    fp4_bf16_acts(x, P, I, I, q.data());
+    fp4_f32_acts(x, P, I, I, qf.data());
+  }
+  a.q = q.data();
+  a.qf = qf.data();
+}
+
+// fp32 activations [P, I] in the fp32 kernels' layout: x itself (FP8) or its halves (FP4)
+void fp32_layout(int64_t fmt, const float* x, int64_t P, int64_t I, std::vector<float>& xe, std::vector<float>& xo,
+                 Acts& a) {
+  a.x = x;
+  if (fmt != 0) {
+    split_even_odd(x, P, I, xe, xo);
+    a.xe = xe.data();
+    a.xo = xo.data();
+  }
 }
 }  // namespace
 
@@ -134,13 +207,15 @@ int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor id
                                   torch::Tensor w1a, torch::Tensor w1b, torch::Tensor w1c, torch::Tensor w2a,
                                   torch::Tensor w2b, torch::Tensor w2c, int64_t blk0, int64_t blk1,
                                   c10::optional<torch::Tensor> b1, c10::optional<torch::Tensor> b2, int64_t act,
-                                  double alpha, double limit, torch::Tensor out, torch::Tensor load) {
+                                  double alpha, double limit, torch::Tensor out, torch::Tensor load, bool bf16_acts) {
   const Packed w1 = packed_weight(fmt, w1a, w1b, w1c, blk0, blk1, "w1");
   const Packed w2 = packed_weight(fmt, w2a, w2b, w2c, blk0, blk1, "w2");
   const int64_t E = w1.E, F2 = w1.O, F = F2 / 2, D = w1.I, O = w2.O;
   TORCH_CHECK(F2 % 2 == 0 && w2.E == E && w2.I == F, "w2 must be [", E, ", O, ", F, "] for w1 [", E, ", ", F2, ", ", D, "]");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) == D,
-              "x must be contiguous fp32 [T, ", D, "]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == (bf16_acts ? torch::kBFloat16 : torch::kFloat) && x.is_contiguous() &&
+              x.size(1) == D, "x must be contiguous ", bf16_acts ? "bf16" : "fp32", " [T, ", D, "]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == O && out.scalar_type() == torch::kFloat &&
+              out.is_contiguous(), "out must be contiguous fp32 [T, ", O, "]");
   TORCH_CHECK(act >= 0 && act <= 4, "act must be 0..4 (silu, gelu, gelu_tanh, relu, gpt_oss), got ", act);
   const float* bp1 = nullptr;
   const float* bp2 = nullptr;
@@ -158,29 +233,50 @@ int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor id
   const int64_t T = x.size(0);
   const dynamoe::DecodePairs d = dynamoe::group_pairs(ids, weights, T, E, load);
   const int64_t P = static_cast<int64_t>(d.pair_token.size());
-  std::vector<float> xg(P * D);
-  dynamoe::gather_pairs(d, x.data_ptr<float>(), D, xg.data());
+  // bf16 activations go through the bf16 kernels (FP8: when whole 32-element steps fit in its scale
+  // blocks); elsewhere, or without AVX512-BF16, they are widened to fp32 (exactly) for the fp32 kernels.
+  const bool bf16_kernels = kPackedBf16 && bf16_acts && (fmt != 0 || blk1 % kFp8StepElems == 0);
 
-  float lut[256], e8m0[256], e4m3_raw[256];
-  for (int v = 0; v < 256; ++v) {
-    lut[v] = e4m3_value(static_cast<uint8_t>(v));
-    e8m0[v] = e8m0_value(static_cast<uint8_t>(v));
-    e4m3_raw[v] = lut[v];
+  std::vector<float> xf, xe, xo;
+  std::vector<uint16_t> xq, hq;
+  std::vector<float> xqf, hqf;
+  Acts a1, a2;
+  if (bf16_kernels) {
+    std::vector<uint16_t> xg(P * D);
+    dynamoe::gather_pairs(d, reinterpret_cast<const uint16_t*>(x.data_ptr()), D, xg.data());
+    bf16_layout(fmt, xg.data(), P, D, xq, xqf, a1);
+  } else {
+    xf.resize(P * D);
+    if (bf16_acts) {
+      const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+      for (int64_t p = 0; p < P; ++p)
+        for (int64_t i = 0; i < D; ++i) xf[p * D + i] = bf16_float(xb[d.pair_token[p] * D + i]);
+    } else {
+      dynamoe::gather_pairs(d, x.data_ptr<float>(), D, xf.data());
+    }
+    fp32_layout(fmt, xf.data(), P, D, xe, xo, a1);
   }
-  std::vector<float> xe, xo;
-  if (fmt != 0) split_even_odd(xg.data(), P, D, xe, xo);
   std::vector<float> gu(P * F2);
-  run(w1, d.groups, xg, xe, xo, bp1, gu.data(), lut, e8m0, e4m3_raw);
+  run(w1, d.groups, a1, bp1, gu.data());
 
+  // the activation in fp32; with bf16 activations h is rounded to bf16 (as bf16 experts do)
   std::vector<float> hbuf(P * F);
+  std::vector<uint16_t> hb(bf16_acts ? P * F : 0);
   const float a = static_cast<float>(alpha), lim = static_cast<float>(limit);
   for (int64_t p = 0; p < P; ++p)
     for (int64_t f = 0; f < F; ++f) {
-      hbuf[p * F + f] = dynamoe::glu_value(gu[p * F2 + f], gu[p * F2 + F + f], act, a, lim);
+      const float v = dynamoe::glu_value(gu[p * F2 + f], gu[p * F2 + F + f], act, a, lim);
+      if (bf16_acts) {
+        hb[p * F + f] = bf16_bits(v);
+        hbuf[p * F + f] = bf16_float(hb[p * F + f]);
+      } else {
+        hbuf[p * F + f] = v;
+      }
     }
-  if (fmt != 0) split_even_odd(hbuf.data(), P, F, xe, xo);
+  if (bf16_kernels) bf16_layout(fmt, hb.data(), P, F, hq, hqf, a2);
+  else fp32_layout(fmt, hbuf.data(), P, F, xe, xo, a2);
   std::vector<float> y(P * O);
-  run(w2, d.groups, hbuf, xe, xo, bp2, y.data(), lut, e8m0, e4m3_raw);
+  run(w2, d.groups, a2, bp2, y.data());
 
   dynamoe::combine_pairs(d, y.data(), T, O, out.data_ptr<float>());
   return d.max_load;

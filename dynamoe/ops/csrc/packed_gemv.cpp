@@ -20,37 +20,73 @@ namespace {
 constexpr int kMaxT = 16;  // rows per call (processed in chunks of 8)
 using namespace dynamoe::packed;
 
+// x: fp32, or bf16 (then the bf16 kernels run where they are compiled in; the output is fp32 either way)
 void check_x(const torch::Tensor& x, int64_t in_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
-              "x must be a contiguous float32 CPU tensor [T, I]");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) &&
+                  x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous float32 or bfloat16 CPU tensor [T, I]");
   TORCH_CHECK(x.size(1) == in_features, "x has ", x.size(1), " features, the weight expects ", in_features);
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxT, "packed gemv takes 1..", kMaxT, " rows, got ", x.size(0));
 }
+
+bool bf16_kernels(const torch::Tensor& x) { return kPackedBf16 && x.scalar_type() == torch::kBFloat16; }
+
+const uint16_t* bf16_words(const torch::Tensor& x) { return reinterpret_cast<const uint16_t*>(x.data_ptr()); }
+
+// bf16 x [T, I] in the FP4 bf16 kernels' layouts: the dot products' (one token) and, for T > 1, the widened
+// kernels' (fp4_row_acts)
+void fp4_layouts(const torch::Tensor& x, std::vector<uint16_t>& xq, std::vector<float>& xqf) {
+  const int64_t T = x.size(0), I = x.size(1), S = fp4_bf16_stride(I);
+  xq.resize(T * S);
+  fp4_bf16_acts(bf16_words(x), T, I, I, xq.data());
+  if (T > 1) {
+    xqf.resize(T * S);
+    fp4_f32_acts(bf16_words(x), T, I, I, xqf.data());
+  }
+}
+
+// fp32 activations for the fp32 kernels (bf16 widened exactly)
+torch::Tensor as_fp32(const torch::Tensor& x) { return x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32); }
 
 }  // namespace
 
 torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor blocks, torch::Tensor scales) {
   TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == 16 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous(),
               "blocks must be contiguous uint8 [O, I/32, 16]");
-  const int64_t O = blocks.size(0), G = blocks.size(1), I = G * 32, T = x.size(0);
+  const int64_t O = blocks.size(0), G = blocks.size(1), I = G * 32, T = x.size(0), h = I / 2;
   TORCH_CHECK(scales.sizes() == torch::IntArrayRef({O, G}) && scales.scalar_type() == torch::kUInt8 && scales.is_contiguous(),
               "scales must be contiguous uint8 [O, I/32]");
   check_x(x, I);
-  std::vector<float> xe, xo;
-  split_even_odd(x.data_ptr<float>(), T, I, xe, xo);
-  auto y = torch::empty({T, O}, x.options());
+  const bool bf16 = bf16_kernels(x);
+  std::vector<float> xe, xo, xqf;
+  std::vector<uint16_t> xq;
+  if (bf16) fp4_layouts(x, xq, xqf);
+  else split_even_odd(as_fp32(x).data_ptr<float>(), T, I, xe, xo);
+  auto y = torch::empty({T, O}, x.options().dtype(torch::kFloat32));
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  float e8m0[256];
-  for (int v = 0; v < 256; ++v) e8m0[v] = e8m0_value(static_cast<uint8_t>(v));
+  const float* e8m0 = byte_tables().e8m0;
+  const int64_t steps = (h + kFp4StepBytes - 1) / kFp4StepBytes;
+  [[maybe_unused]] const int64_t xs = fp4_bf16_stride(I);  // the bf16 layouts' row stride
+  const int64_t ahead = prefetch_ahead_rows(h);
   at::parallel_for(0, O, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> gs(G);
+    std::vector<float> gs(std::max(G, 4 * steps), 0.f);  // zeros past the row's groups (bf16 kernel steps)
+    prefetch_first_rows(bp, begin, O, h, ahead);
     for (int64_t o = begin; o < end; ++o) {
-      for (int64_t g = 0; g < G; ++g) gs[g] = e8m0[sp[o * G + g]];
+      prefetch_row(bp, o, O, h, ahead);
+      prefetch_row(sp, o, O, G, ahead);
+      e8m0_row_scales(sp + o * G, G, e8m0, gs.data());
+#if defined(DYNAMOE_PACKED_BF16)
+      if (bf16) {
+        dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
+          fp4_row_acts<TT, 16>(bp + o * h, h, xq.data() + t0 * xs, xqf.data() + t0 * xs, xs, gs.data(), yp + t0 * O + o, O);
+        });
+        continue;
+      }
+#endif
       dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
-        fp4_row<TT, 16>(bp + o * (I / 2), I / 2, xe.data() + t0 * (I / 2), xo.data() + t0 * (I / 2), I / 2, gs.data(),
-                        yp + t0 * O + o, O);
+        fp4_row<TT, 16>(bp + o * h, h, xe.data() + t0 * h, xo.data() + t0 * h, h, gs.data(), yp + t0 * O + o, O);
       });
     }
   });
@@ -60,27 +96,42 @@ torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor blocks, torch::Tensor sc
 torch::Tensor nvfp4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, double global_scale) {
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
               "packed must be contiguous uint8 [O, I/2]");
-  const int64_t O = packed.size(0), I = packed.size(1) * 2, T = x.size(0);
+  const int64_t O = packed.size(0), I = packed.size(1) * 2, T = x.size(0), h = I / 2;
   TORCH_CHECK(I % 16 == 0, "NVFP4 needs in_features divisible by 16");
   TORCH_CHECK(scale.sizes() == torch::IntArrayRef({O, I / 16}) && scale.element_size() == 1 && scale.is_contiguous(),
               "scale must be contiguous e4m3 bytes [O, I/16]");
   check_x(x, I);
   float e4m3[256];
-  for (int v = 0; v < 256; ++v) e4m3[v] = e4m3_value(static_cast<uint8_t>(v)) * static_cast<float>(global_scale);
-  std::vector<float> xe, xo;
-  split_even_odd(x.data_ptr<float>(), T, I, xe, xo);
-  auto y = torch::empty({T, O}, x.options());
+  for (int v = 0; v < 256; ++v) e4m3[v] = byte_tables().e4m3[v] * static_cast<float>(global_scale);
+  const bool bf16 = bf16_kernels(x);
+  std::vector<float> xe, xo, xqf;
+  std::vector<uint16_t> xq;
+  if (bf16) fp4_layouts(x, xq, xqf);
+  else split_even_odd(as_fp32(x).data_ptr<float>(), T, I, xe, xo);
+  auto y = torch::empty({T, O}, x.options().dtype(torch::kFloat32));
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = static_cast<const uint8_t*>(scale.data_ptr());
   float* yp = y.data_ptr<float>();
-  const int64_t G = I / 16;
+  const int64_t G = I / 16, steps = (h + kFp4StepBytes - 1) / kFp4StepBytes;
+  [[maybe_unused]] const int64_t xs = fp4_bf16_stride(I);
+  const int64_t ahead = prefetch_ahead_rows(h);
   at::parallel_for(0, O, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> gs(G);
+    std::vector<float> gs(std::max(G, 8 * steps), 0.f);  // zeros past the row's groups (bf16 kernel steps)
+    prefetch_first_rows(pp, begin, O, h, ahead);
     for (int64_t o = begin; o < end; ++o) {
+      prefetch_row(pp, o, O, h, ahead);
+      prefetch_row(sp, o, O, G, ahead);
       nvfp4_row_scales(sp + o * G, G, static_cast<float>(global_scale), e4m3, gs.data());
+#if defined(DYNAMOE_PACKED_BF16)
+      if (bf16) {
+        dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
+          fp4_row_acts<TT, 8>(pp + o * h, h, xq.data() + t0 * xs, xqf.data() + t0 * xs, xs, gs.data(), yp + t0 * O + o, O);
+        });
+        continue;
+      }
+#endif
       dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
-        fp4_row<TT, 8>(pp + o * (I / 2), I / 2, xe.data() + t0 * (I / 2), xo.data() + t0 * (I / 2), I / 2, gs.data(),
-                       yp + t0 * O + o, O);
+        fp4_row<TT, 8>(pp + o * h, h, xe.data() + t0 * h, xo.data() + t0 * h, h, gs.data(), yp + t0 * O + o, O);
       });
     }
   });
@@ -95,15 +146,43 @@ torch::Tensor fp8_block_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor sca
                   scale_inv.is_contiguous(),
               "scale_inv must be contiguous float32 [ceil(O/b0), ceil(I/b1)]");
   check_x(x, I);
-  const float* xp = x.data_ptr<float>();
+  // the bf16 kernel takes whole 32-element steps inside a scale block
+  const bool bf16 = bf16_kernels(x) && b1 % kFp8StepElems == 0;
+  std::vector<uint16_t> xq;
+  std::vector<float> xqf;
+  torch::Tensor x32;
+  const float* xp = nullptr;
+  if (bf16) {
+    xq.resize(T * fp8_bf16_stride(I));
+    fp8_bf16_acts(bf16_words(x), T, I, I, xq.data());
+    if (T > 1) {
+      xqf.resize(T * fp8_bf16_stride(I));
+      fp8_f32_acts(bf16_words(x), T, I, I, xqf.data());
+    }
+  } else {
+    x32 = as_fp32(x);
+    xp = x32.data_ptr<float>();
+  }
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
   const float* sp = scale_inv.data_ptr<float>();
-  auto y = torch::empty({T, O}, x.options());
+  auto y = torch::empty({T, O}, x.options().dtype(torch::kFloat32));
   float* yp = y.data_ptr<float>();
-  float lut[256];
-  for (int v = 0; v < 256; ++v) lut[v] = e4m3_value(static_cast<uint8_t>(v));
+  const float* lut = byte_tables().e4m3;
+  [[maybe_unused]] const int64_t xs = fp8_bf16_stride(I);
+  const int64_t ahead = prefetch_ahead_rows(I);
   at::parallel_for(0, O, 16, [&](int64_t begin, int64_t end) {
+    prefetch_first_rows(qp, begin, O, I, ahead);
     for (int64_t o = begin; o < end; ++o) {
+      prefetch_row(qp, o, O, I, ahead);
+#if defined(DYNAMOE_PACKED_BF16)
+      if (bf16) {
+        dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
+          fp8_row_acts<TT>(qp + o * I, I, xq.data() + t0 * xs, xqf.data() + t0 * xs, xs, sp + (o / b0) * C, b1,
+                           yp + t0 * O + o, O);
+        });
+        continue;
+      }
+#endif
       dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
         fp8_row<TT>(qp + o * I, I, xp + t0 * I, sp + (o / b0) * C, b1, lut, yp + t0 * O + o, O);
       });
@@ -146,7 +225,7 @@ int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor id
                                   torch::Tensor w1a, torch::Tensor w1b, torch::Tensor w1c, torch::Tensor w2a,
                                   torch::Tensor w2b, torch::Tensor w2c, int64_t blk0, int64_t blk1,
                                   c10::optional<torch::Tensor> b1, c10::optional<torch::Tensor> b2, int64_t act,
-                                  double alpha, double limit, torch::Tensor out, torch::Tensor load);
+                                  double alpha, double limit, torch::Tensor out, torch::Tensor load, bool bf16_acts);
 
 int64_t moe_ffn_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w1, torch::Tensor w2,
                            c10::optional<torch::Tensor> b1, c10::optional<torch::Tensor> b2, int64_t act,
@@ -173,7 +252,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_ffn_decode_out", &moe_ffn_decode_out,
         "a decode step's routed FFN experts in Tutel's layout (T <= 16 rows, bf16 or fp32): out [T, O], load [E]");
   m.def("packed_moe_glu_decode_out", &packed_moe_glu_decode_out,
-        "a decode step's routed GLU experts with packed weights (0 FP8, 1 MXFP4, 2 NVFP4; T <= 16, fp32 x/out)");
+        "a decode step's routed GLU experts with packed weights (0 FP8, 1 MXFP4, 2 NVFP4; T <= 16; fp32 out; x fp32, "
+        "or bf16 with bf16_acts: AVX512-BF16 dot products where compiled in, h rounded to bf16)");
   m.def("rope_out", &rope_out, "rotary embedding of x [B, H, T, d] (bf16 or fp32) with cos/sin [B, T, R/2] into out");
   m.def("rms_norm_out", &rms_norm_out, "RMSNorm of x [N, dim] (bf16 or fp32) into out, fp32 statistics");
   m.def("moe_glu_decode_out", &moe_glu_decode_out,
@@ -182,8 +262,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_grouped_gemv_out", &bf16_grouped_gemv_out,
         "per group (expert e, row offset, rows 1..8): out[rows] = x[rows] @ W[e]^T (+ bias[e]); W bf16 [E, O, I]");
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether the AVX512-BF16 path was compiled in");
-  m.def("mxfp4_gemv", &mxfp4_gemv, "y [T, O] = x [T, I] @ W^T, W MXFP4 (blocks [O, I/32, 16], e8m0 scales [O, I/32])");
-  m.def("nvfp4_gemv", &nvfp4_gemv, "y [T, O] = x [T, I] @ W^T, W NVFP4 (packed [O, I/2], e4m3 scales [O, I/16], global)");
-  m.def("fp8_block_gemv", &fp8_block_gemv, "y [T, O] = x [T, I] @ W^T, W blockwise FP8 (e4m3 [O, I], fp32 scales)");
+  m.def("mxfp4_gemv", &mxfp4_gemv,
+        "y [T, O] fp32 = x [T, I] (fp32 or bf16) @ W^T, W MXFP4 (blocks [O, I/32, 16], e8m0 scales [O, I/32])");
+  m.def("nvfp4_gemv", &nvfp4_gemv,
+        "y [T, O] fp32 = x [T, I] (fp32 or bf16) @ W^T, W NVFP4 (packed [O, I/2], e4m3 scales [O, I/16], global)");
+  m.def("fp8_block_gemv", &fp8_block_gemv,
+        "y [T, O] fp32 = x [T, I] (fp32 or bf16) @ W^T, W blockwise FP8 (e4m3 [O, I], fp32 scales)");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 path was compiled in");
 }

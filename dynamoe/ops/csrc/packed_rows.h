@@ -1,11 +1,21 @@
 // The packed-weight row kernels (MXFP4, NVFP4, blockwise FP8) shared by the GEMVs (packed_gemv.cpp)
 // and the fused MoE decode (moe_decode_packed.cpp): one output row for TT tokens, decoded in registers.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+// The bf16-activation kernels (fp4_row_acts, fp8_row_acts; see "bf16 activations" below): weights decoded
+// straight into bf16 words, AVX512-BF16 dot products for one token, fp32 FMAs on the widened words for
+// several. Without AVX512-BF16 (kPackedBf16 false) the callers widen bf16 activations to fp32 and run the
+// fp32 kernels (fp4_row, fp8_row).
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DYNAMOE_PACKED_BF16 1
 #endif
 
 namespace dynamoe::packed {
@@ -19,6 +29,60 @@ inline float e4m3_value(uint8_t b) {
 }
 
 inline float e8m0_value(uint8_t b) { return b == 255 ? NAN : std::ldexp(1.f, static_cast<int>(b) - 127); }
+
+// the 256-entry decode tables, built once
+struct ByteTables {
+  float e4m3[256], e8m0[256];
+  ByteTables() {
+    for (int v = 0; v < 256; ++v) {
+      e4m3[v] = e4m3_value(static_cast<uint8_t>(v));
+      e8m0[v] = e8m0_value(static_cast<uint8_t>(v));
+    }
+  }
+};
+inline const ByteTables& byte_tables() {
+  static const ByteTables t;
+  return t;
+}
+
+#if defined(DYNAMOE_PACKED_BF16)
+inline constexpr bool kPackedBf16 = true;
+#else
+inline constexpr bool kPackedBf16 = false;
+#endif
+
+// Software prefetch of the weight rows ahead: decoding takes so few instructions per byte that the
+// hardware prefetchers alone leave much of the memory latency of weights not in cache exposed; about
+// 8 KiB ahead keeps enough lines in flight. prefetch_row: the row `ahead` rows after row o (of `rows`
+// rows of `row_bytes` bytes from `base`).
+inline constexpr int64_t kPrefetchBytes = 8192;
+inline int64_t prefetch_ahead_rows(int64_t row_bytes) { return std::max<int64_t>(1, kPrefetchBytes / std::max<int64_t>(row_bytes, 1)); }
+inline void prefetch_row(const uint8_t* base, int64_t o, int64_t rows, int64_t row_bytes, int64_t ahead) {
+  if (o + ahead >= rows) return;
+  const uint8_t* p = base + (o + ahead) * row_bytes;
+  for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
+}
+// at the start of a run of rows from o0: the first `ahead` rows at once (more misses in flight than
+// demand loads make)
+inline void prefetch_first_rows(const uint8_t* base, int64_t o0, int64_t rows, int64_t row_bytes, int64_t ahead) {
+  const uint8_t* p = base + o0 * row_bytes;
+  const int64_t n = std::min(ahead, rows - o0) * row_bytes;
+  for (int64_t c = 0; c < n; c += 64) __builtin_prefetch(p + c, 0, 3);
+}
+
+// bf16 <-> fp32 bit patterns: round to nearest even, NaN stays NaN (as c10::BFloat16)
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline float bf16_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 // x split into even and odd elements: the low nibble of byte j holds element 2j, the high one 2j+1.
 inline void split_even_odd(const float* x, int64_t T, int64_t I, std::vector<float>& xe, std::vector<float>& xo) {
@@ -117,12 +181,280 @@ inline void nvfp4_row_scales(const uint8_t* srow, int64_t G, float global_scale,
     const __m256i b = _mm256_cvtepu8_epi16(raw);
     const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
                                       _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
-    _mm512_storeu_ps(gs + g, _mm512_mul_ps(_mm512_cvtph_ps(h), sv));
-    const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(raw, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
-    for (int l = 0; l < 16; ++l)
-      if (nan >> l & 1) gs[g + l] = e4m3[srow[g + l]];
+    // e4m3 NaN bytes (0x7F, 0xFF) -> NaN, as the table has them
+    const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_cvtepu8_epi32(raw), _mm512_set1_epi32(0x7F)),
+                                                  _mm512_set1_epi32(0x7F));
+    _mm512_storeu_ps(gs + g, _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_cvtph_ps(h), sv), nan, _mm512_set1_ps(NAN)));
   }
 #endif
   for (; g < G; ++g) gs[g] = e4m3[srow[g]];
 }
+
+// The fp32 scales of one MXFP4 row: e8m0 bytes [G] -> 2^(b - 127) (the fp32 bits b << 23; 0 -> 2^-127,
+// 255 -> NaN), 16 at a time; ``e8m0`` is the 256-entry table for the rest.
+inline void e8m0_row_scales(const uint8_t* srow, int64_t G, const float* e8m0, float* gs) {
+  int64_t g = 0;
+#if defined(__AVX512F__)
+  for (; g + 16 <= G; g += 16) {
+    __m512i bits = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(srow + g))), 23);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(bits, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(bits, _mm512_set1_epi32(0x7F800000)),
+                                 _mm512_set1_epi32(0x7FC00000));
+    _mm512_storeu_si512(gs + g, bits);
+  }
+#endif
+  for (; g < G; ++g) gs[g] = e8m0[srow[g]];
+}
+
+// ---------------------------------------------------------------------------------------------------
+// bf16 activations. The weights are decoded into bf16 words (FP4 values are exact in bf16; e4m3 too, up
+// to a power of two); for one token they are multiplied with AVX512-BF16 dot products (32 products per
+// instruction, fp32 accumulation; for several, see fp4_row_wide below). The activations are converted once
+// per call into a bf16 buffer laid out in the order in which the decoded words come out, zero-padded to
+// whole steps; rows of that buffer are `x_stride` apart.
+//
+// FP4: 64 packed bytes (128 weights, byte j = element 2j in its low nibble, 2j+1 in its high one) per
+// step, seen as 32 words of four nibbles: word k holds elements 4k..4k+3 in bits 0-3, 4-7, 8-11, 12-15.
+// vpermw looks up the low 5 bits of each word in a 32-word table of bf16 patterns, entry i that of
+// E2M1 value i & 15: the word itself and the word shifted right by 4, 8, 12 give four vectors, vector s
+// holding element 4k + s in word k -- no masking (bit 4 of the index is ignored by the periodic table).
+// fp32 lane i of a dot product sums words 2i, 2i+1, i.e. packed bytes 4i..4i+3 of the step: lanes
+// 4L..4L+3 make one MXFP4 group (16 bytes), lanes 2g, 2g+1 one NVFP4 group (8 bytes).
+inline constexpr int64_t kFp4StepBytes = 64, kFp4StepElems = 128;
+inline int64_t fp4_bf16_stride(int64_t I) { return (I + kFp4StepElems - 1) / kFp4StepElems * kFp4StepElems; }
+// the element of a step that position q (0..127) of the activation layout holds: vector q / 32, word q % 32
+inline int64_t fp4_bf16_element(int64_t q) { return 4 * (q % 32) + q / 32; }
+// out [T, fp4_bf16_stride(I)] = bf16 words x [T, I] (row stride xs) in the FP4 step order, zero-padded
+inline void fp4_bf16_acts(const uint16_t* x, int64_t T, int64_t I, int64_t xs, uint16_t* out) {
+  const int64_t S = fp4_bf16_stride(I);
+  int64_t pos[kFp4StepElems];
+  for (int64_t q = 0; q < kFp4StepElems; ++q) pos[q] = fp4_bf16_element(q);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < S; b += kFp4StepElems)
+      for (int64_t q = 0; q < kFp4StepElems; ++q) {
+        const int64_t i = b + pos[q];
+        out[t * S + b + q] = i < I ? x[t * xs + i] : uint16_t{0};
+      }
+}
+
+// FP8 (e4m3): 32 bytes per step, in order. bf16 bits = sign << 15 | (b & 0x7F) << 4 (the e4m3 exponent
+// and mantissa land in the low bits of bf16's), worth 2^-120 of the e4m3 value. So that the products stay
+// normal fp32 (the dot product flushes denormals), the activations are stored times 2^64 (exact) and the
+// block scale takes the remaining 2^56. The dot product also reads denormal bf16 inputs as zero: e4m3
+// subnormals (|value| < 2^-6, under 3.5e-5 of the largest e4m3 value 448) count as 0 here. The e4m3 NaN
+// byte would decode as a finite value: our quantizer never writes it (a NaN block has a NaN scale).
+inline constexpr int64_t kFp8StepElems = 32;
+inline constexpr float kFp8ActScale = 18446744073709551616.f;  // 2^64
+inline constexpr float kFp8RestScale = 72057594037927936.f;    // 2^56
+inline int64_t fp8_bf16_stride(int64_t I) { return (I + kFp8StepElems - 1) / kFp8StepElems * kFp8StepElems; }
+// out [T, fp8_bf16_stride(I)] = bf16 words x [T, I] (row stride xs) times 2^64, zero-padded
+inline void fp8_bf16_acts(const uint16_t* x, int64_t T, int64_t I, int64_t xs, uint16_t* out) {
+  const int64_t S = fp8_bf16_stride(I);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t i = 0; i < I; ++i) out[t * S + i] = bf16_bits(bf16_float(x[t * xs + i]) * kFp8ActScale);
+    for (int64_t i = I; i < S; ++i) out[t * S + i] = 0;
+  }
+}
+
+// Several tokens: VDPBF16PS costs about four fp32 FMAs here (its 32 products take twice the issue time of
+// two FMAs' 32), so from two tokens on the decoded bf16 words are widened to fp32 (a shift or a mask per
+// 16) and multiplied with fp32 FMAs against fp32 activations -- the same products (bf16 x FP4 or e4m3 is
+// exact in fp32), fp32 sums. Their layout: per 32 words of a decoded vector, the 16 even words' elements,
+// then the 16 odd words' (the fp32 lanes of the two widened vectors). Same strides as the bf16 layouts.
+inline int64_t fp4_f32_element(int64_t q) {  // position q of a step: widened vector q / 16, lane q % 16
+  const int64_t u = q / 16, k = 2 * (q % 16) + (u & 1);  // decoded vector u / 2, word k
+  return 4 * k + u / 2;
+}
+inline void fp4_f32_acts(const uint16_t* x, int64_t T, int64_t I, int64_t xs, float* out) {
+  const int64_t S = fp4_bf16_stride(I);
+  int64_t pos[kFp4StepElems];
+  for (int64_t q = 0; q < kFp4StepElems; ++q) pos[q] = fp4_f32_element(q);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < S; b += kFp4StepElems)
+      for (int64_t q = 0; q < kFp4StepElems; ++q) {
+        const int64_t i = b + pos[q];
+        out[t * S + b + q] = i < I ? bf16_float(x[t * xs + i]) : 0.f;
+      }
+}
+inline void fp8_f32_acts(const uint16_t* x, int64_t T, int64_t I, int64_t xs, float* out) {
+  const int64_t S = fp8_bf16_stride(I);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < S; b += kFp8StepElems)
+      for (int64_t q = 0; q < kFp8StepElems; ++q) {
+        const int64_t i = b + 2 * (q % 16) + q / 16;
+        out[t * S + b + q] = i < I ? bf16_float(x[t * xs + i]) : 0.f;
+      }
+}
+
+#if defined(DYNAMOE_PACKED_BF16)
+// 64 packed FP4 bytes -> four vectors of 32 bf16 words (the order above)
+struct Fp4Bf16Decoder {
+  __m512i tab;
+  Fp4Bf16Decoder() {
+    alignas(64) static constexpr uint16_t bits[32] = {
+        0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,   // 0, .5, 1, 1.5, 2, 3, 4, 6
+        0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,   // and their negatives
+        0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+        0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+    tab = _mm512_load_si512(bits);
+  }
+  void operator()(__m512i b, __m512i v[4]) const {
+    v[0] = _mm512_permutexvar_epi16(b, tab);
+    v[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), tab);
+    v[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 8), tab);
+    v[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 12), tab);
+  }
+};
+
+inline __m512 dp_bf16(__m512 acc, __m512i w, const uint16_t* x) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_loadu_si512(x));
+}
+
+// One output row of an FP4 weight for TT tokens with bf16 activations: `packed` holds h bytes (h % 8 == 0),
+// `xq` the activations in the FP4 step order (fp4_bf16_acts; row stride x_stride), `gs` the fp32 group
+// scales zero-padded to whole steps (4 per step for MXFP4, 8 for NVFP4). A partial last step is read
+// with a masked load: its missing bytes are zero weights, against zero activations and scales.
+template <int TT, int kBytesPerGroup>
+void fp4_row_bf16(const uint8_t* packed, int64_t h, const uint16_t* xq, int64_t x_stride, const float* gs,
+                  float* out, int64_t out_stride) {
+  static_assert(kBytesPerGroup == 16 || kBytesPerGroup == 8, "MXFP4 (16 bytes) or NVFP4 (8 bytes) groups");
+  const Fp4Bf16Decoder decode;
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  // fp32 lane i takes the scale of group i / 4 of the step (MXFP4) or i / 2 (NVFP4)
+  const __m512i lane_group = kBytesPerGroup == 16 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                                                  : _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  auto step = [&](__m512i b, int64_t s) {
+    __m512i v[4];
+    decode(b, v);
+    const uint16_t* xs = xq + s * kFp4StepElems;
+    const __m512 sc = _mm512_permutexvar_ps(lane_group, kBytesPerGroup == 16
+        ? _mm512_castps128_ps512(_mm_loadu_ps(gs + 4 * s)) : _mm512_castps256_ps512(_mm256_loadu_ps(gs + 8 * s)));
+    for (int t = 0; t < TT; ++t) {  // the step's unscaled dot (two chains), then one scaled accumulate
+      const uint16_t* x = xs + t * x_stride;
+      const __m512 d0 = dp_bf16(dp_bf16(_mm512_setzero_ps(), v[0], x), v[2], x + 64);
+      const __m512 d1 = dp_bf16(dp_bf16(_mm512_setzero_ps(), v[1], x + 32), v[3], x + 96);
+      acc[t] = _mm512_fmadd_ps(_mm512_add_ps(d0, d1), sc, acc[t]);
+    }
+  };
+  const int64_t full = h / kFp4StepBytes, rest = h % kFp4StepBytes;
+  for (int64_t s = 0; s < full; ++s) step(_mm512_loadu_si512(packed + s * kFp4StepBytes), s);
+  if (rest) step(_mm512_maskz_loadu_epi8(~uint64_t{0} >> (64 - rest), packed + full * kFp4StepBytes), full);
+  for (int t = 0; t < TT; ++t) out[t * out_stride] = _mm512_reduce_add_ps(acc[t]);
+}
+
+// One output row of a blockwise FP8 weight for TT tokens with bf16 activations: `xq` from fp8_bf16_acts
+// (row stride x_stride), `srow` the row's block scales, b1 % 32 == 0. A partial last step is read with a
+// masked load (zero weights against zero activations).
+template <int TT>
+void fp8_row_bf16(const uint8_t* row, int64_t I, const uint16_t* xq, int64_t x_stride, const float* srow, int64_t b1,
+                  float* out, int64_t out_stride) {
+  const __m512i keep = _mm512_set1_epi16(static_cast<short>(0x87F0));
+  const __m512 rest_scale = _mm512_set1_ps(kFp8RestScale);
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t c = 0, i0 = 0; i0 < I; ++c, i0 += b1) {
+    const int64_t i1 = std::min(I, i0 + b1);
+    __m512 d[TT];
+    for (int t = 0; t < TT; ++t) d[t] = _mm512_setzero_ps();
+    auto step = [&](__m256i raw, int64_t i) {
+      // sign-extended to 16 bits and shifted: bit 15 the sign, bits 10-4 exponent and mantissa
+      const __m512i w = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(raw), 4), keep);
+      for (int t = 0; t < TT; ++t) d[t] = dp_bf16(d[t], w, xq + t * x_stride + i);
+    };
+    int64_t i = i0;
+    for (; i + kFp8StepElems <= i1; i += kFp8StepElems) step(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)), i);
+    if (i < i1) step(_mm256_maskz_loadu_epi8(~uint32_t{0} >> (32 - (i1 - i)), row + i), i);
+    const __m512 sv = _mm512_set1_ps(srow[c]);
+    for (int t = 0; t < TT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d[t], rest_scale), sv, acc[t]);
+  }
+  for (int t = 0; t < TT; ++t) out[t * out_stride] = _mm512_reduce_add_ps(acc[t]);
+}
+
+// fp4_row_bf16 for TT >= 2 tokens: the decoded words widened to fp32, fp32 FMAs against `xf`
+// (fp4_f32_acts; row stride x_stride)
+template <int TT, int kBytesPerGroup>
+void fp4_row_wide(const uint8_t* packed, int64_t h, const float* xf, int64_t x_stride, const float* gs, float* out,
+                  int64_t out_stride) {
+  static_assert(kBytesPerGroup == 16 || kBytesPerGroup == 8, "MXFP4 (16 bytes) or NVFP4 (8 bytes) groups");
+  const Fp4Bf16Decoder decode;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  const __m512i lane_group = kBytesPerGroup == 16 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                                                  : _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  auto step = [&](__m512i b, int64_t s) {
+    __m512i v[4];
+    decode(b, v);
+    __m512 w[8];
+    for (int k = 0; k < 4; ++k) {  // fp32 lane i: word 2i (even) or 2i + 1 (odd) -- bytes 4i..4i+3 either way
+      w[2 * k] = _mm512_castsi512_ps(_mm512_slli_epi32(v[k], 16));
+      w[2 * k + 1] = _mm512_castsi512_ps(_mm512_and_si512(v[k], high));
+    }
+    const __m512 sc = _mm512_permutexvar_ps(lane_group, kBytesPerGroup == 16
+        ? _mm512_castps128_ps512(_mm_loadu_ps(gs + 4 * s)) : _mm512_castps256_ps512(_mm256_loadu_ps(gs + 8 * s)));
+    const float* xs = xf + s * kFp4StepElems;
+    for (int t = 0; t < TT; ++t) {
+      const float* x = xs + t * x_stride;
+      __m512 d0 = _mm512_mul_ps(w[0], _mm512_loadu_ps(x)), d1 = _mm512_mul_ps(w[1], _mm512_loadu_ps(x + 16));
+      for (int u = 2; u < 8; u += 2) {
+        d0 = _mm512_fmadd_ps(w[u], _mm512_loadu_ps(x + 16 * u), d0);
+        d1 = _mm512_fmadd_ps(w[u + 1], _mm512_loadu_ps(x + 16 * u + 16), d1);
+      }
+      acc[t] = _mm512_fmadd_ps(_mm512_add_ps(d0, d1), sc, acc[t]);
+    }
+  };
+  const int64_t full = h / kFp4StepBytes, rest = h % kFp4StepBytes;
+  for (int64_t s = 0; s < full; ++s) step(_mm512_loadu_si512(packed + s * kFp4StepBytes), s);
+  if (rest) step(_mm512_maskz_loadu_epi8(~uint64_t{0} >> (64 - rest), packed + full * kFp4StepBytes), full);
+  for (int t = 0; t < TT; ++t) out[t * out_stride] = _mm512_reduce_add_ps(acc[t]);
+}
+
+// fp8_row_bf16 for TT >= 2 tokens: the bf16 words re-biased to the e4m3 values themselves (exponent + 120;
+// subnormals -> 0, as on the dot-product path, and no denormal fp32 operands), widened to fp32, fp32 FMAs
+// against `xf` (fp8_f32_acts; row stride x_stride). b1 % 32 == 0.
+template <int TT>
+void fp8_row_wide(const uint8_t* row, int64_t I, const float* xf, int64_t x_stride, const float* srow, int64_t b1,
+                  float* out, int64_t out_stride) {
+  const __m512i keep = _mm512_set1_epi16(static_cast<short>(0x87F0)), exponent = _mm512_set1_epi16(0x0780);
+  const __m512i rebias = _mm512_set1_epi16(120 << 7), high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t c = 0, i0 = 0; i0 < I; ++c, i0 += b1) {
+    const int64_t i1 = std::min(I, i0 + b1);
+    __m512 d[TT];
+    for (int t = 0; t < TT; ++t) d[t] = _mm512_setzero_ps();
+    auto step = [&](__m256i raw, int64_t i) {
+      __m512i v = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(raw), 4), keep);
+      v = _mm512_maskz_add_epi16(_mm512_test_epi16_mask(v, exponent), v, rebias);
+      const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), wo = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+      for (int t = 0; t < TT; ++t) {
+        const float* x = xf + t * x_stride + i;
+        d[t] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(x + 16), _mm512_fmadd_ps(we, _mm512_loadu_ps(x), d[t]));
+      }
+    };
+    int64_t i = i0;
+    for (; i + kFp8StepElems <= i1; i += kFp8StepElems) step(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)), i);
+    if (i < i1) step(_mm256_maskz_loadu_epi8(~uint32_t{0} >> (32 - (i1 - i)), row + i), i);
+    const __m512 sv = _mm512_set1_ps(srow[c]);
+    for (int t = 0; t < TT; ++t) acc[t] = _mm512_fmadd_ps(d[t], sv, acc[t]);
+  }
+  for (int t = 0; t < TT; ++t) out[t * out_stride] = _mm512_reduce_add_ps(acc[t]);
+}
+
+// The bf16-activation rows for TT tokens: the dot-product kernels for one token, the widened ones for more.
+// q / xf: the two layouts of the same activations (same row stride xs).
+template <int TT, int kBytesPerGroup>
+void fp4_row_acts(const uint8_t* packed, int64_t h, const uint16_t* q, const float* xf, int64_t xs, const float* gs,
+                  float* out, int64_t out_stride) {
+  if constexpr (TT == 1) fp4_row_bf16<1, kBytesPerGroup>(packed, h, q, xs, gs, out, out_stride);
+  else fp4_row_wide<TT, kBytesPerGroup>(packed, h, xf, xs, gs, out, out_stride);
+}
+template <int TT>
+void fp8_row_acts(const uint8_t* row, int64_t I, const uint16_t* q, const float* xf, int64_t xs, const float* srow,
+                  int64_t b1, float* out, int64_t out_stride) {
+  if constexpr (TT == 1) fp8_row_bf16<1>(row, I, q, xs, srow, b1, out, out_stride);
+  else fp8_row_wide<TT>(row, I, xf, xs, srow, b1, out, out_stride);
+}
+#endif  // DYNAMOE_PACKED_BF16
 }  // namespace dynamoe::packed
