@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 import dynamoe.models as dm  # noqa: E402
 from dynamoe.models.attention import Attention  # noqa: E402
 from dynamoe.ops import cpu_kernels  # noqa: E402
+from spying import record_calls  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
 
@@ -41,16 +42,7 @@ def folder(request, tmp_path_factory):
 
 
 def _spy(monkeypatch):
-    used = []
-    real = Attention.decode_step
-
-    def spy(self, *a, **kw):
-        r = real(self, *a, **kw)
-        used.append(r is not None)
-        return r
-
-    monkeypatch.setattr(Attention, "decode_step", spy)
-    return used
+    return record_calls(monkeypatch, Attention, "decode_step")
 
 
 def _decode(model, ids, prefill=6, slot=1):

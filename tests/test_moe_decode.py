@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from dynamoe.moe import ExpertConfig, GateConfig, MoEConfig, MoELayer
 from dynamoe.ops import cpu_kernels, moe_decode
 from dynamoe.ops.activations import glu_activation
+from spying import record_calls
 
 kernels = cpu_kernels.load()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="the CPU kernels could not be built here")
@@ -52,16 +53,7 @@ def _reference(layer, x_TD):
 
 
 def _spy(monkeypatch):
-    used = []
-    real = moe_decode.glu_decode
-
-    def spy(*a, **kw):
-        r = real(*a, **kw)
-        used.append(r is not None)
-        return r
-
-    monkeypatch.setattr(moe_decode, "glu_decode", spy)
-    return used
+    return record_calls(monkeypatch, moe_decode, "glu_decode")
 
 
 @needs_kernel
@@ -171,7 +163,7 @@ def test_packed_experts_match_the_general_path(monkeypatch, fmt, act, T, k, dtyp
 def test_ffn_experts_match_per_expert_loop(monkeypatch, act, T, k, bias, dtype):
     """Tutel-layout FFN experts (fc1 [E, F, D], fc2 [E, F, O], biases; output_dim != model_dim) through
     the decode kernel against a per-token, per-expert loop in fp32."""
-    used = _spy_name(monkeypatch, "ffn_decode")
+    used = record_calls(monkeypatch, moe_decode, "ffn_decode")
     torch.manual_seed(1)
     cfg = MoEConfig(model_dim=64, gates=[GateConfig(type="top", k=k, capacity_factor=0.0, fp32_gate=True)],
                     experts=ExpertConfig(type="ffn", num_experts_per_device=6, hidden_size_per_expert=300,
@@ -198,16 +190,3 @@ def test_ffn_experts_match_per_expert_loop(monkeypatch, act, T, k, bias, dtype):
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(y.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
     assert torch.equal(y.routing_stats.load, torch.bincount(ids.flatten(), minlength=6))
-
-
-def _spy_name(monkeypatch, name):
-    used = []
-    real = getattr(moe_decode, name)
-
-    def spy(*a, **kw):
-        r = real(*a, **kw)
-        used.append(r is not None)
-        return r
-
-    monkeypatch.setattr(moe_decode, name, spy)
-    return used

@@ -9,6 +9,7 @@ from dynamoe.models.moe_block import BiasedRouter
 from dynamoe.moe import ExpertConfig, GateConfig, MoEConfig, MoELayer
 from dynamoe.ops import cpu_kernels, moe_decode
 from dynamoe.ops.routing import sigmoid_group_topk, softmax_topk
+from spying import record_calls
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels could not be built here")
@@ -104,16 +105,7 @@ def _layer(gate: GateConfig, E=8, D=64, Fh=32, shared=0, dtype=torch.bfloat16, *
 
 
 def _spy(monkeypatch):
-    used = []
-    real = moe_decode.route_decode
-
-    def spy(*a, **kw):
-        r = real(*a, **kw)
-        used.append(r is not None)
-        return r
-
-    monkeypatch.setattr(moe_decode, "route_decode", spy)
-    return used
+    return record_calls(monkeypatch, moe_decode, "route_decode")
 
 
 def _general(monkeypatch, layer, x):

@@ -21,19 +21,7 @@
 #include "gemv_blocks.h"
 
 namespace {
-constexpr int kLanes = 16;
-
-template <typename scalar_t>
-inline float dot_f32(const float* q, const scalar_t* k, int64_t d) {
-  float acc[kLanes] = {0.f};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] += q[i + j] * static_cast<float>(k[i + j]);
-  float s = 0.f;
-  for (int j = 0; j < kLanes; ++j) s += acc[j];
-  for (; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
-  return s;
-}
+using dynamoe::dot_f32;
 
 // out [B, O] = x [B, I] W^T [O, I] (+ bias), fp32 accumulation, rounded to the dtype
 template <typename scalar_t>

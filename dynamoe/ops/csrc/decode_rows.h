@@ -6,6 +6,21 @@
 #include <cstdint>
 
 namespace dynamoe {
+// sum_i x[i] * w[i] in fp32 (x fp32, w bf16 or fp32), 16 independent partial sums so that the compiler
+// vectorizes it without reassociating
+template <typename scalar_t>
+inline float dot_f32(const float* x, const scalar_t* w, int64_t n) {
+  constexpr int kLanes = 16;
+  float acc[kLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += x[i + j] * static_cast<float>(w[i + j]);
+  float s = 0.f;
+  for (int j = 0; j < kLanes; ++j) s += acc[j];
+  for (; i < n; ++i) s += x[i] * static_cast<float>(w[i]);
+  return s;
+}
+
 template <typename scalar_t>
 inline float round_to(float v) { return static_cast<float>(static_cast<scalar_t>(v)); }
 

@@ -17,21 +17,10 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
+#include "decode_rows.h"
 
 namespace {
-constexpr int kLanes = 16;
-
-template <typename scalar_t>
-inline float dot_f32(const float* x, const scalar_t* w, int64_t D) {
-  float acc[kLanes] = {0.f};
-  int64_t i = 0;
-  for (; i + kLanes <= D; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] += x[i + j] * static_cast<float>(w[i + j]);
-  float s = 0.f;
-  for (int j = 0; j < kLanes; ++j) s += acc[j];
-  for (; i < D; ++i) s += x[i] * static_cast<float>(w[i]);
-  return s;
-}
+using dynamoe::dot_f32;
 
 template <typename scalar_t>
 void logits_rows(const torch::Tensor& x, const torch::Tensor& w, const float* bias, float* logits) {
