@@ -82,10 +82,9 @@ void rows(const Packed& w, int64_t e, int64_t o0, int64_t o1, const Acts& a, int
           int64_t out_stride) {
   const ByteTables& tab = byte_tables();
   const int64_t I = w.I, h = I / 2;
-#if defined(DYNAMOE_PACKED_BF16)
+  // the bf16-activation layouts (null when the activations are fp32, or the bf16 kernels are not built in)
   const uint16_t* xq = a.q ? a.q + off * a.qs : nullptr;
   const float* xqf = a.q ? a.qf + off * a.qs : nullptr;
-#endif
   if (w.fmt == 0) {
     const int64_t C = (I + w.blk1 - 1) / w.blk1, R = (w.O + w.blk0 - 1) / w.blk0;
     const uint8_t* q = w.a + e * w.O * I;
@@ -128,32 +127,10 @@ void rows(const Packed& w, int64_t e, int64_t o0, int64_t o1, const Acts& a, int
     prefetch_row(w.b8 + e * w.O * G, o, w.O, G, ahead);  // and its scales
     if (w.fmt == 1) {
       e8m0_row_scales(srow, G, tab.e8m0, gs.data());
-#if defined(DYNAMOE_PACKED_BF16)
-      if (xq) {
-        dynamoe::for_token_chunks(Tg, [&]<int TT>(int64_t t0) {
-          fp4_row_acts<TT, 16>(prow, h, xq + t0 * a.qs, xqf + t0 * a.qs, a.qs, gs.data(), out + t0 * out_stride + o,
-                               out_stride);
-        });
-        continue;
-      }
-#endif
-      dynamoe::for_token_chunks(Tg, [&]<int TT>(int64_t t0) {
-        fp4_row<TT, 16>(prow, h, xe + t0 * h, xo + t0 * h, h, gs.data(), out + t0 * out_stride + o, out_stride);
-      });
+      fp4_row_tokens<16>(prow, h, Tg, xq, xqf, a.qs, xe, xo, gs.data(), out + o, out_stride);
     } else {
       nvfp4_row_scales(srow, G, w.global[e], e4m3, gs.data());
-#if defined(DYNAMOE_PACKED_BF16)
-      if (xq) {
-        dynamoe::for_token_chunks(Tg, [&]<int TT>(int64_t t0) {
-          fp4_row_acts<TT, 8>(prow, h, xq + t0 * a.qs, xqf + t0 * a.qs, a.qs, gs.data(), out + t0 * out_stride + o,
-                              out_stride);
-        });
-        continue;
-      }
-#endif
-      dynamoe::for_token_chunks(Tg, [&]<int TT>(int64_t t0) {
-        fp4_row<TT, 8>(prow, h, xe + t0 * h, xo + t0 * h, h, gs.data(), out + t0 * out_stride + o, out_stride);
-      });
+      fp4_row_tokens<8>(prow, h, Tg, xq, xqf, a.qs, xe, xo, gs.data(), out + o, out_stride);
     }
   }
 }

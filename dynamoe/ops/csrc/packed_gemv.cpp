@@ -68,7 +68,7 @@ torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor blocks, torch::Tensor sc
   float* yp = y.data_ptr<float>();
   const float* e8m0 = byte_tables().e8m0;
   const int64_t steps = (h + kFp4StepBytes - 1) / kFp4StepBytes;
-  [[maybe_unused]] const int64_t xs = fp4_bf16_stride(I);  // the bf16 layouts' row stride
+  const int64_t xs = fp4_bf16_stride(I);  // the bf16 layouts' row stride
   const int64_t ahead = prefetch_ahead_rows(h);
   at::parallel_for(0, O, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> gs(std::max(G, 4 * steps), 0.f);  // zeros past the row's groups (bf16 kernel steps)
@@ -77,17 +77,8 @@ torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor blocks, torch::Tensor sc
       prefetch_row(bp, o, O, h, ahead);
       prefetch_row(sp, o, O, G, ahead);
       e8m0_row_scales(sp + o * G, G, e8m0, gs.data());
-#if defined(DYNAMOE_PACKED_BF16)
-      if (bf16) {
-        dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
-          fp4_row_acts<TT, 16>(bp + o * h, h, xq.data() + t0 * xs, xqf.data() + t0 * xs, xs, gs.data(), yp + t0 * O + o, O);
-        });
-        continue;
-      }
-#endif
-      dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
-        fp4_row<TT, 16>(bp + o * h, h, xe.data() + t0 * h, xo.data() + t0 * h, h, gs.data(), yp + t0 * O + o, O);
-      });
+      fp4_row_tokens<16>(bp + o * h, h, T, bf16 ? xq.data() : nullptr, xqf.data(), xs, xe.data(), xo.data(),
+                          gs.data(), yp + o, O);
     }
   });
   return y;
@@ -113,7 +104,7 @@ torch::Tensor nvfp4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   const uint8_t* sp = static_cast<const uint8_t*>(scale.data_ptr());
   float* yp = y.data_ptr<float>();
   const int64_t G = I / 16, steps = (h + kFp4StepBytes - 1) / kFp4StepBytes;
-  [[maybe_unused]] const int64_t xs = fp4_bf16_stride(I);
+  const int64_t xs = fp4_bf16_stride(I);
   const int64_t ahead = prefetch_ahead_rows(h);
   at::parallel_for(0, O, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> gs(std::max(G, 8 * steps), 0.f);  // zeros past the row's groups (bf16 kernel steps)
@@ -122,17 +113,8 @@ torch::Tensor nvfp4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
       prefetch_row(pp, o, O, h, ahead);
       prefetch_row(sp, o, O, G, ahead);
       nvfp4_row_scales(sp + o * G, G, static_cast<float>(global_scale), e4m3, gs.data());
-#if defined(DYNAMOE_PACKED_BF16)
-      if (bf16) {
-        dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
-          fp4_row_acts<TT, 8>(pp + o * h, h, xq.data() + t0 * xs, xqf.data() + t0 * xs, xs, gs.data(), yp + t0 * O + o, O);
-        });
-        continue;
-      }
-#endif
-      dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
-        fp4_row<TT, 8>(pp + o * h, h, xe.data() + t0 * h, xo.data() + t0 * h, h, gs.data(), yp + t0 * O + o, O);
-      });
+      fp4_row_tokens<8>(pp + o * h, h, T, bf16 ? xq.data() : nullptr, xqf.data(), xs, xe.data(), xo.data(),
+                          gs.data(), yp + o, O);
     }
   });
   return y;

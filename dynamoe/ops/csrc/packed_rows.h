@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include "token_chunks.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -457,4 +458,22 @@ void fp8_row_acts(const uint8_t* row, int64_t I, const uint16_t* q, const float*
   else fp8_row_wide<TT>(row, I, xf, xs, srow, b1, out, out_stride);
 }
 #endif  // DYNAMOE_PACKED_BF16
+
+// One FP4 output row for T tokens (chunks of at most 8): the bf16-activation kernels when `q` is given
+// (q / qf: its two layouts, row stride qs), else the fp32 ones on the even/odd split (xe / xo, row stride h).
+template <int kBytesPerGroup>
+void fp4_row_tokens(const uint8_t* packed, int64_t h, int64_t T, const uint16_t* q, const float* qf, int64_t qs,
+                    const float* xe, const float* xo, const float* gs, float* out, int64_t out_stride) {
+#if defined(DYNAMOE_PACKED_BF16)
+  if (q) {
+    dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
+      fp4_row_acts<TT, kBytesPerGroup>(packed, h, q + t0 * qs, qf + t0 * qs, qs, gs, out + t0 * out_stride, out_stride);
+    });
+    return;
+  }
+#endif
+  dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
+    fp4_row<TT, kBytesPerGroup>(packed, h, xe + t0 * h, xo + t0 * h, h, gs, out + t0 * out_stride, out_stride);
+  });
+}
 }  // namespace dynamoe::packed
