@@ -147,6 +147,24 @@ def test_layer_fast_path_equals_general_path(monkeypatch, name, shape):
     assert float(fast.l_aux) == 0.0
 
 
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4"])
+def test_layer_fast_path_with_packed_experts(monkeypatch, fmt):
+    """Packed experts (no float parameters without biases) take the fast path too, with the general
+    path's output and statistics."""
+    from dynamoe import quant
+
+    layer = _layer(GATES["softmax"], D=64, Fh=64)
+    quant.quantize_experts_(layer, fmt)
+    x = torch.randn(3, 64).bfloat16()
+    used = _spy(monkeypatch)
+    with torch.inference_mode():
+        fast = layer(x)
+    assert used == [True]
+    general = _general(monkeypatch, layer, x)
+    torch.testing.assert_close(fast.float(), general.float(), atol=1e-2 * general.abs().max().item(), rtol=1e-2)
+    assert torch.equal(fast.routing_stats.load, general.routing_stats.load)
+
+
 def test_layer_fast_path_only_where_it_is_the_same_computation(monkeypatch):
     used = _spy(monkeypatch)
     x = torch.randn(2, 64).bfloat16()

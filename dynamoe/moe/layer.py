@@ -292,8 +292,8 @@ class MoELayer(nn.Module):
         x_TD = input.reshape(-1, self.model_dim)
         if not 1 <= x_TD.size(0) <= moe_decode.MAX_TOKENS:
             return None
-        p = next(self.experts.parameters(), None)
-        if p is None or p.dtype != x_TD.dtype:
+        p = next(self.experts.parameters(), None)  # the general path casts x to it (packed experts may have none)
+        if p is not None and p.is_floating_point() and p.dtype != x_TD.dtype:
             return None
         if cfg.check_finite and not bool(torch.isfinite(x_TD.sum())):
             return None  # the general path names the problem
