@@ -83,6 +83,69 @@ def _check_columns(steps: str, op: str, terms: list[int]) -> int:
     return int("".join(reversed(out)))
 
 
+def _check_times_digit(steps: str, m: int, d: int) -> int:
+    """Checks schoolbook "5 × 8 = 40, 7 × 8 + 4 = 60" digit by digit against m × d; returns the number
+    the steps spell (each product's last digit, the last product whole)."""
+    cols = steps.split(", ")
+    assert len(cols) == len(str(m)), steps
+    carry, out = 0, []
+    for i, col in enumerate(cols):
+        lhs, rhs = col.split(" = ")
+        assert lhs == f"{_digit(m, i)} × {d}" + (f" + {carry}" if carry else ""), (steps, i)
+        assert _eval_expr(lhs) == int(rhs), col
+        carry = int(rhs) // 10
+        out.append(rhs if i == len(cols) - 1 else str(int(rhs) % 10))
+    return int("".join(reversed(out)))
+
+
+def _check_sub(a: int, b: int, reply: str) -> None:
+    if max(a, b) < 10:
+        assert all(_eval_expr(s) == a - b for s in reply.split(" = ")), reply
+        return
+    head, rest = reply.split(": ", 1)
+    assert head == f"{a} - {b}"
+    cmp, rest = rest.split(", so ", 1)
+    assert cmp == f"{a} {'<' if a < b else '>' if a > b else '='} {b}", reply
+    if a < b:
+        neg, rest = rest.split(": ", 1)
+        assert neg == f"{a} - {b} = -({b} - {a})", reply
+    steps, so = rest.rsplit(", so ", 1)
+    assert so == f"{a} - {b} = {a - b}", reply
+    assert _check_columns(steps, "-", [max(a, b), min(a, b)]) == abs(a - b), reply
+
+
+def _check_mul(a: int, b: int, reply: str) -> None:
+    head, sep, rest = reply.partition(": ")
+    if not sep:  # answered directly: at most one nonzero digit on each side (or a zero factor)
+        assert head == f"{a} × {b} = {a * b}" and (a * b == 0 or len(str(a).strip("0")) == len(str(b).strip("0")) == 1)
+        return
+    chain = head.split(" = ")
+    m, n = (int(x) for x in chain[-1].split(" × "))
+    assert {m, n} == {a, b} and chain[0] == f"{a} × {b}", reply
+    assert len(dd.place_parts(n)) <= len(dd.place_parts(m)), reply  # the multiplier has fewer nonzero digits
+    *rows, so = rest.split("; ")
+    assert so == f"so {a} × {b} = {a * b}", reply
+    parts = list(reversed(dd.place_parts(n)))
+    assert len(rows) == 2 * len(parts) - 1, reply
+    values = []
+    for part, row in zip(parts, rows):  # one row per nonzero digit of the multiplier, ones first
+        d = int(str(part)[0])
+        pre, steps_so = row.split(": ", 1)
+        assert pre == f"{m} × {d}", reply
+        steps, *sos = steps_so.split(", so ")
+        assert _check_times_digit(steps, m, d) == m * d == int(sos[0]), reply
+        assert sos[1:] == ([f"{m} × {part} = {m * part}"] if part != d else []), reply
+        values.append(m * part)
+    acc = values[0]
+    for v, row in zip(values[1:], rows[len(parts):]):  # then the rows added two at a time, by columns
+        pre, steps_so = row.split(": ", 1)
+        assert pre == f"{acc} + {v}", reply
+        steps, total = steps_so.rsplit(", so ", 1)
+        assert _check_columns(steps, "+", [acc, v]) == acc + v == int(total), reply
+        acc += v
+    assert acc == a * b, reply
+
+
 @pytest.mark.parametrize("split", ["train", "held_out"])
 def test_arithmetic_answers_evaluate(split):
     examples = dd.generate(11, 3000, split, skills=["add", "sub", "mul"])
@@ -95,19 +158,18 @@ def test_arithmetic_answers_evaluate(split):
         assert in_prompt == ([b, a] if re.search(r"from|away", text) else [a, b]), (text, e.reply)
         want = {"add": a + b, "sub": a - b, "mul": a * b}[e.skill]
         assert e.answer == str(want)
-        head, _, rest = e.reply.partition(": ")
-        chain = head.split(" = ")  # every step of the equality chain has the same value
-        assert all(_eval_expr(s) == want for s in chain), e.reply
-        if rest:  # column steps, then "so a op b = result"
-            steps, so = rest.split(", so ")
-            assert _eval_expr(so.split(" = ")[0]) == want and int(so.split(" = ")[1]) == want, e.reply
-            if e.skill == "sub":
-                assert _check_columns(steps, "-", [max(a, b), min(a, b)]) == abs(want), e.reply
-            else:  # the column sum of the last link of the chain: the operands or the partial products
-                terms = [int(t) for t in chain[-1].split(" + ")]
-                assert _check_columns(steps, "+", terms) == want, e.reply
+        if e.skill == "sub":
+            _check_sub(a, b, e.reply)
+        elif e.skill == "mul":
+            _check_mul(a, b, e.reply)
         else:
-            assert max(a, b) < 10 or (e.skill == "mul" and len(chain) == 2), e.reply
+            head, _, rest = e.reply.partition(": ")
+            if rest:  # column steps, then "so a + b = result"
+                steps, so = rest.split(", so ")
+                assert head == f"{a} + {b}" and so == f"{a} + {b} = {want}", e.reply
+                assert _check_columns(steps, "+", [a, b]) == want, e.reply
+            else:
+                assert max(a, b) < 10 and head == f"{a} + {b} = {want}", e.reply
         assert dd.final_answer(e.group, e.reply) == e.answer
         assert e.group == f"{e.skill}-{max(len(str(a)), len(str(b)))}d"
 
@@ -116,23 +178,30 @@ def test_column_steps_carry_and_borrow():
     assert dd.column_add([28, 47]) == "8 + 7 = 15, 2 + 4 + 1 = 7"
     assert dd.column_add([999, 1]) == "9 + 1 = 10, 9 + 0 + 1 = 10, 9 + 0 + 1 = 10"
     assert dd.column_sub(100, 99) == "10 - 9 = 1, 10 - 1 - 9 = 0, 1 - 1 - 0 = 0"
-    assert dd._sub_reply(43, 92) == "43 - 92 = -(92 - 43): 12 - 3 = 9, 9 - 1 - 4 = 4, so 43 - 92 = -49"
+    assert dd._sub_reply(43, 92) == ("43 - 92: 43 < 92, so 43 - 92 = -(92 - 43): 12 - 3 = 9, 9 - 1 - 4 = 4, "
+                                     "so 43 - 92 = -49")
+    assert dd._sub_reply(85, 23) == "85 - 23: 85 > 23, so 5 - 3 = 2, 8 - 2 = 6, so 85 - 23 = 62"
+    assert dd._sub_reply(3, 7) == "3 - 7 = -(7 - 3) = -4"
+    subs = [e for e in dd.generate(2, 3000, skills=["sub"]) if e.group == "sub-2d"]
+    pairs = [tuple(re.match(r"(\d+) - (\d+)", e.reply).groups()) for e in subs]
+    same_lead = [(x, y) for x, y in pairs if len(x) == len(y) == 2 and x[0] == y[0]]
+    assert len(same_lead) > 0.15 * len(subs)  # many pairs share the tens digit: the sign is in the ones
 
 
-def test_products_are_written_part_by_part():
+def test_products_are_long_multiplication():
     assert dd.place_parts(305) == [300, 5] and dd.place_parts(0) == [] and dd.place_parts(7) == [7]
-    assert dd._mul_reply(75, 8) == ("75 × 8 = (70 + 5) × 8 = 70 × 8 + 5 × 8 = 560 + 40: 0 + 0 = 0, 6 + 4 = 10, "
-                                    "5 + 0 + 1 = 6, so 75 × 8 = 600")
+    assert dd.times_digit(75, 8) == "5 × 8 = 40, 7 × 8 + 4 = 60"
+    assert dd.times_digit(305, 7) == "5 × 7 = 35, 0 × 7 + 3 = 3, 3 × 7 = 21"
+    assert dd._mul_reply(75, 68) == (
+        "75 × 68: 75 × 8: 5 × 8 = 40, 7 × 8 + 4 = 60, so 600; 75 × 6: 5 × 6 = 30, 7 × 6 + 3 = 45, so 450, "
+        "so 75 × 60 = 4500; 600 + 4500: 0 + 0 = 0, 0 + 0 = 0, 6 + 5 = 11, 0 + 4 + 1 = 5, so 5100; "
+        "so 75 × 68 = 5100")
+    assert dd._mul_reply(8, 75) == "8 × 75 = 75 × 8: 75 × 8: 5 × 8 = 40, 7 × 8 + 4 = 60, so 600; so 8 × 75 = 600"
     assert dd._mul_reply(40, 20) == "40 × 20 = 800" and dd._mul_reply(0, 7) == "0 × 7 = 0"
-    for e in dd.generate(5, 2000, skills=["mul"]):
-        chain = e.reply.partition(": ")[0].split(" = ")
-        if len(chain) == 2:  # answered directly: at most one nonzero digit on each side
-            continue
-        for pair in chain[2].split(" + "):  # every product is digit x digit times a power of ten
-            x, y = pair.split(" × ")
-            assert len(dd.place_parts(int(x))) == len(dd.place_parts(int(y))) == 1, e.reply
-        assert [int(x) * int(y) for x, y in (p.split(" × ") for p in chain[2].split(" + "))] == \
-            [int(v) for v in chain[3].split(" + ")], e.reply
+    assert dd._mul_reply(0, 75) == "0 × 75 = 0"
+    for a in (1, 9, 10, 47, 70, 99, 100, 305, 999):
+        for b in (1, 7, 10, 38, 60, 99, 120, 507):
+            _check_mul(a, b, dd._mul_reply(a, b))
 
 
 def test_sorting_groups_mixed_lengths():

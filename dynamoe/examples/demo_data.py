@@ -4,9 +4,10 @@ Skills (``Example.skill``) and the eval groups they report under (``Example.grou
 
 * ``add`` / ``sub`` / ``mul`` -- integer arithmetic on 1-3 digit numbers (group ``add-2d``: the larger
   operand has 2 digits). Answers work column by column from the ones (carries and borrows written
-  out); a product splits both operands into place-value parts and writes every part-by-part product
-  (``47 × 8 = (40 + 7) × 8 = 40 × 8 + 7 × 8 = 320 + 56``) before summing them by columns; 1-digit
-  problems answer directly.
+  out); a difference compares the operands first (``60 - 69: 60 < 69, so 60 - 69 = -(69 - 60): ...``);
+  a product is long multiplication: the other factor times each digit of the multiplier with carries
+  (``75 × 8: 5 × 8 = 40, 7 × 8 + 4 = 60, so 600``), shifted, and the rows added by columns two at a
+  time; 1-digit problems answer directly.
 * ``sort`` / ``sort-desc`` / ``reverse-list`` -- lists of 2-7 integers in 0..99 (some in 0..9 only).
 * ``reverse-word`` / ``word-length`` / ``letter-count`` -- characters of English words; answers spell
   the word out first (``p-l-a-n-e-t``), which the tokenizer splits into single letters.
@@ -49,7 +50,7 @@ __all__ = ["Example", "generate", "SKILLS", "TRAIN_WEIGHTS", "CODE", "CODE_FUNCT
 
 SPLITS = ("train", "held_out")
 #: bumped whenever a reply format or the mixture changes (cached training data is rebuilt)
-DATA_VERSION = 3
+DATA_VERSION = 4
 DEFAULT_SPLIT_SEED = 1234
 DEFAULT_HELD_OUT_FRACTION = 0.1
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are a small demo model trained with dynamoe.",
@@ -209,14 +210,19 @@ def _add_reply(a: int, b: int) -> str:
     return f"{a} + {b}: {column_add([a, b])}, so {a} + {b} = {a + b}"
 
 
+def _compare(a: int, b: int) -> str:
+    return f"{a} {'<' if a < b else '>' if a > b else '='} {b}"
+
+
 def _sub_reply(a: int, b: int) -> str:
+    """``a - b``: 1-digit problems answer directly; otherwise the operands are compared first (the sign
+    of the result is decided in its own step), then the smaller is taken from the larger by columns:
+    ``60 - 69: 60 < 69, so 60 - 69 = -(69 - 60): 9 - 0 = 9, 6 - 6 = 0, so 60 - 69 = -9``."""
+    if max(a, b) < 10:
+        return f"{a} - {b} = -({b} - {a}) = {a - b}" if a < b else f"{a} - {b} = {a - b}"
     if a < b:  # a - b = -(b - a): subtract the smaller from the larger, then negate
-        if b < 10:
-            return f"{a} - {b} = -({b} - {a}) = {a - b}"
-        return f"{a} - {b} = -({b} - {a}): {column_sub(b, a)}, so {a} - {b} = {a - b}"
-    if a < 10:
-        return f"{a} - {b} = {a - b}"
-    return f"{a} - {b}: {column_sub(a, b)}, so {a} - {b} = {a - b}"
+        return f"{a} - {b}: {_compare(a, b)}, so {a} - {b} = -({b} - {a}): {column_sub(b, a)}, so {a} - {b} = {a - b}"
+    return f"{a} - {b}: {_compare(a, b)}, so {column_sub(a, b)}, so {a} - {b} = {a - b}"
 
 
 def place_parts(n: int) -> list[int]:
@@ -225,20 +231,43 @@ def place_parts(n: int) -> list[int]:
     return [int(c) * 10 ** (len(s) - 1 - i) for i, c in enumerate(s) if c != "0"]
 
 
+def times_digit(m: int, d: int) -> str:
+    """Schoolbook ``m × d`` for one digit ``d``, the digits of ``m`` from the ones, each product taking
+    the previous carry: ``"5 × 8 = 40, 7 × 8 + 4 = 60"`` (75 × 8; each product's last digit is written,
+    the rest carried; the last product is written whole)."""
+    steps, carry = [], 0
+    for x in _digits(m, len(str(m))):
+        p = x * d + carry
+        steps.append(f"{x} × {d}" + (f" + {carry}" if carry else "") + f" = {p}")
+        carry = p // 10
+    return ", ".join(steps)
+
+
 def _mul_reply(a: int, b: int) -> str:
-    """Long multiplication by the distributive law: each operand split into its place-value parts, every
-    product of two parts (one digit times one digit, then the zeros) written out, then the products
-    summed column by column: ``75 × 8 = (70 + 5) × 8 = 70 × 8 + 5 × 8 = 560 + 40: ...``."""
+    """Long multiplication: the factor with fewer nonzero digits (the multiplier) is taken digit by
+    digit; each row multiplies the other factor by one digit with carries (:func:`times_digit`), shifted
+    by the digit's place; the rows are then added by columns, two at a time:
+    ``75 × 68: 75 × 8: 5 × 8 = 40, 7 × 8 + 4 = 60, so 600; 75 × 6: ..., so 450, so 75 × 60 = 4500;
+    600 + 4500: ..., so 5100; so 75 × 68 = 5100``. Products of single-digit parts answer directly."""
     r = a * b
     pa, pb = place_parts(a), place_parts(b)
-    if len(pa) * len(pb) <= 1:
+    if len(pa) <= 1 and len(pb) <= 1 or r == 0:
         return f"{a} × {b} = {r}"
-    grouped = " × ".join(f"({' + '.join(map(str, p))})" if len(p) > 1 else str(p[0]) for p in (pa, pb))
-    pairs = [(x, y) for x in pa for y in pb]
-    prods = [x * y for x, y in pairs]
-    expanded = " + ".join(f"{x} × {y}" for x, y in pairs)
-    return (f"{a} × {b} = {grouped} = {expanded} = {' + '.join(map(str, prods))}: {column_add(prods)}, "
-            f"so {a} × {b} = {r}")
+    m, n = (a, b) if (len(pb), len(str(b))) <= (len(pa), len(str(a))) else (b, a)
+    head = f"{a} × {b}" + (f" = {m} × {n}" if m != a else "")
+    rows, parts = [], []
+    for part in reversed(place_parts(n)):  # ones first
+        d = int(str(part)[0])
+        row = f"{m} × {d}: {times_digit(m, d)}, so {m * d}"
+        if part != d:
+            row += f", so {m} × {part} = {m * part}"
+        rows.append(row)
+        parts.append(m * part)
+    acc = parts[0]
+    for p in parts[1:]:
+        rows.append(f"{acc} + {p}: {column_add([acc, p])}, so {acc + p}")
+        acc += p
+    return f"{head}: {'; '.join(rows)}; so {a} × {b} = {r}"
 
 
 _REPLIES = {"add": _add_reply, "sub": _sub_reply, "mul": _mul_reply}
@@ -248,6 +277,8 @@ def _arith(op: str) -> Callable:
     def make(rng: random.Random):
         da, db = _digits_pair(rng, op)
         a, b = _operand(rng, da), _operand(rng, db)
+        if op == "sub" and da == db > 1 and rng.random() < 0.25:  # same leading digit: the sign is in the ones
+            b = int(str(a)[0] + str(b)[1:])
         fn = _OPS[op][1]
         key = f"{op}:{min(a, b)},{max(a, b)}" if op in ("add", "mul") else f"{op}:{a},{b}"
         prompt = rng.choice(_ARITH_PROMPTS[op]).format(a=a, b=b)
