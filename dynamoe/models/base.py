@@ -41,6 +41,10 @@ class DecoderLayer(nn.Module):
             step = getattr(self.self_attn, "decode_step", None)  # one kernel call for the attention block
             fused = None if step is None else step(h_BTD, self.input_layernorm, positions_BT, cache, slots, kv_len)
         if fused is not None:
+            block = getattr(self.mlp, "decode_block", None)  # and one for norm + MoE + residual
+            out = None if block is None else block(fused, self.post_attention_layernorm)
+            if out is not None:
+                return out
             h_BTD = fused
         else:
             h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), positions_BT, cache, slots, kv_len)

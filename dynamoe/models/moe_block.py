@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from ..moe import ExpertConfig, GateConfig, MoEConfig, MoELayer
 from ..ops.activations import GLU_KINDS, glu_activation
 from .config import ModelConfig
+from .norms import RMSNorm
 
 __all__ = ["GatedMLP", "BiasedRouter", "SparseMoeBlock", "ROUTERS", "glu_kind"]
 
@@ -153,6 +154,18 @@ class SparseMoeBlock(nn.Module):
         y = self.moe(x_BTD)
         self.last_stats = y.routing_stats
         return y
+
+    def decode_block(self, h_BTD: Tensor, norm: nn.Module) -> Tensor | None:
+        """``h + self(norm(h))`` for a decode step in one kernel call (MoELayer.decode_block), or None
+        where that does not apply (then the caller runs norm, block and residual one after another)."""
+        if type(norm) is not RMSNorm:
+            return None
+        h_TD = h_BTD.reshape(-1, self.hidden_size)
+        fused = self.moe.decode_block(h_TD, norm.weight, norm.eps, norm.weight_in_fp32)
+        if fused is None:
+            return None
+        self.last_stats = fused[1]
+        return fused[0].view(h_BTD.shape)
 
     #: set by :meth:`replicated_tokens_`: every rank runs this block on the same tokens
     replicated_tokens = False

@@ -277,26 +277,38 @@ class MoELayer(nn.Module):
             return moe_decode.packed_glu_decode(x_TD, ids_TK, weights_TK, self.experts)
         return None
 
-    def _decode_step(self, input) -> Tensor | None:
-        """The whole layer for a decode step in two kernel calls (router, then experts; see
-        dynamoe.ops.moe_decode), skipping the general path's per-call checks and plan: inference with
-        the configured switches, one process, a dropless gate whose logits are an fp32 linear, no
-        auxiliary losses, input already in the experts' dtype, 1..16 tokens on CPU. None otherwise."""
+    def _decode_ready(self, x_TD: Tensor) -> bool:
+        """Whether a decode step of ``x_TD`` [T, D] may skip the general path: inference with the
+        configured switches, one process, a dropless gate, no auxiliary losses, input already in the
+        experts' dtype, 1..16 tokens on CPU (the kernels then decide on the weights)."""
         cfg = self.config
         gcfg = cfg.gates[0]
-        if (not isinstance(input, Tensor) or input.device.type != "cpu" or input.dim() < 2
-                or input.size(-1) != self.model_dim or self.world_size > 1 or self.sharded_count > 1
+        if (x_TD.device.type != "cpu" or self.world_size > 1 or self.sharded_count > 1
                 or gcfg.capacity_factor != 0 or cfg.aux_loss != "none" or cfg.z_loss_coef or cfg.device_loss_groups
-                or cfg.batch_prioritized_routing or torch.is_autocast_enabled("cpu")):
+                or cfg.batch_prioritized_routing or torch.is_autocast_enabled("cpu")
+                or not 1 <= x_TD.size(0) <= moe_decode.MAX_TOKENS):
+            return False
+        p = next(self.experts.parameters(), None)  # the general path casts x to it (packed experts may have none)
+        return p is None or not p.is_floating_point() or p.dtype == x_TD.dtype
+
+    def _decode_stats(self, load_E: Tensor, max_load: int) -> RoutingStats:
+        return RoutingStats(load=load_E, kept=load_E, dropped=0, capacity=max_load, top_k=self.config.gates[0].k,
+                            capacity_factor=0.0, layout="ragged" if hasattr(self.experts, "forward_ragged") else "padded",
+                            losses={})
+
+    def _decode_step(self, input) -> Tensor | None:
+        """The whole layer for a decode step in two kernel calls (router, then experts; see
+        dynamoe.ops.moe_decode), skipping the general path's per-call checks and plan (where
+        :meth:`_decode_ready`, and the gate's logits are an fp32 linear). None otherwise."""
+        if not isinstance(input, Tensor) or input.dim() < 2 or input.size(-1) != self.model_dim:
             return None
         x_TD = input.reshape(-1, self.model_dim)
-        if not 1 <= x_TD.size(0) <= moe_decode.MAX_TOKENS:
+        if not self._decode_ready(x_TD):
             return None
-        p = next(self.experts.parameters(), None)  # the general path casts x to it (packed experts may have none)
-        if p is not None and p.is_floating_point() and p.dtype != x_TD.dtype:
-            return None
+        cfg = self.config
         if cfg.check_finite and not bool(torch.isfinite(x_TD.sum())):
             return None  # the general path names the problem
+        gcfg = cfg.gates[0]
         k = gcfg.k
         routed = moe_decode.route_decode(x_TD, self.gates[0], gcfg.type, k, renormalizes(gcfg, k, cfg.normalize_gate),
                                          gcfg.route_scale, gcfg.n_group, gcfg.topk_group)
@@ -308,9 +320,31 @@ class MoELayer(nn.Module):
         y_TO, load_E, max_load = fused
         if self.shared_experts is not None:
             y_TO = y_TO + self.shared_experts(x_TD)
-        stats = RoutingStats(load=load_E, kept=load_E, dropped=0, capacity=max_load, top_k=k, capacity_factor=0.0,
-                             layout="ragged" if hasattr(self.experts, "forward_ragged") else "padded", losses={})
-        return self._finish(y_TO, list(input.shape[:-1]) + [y_TO.size(-1)], input.dtype, _NO_AUX_LOSS, stats)
+        return self._finish(y_TO, list(input.shape[:-1]) + [y_TO.size(-1)], input.dtype, _NO_AUX_LOSS,
+                            self._decode_stats(load_E, max_load))
+
+    def decode_block(self, h_TD: Tensor, norm_weight: Tensor, norm_eps: float,
+                     norm_weight_in_fp32: bool = False) -> tuple[Tensor, RoutingStats] | None:
+        """``(h + self(rms_norm(h)), stats)`` for a decode step of a decoder layer's MoE sub-block in one
+        kernel call (dynamoe.ops.moe_decode.glu_block_decode: the RMSNorm with ``norm_weight`` /
+        ``norm_eps`` -- weight applied after (default) or before the cast back, as
+        dynamoe.models.RMSNorm --, the router, the GLU experts and the residual), the same numbers as
+        norm, layer and addition one after another. For GLU experts without shared experts or
+        ``result_func``, where :meth:`_decode_ready`, with ``check_finite`` off; None otherwise."""
+        if (type(self.experts) is not GLUExperts or self.shared_experts is not None or self.result_func is not None
+                or self.config.check_finite or h_TD.dim() != 2 or h_TD.size(1) != self.model_dim
+                or torch.is_grad_enabled() or self.training or not self._decode_ready(h_TD)):
+            return None
+        cfg = self.config
+        gcfg = cfg.gates[0]
+        k = gcfg.k
+        fused = moe_decode.glu_block_decode(h_TD, norm_weight, norm_eps, norm_weight_in_fp32, self.gates[0], gcfg.type,
+                                            k, renormalizes(gcfg, k, cfg.normalize_gate), gcfg.route_scale,
+                                            gcfg.n_group, gcfg.topk_group, self.experts)
+        if fused is None:
+            return None
+        self.l_aux = _NO_AUX_LOSS
+        return fused[0], self._decode_stats(fused[1], fused[2])
 
     def _check_input(self, input: Tensor, reserve_dims: int):
         if not isinstance(input, Tensor):

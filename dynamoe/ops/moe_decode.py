@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import cpu_kernels
 
-__all__ = ["route_decode", "glu_decode", "ffn_decode", "packed_glu_decode", "MAX_TOKENS", "ACT_CODES"]
+__all__ = ["route_decode", "glu_decode", "glu_block_decode", "ffn_decode", "packed_glu_decode", "MAX_TOKENS", "ACT_CODES"]
 
 MAX_TOKENS = 16  # decode batches; a group of more than 8 tokens runs as row chunks of 8
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "gpt_oss": 4}
@@ -32,17 +32,10 @@ def _usable(t: Tensor | None, dtype: torch.dtype) -> bool:
     return t is None or (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu")
 
 
-def route_decode(x_TD: Tensor, gate, gate_type: str, top_k: int, renormalize: bool, scale: float = 1.0,
-                 n_group: int = 1, topk_group: int = 1) -> tuple[Tensor, Tensor] | None:
-    """(ids [T, K] int64, weights [T, K] fp32) of a decode step's router in one kernel call: logits
-    x W^T (+ bias) in fp32, then :func:`dynamoe.ops.routing.softmax_topk` (``gate_type`` 'top' or
-    'custom', as dynamoe.moe.gates.route) or :func:`~dynamoe.ops.routing.sigmoid_group_topk` ('sigmoid', with the gate's
-    ``e_score_correction_bias``), weights times ``scale``. ``gate`` must offer ``fp32_linear()`` ->
-    (W, bias) (LinearGate with fp32_gate, GPT-OSS's router). None where that does not apply: other
-    gates, T outside 1..16, autograd, non-CPU, other dtypes."""
-    T = x_TD.size(0)
+def _router_args(x_TD: Tensor, gate, gate_type: str, top_k: int, n_group: int, topk_group: int):
+    """(W, bias, selection bias, kind) of the router kernel, or None where it does not apply."""
     fp32_linear = getattr(gate, "fp32_linear", None)
-    if (fp32_linear is None or not 1 <= T <= MAX_TOKENS
+    if (fp32_linear is None or not 1 <= x_TD.size(0) <= MAX_TOKENS
             or x_TD.device.type != "cpu" or x_TD.dtype not in DTYPES or torch.is_grad_enabled()):
         return None
     lin = fp32_linear()
@@ -55,40 +48,81 @@ def route_decode(x_TD: Tensor, gate, gate_type: str, top_k: int, renormalize: bo
     if gate_type == "sigmoid" and 1 < n_group and topk_group < n_group and (
             E % n_group or not 1 <= topk_group or topk_group * (E // n_group) < top_k):
         return None  # the general path raises the clear error
-    k = cpu_kernels.load()
+    sel = getattr(gate, "e_score_correction_bias", None) if gate_type == "sigmoid" else None
+    return (w, None if b is None else b.float().contiguous(), None if sel is None else sel.float().contiguous(),
+            1 if gate_type == "sigmoid" else 0)
+
+
+def route_decode(x_TD: Tensor, gate, gate_type: str, top_k: int, renormalize: bool, scale: float = 1.0,
+                 n_group: int = 1, topk_group: int = 1) -> tuple[Tensor, Tensor] | None:
+    """(ids [T, K] int64, weights [T, K] fp32) of a decode step's router in one kernel call: logits
+    x W^T (+ bias) in fp32, then :func:`dynamoe.ops.routing.softmax_topk` (``gate_type`` 'top' or
+    'custom', as dynamoe.moe.gates.route) or :func:`~dynamoe.ops.routing.sigmoid_group_topk` ('sigmoid', with the gate's
+    ``e_score_correction_bias``), weights times ``scale``. ``gate`` must offer ``fp32_linear()`` ->
+    (W, bias) (LinearGate with fp32_gate, GPT-OSS's router). None where that does not apply: other
+    gates, T outside 1..16, autograd, non-CPU, other dtypes."""
+    args = _router_args(x_TD, gate, gate_type, top_k, n_group, topk_group)
+    k = None if args is None else cpu_kernels.load()
     if k is None:
         return None
-    sel = getattr(gate, "e_score_correction_bias", None) if gate_type == "sigmoid" else None
+    T = x_TD.size(0)
     ids = torch.empty(T, top_k, dtype=torch.long)
     weights = torch.empty(T, top_k, dtype=torch.float32)
-    k.route_decode_out(x_TD.contiguous(), w, None if b is None else b.float().contiguous(),
-                       None if sel is None else sel.float().contiguous(), 1 if gate_type == "sigmoid" else 0,
-                       bool(renormalize), float(scale), int(n_group), int(topk_group), ids, weights)
+    k.route_decode_out(x_TD.contiguous(), *args, bool(renormalize), float(scale), int(n_group), int(topk_group),
+                       ids, weights)
     return ids, weights
+
+
+def _glu_args(x_TD: Tensor, experts):
+    """(gate_up, down, gate_up bias, down bias, act, alpha, limit) of the GLU experts kernel, or None."""
+    if (not 1 <= x_TD.size(0) <= MAX_TOKENS or x_TD.device.type != "cpu" or x_TD.dtype not in DTYPES
+            or torch.is_grad_enabled() or experts.activation not in ACT_CODES):
+        return None
+    ws = (experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias, experts.down_proj_bias)
+    if not all(_usable(t, x_TD.dtype) for t in ws):
+        return None
+    return (*ws, ACT_CODES[experts.activation], float(experts.alpha), float(experts.limit))
 
 
 def glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tuple[Tensor, Tensor, int] | None:
     """(y [T, O] in x's dtype, load [E] int64, max load) for GLU ``experts`` (``gate_up_proj`` [E, 2F, D],
     ``down_proj`` [E, O, F], optional biases, ``activation``/``alpha``/``limit``), or None when the
     kernel does not apply (see the module docstring)."""
-    T = x_TD.size(0)
-    if (not 1 <= T <= MAX_TOKENS or x_TD.device.type != "cpu" or x_TD.dtype not in DTYPES
-            or torch.is_grad_enabled() or experts.activation not in ACT_CODES):
+    args = _glu_args(x_TD, experts)
+    k = None if args is None else cpu_kernels.load()
+    if k is None:
         return None
-    wgu, wd = experts.gate_up_proj, experts.down_proj
-    bgu, bd = experts.gate_up_proj_bias, experts.down_proj_bias
-    if not all(_usable(t, x_TD.dtype) for t in (wgu, wd, bgu, bd)):
+    x = x_TD if x_TD.is_contiguous() else x_TD.contiguous()
+    out = x.new_empty(x.size(0), args[1].size(1))
+    load = torch.empty(args[0].size(0), dtype=torch.long)
+    max_load = k.moe_glu_decode_out(x, ids_TK.to(torch.long).contiguous(), weights_TK.to(torch.float32).contiguous(),
+                                    *args, out, load)
+    return out, load, max_load
+
+
+def glu_block_decode(h_TD: Tensor, norm_weight: Tensor, norm_eps: float, norm_weight_in_fp32: bool, gate,
+                     gate_type: str, top_k: int, renormalize: bool, scale: float, n_group: int, topk_group: int,
+                     experts) -> tuple[Tensor, Tensor, int] | None:
+    """(h + y [T, D], load [E] int64, max load): a decode step's whole MoE sub-block in one kernel call
+    (csrc/moe_block_decode.cpp) -- RMSNorm of the residual stream ``h`` (see dynamoe.models.norms),
+    :func:`route_decode`, :func:`glu_decode`, and the residual added, with the same roundings as those
+    calls one after another. None where one of them would not apply, or the experts' output is not
+    [T, D], or the norm weight is not contiguous of h's dtype."""
+    if (not h_TD.is_contiguous() or norm_weight.dtype != h_TD.dtype or not norm_weight.is_contiguous()
+            or norm_weight.device.type != "cpu" or norm_weight.numel() != h_TD.size(-1)):
+        return None
+    rargs = _router_args(h_TD, gate, gate_type, top_k, n_group, topk_group)
+    gargs = None if rargs is None else _glu_args(h_TD, experts)
+    if gargs is None or gargs[1].size(1) != h_TD.size(1) or rargs[0].size(1) != h_TD.size(1):
         return None
     k = cpu_kernels.load()
     if k is None:
         return None
-    x = x_TD if x_TD.is_contiguous() else x_TD.contiguous()
-    ids = ids_TK.to(torch.long).contiguous()
-    w = weights_TK.to(torch.float32).contiguous()
-    out = x.new_empty(T, wd.size(1))
-    load = torch.empty(wgu.size(0), dtype=torch.long)
-    max_load = k.moe_glu_decode_out(x, ids, w, wgu, wd, bgu, bd, ACT_CODES[experts.activation],
-                                    float(experts.alpha), float(experts.limit), out, load)
+    out = torch.empty_like(h_TD)
+    load = torch.empty(gargs[0].size(0), dtype=torch.long)
+    max_load = k.moe_block_glu_decode_out(h_TD, norm_weight, float(norm_eps), bool(norm_weight_in_fp32), *rargs,
+                                          bool(renormalize), float(scale), int(n_group), int(topk_group), int(top_k),
+                                          *gargs, out, load)
     return out, load, max_load
 
 

@@ -224,7 +224,18 @@ void attn_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, boo
                      torch::Tensor positions, int64_t window, c10::optional<torch::Tensor> sinks, double scale,
                      torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor out);
 
+int64_t moe_block_glu_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32,
+                                 torch::Tensor gate_w, c10::optional<torch::Tensor> gate_bias,
+                                 c10::optional<torch::Tensor> sel_bias, int64_t kind, bool renormalize, double scale,
+                                 int64_t n_group, int64_t topk_group, int64_t top_k, torch::Tensor w_gate_up,
+                                 torch::Tensor w_down, c10::optional<torch::Tensor> b_gate_up,
+                                 c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
+                                 torch::Tensor out, torch::Tensor load);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("moe_block_glu_decode_out", &moe_block_glu_decode_out,
+        "a decode step's MoE sub-block: out = h + GLU experts(route(RMSNorm(h))) for T <= 16 rows (bf16 or fp32); "
+        "load [E] filled; returns the max load");
   m.def("attn_decode_out", &attn_decode_out,
         "a decode step of B <= 16 sequences through an attention block: out = h + o_proj(attention(RoPE(qk-norm("
         "qkv(norm(h)))))) with k/v written into the cache at (slots, positions)");
