@@ -20,6 +20,8 @@ from .cache import KVCache
 from .norms import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
 
+_DECODE_DTYPES = (torch.bfloat16, torch.float32)
+
 __all__ = ["Attention", "attention_mask", "attend", "write_kv", "cached_length"]
 
 
@@ -188,11 +190,13 @@ class Attention(nn.Module):
         weight, bias = qkv
         row_bytes = weight.stride(0) * weight.element_size()
         ptr, row = weight.data_ptr(), 0
-        for p in (self.q_proj, self.k_proj, self.v_proj):
-            if p.weight.data_ptr() != ptr + row * row_bytes or (bias is not None and (
-                    p.bias is None or p.bias.data_ptr() != bias.data_ptr() + row * bias.element_size())):
+        for name in ("q_proj", "k_proj", "v_proj"):  # (the modules' dicts: this runs on every decode step)
+            params = self._modules[name]._parameters
+            w, b = params.get("weight"), params.get("bias")
+            if w is None or w.data_ptr() != ptr + row * row_bytes or (bias is not None and (
+                    b is None or b.data_ptr() != bias.data_ptr() + row * bias.element_size())):
                 return False
-            row += p.weight.size(0)
+            row += w.size(0)
         return True
 
     def extra_repr(self) -> str:
@@ -208,33 +212,36 @@ class Attention(nn.Module):
         q/k/v not fused, a norm that is not RMSNorm) and the caller runs the op-by-op path. ``kv_len``
         is not needed: each row sees exactly its keys 0..position, as the op-by-op path's mask allows."""
         qkv = self._qkv
-        B = h_BTD.size(0)
-        if (qkv is None or h_BTD.device.type != "cpu" or h_BTD.dtype not in (torch.bfloat16, torch.float32)
-                or h_BTD.size(1) != 1 or not 1 <= B <= 16 or torch.is_grad_enabled() or type(norm) is not RMSNorm
-                or slots is None or slots.numel() != B or slots.device.type != "cpu"
-                or positions_BT.device.type != "cpu" or not self._still_fused(qkv)):
+        if qkv is None or slots is None or torch.is_grad_enabled() or type(norm) is not RMSNorm:
             return None
-        dt = h_BTD.dtype
-        o = self.o_proj
-        if (not isinstance(o, nn.Linear) or o.weight.dtype != dt or qkv[0].dtype != dt or norm.weight.dtype != dt
-                or cache.dtype != dt or (self.q_norm is not None and self.q_norm.weight.dtype != dt)):
+        B, dt = h_BTD.size(0), h_BTD.dtype
+        if (h_BTD.device.type != "cpu" or dt not in _DECODE_DTYPES or h_BTD.size(1) != 1 or not 1 <= B <= 16
+                or slots.numel() != B or slots.device.type != "cpu" or positions_BT.device.type != "cpu"
+                or qkv[0].dtype != dt or cache.dtype != dt or not self._still_fused(qkv)):
+            return None
+        # (plain dict lookups: this runs for every layer and step, where nn.Module.__getattr__ adds up)
+        mods, params = self._modules, self._parameters
+        o, qn, kn, sinks = mods.get("o_proj"), mods.get("q_norm"), mods.get("k_norm"), params.get("sinks")
+        norm_w = norm._parameters["weight"]
+        if not isinstance(o, nn.Linear):
+            return None
+        o_w, o_b = o._parameters["weight"], o._parameters["bias"]
+        if o_w.dtype != dt or norm_w.dtype != dt or (qn is not None and qn._parameters["weight"].dtype != dt):
             return None
         k = cpu_kernels.load()
         if k is None:
             return None
-        K, d = self.num_kv_heads, self.head_dim
-        kbuf = cache.buffer(self.layer_idx, "k", K, cache.max_seq_len, d)
-        vbuf = cache.buffer(self.layer_idx, "v", K, cache.max_seq_len, d)
-        cos, sin = self.rotary(positions_BT, dt)
+        K, d, L = self.num_kv_heads, self.head_dim, cache.max_seq_len
+        cos, sin, pos = self.rotary.decode_rows(positions_BT, dt)
         out = torch.empty_like(h_BTD)
-        qn, kn = self.q_norm, self.k_norm
-        k.attn_decode_out(h_BTD.reshape(B, -1).contiguous(), norm.weight, norm.eps, norm.weight_in_fp32, qkv[0], qkv[1],
-                          None if qn is None else qn.weight, None if kn is None else kn.weight,
-                          1e-6 if qn is None else qn.eps, cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(),
-                          self.rope_interleaved, kbuf, vbuf, slots.to(torch.long).contiguous(),
-                          positions_BT.reshape(B).to(torch.long).contiguous(), self.sliding_window or 0,
-                          None if self.sinks is None else self.sinks.float().contiguous(), self.scale, o.weight,
-                          o.bias, out)
+        k.attn_decode_out(h_BTD.view(B, -1) if h_BTD.is_contiguous() else h_BTD.reshape(B, -1).contiguous(), norm_w,
+                          norm.eps, norm.weight_in_fp32, qkv[0], qkv[1],
+                          None if qn is None else qn._parameters["weight"], None if kn is None else kn._parameters["weight"],
+                          1e-6 if qn is None else qn.eps, cos, sin, self.rope_interleaved,
+                          cache.buffer(self.layer_idx, "k", K, L, d), cache.buffer(self.layer_idx, "v", K, L, d),
+                          slots if slots.dtype == torch.long and slots.is_contiguous() else slots.to(torch.long).contiguous(),
+                          pos, self.sliding_window or 0, None if sinks is None else sinks.float().contiguous(), self.scale,
+                          o_w, o_b, out)
         return out
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,

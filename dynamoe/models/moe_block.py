@@ -161,10 +161,10 @@ class SparseMoeBlock(nn.Module):
         if type(norm) is not RMSNorm:
             return None
         h_TD = h_BTD.reshape(-1, self.hidden_size)
-        fused = self.moe.decode_block(h_TD, norm.weight, norm.eps, norm.weight_in_fp32)
+        fused = self._modules["moe"].decode_block(h_TD, norm._parameters["weight"], norm.eps, norm.weight_in_fp32)
         if fused is None:
             return None
-        self.last_stats = fused[1]
+        self.__dict__["last_stats"] = fused[1]  # a plain attribute, without nn.Module.__setattr__'s checks
         return fused[0].view(h_BTD.shape)
 
     #: set by :meth:`replicated_tokens_`: every rank runs this block on the same tokens

@@ -97,6 +97,7 @@ class RotaryEmbedding(nn.Module):
         # not part of the checkpoint; a model built on the meta device recomputes it (materialize_buffers)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._last: tuple | None = None
+        self._last_rows: tuple | None = None
 
     def materialize_buffers(self, device) -> None:
         inv_freq, _ = rope_frequencies(self.rope, self.dim, self.max_position_embeddings)
@@ -116,6 +117,20 @@ class RotaryEmbedding(nn.Module):
         sin = (freqs.sin() * self.attention_scaling).to(dtype)
         self._last = (positions_BT, dtype, cos, sin)
         return cos, sin
+
+    def decode_rows(self, positions_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """(cos [B, R/2], sin [B, R/2] contiguous, positions [B] int64 contiguous) of a decode step
+        (T = 1), for the fused attention kernel; kept for the step's positions tensor (every layer
+        asks for the same)."""
+        last = self._last_rows
+        if last is not None and last[0] is positions_BT and last[1] == dtype:
+            return last[2]
+        cos, sin = self(positions_BT, dtype)
+        B = positions_BT.size(0)
+        rows = (cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(),
+                positions_BT.reshape(B).to(torch.long).contiguous())
+        self._last_rows = (positions_BT, dtype, rows)
+        return rows
 
     def extra_repr(self) -> str:
         return f"type={self.rope.rope_type}, dim={self.dim}, theta={self.rope.theta:g}"

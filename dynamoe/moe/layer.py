@@ -288,13 +288,18 @@ class MoELayer(nn.Module):
                 or cfg.batch_prioritized_routing or torch.is_autocast_enabled("cpu")
                 or not 1 <= x_TD.size(0) <= moe_decode.MAX_TOKENS):
             return False
-        p = next(self.experts.parameters(), None)  # the general path casts x to it (packed experts may have none)
+        # the general path casts x to the experts' first parameter (packed experts may have none); their
+        # own parameters first (a dict lookup), the generator over submodules only if there are none
+        p = next((q for q in self.experts._parameters.values() if q is not None), None)
+        if p is None:
+            p = next(self.experts.parameters(), None)
         return p is None or not p.is_floating_point() or p.dtype == x_TD.dtype
 
     def _decode_stats(self, load_E: Tensor, max_load: int) -> RoutingStats:
+        e = self.experts  # (hasattr on the module itself would go through nn.Module.__getattr__ when absent)
+        ragged = hasattr(type(e), "forward_ragged") or "forward_ragged" in e.__dict__
         return RoutingStats(load=load_E, kept=load_E, dropped=0, capacity=max_load, top_k=self.config.gates[0].k,
-                            capacity_factor=0.0, layout="ragged" if hasattr(self.experts, "forward_ragged") else "padded",
-                            losses={})
+                            capacity_factor=0.0, layout="ragged" if ragged else "padded", losses={})
 
     def _decode_step(self, input) -> Tensor | None:
         """The whole layer for a decode step in two kernel calls (router, then experts; see
@@ -331,19 +336,20 @@ class MoELayer(nn.Module):
         dynamoe.models.RMSNorm --, the router, the GLU experts and the residual), the same numbers as
         norm, layer and addition one after another. For GLU experts without shared experts or
         ``result_func``, where :meth:`_decode_ready`, with ``check_finite`` off; None otherwise."""
-        if (type(self.experts) is not GLUExperts or self.shared_experts is not None or self.result_func is not None
-                or self.config.check_finite or h_TD.dim() != 2 or h_TD.size(1) != self.model_dim
+        mods, cfg = self._modules, self.config  # (dict lookups: this runs for every layer and step)
+        experts = mods["experts"]
+        if (type(experts) is not GLUExperts or mods.get("shared_experts") is not None or self.result_func is not None
+                or cfg.check_finite or h_TD.dim() != 2 or h_TD.size(1) != self.model_dim
                 or torch.is_grad_enabled() or self.training or not self._decode_ready(h_TD)):
             return None
-        cfg = self.config
         gcfg = cfg.gates[0]
         k = gcfg.k
-        fused = moe_decode.glu_block_decode(h_TD, norm_weight, norm_eps, norm_weight_in_fp32, self.gates[0], gcfg.type,
+        fused = moe_decode.glu_block_decode(h_TD, norm_weight, norm_eps, norm_weight_in_fp32, mods["gates"][0], gcfg.type,
                                             k, renormalizes(gcfg, k, cfg.normalize_gate), gcfg.route_scale,
-                                            gcfg.n_group, gcfg.topk_group, self.experts)
+                                            gcfg.n_group, gcfg.topk_group, experts)
         if fused is None:
             return None
-        self.l_aux = _NO_AUX_LOSS
+        self.__dict__["l_aux"] = _NO_AUX_LOSS  # a plain attribute (nn.Module.__setattr__ costs microseconds)
         return fused[0], self._decode_stats(fused[1], fused[2])
 
     def _check_input(self, input: Tensor, reserve_dims: int):
