@@ -12,7 +12,8 @@ both run identical weights. Batch 1, greedy, `--prompt` tokens, `--new` generate
 * decode ms/token: (time for all `--new` tokens - prefill) / (`--new` - 1).
 * floor: bytes a decode step must read (attention weights, the 8 routed experts of every layer,
   router, norms, lm_head, one embedding row; the KV cache is negligible here) / the machine's read
-  bandwidth, measured here as the best of a few passes summing a 1 GiB buffer.
+  bandwidth, measured as the best of a few passes summing a 1 GiB buffer -- before every round, as a
+  shared VM's bandwidth drifts; "x floor" is the median over rounds of time / that round's floor.
 Medians over `--rounds` (after a warm-up run).
 """
 from __future__ import annotations
@@ -105,8 +106,7 @@ def main(argv=None):
         p.error("--prompt >= 1, --new >= 2 and --rounds >= 1 are needed")
     from transformers import AutoModelForCausalLM
 
-    bw = read_bandwidth()
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bw / 1e9:.1f} GB/s")
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         n_params = build_checkpoint(folder)
@@ -121,7 +121,9 @@ def main(argv=None):
                 time_transformers(theirs, prompt, 4)
             res = {"dynamoe": [], "transformers": []}
             same = None
+            bws = []
             for _ in range(args.rounds):  # interleaved, so both see the same machine state
+                bws.append(read_bandwidth())  # this VM's bandwidth drifts: the floor of each round
                 res["dynamoe"].append(time_dynamoe(ours, prompt, args.new))
                 if theirs is not None:
                     res["transformers"].append(time_transformers(theirs, prompt, args.new))
@@ -129,23 +131,28 @@ def main(argv=None):
                 a, b = res["dynamoe"][0][2], res["transformers"][0][2]
                 # bf16 on random weights: near-tied logits may flip at rounding level after a while
                 same = a == b or f"from token {next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))} on"
-            floor_ms = decode_bytes(CONFIG, torch.finfo(dtype).bits // 8) / bw * 1e3
+            nbytes = decode_bytes(CONFIG, torch.finfo(dtype).bits // 8)
+            floors = [nbytes / b * 1e3 for b in bws]
+            print(f"# {name}: read bandwidth per round {', '.join(f'{b / 1e9:.1f}' for b in bws)} GB/s")
             for who, runs in res.items():
                 if not runs:
                     continue
                 pre = statistics.median(r[0] for r in runs)
                 if who == "dynamoe":
-                    dec = statistics.median((r[1] - r[0]) / (args.new - 1) for r in runs)
+                    per_round = [(r[1] - r[0]) / (args.new - 1) for r in runs]
                 else:  # transformers: generate(new) re-runs the prefill; subtract the 1-token generate
-                    dec = statistics.median((r[1] - pre) / (args.new - 1) for r in runs)
-                rows.append((name, who, args.prompt / pre, dec * 1e3, floor_ms))
+                    per_round = [(r[1] - pre) / (args.new - 1) for r in runs]
+                dec = statistics.median(per_round)
+                # x floor: the median over rounds of each round's time over that round's floor
+                x_floor = statistics.median(t * 1e3 / f for t, f in zip(per_round, floors))
+                rows.append((name, who, args.prompt / pre, dec * 1e3, statistics.median(floors), x_floor))
             if same is not None:
                 print(f"# {name}: identical greedy tokens: {'yes' if same is True else f'no, different {same}'}")
             del ours, theirs
     print(f"\n{'dtype':>9} {'engine':>13} {'prefill tok/s':>14} {'decode ms/tok':>14} {'floor ms':>9} {'x floor':>8} {'decode tok/s':>13}")
     by = {(r[0], r[1]): r for r in rows}
-    for name, who, pre, dec, floor in rows:
-        print(f"{name:>9} {who:>13} {pre:14.1f} {dec:14.2f} {floor:9.2f} {dec / floor:8.2f} {1e3 / dec:13.1f}")
+    for name, who, pre, dec, floor, x_floor in rows:
+        print(f"{name:>9} {who:>13} {pre:14.1f} {dec:14.2f} {floor:9.2f} {x_floor:8.2f} {1e3 / dec:13.1f}")
     for name in args.dtypes:
         if (name, "transformers") in by and (name, "dynamoe") in by:
             ratio = by[(name, "transformers")][3] / by[(name, "dynamoe")][3]
