@@ -34,7 +34,8 @@ void gemv(const scalar_t* x, int64_t B, const scalar_t* w, int64_t O, int64_t I,
 }
 
 // per row b and query head h (KV head h / G): the softmax-weighted sum of the keys [j0_b, pos_b] of the
-// row's slot in the cache [slots, K, L, d]
+// row's slot in the cache [slots, K, L, d]. One work item per (row, KV head): its G query heads share
+// every key and value row, converted to fp32 once; the loops over d run on fp32 arrays (vectorized).
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* slots,
             const int64_t* pos, int64_t window, int64_t B, int64_t L, int64_t H, int64_t K, int64_t d, float scale,
@@ -42,35 +43,45 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   const int64_t G = H / K;
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, pos[b] + 1);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (longest * d));
-  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(longest), acc(d), qf(d);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (longest * d * G));
+  at::parallel_for(0, B * K, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(G * longest), acc(G * d), qf(G * d), row(d), den(G);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / H, h = item % H;
+      const int64_t b = item / K, kv = item % K;
       const int64_t j0 = window > 0 ? std::max<int64_t>(0, pos[b] - window + 1) : 0, n = pos[b] + 1 - j0;
-      const scalar_t* kb = k_cache + (slots[b] * K + h / G) * L * d + j0 * d;
-      const scalar_t* vb = v_cache + (slots[b] * K + h / G) * L * d + j0 * d;
-      const scalar_t* qr = q + (b * H + h) * d;
-      for (int64_t i = 0; i < d; ++i) qf[i] = static_cast<float>(qr[i]);
-      float mx = -std::numeric_limits<float>::infinity();
+      const scalar_t* kb = k_cache + (slots[b] * K + kv) * L * d + j0 * d;
+      const scalar_t* vb = v_cache + (slots[b] * K + kv) * L * d + j0 * d;
+      const scalar_t* qr = q + (b * H + kv * G) * d;  // the G query heads of this KV head, consecutive
+      for (int64_t i = 0; i < G * d; ++i) qf[i] = static_cast<float>(qr[i]);
       for (int64_t j = 0; j < n; ++j) {
-        p[j] = dot_f32(qf.data(), kb + j * d, d) * scale;
-        mx = std::max(mx, p[j]);
+        for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(kb[j * d + i]);
+        for (int64_t g = 0; g < G; ++g) p[g * n + j] = dot_f32(qf.data() + g * d, row.data(), d) * scale;
       }
-      if (sinks) mx = std::max(mx, sinks[h]);
-      float den = sinks ? std::exp(sinks[h] - mx) : 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        p[j] = std::exp(p[j] - mx);
-        den += p[j];
+      for (int64_t g = 0; g < G; ++g) {
+        float* pg = p.data() + g * n;
+        const int64_t h = kv * G + g;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, pg[j]);
+        if (sinks) mx = std::max(mx, sinks[h]);
+        float s = sinks ? std::exp(sinks[h] - mx) : 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          pg[j] = std::exp(pg[j] - mx);
+          s += pg[j];
+        }
+        den[g] = s;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        const float wj = p[j] / den;
-        const scalar_t* vr = vb + j * d;
-        for (int64_t i = 0; i < d; ++i) acc[i] += wj * static_cast<float>(vr[i]);
+        for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(vb[j * d + i]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float wj = p[g * n + j] / den[g];
+          float* __restrict__ ag = acc.data() + g * d;
+          const float* __restrict__ vr = row.data();
+          for (int64_t i = 0; i < d; ++i) ag[i] += wj * vr[i];
+        }
       }
-      scalar_t* o = out + (b * H + h) * d;
-      for (int64_t i = 0; i < d; ++i) o[i] = static_cast<scalar_t>(acc[i]);
+      scalar_t* o = out + (b * H + kv * G) * d;
+      for (int64_t i = 0; i < G * d; ++i) o[i] = static_cast<scalar_t>(acc[i]);
     }
   });
 }
