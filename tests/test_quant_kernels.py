@@ -70,3 +70,23 @@ def test_kernels_can_be_disabled(monkeypatch):
     x = torch.randn(2, 64)
     with torch.no_grad():
         torch.testing.assert_close(quant.quantized_linear(x, w), x @ w.dequantize(torch.float32).t())
+
+
+def test_stale_kernel_builds_are_pruned(tmp_path):
+    """After a new build, other versions' folders not written or loaded for the age limit go; the
+    current one, recent ones (another checkout may load them) and unrelated folders stay."""
+    import os
+    import time
+
+    old = time.time() - 30 * 86400
+    for name in ("dynamoe_cpu_kernels_old", "dynamoe_cpu_kernels_recent", "dynamoe_cpu_kernels_now", "other_ext"):
+        (tmp_path / name).mkdir()
+        lib = tmp_path / name / f"{name}.so"
+        lib.write_bytes(b"x")
+        if name != "dynamoe_cpu_kernels_recent":
+            os.utime(lib, (old, old))
+            os.utime(tmp_path / name, (old, old))
+    removed = cpu_kernels.prune_stale_builds("dynamoe_cpu_kernels_now", str(tmp_path))
+    assert removed == [str(tmp_path / "dynamoe_cpu_kernels_old")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dynamoe_cpu_kernels_now", "dynamoe_cpu_kernels_recent", "other_ext"]
+    assert cpu_kernels.prune_stale_builds("x", str(tmp_path / "missing")) == []

@@ -18,7 +18,7 @@ import sys
 import threading
 
 
-__all__ = ["load", "MAX_ROWS"]
+__all__ = ["load", "MAX_ROWS", "prune_stale_builds"]
 
 SOURCES = ("packed_gemv.cpp", "bf16_gemv.cpp", "f32_gemv.cpp", "moe_decode.cpp", "moe_decode_packed.cpp", "rms_norm.cpp", "rope.cpp",
            "router_decode.cpp", "attn_decode.cpp", "moe_block_decode.cpp")
@@ -57,6 +57,41 @@ def _will_build(here: str) -> bool:
         return True
 
 
+#: builds of other source versions not loaded for this long are removed after a new build
+STALE_BUILD_DAYS = 14
+
+
+def prune_stale_builds(current: str, root: str, max_age_days: float = STALE_BUILD_DAYS) -> list[str]:
+    """Remove ``root``'s ``dynamoe_cpu_kernels_*`` folders other than ``current`` whose files were
+    neither written nor read (loading a library reads it) for ``max_age_days``: every source edit
+    makes a new build, and old ones (~10 MB each) would pile up in torch's extension cache. A build
+    another checkout still loads stays. Returns the removed folders."""
+    import shutil
+    import time
+
+    removed = []
+    limit = time.time() - max_age_days * 86400
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        folder = os.path.join(root, name)
+        if not name.startswith("dynamoe_cpu_kernels_") or name == current or not os.path.isdir(folder):
+            continue
+        try:
+            stamps = [os.stat(folder).st_mtime]
+            for f in os.listdir(folder):
+                st = os.stat(os.path.join(folder, f))
+                stamps += [st.st_mtime, st.st_atime]
+        except OSError:
+            continue
+        if max(stamps) < limit:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 def load():
     """The compiled module, or None when it cannot be built here (reason logged once). The first call on
     a machine compiles it (a minute or two, announced on stderr)."""
@@ -77,14 +112,20 @@ def load():
                 if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
                 here = os.path.join(os.path.dirname(__file__), "csrc")
-                if _will_build(here):
+                building = _will_build(here)
+                if building:
                     print("dynamoe: compiling the CPU kernels (dynamoe/ops/csrc) for this machine, once; a minute "
                           "or two ...", file=sys.stderr, flush=True)
+                name = _module_name(here)
                 module = cpp_extension.load(
-                    name=_module_name(here), sources=[os.path.join(here, f) for f in SOURCES],
+                    name=name, sources=[os.path.join(here, f) for f in SOURCES],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                     extra_ldflags=["-fopenmp"], verbose=False,
                 )
+                if building:
+                    root = os.path.dirname(cpp_extension._get_build_directory(name, verbose=False))
+                    for folder in prune_stale_builds(name, root):
+                        log.info("dynamoe: removed the stale CPU kernel build %s", folder)
             except Exception as exc:  # noqa: BLE001 -- any build failure means: use the fallback
                 log.warning("dynamoe: CPU GEMV kernels unavailable (%s); using torch matmuls (dequantize-then-matmul for packed weights)", exc)
                 module = None
