@@ -14,6 +14,7 @@
 
 namespace {
 constexpr int kRowBlock = dynamoe::kGemvRowBlock;
+constexpr int kPrefetchAhead = 8192;
 
 // R consecutive weight rows at once for TT tokens: R*TT accumulators in registers, every x vector
 // loaded once per R rows and every weight vector once per TT tokens.
@@ -29,6 +30,9 @@ void bf16_rows(const c10::BFloat16* w, int64_t I, const c10::BFloat16* x, int64_
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (; i + 32 <= I; i += 32) {
     __m512bh wv[R];
+    // each row's line kPrefetchAhead bytes on, as it is read: cold weights keep streaming in (measured on
+    // 2 cores: +10-18 % over prefetching the whole next block at once, most for short rows)
+    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * I + i) + kPrefetchAhead, _MM_HINT_T0);
     for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * I + i);
     for (int t = 0; t < TT; ++t) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + t * x_stride + i);
@@ -56,12 +60,6 @@ void row_block(const c10::BFloat16* wp, int64_t O, int64_t I, int64_t o0, const 
   constexpr int R = kRowBlock;
   float acc[R * 8];
   const int rows = static_cast<int>(std::min<int64_t>(R, O - o0));
-#if defined(__AVX512BF16__)
-  // the next block's rows, so that cold weights stream in while this block is computed
-  if (o0 + 2 * R <= O)
-    for (int64_t c = 0; c < R * I * 2; c += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wp + (o0 + R) * I) + c, _MM_HINT_T0);
-#endif
   dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
     if (rows == R) bf16_rows<TT, R>(wp + o0 * I, I, xp + t0 * xs, xs, acc);
     else for (int r = 0; r < rows; ++r) bf16_rows<TT, 1>(wp + (o0 + r) * I, I, xp + t0 * xs, xs, acc + r * 8);
