@@ -21,7 +21,6 @@
 #include "gemv_blocks.h"
 
 namespace {
-using dynamoe::dot_f32;
 
 // out [B, O] = x [B, I] W^T [O, I] (+ bias), fp32 accumulation, rounded to the dtype
 template <typename scalar_t>
@@ -35,7 +34,8 @@ void gemv(const scalar_t* x, int64_t B, const scalar_t* w, int64_t O, int64_t I,
 
 // per row b and query head h (KV head h / G): the softmax-weighted sum of the keys [j0_b, pos_b] of the
 // row's slot in the cache [slots, K, L, d]. One work item per (row, KV head): its G query heads share
-// every key and value row, converted to fp32 once; the loops over d run on fp32 arrays (vectorized).
+// every key and value row, converted to fp32 once; scores by 16-lane dot products, the softmax's
+// exponentials 16 at a time (decode_rows.h), the weighted sum of values over fp32 arrays.
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* slots,
             const int64_t* pos, int64_t window, int64_t B, int64_t L, int64_t H, int64_t K, int64_t d, float scale,
@@ -55,7 +55,7 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
       for (int64_t i = 0; i < G * d; ++i) qf[i] = static_cast<float>(qr[i]);
       for (int64_t j = 0; j < n; ++j) {
         for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(kb[j * d + i]);
-        for (int64_t g = 0; g < G; ++g) p[g * n + j] = dot_f32(qf.data() + g * d, row.data(), d) * scale;
+        for (int64_t g = 0; g < G; ++g) p[g * n + j] = dynamoe::dot_rows(qf.data() + g * d, row.data(), d) * scale;
       }
       for (int64_t g = 0; g < G; ++g) {
         float* pg = p.data() + g * n;
@@ -63,12 +63,7 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) mx = std::max(mx, pg[j]);
         if (sinks) mx = std::max(mx, sinks[h]);
-        float s = sinks ? std::exp(sinks[h] - mx) : 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          pg[j] = std::exp(pg[j] - mx);
-          s += pg[j];
-        }
-        den[g] = s;
+        den[g] = dynamoe::exp_shifted(pg, n, mx) + (sinks ? std::exp(sinks[h] - mx) : 0.f);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {

@@ -4,6 +4,9 @@
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <cstdint>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace dynamoe {
 // sum_i x[i] * w[i] in fp32 (x fp32, w bf16 or fp32), 16 independent partial sums so that the compiler
@@ -18,6 +21,61 @@ inline float dot_f32(const float* x, const scalar_t* w, int64_t n) {
   float s = 0.f;
   for (int j = 0; j < kLanes; ++j) s += acc[j];
   for (; i < n; ++i) s += x[i] * static_cast<float>(w[i]);
+  return s;
+}
+
+// sum_i a[i] * b[i] of two fp32 rows with 16-lane FMAs and a tree sum (attention scores: the order
+// differs from dot_f32's, within fp32 rounding)
+inline float dot_rows(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+#if defined(__AVX512F__)
+// e^x for 16 lanes: x = n ln2 + r (Cody-Waite), e^r by Cephes' expf polynomial, times 2^n by scalef;
+// within ~2 ulp of expf; NaN stays NaN, large negative x gives 0
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.f), _mm512_min_ps(_mm512_set1_ps(88.72f), x));  // (NaN passes)
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// p[j] = e^(p[j] - mx) for j < n; returns their sum (softmax numerators and denominator)
+inline float exp_shifted(float* p, int64_t n, float mx) {
+  int64_t j = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 acc = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), m));
+    _mm512_storeu_ps(p + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; j < n; ++j) {
+    p[j] = std::exp(p[j] - mx);
+    s += p[j];
+  }
   return s;
 }
 
