@@ -21,6 +21,8 @@ void f32_rows(const float* w, int64_t I, const float* x, int64_t x_stride, float
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (; i + 16 <= I; i += 16) {
     __m512 wv[R];
+    // each row's line 8 KiB ahead as it is read (see bf16_gemv.cpp)
+    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * I + i) + 8192, _MM_HINT_T0);
     for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + r * I + i);
     for (int t = 0; t < TT; ++t) {
       const __m512 xv = _mm512_loadu_ps(x + t * x_stride + i);
@@ -46,12 +48,6 @@ void row_block(const float* wp, int64_t O, int64_t I, int64_t o0, const float* x
   constexpr int R = kGemvRowBlock;
   float acc[R * 8];
   const int rows = static_cast<int>(std::min<int64_t>(R, O - o0));
-#if defined(__AVX512F__)
-  // the next block's rows, so that cold weights stream in while this block is computed
-  if (o0 + 2 * R <= O)
-    for (int64_t c = 0; c < R * I * 4; c += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wp + (o0 + R) * I) + c, _MM_HINT_T0);
-#endif
   for_token_chunks(T, [&]<int TT>(int64_t t0) {
     if (rows == R) f32_rows<TT, R>(wp + o0 * I, I, xp + t0 * xs, xs, acc);
     else for (int r = 0; r < rows; ++r) f32_rows<TT, 1>(wp + (o0 + r) * I, I, xp + t0 * xs, xs, acc + r * 8);
