@@ -50,7 +50,7 @@ __all__ = ["Example", "generate", "SKILLS", "TRAIN_WEIGHTS", "CODE", "CODE_FUNCT
 
 SPLITS = ("train", "held_out")
 #: bumped whenever a reply format or the mixture changes (cached training data is rebuilt)
-DATA_VERSION = 4
+DATA_VERSION = 5
 DEFAULT_SPLIT_SEED = 1234
 DEFAULT_HELD_OUT_FRACTION = 0.1
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are a small demo model trained with dynamoe.",
@@ -476,9 +476,9 @@ MAKERS: dict[str, Callable] = {
 }
 SKILLS = tuple(MAKERS)
 #: the training mixture (share of conversations)
-TRAIN_WEIGHTS = {"add": 0.12, "sub": 0.13, "mul": 0.15, "sort": 0.09, "sort-desc": 0.07, "reverse-list": 0.06,
-                 "reverse-word": 0.07, "word-length": 0.04, "letter-count": 0.05, "units": 0.09, "code": 0.08,
-                 "chat": 0.05}
+TRAIN_WEIGHTS = {"add": 0.09, "sub": 0.12, "mul": 0.15, "sort": 0.12, "sort-desc": 0.09, "reverse-list": 0.08,
+                 "reverse-word": 0.07, "word-length": 0.04, "letter-count": 0.05, "units": 0.09, "code": 0.06,
+                 "chat": 0.04}
 _NO_HELD_OUT = ("chat",)  # trained on every wording: a greeting has no "unseen" variant worth scoring
 
 
