@@ -90,3 +90,20 @@ def test_stale_kernel_builds_are_pruned(tmp_path):
     assert removed == [str(tmp_path / "dynamoe_cpu_kernels_old")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dynamoe_cpu_kernels_now", "dynamoe_cpu_kernels_recent", "other_ext"]
     assert cpu_kernels.prune_stale_builds("x", str(tmp_path / "missing")) == []
+
+
+def test_an_existing_build_is_imported_without_rebuilding(monkeypatch):
+    """A build of these sources (its name carries their digest) is imported as it is: torch's loader,
+    which runs ninja and rebuilds when the sources sit at another path, is not called."""
+    from torch.utils import cpp_extension
+
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels could not be built here")
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("rebuilt")
+
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpp_extension, "load", no_build)
+    k = cpu_kernels.load()
+    assert k is not None and k.has_avx512_bf16() in (True, False)

@@ -57,6 +57,28 @@ def _will_build(here: str) -> bool:
         return True
 
 
+def _import_built(name: str):
+    """The library already built for these sources (the name carries their digest), imported as it
+    is; None if that fails. torch's loader would run ninja first, which rebuilds everything when the
+    same sources sit at another path (a second checkout), and two checkouts would rebuild each other
+    over and over, each build blocking every process that loads the kernels meanwhile."""
+    import importlib.machinery
+    import importlib.util
+
+    from torch.utils import cpp_extension
+
+    try:
+        path = os.path.join(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")
+        loader = importlib.machinery.ExtensionFileLoader(name, path)
+        spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+    except Exception as exc:  # noqa: BLE001 -- e.g. a library still being written: let torch's loader wait for it
+        log.info("dynamoe: could not import the built CPU kernels directly (%s); building", exc)
+        return None
+
+
 #: builds of other source versions not loaded for this long are removed after a new build
 STALE_BUILD_DAYS = 14
 
@@ -113,15 +135,17 @@ def load():
                     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
                 here = os.path.join(os.path.dirname(__file__), "csrc")
                 building = _will_build(here)
-                if building:
-                    print("dynamoe: compiling the CPU kernels (dynamoe/ops/csrc) for this machine, once; a minute "
-                          "or two ...", file=sys.stderr, flush=True)
                 name = _module_name(here)
-                module = cpp_extension.load(
-                    name=name, sources=[os.path.join(here, f) for f in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                    extra_ldflags=["-fopenmp"], verbose=False,
-                )
+                module = None if building else _import_built(name)
+                if module is None:
+                    if building:
+                        print("dynamoe: compiling the CPU kernels (dynamoe/ops/csrc) for this machine, once; a "
+                              "minute or two ...", file=sys.stderr, flush=True)
+                    module = cpp_extension.load(
+                        name=name, sources=[os.path.join(here, f) for f in SOURCES],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                        extra_ldflags=["-fopenmp"], verbose=False,
+                    )
                 if building:
                     root = os.path.dirname(cpp_extension._get_build_directory(name, verbose=False))
                     for folder in prune_stale_builds(name, root):
