@@ -42,7 +42,7 @@ def folder(request, tmp_path_factory):
 
 
 def _spy(monkeypatch):
-    return record_calls(monkeypatch, Attention, "decode_step")
+    return record_calls(monkeypatch, Attention, "decode_with")
 
 
 def _decode(model, ids, prefill=6, slot=1):

@@ -68,7 +68,7 @@ def test_block_equals_norm_layer_residual(monkeypatch, name, T, dtype):
     layer = _layer(gate, dtype=dtype, glu="gpt_oss" if gpt_oss else "silu", bias=gpt_oss)
     norm = _norm(dtype, weight_in_fp32=gpt_oss)
     h = (torch.randn(T, D) * 3).to(dtype)
-    used = record_calls(monkeypatch, moe_decode, "glu_block_decode")
+    used = record_calls(monkeypatch, moe_decode, "glu_block_with")
     with torch.inference_mode():
         got = layer.decode_block(h, norm.weight, norm.eps, norm.weight_in_fp32)
     assert used == [True]
@@ -139,11 +139,11 @@ def test_decoder_layers_take_the_block_at_decode(monkeypatch, tmp_path, dtype):
             steps = [model(torch.tensor([[4], [9]]), cache=cache, slots=torch.tensor([1, 0])) for _ in range(3)]
         return torch.cat(steps, 1), [s.load.clone() for s in model.moe_stats()]
 
-    used = record_calls(monkeypatch, moe_decode, "glu_block_decode")
+    used = record_calls(monkeypatch, moe_decode, "glu_block_with")
     fast, fast_stats = run()
     assert used == [True] * 6  # 3 steps x 2 MoE layers
     with monkeypatch.context() as m:
-        m.setattr(moe_decode, "glu_block_decode", lambda *a, **kw: None)
+        m.setattr(moe_decode, "glu_block_args", lambda *a, **kw: None)
         slow, slow_stats = run()
     assert torch.equal(fast, slow)
     assert all(torch.equal(a, b) for a, b in zip(fast_stats, slow_stats))

@@ -203,6 +203,38 @@ class Attention(nn.Module):
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"sliding_window={self.sliding_window}, sinks={self.sinks is not None}")
 
+    def decode_args(self, norm: nn.Module) -> tuple | None:
+        """What a fused decode step of this block reads besides the step's own tensors -- (dtype, the
+        norm's weight/eps/fp32 flag, fused q/k/v weight and bias, q/k norm weights and eps, RoPE
+        interleaving, sliding window, fp32 sinks, scale, o_proj weight and bias) -- or None where the
+        kernel does not apply (q/k/v not fused, a norm that is not RMSNorm, weights not bf16/fp32 of one
+        dtype on the CPU). The sinks are an fp32 copy where the parameter is not fp32 already."""
+        qkv = self._qkv
+        if qkv is None or type(norm) is not RMSNorm or not self._still_fused(qkv):
+            return None
+        # (plain dict lookups: this runs for every layer and step, where nn.Module.__getattr__ adds up)
+        mods, params = self._modules, self._parameters
+        o, qn, kn, sinks = mods.get("o_proj"), mods.get("q_norm"), mods.get("k_norm"), params.get("sinks")
+        dt = qkv[0].dtype
+        if dt not in _DECODE_DTYPES or qkv[0].device.type != "cpu" or not isinstance(o, nn.Linear):
+            return None
+        norm_w, o_w = norm._parameters["weight"], o._parameters["weight"]
+        if o_w.dtype != dt or norm_w.dtype != dt or (qn is not None and qn._parameters["weight"].dtype != dt):
+            return None
+        return (dt, norm_w, norm.eps, norm.weight_in_fp32, qkv[0], qkv[1],
+                None if qn is None else qn._parameters["weight"], None if kn is None else kn._parameters["weight"],
+                1e-6 if qn is None else qn.eps, self.rope_interleaved, self.sliding_window or 0,
+                None if sinks is None else sinks.float().contiguous(), self.scale, o_w, o._parameters["bias"])
+
+    def decode_with(self, kernels, args: tuple, h_BD: Tensor, rows: tuple, cache: KVCache, slots: Tensor) -> Tensor:
+        """The kernel call of :meth:`decode_step` with ``args`` from :meth:`decode_args` (h [B, D]
+        contiguous of their dtype, ``rows`` = the rotary embedding's ``decode_rows``, slots int64)."""
+        K, d, L = self.num_kv_heads, self.head_dim, cache.max_seq_len
+        out = torch.empty_like(h_BD)
+        kernels.attn_decode_out(h_BD, *args[1:9], rows[0], rows[1], args[9], cache.buffer(self.layer_idx, "k", K, L, d),
+                                cache.buffer(self.layer_idx, "v", K, L, d), slots, rows[2], *args[10:], out)
+        return out
+
     def decode_step(self, h_BTD: Tensor, norm: nn.Module, positions_BT: Tensor, cache: KVCache, slots: Tensor,
                     kv_len: int | None = None) -> Tensor | None:
         """``h + self(norm(h), ...)`` for a decode step (T = 1 new token for each of B <= 16 sequences in
@@ -211,38 +243,20 @@ class Attention(nn.Module):
         residual); None where it does not apply (autograd, not CPU, dtypes other than bf16/fp32 or mixed,
         q/k/v not fused, a norm that is not RMSNorm) and the caller runs the op-by-op path. ``kv_len``
         is not needed: each row sees exactly its keys 0..position, as the op-by-op path's mask allows."""
-        qkv = self._qkv
-        if qkv is None or slots is None or torch.is_grad_enabled() or type(norm) is not RMSNorm:
+        if slots is None or torch.is_grad_enabled():
             return None
+        args = self.decode_args(norm)
         B, dt = h_BTD.size(0), h_BTD.dtype
-        if (h_BTD.device.type != "cpu" or dt not in _DECODE_DTYPES or h_BTD.size(1) != 1 or not 1 <= B <= 16
+        if (args is None or args[0] != dt or h_BTD.device.type != "cpu" or h_BTD.size(1) != 1 or not 1 <= B <= 16
                 or slots.numel() != B or slots.device.type != "cpu" or positions_BT.device.type != "cpu"
-                or qkv[0].dtype != dt or cache.dtype != dt or not self._still_fused(qkv)):
-            return None
-        # (plain dict lookups: this runs for every layer and step, where nn.Module.__getattr__ adds up)
-        mods, params = self._modules, self._parameters
-        o, qn, kn, sinks = mods.get("o_proj"), mods.get("q_norm"), mods.get("k_norm"), params.get("sinks")
-        norm_w = norm._parameters["weight"]
-        if not isinstance(o, nn.Linear):
-            return None
-        o_w, o_b = o._parameters["weight"], o._parameters["bias"]
-        if o_w.dtype != dt or norm_w.dtype != dt or (qn is not None and qn._parameters["weight"].dtype != dt):
+                or cache.dtype != dt):
             return None
         k = cpu_kernels.load()
         if k is None:
             return None
-        K, d, L = self.num_kv_heads, self.head_dim, cache.max_seq_len
-        cos, sin, pos = self.rotary.decode_rows(positions_BT, dt)
-        out = torch.empty_like(h_BTD)
-        k.attn_decode_out(h_BTD.view(B, -1) if h_BTD.is_contiguous() else h_BTD.reshape(B, -1).contiguous(), norm_w,
-                          norm.eps, norm.weight_in_fp32, qkv[0], qkv[1],
-                          None if qn is None else qn._parameters["weight"], None if kn is None else kn._parameters["weight"],
-                          1e-6 if qn is None else qn.eps, cos, sin, self.rope_interleaved,
-                          cache.buffer(self.layer_idx, "k", K, L, d), cache.buffer(self.layer_idx, "v", K, L, d),
-                          slots if slots.dtype == torch.long and slots.is_contiguous() else slots.to(torch.long).contiguous(),
-                          pos, self.sliding_window or 0, None if sinks is None else sinks.float().contiguous(), self.scale,
-                          o_w, o_b, out)
-        return out
+        h = h_BTD.view(B, -1) if h_BTD.is_contiguous() else h_BTD.reshape(B, -1).contiguous()
+        slots = slots if slots.dtype == torch.long and slots.is_contiguous() else slots.to(torch.long).contiguous()
+        return self.decode_with(k, args, h, self.rotary.decode_rows(positions_BT, dt), cache, slots).view(h_BTD.shape)
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:

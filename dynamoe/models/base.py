@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .cache import KVCache
 from .config import ModelConfig
+from .decode_plan import DecodePlan, invalidate_plans
 from .moe_block import SparseMoeBlock
 from .rope import RotaryEmbedding
 
@@ -88,6 +89,9 @@ class CausalLM(nn.Module):
     expert_layout = None
     #: whether the routed experts have biases (GPT-OSS)
     expert_bias = False
+    #: decode steps on the CPU run the layers through a cached :class:`~dynamoe.models.decode_plan.DecodePlan`
+    #: (the same numbers, less Python per step); False runs them one by one
+    use_decode_plan = True
 
     def __init__(self, config: ModelConfig, dtype: Optional[torch.dtype] = None):
         super().__init__()
@@ -159,14 +163,46 @@ class CausalLM(nn.Module):
             kv_len = int(starts.max()) + T if B else T
             slots = slots.to(dev)
         h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            h = layer(h, positions, cache, slots, kv_len)
+        plan = None if cache is None or T != 1 else self._decode_plan(h, cache, slots)
+        if plan is not None:
+            try:
+                h = plan.run(h.view(B, -1), positions, cache, slots, kv_len).view(B, 1, -1)
+            except RuntimeError:  # something the plan's checks do not see changed: the layer path decides
+                self.__dict__["_plan"] = (plan.key, None)
+                plan = None
+        if plan is None:
+            for layer in self.model.layers:
+                h = layer(h, positions, cache, slots, kv_len)
         if 0 < logits_to_keep < T:
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(self.model.norm(h))
         if cache is not None:
             cache.advance(slots.to(cache.lengths.device), T)
         return logits
+
+    def _decode_plan(self, h_BTD: Tensor, cache: KVCache, slots: Tensor) -> DecodePlan | None:
+        """The :class:`~dynamoe.models.decode_plan.DecodePlan` for this decode step, or None (the layers
+        run one by one): inference on the CPU, 1..16 rows, int64 slots, no autocast."""
+        B = h_BTD.size(0)
+        if (not self.use_decode_plan or not 1 <= B <= 16 or torch.is_grad_enabled() or h_BTD.device.type != "cpu"
+                or slots.dtype != torch.long or slots.device.type != "cpu" or torch.is_autocast_enabled("cpu")):
+            return None
+        h = h_BTD.view(B, -1)
+        key = DecodePlan.key_for(h, cache)
+        cached = self.__dict__.get("_plan")
+        if cached is None or cached[0] != key or (cached[1] is not None and not cached[1].current()):
+            cached = (key, DecodePlan.build(self, h, cache))
+            self.__dict__["_plan"] = cached  # (not a module attribute: no registration, no state dict)
+        return cached[1]
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state.pop("_plan", None)  # (copies and pickles build their own)
+        return state
+
+    def _apply(self, fn, recurse=True):
+        invalidate_plans()  # .to(), .float(), ...: the parameters' data may move
+        return super()._apply(fn, recurse)
 
     def moe_layers(self) -> list[tuple[int, SparseMoeBlock]]:
         return [(i, layer.mlp) for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, SparseMoeBlock)]

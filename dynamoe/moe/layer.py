@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..ops import moe_decode
+from ..ops import cpu_kernels, moe_decode
 from ..ops.routing import check_top_k
 from ..ops.scratch import scratch
 from . import losses
@@ -328,6 +328,37 @@ class MoELayer(nn.Module):
         return self._finish(y_TO, list(input.shape[:-1]) + [y_TO.size(-1)], input.dtype, _NO_AUX_LOSS,
                             self._decode_stats(load_E, max_load))
 
+    def decode_block_args(self, h_TD: Tensor, norm_weight: Tensor, norm_eps: float,
+                          norm_weight_in_fp32: bool = False) -> tuple | None:
+        """The kernel arguments of :meth:`decode_block` for steps like ``h_TD`` [T, D]
+        (dynamoe.ops.moe_decode.glu_block_args), or None where it does not apply."""
+        mods, cfg = self._modules, self.config  # (dict lookups: this runs for every layer and step)
+        experts = mods["experts"]
+        if (type(experts) is not GLUExperts or mods.get("shared_experts") is not None or self.result_func is not None
+                or cfg.check_finite or h_TD.dim() != 2 or h_TD.size(1) != self.model_dim or not h_TD.is_contiguous()
+                or torch.is_grad_enabled() or self.training or not self._decode_ready(h_TD)):
+            return None
+        gcfg = cfg.gates[0]
+        k = gcfg.k
+        return moe_decode.glu_block_args(h_TD, norm_weight, norm_eps, norm_weight_in_fp32, mods["gates"][0], gcfg.type,
+                                         k, renormalizes(gcfg, k, cfg.normalize_gate), gcfg.route_scale,
+                                         gcfg.n_group, gcfg.topk_group, experts)
+
+    def decode_key(self) -> tuple:
+        """What :meth:`decode_block_args` depends on besides modules, parameters and the step's input: a
+        cached set of arguments (dynamoe.models.decode_plan) is stale when this changes."""
+        cfg = self.config
+        g = cfg.gates[0]
+        return (len(cfg.gates), g.type, g.k, g.capacity_factor, g.route_scale, g.n_group, g.topk_group,
+                cfg.normalize_gate, cfg.aux_loss, cfg.z_loss_coef, cfg.device_loss_groups,
+                cfg.batch_prioritized_routing, cfg.check_finite, self.training, self.result_func is None)
+
+    def decode_block_with(self, kernels, args: tuple, h_TD: Tensor) -> tuple[Tensor, RoutingStats]:
+        """:meth:`decode_block`'s kernel call with ``args`` from :meth:`decode_block_args`."""
+        out, load_E, max_load = moe_decode.glu_block_with(kernels, args, h_TD)
+        self.__dict__["l_aux"] = _NO_AUX_LOSS  # a plain attribute (nn.Module.__setattr__ costs microseconds)
+        return out, self._decode_stats(load_E, max_load)
+
     def decode_block(self, h_TD: Tensor, norm_weight: Tensor, norm_eps: float,
                      norm_weight_in_fp32: bool = False) -> tuple[Tensor, RoutingStats] | None:
         """``(h + self(rms_norm(h)), stats)`` for a decode step of a decoder layer's MoE sub-block in one
@@ -336,21 +367,9 @@ class MoELayer(nn.Module):
         dynamoe.models.RMSNorm --, the router, the GLU experts and the residual), the same numbers as
         norm, layer and addition one after another. For GLU experts without shared experts or
         ``result_func``, where :meth:`_decode_ready`, with ``check_finite`` off; None otherwise."""
-        mods, cfg = self._modules, self.config  # (dict lookups: this runs for every layer and step)
-        experts = mods["experts"]
-        if (type(experts) is not GLUExperts or mods.get("shared_experts") is not None or self.result_func is not None
-                or cfg.check_finite or h_TD.dim() != 2 or h_TD.size(1) != self.model_dim
-                or torch.is_grad_enabled() or self.training or not self._decode_ready(h_TD)):
-            return None
-        gcfg = cfg.gates[0]
-        k = gcfg.k
-        fused = moe_decode.glu_block_decode(h_TD, norm_weight, norm_eps, norm_weight_in_fp32, mods["gates"][0], gcfg.type,
-                                            k, renormalizes(gcfg, k, cfg.normalize_gate), gcfg.route_scale,
-                                            gcfg.n_group, gcfg.topk_group, experts)
-        if fused is None:
-            return None
-        self.__dict__["l_aux"] = _NO_AUX_LOSS  # a plain attribute (nn.Module.__setattr__ costs microseconds)
-        return fused[0], self._decode_stats(fused[1], fused[2])
+        args = self.decode_block_args(h_TD, norm_weight, norm_eps, norm_weight_in_fp32)
+        k = None if args is None else cpu_kernels.load()
+        return None if k is None else self.decode_block_with(k, args, h_TD)
 
     def _check_input(self, input: Tensor, reserve_dims: int):
         if not isinstance(input, Tensor):

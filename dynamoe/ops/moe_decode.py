@@ -19,7 +19,8 @@ from torch import Tensor
 
 from . import cpu_kernels
 
-__all__ = ["route_decode", "glu_decode", "glu_block_decode", "ffn_decode", "packed_glu_decode", "MAX_TOKENS", "ACT_CODES"]
+__all__ = ["route_decode", "glu_decode", "glu_block_decode", "glu_block_args", "glu_block_with", "ffn_decode",
+           "packed_glu_decode", "MAX_TOKENS", "ACT_CODES"]
 
 MAX_TOKENS = 16  # decode batches; a group of more than 8 tokens runs as row chunks of 8
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "gpt_oss": 4}
@@ -100,6 +101,31 @@ def glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tup
     return out, load, max_load
 
 
+def glu_block_args(h_TD: Tensor, norm_weight: Tensor, norm_eps: float, norm_weight_in_fp32: bool, gate,
+                   gate_type: str, top_k: int, renormalize: bool, scale: float, n_group: int, topk_group: int,
+                   experts) -> tuple | None:
+    """Everything :func:`glu_block_decode`'s kernel call reads besides h, out and load, in its order
+    (the router's bias and selection bias as fp32 copies where they are not fp32 already), for steps
+    like ``h_TD``; None where it does not apply."""
+    if (norm_weight.dtype != h_TD.dtype or not norm_weight.is_contiguous() or norm_weight.device.type != "cpu"
+            or norm_weight.numel() != h_TD.size(-1)):
+        return None
+    rargs = _router_args(h_TD, gate, gate_type, top_k, n_group, topk_group)
+    gargs = None if rargs is None else _glu_args(h_TD, experts)
+    if gargs is None or gargs[1].size(1) != h_TD.size(1) or rargs[0].size(1) != h_TD.size(1):
+        return None
+    return (norm_weight, float(norm_eps), bool(norm_weight_in_fp32), *rargs, bool(renormalize), float(scale),
+            int(n_group), int(topk_group), int(top_k), *gargs)
+
+
+def glu_block_with(kernels, args: tuple, h_TD: Tensor) -> tuple[Tensor, Tensor, int]:
+    """The kernel call of :func:`glu_block_decode` with ``args`` from :func:`glu_block_args` (h [T, D]
+    contiguous): (h + y, load [E] int64, max load)."""
+    out = torch.empty_like(h_TD)
+    load = torch.empty(args[12].size(0), dtype=torch.long)
+    return out, load, kernels.moe_block_glu_decode_out(h_TD, *args, out, load)
+
+
 def glu_block_decode(h_TD: Tensor, norm_weight: Tensor, norm_eps: float, norm_weight_in_fp32: bool, gate,
                      gate_type: str, top_k: int, renormalize: bool, scale: float, n_group: int, topk_group: int,
                      experts) -> tuple[Tensor, Tensor, int] | None:
@@ -108,22 +134,12 @@ def glu_block_decode(h_TD: Tensor, norm_weight: Tensor, norm_eps: float, norm_we
     :func:`route_decode`, :func:`glu_decode`, and the residual added, with the same roundings as those
     calls one after another. None where one of them would not apply, or the experts' output is not
     [T, D], or the norm weight is not contiguous of h's dtype."""
-    if (not h_TD.is_contiguous() or norm_weight.dtype != h_TD.dtype or not norm_weight.is_contiguous()
-            or norm_weight.device.type != "cpu" or norm_weight.numel() != h_TD.size(-1)):
+    if not h_TD.is_contiguous():
         return None
-    rargs = _router_args(h_TD, gate, gate_type, top_k, n_group, topk_group)
-    gargs = None if rargs is None else _glu_args(h_TD, experts)
-    if gargs is None or gargs[1].size(1) != h_TD.size(1) or rargs[0].size(1) != h_TD.size(1):
-        return None
-    k = cpu_kernels.load()
-    if k is None:
-        return None
-    out = torch.empty_like(h_TD)
-    load = torch.empty(gargs[0].size(0), dtype=torch.long)
-    max_load = k.moe_block_glu_decode_out(h_TD, norm_weight, float(norm_eps), bool(norm_weight_in_fp32), *rargs,
-                                          bool(renormalize), float(scale), int(n_group), int(topk_group), int(top_k),
-                                          *gargs, out, load)
-    return out, load, max_load
+    args = glu_block_args(h_TD, norm_weight, norm_eps, norm_weight_in_fp32, gate, gate_type, top_k, renormalize, scale,
+                          n_group, topk_group, experts)
+    k = None if args is None else cpu_kernels.load()
+    return None if k is None else glu_block_with(k, args, h_TD)
 
 
 def ffn_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tuple[Tensor, Tensor, int] | None:

@@ -1,0 +1,159 @@
+"""Decode steps through a DecodePlan (dynamoe.models.decode_plan: the fused kernel calls of every layer
+back to back, their arguments worked out once) against the layer-by-layer path of a twin model: the
+same logits, routing statistics and KV cache, bit for bit -- in steady state, after each kind of change
+that makes a plan stale, and where a kernel refuses mid-plan."""
+import copy
+
+import pytest
+import torch
+
+from models_util import one_thread  # noqa: F401 (autouse fixture)
+from models_util import randomize_, save_tiny
+
+transformers = pytest.importorskip("transformers")
+
+import dynamoe.models as dm  # noqa: E402
+from dynamoe.models.decode_plan import DecodePlan  # noqa: E402
+from dynamoe.models.norms import RMSNorm  # noqa: E402
+from dynamoe.ops import cpu_kernels  # noqa: E402
+from spying import record_calls  # noqa: E402
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
+
+COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=64, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
+FAMILIES = {
+    # layer 1 a dense MLP: it runs as a module inside the plan
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        mlp_only_layers=[1], **COMMON)),
+    # sinks and router biases: fp32 copies the plan holds; a window shorter than the sequence
+    "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, **COMMON)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def folder(request, tmp_path_factory):
+    torch.manual_seed(0)
+    hf = FAMILIES[request.param]().eval()
+    randomize_(hf, seed=2, scales={"sinks": 1.0})
+    return save_tiny(hf, tmp_path_factory.mktemp(request.param))
+
+
+def _pair(folder, dtype):
+    """(model with plans, twin without), the same weights (loaded twice: a deep copy's q/k/v_proj would
+    no longer be views of its fused q/k/v weight, and its attention would take the op-by-op path)."""
+    model, twin = (dm.load(folder, dtype=dtype, progress=False) for _ in range(2))
+    twin.use_decode_plan = False
+    return model, twin
+
+
+class _Run:
+    """One model's cache and steps: two prompts of different lengths in slots 2 and 0, then batched
+    steps (rows at different positions, slots out of order)."""
+
+    def __init__(self, model, dtype):
+        self.model, self.cache = model, model.new_cache(3, 40, dtype=dtype)
+        g = torch.Generator().manual_seed(5)
+        self.ids = torch.randint(0, 96, (2, 30), generator=g)
+        with torch.inference_mode():
+            model(self.ids[:1, :7], cache=self.cache, slots=torch.tensor([2]))
+            model(self.ids[1:, :4], cache=self.cache, slots=torch.tensor([0]))
+        self.t = 7
+
+    def step(self, rows=2):
+        with torch.inference_mode():
+            ids = self.ids[:rows, self.t:self.t + 1]
+            logits = self.model(ids, cache=self.cache, slots=torch.tensor([2, 0][:rows]))
+        self.t += 1
+        stats = [(s.load.clone(), s.top_k, s.capacity) for s in (b.last_stats for _, b in self.model.moe_layers())]
+        return logits, stats
+
+
+def _same(a: _Run, b: _Run, rows=2):
+    (la, sa), (lb, sb) = a.step(rows), b.step(rows)
+    assert torch.equal(la, lb)
+    assert len(sa) == len(sb) and all(torch.equal(x[0], y[0]) and x[1:] == y[1:] for x, y in zip(sa, sb))
+    for bufs_a, bufs_b in zip(a.cache.layers, b.cache.layers):
+        assert bufs_a.keys() == bufs_b.keys() and all(torch.equal(bufs_a[k], bufs_b[k]) for k in bufs_a)
+    assert torch.equal(a.cache.lengths, b.cache.lengths)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_plan_steps_equal_layer_by_layer(folder, dtype, monkeypatch):
+    model, twin = _pair(folder, dtype)
+    built = record_calls(monkeypatch, DecodePlan, "build")
+    ran = record_calls(monkeypatch, DecodePlan, "run")
+    a, b = _Run(model, dtype), _Run(twin, dtype)
+    for rows in (2, 2, 1, 2, 1, 2, 2, 2):  # past the window; one row and two
+        _same(a, b, rows)
+    assert built == [True] and len(ran) == 8  # built once, for the first step (twin: never)
+    plan = model.__dict__["_plan"][1]
+    kinds = [type(e).__name__ for e in plan.entries]
+    assert kinds == (["_FusedLayer", "DecoderLayer", "_FusedLayer"] if "qwen3" in folder else ["_FusedLayer"] * 3)
+
+
+def test_a_stale_plan_is_rebuilt(folder, monkeypatch):
+    dtype = torch.bfloat16
+    model, twin = _pair(folder, dtype)
+    built = record_calls(monkeypatch, DecodePlan, "build")
+    a, b = _Run(model, dtype), _Run(twin, dtype)
+    _same(a, b)
+
+    def both(change):
+        for m in (model, twin):
+            change(m)
+        n = len(built)
+        _same(a, b)
+        return len(built) - n
+
+    def moe(m, i=0):
+        return m.model.layers[i].mlp.moe
+
+    # routing switched at run time (a config field, not a module): top-k 2 -> 1
+    assert both(lambda m: setattr(moe(m).config.gates[0], "k", 1)) == 1
+    assert a.step()[1][0][1] == 1  # the statistics say k = 1
+    b.step()
+    # weights updated in place: the plan holds the parameters themselves, nothing to rebuild -- but for its
+    # fp32 copies of bf16 parameters (GPT-OSS's sinks and router biases)
+    sd = {k: v + 0.01 if v.is_floating_point() else v for k, v in twin.state_dict().items()}
+    assert both(lambda m: m.load_state_dict(sd)) == (1 if "gpt_oss" in folder else 0)
+    # a module replaced (the registration hooks)
+    norm = RMSNorm(64, eps=1e-6, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+    assert both(lambda m: setattr(m.model.layers[2], "post_attention_layernorm", copy.deepcopy(norm))) == 1
+    # a q_proj weight given new data: the fused q/k/v weight no longer backs it (the layer runs as a module)
+    new_q = model.model.layers[0].self_attn.q_proj.weight.detach().clone() * 1.5
+
+    def swap_q(m):
+        m.model.layers[0].self_attn.q_proj.weight.data = new_q.clone()
+    assert both(swap_q) == 1
+    assert type(model.__dict__["_plan"][1].entries[0]).__name__ == "DecoderLayer"
+    if "gpt_oss" in folder:  # a bf16 parameter of which the plan holds an fp32 copy, changed in place
+        def sinks(m):
+            with torch.no_grad():
+                m.model.layers[2].self_attn.sinks.mul_(-1)
+        assert both(sinks) == 1
+    # the whole model converted: new data everywhere (CausalLM._apply); with the cache of the old dtype
+    # and with a new fp32 cache (q/k/v are no longer fused after a conversion: the layers run as modules)
+    assert both(lambda m: m.float()) == 1
+    _same(_Run(model, torch.float32), _Run(twin, torch.float32))
+
+
+def test_a_kernel_refusing_midway_falls_back(folder):
+    """An expert weight given the same values in a non-contiguous layout (nothing a plan watches): the
+    fused MoE call refuses after the first layer's attention wrote its cache rows; the step reruns
+    layer by layer (that layer's MoE on the general path), with the same result, and the plan stays
+    off until something changes."""
+    dtype = torch.bfloat16
+    model, twin = _pair(folder, dtype)
+    a, b = _Run(model, dtype), _Run(twin, dtype)
+    _same(a, b)
+    for m in (model, twin):
+        experts = m.model.layers[0].mlp.moe.experts
+        experts.down_proj.data = experts.down_proj.data.transpose(1, 2).contiguous().transpose(1, 2)
+    _same(a, b)
+    assert model.__dict__["_plan"][1] is None
+    _same(a, b)
