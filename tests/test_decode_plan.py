@@ -42,9 +42,9 @@ def folder(request, tmp_path_factory):
 
 
 def _pair(folder, dtype):
-    """(model with plans, twin without), the same weights (loaded twice: a deep copy's q/k/v_proj would
-    no longer be views of its fused q/k/v weight, and its attention would take the op-by-op path)."""
-    model, twin = (dm.load(folder, dtype=dtype, progress=False) for _ in range(2))
+    """(model with plans, twin without), the same weights."""
+    model = dm.load(folder, dtype=dtype, progress=False)
+    twin = copy.deepcopy(model)
     twin.use_decode_plan = False
     return model, twin
 
@@ -137,9 +137,25 @@ def test_a_stale_plan_is_rebuilt(folder, monkeypatch):
                 m.model.layers[2].self_attn.sinks.mul_(-1)
         assert both(sinks) == 1
     # the whole model converted: new data everywhere (CausalLM._apply); with the cache of the old dtype
-    # and with a new fp32 cache (q/k/v are no longer fused after a conversion: the layers run as modules)
+    # (every layer on its own path) and with a new fp32 cache (a plan again: q/k/v fused again after the
+    # conversion, but layer 0's, unfused before)
     assert both(lambda m: m.float()) == 1
     _same(_Run(model, torch.float32), _Run(twin, torch.float32))
+    kinds = [type(e).__name__ for e in model.__dict__["_plan"][1].entries]
+    assert kinds == (["DecoderLayer"] * 2 + ["_FusedLayer"] if "qwen3" in folder else ["DecoderLayer"] + ["_FusedLayer"] * 2)
+
+
+def test_copies_and_conversions_stay_fused(folder):
+    """q/k/v fused (one GEMV at decode, and what the fused attention call needs) survive .to() and deep
+    copies, with the same numbers."""
+    model = dm.load(folder, dtype=torch.bfloat16, progress=False)
+    twin = copy.deepcopy(model)
+    assert all(layer.self_attn._still_fused(layer.self_attn._qkv) for layer in twin.model.layers)
+    twin.use_decode_plan = False
+    _same(_Run(model, torch.bfloat16), _Run(twin, torch.bfloat16))
+    model.to(torch.float32)
+    attn = model.model.layers[0].self_attn
+    assert attn._qkv[0].dtype == torch.float32 and attn._still_fused(attn._qkv)
 
 
 def test_a_kernel_refusing_midway_falls_back(folder):

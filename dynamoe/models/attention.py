@@ -173,6 +173,22 @@ class Attention(nn.Module):
         object.__setattr__(self, "_qkv", (weight, bias))
         return True
 
+    def _apply(self, fn, recurse=True):
+        # .to(), .float(), ...: the parameters get new data one by one; fused before, fused after
+        fused = self._qkv is not None and self._still_fused(self._qkv)
+        super()._apply(fn, recurse)
+        if fused:
+            object.__setattr__(self, "_qkv", None)
+            self.fuse_qkv_()
+        return self
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        qkv = self.__dict__.get("_qkv")
+        if qkv is not None and not self._still_fused(qkv):  # a deep copy or unpickled one: parameters copied apart
+            object.__setattr__(self, "_qkv", None)
+            self.fuse_qkv_()
+
     def _project_qkv(self, x_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v projections: one matmul over the fused buffer while the parameters are still its
         views (a parameter replaced since falls back to three), else three."""
