@@ -173,3 +173,25 @@ def test_a_kernel_refusing_midway_falls_back(folder):
     _same(a, b)
     assert model.__dict__["_plan"][1] is None
     _same(a, b)
+
+
+def test_no_plan_where_it_does_not_apply(folder, monkeypatch):
+    """Prefill (T > 1), 17 rows, autograd on, a switched-off model: the layers run one by one."""
+    model = dm.load(folder, progress=False)
+    ran = record_calls(monkeypatch, DecodePlan, "run")
+    ids = torch.randint(0, 96, (17, 5), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache(17, 16)
+    with torch.no_grad():
+        model(ids[:, :4], cache=cache)
+        model(ids[:, 4:], cache=cache)
+    cache = model.new_cache(1, 16)
+    model(ids[:1, :4], cache=cache)
+    model(ids[:1, 4:], cache=cache)
+    model.use_decode_plan = False
+    with torch.no_grad():
+        model(ids[:1, 4:], cache=cache)
+    assert ran == []
+    model.use_decode_plan = True
+    with torch.no_grad():
+        model(ids[:1, 4:], cache=cache)
+    assert ran == [True]

@@ -58,11 +58,15 @@ def _decode(model, ids, prefill=6, slot=1):
 IDS = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(7))
 
 
-def test_fp32_steps_equal_full_recompute(folder, monkeypatch):
+@pytest.mark.parametrize("plan", [False, True])
+def test_fp32_steps_equal_full_recompute(folder, monkeypatch, plan):
+    """Layer by layer (the kernel called by Attention.decode_step, counted) and through a DecodePlan."""
     model = dm.load(folder, progress=False)
+    model.use_decode_plan = plan
     used = _spy(monkeypatch)
     got = _decode(model, IDS)
-    assert used and all(used) and len(used) == 2 * (IDS.size(1) - 6)
+    if not plan:
+        assert used and all(used) and len(used) == 2 * (IDS.size(1) - 6)
     with torch.no_grad():
         full = model(IDS)
     torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
@@ -97,10 +101,12 @@ def test_block_equals_op_by_op_block(folder, dtype, rows):
             torch.testing.assert_close(a.float(), b.float(), atol=tol * b.abs().max().item(), rtol=tol)
 
 
-def test_batched_rows_at_different_lengths(folder, monkeypatch):
+@pytest.mark.parametrize("plan", [False, True])
+def test_batched_rows_at_different_lengths(folder, monkeypatch, plan):
     """Three sequences of different lengths in slots out of order decode together (one kernel call per
-    layer and step) and each row's logits equal the full recompute of its own sequence."""
+    layer and step, or a DecodePlan) and each row's logits equal the full recompute of its own sequence."""
     model = dm.load(folder, progress=False)
+    model.use_decode_plan = plan
     g = torch.Generator().manual_seed(11)
     seqs = [torch.randint(0, VOCAB, (1, n), generator=g) for n in (14, 9, 12)]
     slots = torch.tensor([2, 0, 3])
@@ -117,11 +123,12 @@ def test_batched_rows_at_different_lengths(folder, monkeypatch):
         for b, seq in enumerate(seqs):
             full = model(seq)[0, -steps:]
             torch.testing.assert_close(torch.cat([x[b] for x in got]), full, atol=1e-5, rtol=1e-5)
-    assert used and all(used) and len(used) == 2 * steps
+    assert plan or (used and all(used) and len(used) == 2 * steps)
 
 
 def test_not_used_where_it_does_not_apply(folder, monkeypatch):
     model = dm.load(folder, progress=False)
+    model.use_decode_plan = False
     used = _spy(monkeypatch)
     cache = model.new_cache(17, 40)
     with torch.no_grad():

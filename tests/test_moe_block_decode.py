@@ -129,6 +129,7 @@ def test_decoder_layers_take_the_block_at_decode(monkeypatch, tmp_path, dtype):
     """Batched decode steps (rows at different lengths) with the block kernel give the same logits and
     statistics as with it off; layer 1 (a dense MLP) keeps its own path."""
     model = _tiny_qwen3(tmp_path, dtype)
+    model.use_decode_plan = False  # (the layer-by-layer path; tests/test_decode_plan.py compares the two)
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
 
     def run():

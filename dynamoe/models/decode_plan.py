@@ -3,10 +3,13 @@
 On the CPU a decode step through a decoder layer is two kernel calls (:meth:`Attention.decode_step`:
 norm, q/k/v, RoPE, cache write, attention, o_proj and residual; :meth:`MoELayer.decode_block`: norm,
 router, experts and residual). Finding out which weights they take and whether they apply at all
-costs about 0.1 ms of Python per layer and step -- a tenth of a 0.5B-parameter model's step. A
-:class:`DecodePlan` does that once and keeps the arguments (the parameters themselves, so in-place
-updates such as ``load_state_dict`` reach it). Layers the fused calls do not cover (dense MLPs, MLA,
-shared experts, packed experts, expert parallelism) run as modules within the same plan.
+costs about 0.1 ms of Python per layer and step -- a tenth of a 0.5B-parameter model's step, more once
+the weights streaming through have evicted the interpreter's own data from the caches. A
+:class:`DecodePlan` does that once and hands each run of consecutive fused layers to a C++
+``DecodeStack`` (csrc/decode_stack.cpp) that holds their arguments -- the parameters themselves, so
+in-place updates such as ``load_state_dict`` reach it -- and runs the whole run in one call. Layers the
+fused calls do not cover (dense MLPs, MLA, shared experts, packed experts, expert parallelism) run as
+modules between the runs.
 
 A plan is rebuilt when it may be stale: a module, parameter or buffer was (re)assigned anywhere in
 the process (torch's global registration hooks), the model was converted (``CausalLM._apply``:
@@ -16,6 +19,8 @@ or training flag changed (:meth:`MoELayer.decode_key`). The results are those of
 path, bit for bit (tests/test_decode_plan.py).
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import Tensor
@@ -100,12 +105,60 @@ def _fuse(layer, h_BD: Tensor) -> _FusedLayer | None:
     return _FusedLayer(attn, a, block, m, tuple(s for s in sources if s))
 
 
+class _FusedRun:
+    """Consecutive fused layers (the same rotary embedding and expert count) as one C++ DecodeStack."""
+
+    def __init__(self, kernels, layers: list[_FusedLayer]):
+        self.layers, self.stack = layers, kernels.DecodeStack()
+        for e in layers:
+            self.stack.add_layer(*e.attn_args[1:], *e.moe_args)
+        a = layers[0].attn
+        self.rotary, self.kv_shape = a.rotary, (a.num_kv_heads, a.head_dim)
+        self.experts = layers[0].moe_args[12].size(0)
+        self._cache = self._buffers = None
+
+    @staticmethod
+    def joins(run: list[_FusedLayer], e: _FusedLayer) -> bool:
+        a, b = run[-1], e
+        return (a.attn.rotary is b.attn.rotary and a.moe_args[12].size(0) == b.moe_args[12].size(0)
+                and (a.attn.num_kv_heads, a.attn.head_dim) == (b.attn.num_kv_heads, b.attn.head_dim))
+
+    def _caches(self, cache) -> tuple[list, list]:
+        """Each layer's k and v buffers of ``cache`` (created where missing; a cache never replaces them)."""
+        if self._cache is None or self._cache() is not cache:
+            K, d = self.kv_shape
+            L = cache.max_seq_len
+            self._buffers = ([cache.buffer(e.attn.layer_idx, "k", K, L, d) for e in self.layers],
+                             [cache.buffer(e.attn.layer_idx, "v", K, L, d) for e in self.layers])
+            self._cache = weakref.ref(cache)  # (not a strong reference: a dropped cache is freed)
+        return self._buffers
+
+    def run(self, h_BD: Tensor, positions_BT: Tensor, cache, slots: Tensor) -> Tensor:
+        cos, sin, pos = self.rotary.decode_rows(positions_BT, h_BD.dtype)
+        k, v = self._caches(cache)
+        loads = torch.empty(len(self.layers), self.experts, dtype=torch.long)
+        out = torch.empty_like(h_BD)
+        max_loads = self.stack.run(h_BD, cos, sin, slots, pos, k, v, loads, out)
+        for i, e in enumerate(self.layers):  # what MoELayer.decode_block_with / SparseMoeBlock.decode_block record
+            e.block.__dict__["last_stats"] = e.moe.decode_done(loads[i], max_loads[i])
+        return out
+
+
 class DecodePlan:
     """The decoder layers of ``model`` for decode steps of 1..16 rows of dtype ``h_BD.dtype`` into a
     cache of that dtype on the CPU (see the module docstring); build with :meth:`build`."""
 
-    def __init__(self, key: tuple, entries: list):
+    def __init__(self, key: tuple, entries: list, kernels):
         self.key, self.entries = key, entries
+        self.steps = []  # runs of fused layers (one C++ call each) and layers that run as modules
+        for e in entries:
+            if type(e) is not _FusedLayer:
+                self.steps.append(e)
+            elif self.steps and type(self.steps[-1]) is list and _FusedRun.joins(self.steps[-1], e):
+                self.steps[-1].append(e)
+            else:
+                self.steps.append([e])
+        self.steps = [_FusedRun(kernels, s) if type(s) is list else s for s in self.steps]
 
     @staticmethod
     def key_for(h_BD: Tensor, cache) -> tuple:
@@ -115,26 +168,23 @@ class DecodePlan:
     def build(cls, model, h_BD: Tensor, cache) -> DecodePlan | None:
         """A plan, or None where no layer has the fused calls (then nothing is gained) or the CPU
         kernels are unavailable."""
-        if cpu_kernels.load() is None or cache.dtype != h_BD.dtype:
+        kernels = cpu_kernels.load()
+        if kernels is None or cache.dtype != h_BD.dtype:
             return None
         entries = [_fuse(layer, h_BD) or layer for layer in model.model.layers]
         if not any(isinstance(e, _FusedLayer) for e in entries):
             return None
-        return cls(cls.key_for(h_BD, cache), entries)
+        return cls(cls.key_for(h_BD, cache), entries, kernels)
 
     def current(self) -> bool:
         return all(e.current() for e in self.entries if type(e) is _FusedLayer)
 
     def run(self, h_BD: Tensor, positions_BT: Tensor, cache, slots: Tensor, kv_len: int) -> Tensor:
         """h [B, D] after every layer; slots int64 [B] on the CPU, positions [B, 1]."""
-        kernels = cpu_kernels.load()
-        B, dt = h_BD.size(0), h_BD.dtype
-        for e in self.entries:
-            if type(e) is _FusedLayer:
-                x = e.attn.decode_with(kernels, e.attn_args, h_BD, e.attn.rotary.decode_rows(positions_BT, dt), cache,
-                                       slots)
-                h_BD, stats = e.moe.decode_block_with(kernels, e.moe_args, x)
-                e.block.__dict__["last_stats"] = stats  # (a plain attribute, as SparseMoeBlock.decode_block)
+        B = h_BD.size(0)
+        for s in self.steps:
+            if type(s) is _FusedRun:
+                h_BD = s.run(h_BD, positions_BT, cache, slots)
             else:
-                h_BD = e(h_BD.view(B, 1, -1), positions_BT, cache, slots, kv_len).reshape(B, -1)
+                h_BD = s(h_BD.view(B, 1, -1), positions_BT, cache, slots, kv_len).reshape(B, -1)
         return h_BD

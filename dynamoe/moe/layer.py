@@ -356,8 +356,12 @@ class MoELayer(nn.Module):
     def decode_block_with(self, kernels, args: tuple, h_TD: Tensor) -> tuple[Tensor, RoutingStats]:
         """:meth:`decode_block`'s kernel call with ``args`` from :meth:`decode_block_args`."""
         out, load_E, max_load = moe_decode.glu_block_with(kernels, args, h_TD)
+        return out, self.decode_done(load_E, max_load)
+
+    def decode_done(self, load_E: Tensor, max_load: int) -> RoutingStats:
+        """Record a fused decode step of this layer (no auxiliary loss) and return its statistics."""
         self.__dict__["l_aux"] = _NO_AUX_LOSS  # a plain attribute (nn.Module.__setattr__ costs microseconds)
-        return out, self._decode_stats(load_E, max_load)
+        return self._decode_stats(load_E, max_load)
 
     def decode_block(self, h_TD: Tensor, norm_weight: Tensor, norm_eps: float,
                      norm_weight_in_fp32: bool = False) -> tuple[Tensor, RoutingStats] | None:

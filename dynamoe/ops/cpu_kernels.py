@@ -21,7 +21,7 @@ import threading
 __all__ = ["load", "MAX_ROWS", "prune_stale_builds"]
 
 SOURCES = ("packed_gemv.cpp", "bf16_gemv.cpp", "f32_gemv.cpp", "moe_decode.cpp", "moe_decode_packed.cpp", "rms_norm.cpp", "rope.cpp",
-           "router_decode.cpp", "attn_decode.cpp", "moe_block_decode.cpp")
+           "router_decode.cpp", "attn_decode.cpp", "moe_block_decode.cpp", "decode_stack.cpp")
 
 MAX_ROWS = 16  # the kernel keeps one accumulator per row in registers
 _lock = threading.Lock()

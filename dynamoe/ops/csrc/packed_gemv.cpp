@@ -232,7 +232,10 @@ int64_t moe_block_glu_decode_out(torch::Tensor h, torch::Tensor norm_w, double n
                                  c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
                                  torch::Tensor out, torch::Tensor load);
 
+void register_decode_stack(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_decode_stack(m);
   m.def("moe_block_glu_decode_out", &moe_block_glu_decode_out,
         "a decode step's MoE sub-block: out = h + GLU experts(route(RMSNorm(h))) for T <= 16 rows (bf16 or fp32); "
         "load [E] filled; returns the max load");
