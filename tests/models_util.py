@@ -42,6 +42,15 @@ def save_tiny(model, path, **kwargs) -> str:
     return str(path)
 
 
+def save_family(families: dict, name: str, tmp_path_factory) -> str:
+    """``families[name]()`` (a tiny transformers model) with :func:`randomize_` weights (sinks at
+    full scale), saved to a fresh folder."""
+    torch.manual_seed(0)
+    hf = families[name]().eval()
+    randomize_(hf, seed=2, scales={"sinks": 1.0})
+    return save_tiny(hf, tmp_path_factory.mktemp(name))
+
+
 def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return hf(ids).logits

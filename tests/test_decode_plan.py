@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models_util import one_thread  # noqa: F401 (autouse fixture)
-from models_util import randomize_, save_tiny
+from models_util import save_family
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,10 +35,7 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def folder(request, tmp_path_factory):
-    torch.manual_seed(0)
-    hf = FAMILIES[request.param]().eval()
-    randomize_(hf, seed=2, scales={"sinks": 1.0})
-    return save_tiny(hf, tmp_path_factory.mktemp(request.param))
+    return save_family(FAMILIES, request.param, tmp_path_factory)
 
 
 def _pair(folder, dtype):

@@ -10,6 +10,7 @@
 // itself is fp32 (scores, softmax, weighted sum), as SDPA computes it on CPU.
 // Registered in packed_gemv.cpp's module.
 #include <torch/extension.h>
+#include "decode_ops.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>

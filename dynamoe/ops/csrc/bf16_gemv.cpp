@@ -2,6 +2,7 @@
 // fp32 accumulation (AVX512-BF16 dot products where the CPU has them, a scalar loop elsewhere).
 // Registered in packed_gemv.cpp's module (one extension).
 #include <torch/extension.h>
+#include "decode_ops.h"
 #include "token_chunks.h"
 #include "gemv_blocks.h"
 #include <ATen/Parallel.h>

@@ -8,20 +8,7 @@
 #include <torch/extension.h>
 #include <cstdint>
 #include <vector>
-
-void attn_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32, torch::Tensor w_qkv,
-                     c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
-                     c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor cos, torch::Tensor sin,
-                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                     torch::Tensor positions, int64_t window, c10::optional<torch::Tensor> sinks, double scale,
-                     torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor out);
-int64_t moe_block_glu_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32,
-                                 torch::Tensor gate_w, c10::optional<torch::Tensor> gate_bias,
-                                 c10::optional<torch::Tensor> sel_bias, int64_t kind, bool renormalize, double scale,
-                                 int64_t n_group, int64_t topk_group, int64_t top_k, torch::Tensor w_gate_up,
-                                 torch::Tensor w_down, c10::optional<torch::Tensor> b_gate_up,
-                                 c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
-                                 torch::Tensor out, torch::Tensor load);
+#include "decode_ops.h"
 
 namespace {
 using OptTensor = c10::optional<torch::Tensor>;

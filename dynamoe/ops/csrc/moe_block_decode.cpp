@@ -5,15 +5,7 @@
 // Python between them. Registered in packed_gemv.cpp's module.
 #include <torch/extension.h>
 #include <cstdint>
-
-void rms_norm_out(torch::Tensor x, torch::Tensor w, double eps, bool weight_in_fp32, torch::Tensor out);
-void route_decode_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
-                      c10::optional<torch::Tensor> sel_bias, int64_t kind, bool renormalize, double scale,
-                      int64_t n_group, int64_t topk_group, torch::Tensor ids, torch::Tensor weights);
-int64_t moe_glu_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w_gate_up,
-                           torch::Tensor w_down, c10::optional<torch::Tensor> b_gate_up,
-                           c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
-                           torch::Tensor out, torch::Tensor load);
+#include "decode_ops.h"
 
 namespace {
 template <typename scalar_t>

@@ -9,6 +9,7 @@
 // expert and the largest load is returned: the routing statistics the MoE layer reports.
 // Registered in packed_gemv.cpp's module.
 #include <torch/extension.h>
+#include "decode_ops.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <cmath>

@@ -12,6 +12,7 @@
 //   1 MXFP4: a = blocks [E, O, I/32, 16], b = e8m0 scales [E, O, I/32]
 //   2 NVFP4: a = packed [E, O, I/2], b = e4m3 scales [E, O, I/16], c = fp32 global scales [E]
 #include <torch/extension.h>
+#include "decode_ops.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

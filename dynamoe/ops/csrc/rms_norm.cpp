@@ -3,6 +3,7 @@
 //   h after h is rounded to x's dtype (Llama/Qwen/DeepSeek), or before, in fp32 (GPT-OSS).
 // Rows are independent: x [N, dim] with unit stride along dim (any row stride), out [N, dim] contiguous.
 #include <torch/extension.h>
+#include "decode_ops.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <cmath>

@@ -5,6 +5,7 @@
 // x [B, H, T, d] with unit stride along d (any other strides), cos/sin [B, T, half] contiguous,
 // out [B, H, T, d] contiguous.
 #include <torch/extension.h>
+#include "decode_ops.h"
 #include <c10/util/BFloat16.h>
 #include <cstdint>
 #include "decode_rows.h"

@@ -11,6 +11,7 @@
 //   scores, renormalized (sum + 1e-20) if asked, times scale.
 // Ties go to the lower expert id. Registered in packed_gemv.cpp's module.
 #include <torch/extension.h>
+#include "decode_ops.h"
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cmath>

@@ -1,0 +1,51 @@
+// Declarations of the ops defined across the extension's sources that other sources call (the decode
+// kernels compose each other) or that packed_gemv.cpp registers.
+#pragma once
+#include <torch/extension.h>
+#include <cstdint>
+
+// bf16_gemv.cpp
+void bf16_gemv_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, torch::Tensor out);
+void bf16_grouped_gemv_out(torch::Tensor x, torch::Tensor w, torch::Tensor groups, c10::optional<torch::Tensor> bias,
+                           torch::Tensor out);
+
+int64_t moe_glu_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w_gate_up,
+                           torch::Tensor w_down, c10::optional<torch::Tensor> b_gate_up,
+                           c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
+                           torch::Tensor out, torch::Tensor load);
+
+void rms_norm_out(torch::Tensor x, torch::Tensor w, double eps, bool weight_in_fp32, torch::Tensor out);
+
+void rope_out(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, bool interleaved, torch::Tensor out);
+
+int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
+                                  torch::Tensor w1a, torch::Tensor w1b, torch::Tensor w1c, torch::Tensor w2a,
+                                  torch::Tensor w2b, torch::Tensor w2c, int64_t blk0, int64_t blk1,
+                                  c10::optional<torch::Tensor> b1, c10::optional<torch::Tensor> b2, int64_t act,
+                                  double alpha, double limit, torch::Tensor out, torch::Tensor load, bool bf16_acts);
+
+int64_t moe_ffn_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w1, torch::Tensor w2,
+                           c10::optional<torch::Tensor> b1, c10::optional<torch::Tensor> b2, int64_t act,
+                           torch::Tensor out, torch::Tensor load);
+
+void route_decode_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
+                      c10::optional<torch::Tensor> sel_bias, int64_t kind, bool renormalize, double scale,
+                      int64_t n_group, int64_t topk_group, torch::Tensor ids, torch::Tensor weights);
+
+void attn_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32, torch::Tensor w_qkv,
+                     c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
+                     c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor cos, torch::Tensor sin,
+                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                     torch::Tensor positions, int64_t window, c10::optional<torch::Tensor> sinks, double scale,
+                     torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor out);
+
+int64_t moe_block_glu_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32,
+                                 torch::Tensor gate_w, c10::optional<torch::Tensor> gate_bias,
+                                 c10::optional<torch::Tensor> sel_bias, int64_t kind, bool renormalize, double scale,
+                                 int64_t n_group, int64_t topk_group, int64_t top_k, torch::Tensor w_gate_up,
+                                 torch::Tensor w_down, c10::optional<torch::Tensor> b_gate_up,
+                                 c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
+                                 torch::Tensor out, torch::Tensor load);
+
+// decode_stack.cpp: the DecodeStack class
+void register_decode_stack(pybind11::module& m);
