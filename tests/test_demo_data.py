@@ -205,8 +205,9 @@ def test_products_are_long_multiplication():
 
 
 def test_sorting_groups_mixed_lengths():
-    assert dd._length_groups([38, 2, 46, 7], descending=False) == "1-digit: 2, 7; 2-digit: 38, 46. "
-    assert dd._length_groups([38, 2, 46, 7], descending=True) == "2-digit: 38, 46; 1-digit: 2, 7. "
+    lengths = "Lengths: 38 (2), 2 (1), 46 (2), 7 (1). "
+    assert dd._length_groups([38, 2, 46, 7], descending=False) == lengths + "1-digit: 2, 7; 2-digit: 38, 46. "
+    assert dd._length_groups([38, 2, 46, 7], descending=True) == lengths + "2-digit: 38, 46; 1-digit: 2, 7. "
     assert dd._length_groups([38, 46], descending=True) == ""
 
 

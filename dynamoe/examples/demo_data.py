@@ -50,7 +50,7 @@ __all__ = ["Example", "generate", "SKILLS", "TRAIN_WEIGHTS", "CODE", "CODE_FUNCT
 
 SPLITS = ("train", "held_out")
 #: bumped whenever a reply format or the mixture changes (cached training data is rebuilt)
-DATA_VERSION = 5
+DATA_VERSION = 6
 DEFAULT_SPLIT_SEED = 1234
 DEFAULT_HELD_OUT_FRACTION = 0.1
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are a small demo model trained with dynamoe.",
@@ -320,14 +320,17 @@ def _list_task(task: str) -> Callable:
 
 
 def _length_groups(xs: list[int], descending: bool) -> str:
-    """A sorting reply's first step when the list mixes 1- and 2-digit numbers: the numbers of each
-    length in list order (longer first when descending), so that only equal-length numbers, whose
-    order is their digits' order, are compared afterwards. Empty when all have the same length."""
+    """A sorting reply's first steps when the list mixes 1- and 2-digit numbers: each number in list
+    order with its length (a copy of the list that marks where one number ends -- picking the 1-digit
+    numbers straight out of "42, 7, 93" was where models went wrong), then the numbers of each length
+    in list order (longer first when descending), so that only equal-length numbers, whose order is
+    their digits' order, are compared afterwards. Empty when all have the same length."""
     groups = {n: [x for x in xs if len(str(x)) == n] for n in (1, 2)}
     if not groups[1] or not groups[2]:
         return ""
     order = (2, 1) if descending else (1, 2)
-    return "; ".join(f"{n}-digit: {', '.join(map(str, groups[n]))}" for n in order) + ". "
+    lengths = "Lengths: " + ", ".join(f"{x} ({len(str(x))})" for x in xs) + ". "
+    return lengths + "; ".join(f"{n}-digit: {', '.join(map(str, groups[n]))}" for n in order) + ". "
 
 
 # ------------------------------------------------------------------------------------ words
