@@ -107,5 +107,5 @@ void register_decode_stack(pybind11::module& m) {
       .def(pybind11::init<>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("__len__", &DecodeStack::size)
-      .def("run", &DecodeStack::run);
+      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -190,35 +190,37 @@ bool has_avx512_bf16() {
 #endif
 }
 
+// The ops run without the GIL (they take tensors and plain values only): the server's event loop keeps
+// streaming while the engine thread is inside a kernel.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_stack(m);
-  m.def("moe_block_glu_decode_out", &moe_block_glu_decode_out,
+  m.def("moe_block_glu_decode_out", &moe_block_glu_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "a decode step's MoE sub-block: out = h + GLU experts(route(RMSNorm(h))) for T <= 16 rows (bf16 or fp32); "
         "load [E] filled; returns the max load");
-  m.def("attn_decode_out", &attn_decode_out,
+  m.def("attn_decode_out", &attn_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "a decode step of B <= 16 sequences through an attention block: out = h + o_proj(attention(RoPE(qk-norm("
         "qkv(norm(h)))))) with k/v written into the cache at (slots, positions)");
-  m.def("route_decode_out", &route_decode_out,
+  m.def("route_decode_out", &route_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "router of a decode step: fp32 logits of x [T, D] @ W^T (+ bias), softmax (0) or DeepSeek sigmoid-group (1) "
         "top-k into ids [T, K] int64 and weights [T, K] fp32");
-  m.def("moe_ffn_decode_out", &moe_ffn_decode_out,
+  m.def("moe_ffn_decode_out", &moe_ffn_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "a decode step's routed FFN experts in Tutel's layout (T <= 16 rows, bf16 or fp32): out [T, O], load [E]");
-  m.def("packed_moe_glu_decode_out", &packed_moe_glu_decode_out,
+  m.def("packed_moe_glu_decode_out", &packed_moe_glu_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "a decode step's routed GLU experts with packed weights (0 FP8, 1 MXFP4, 2 NVFP4; T <= 16; fp32 out; x fp32, "
         "or bf16 with bf16_acts: AVX512-BF16 dot products where compiled in, h rounded to bf16)");
-  m.def("rope_out", &rope_out, "rotary embedding of x [B, H, T, d] (bf16 or fp32) with cos/sin [B, T, R/2] into out");
-  m.def("rms_norm_out", &rms_norm_out, "RMSNorm of x [N, dim] (bf16 or fp32) into out, fp32 statistics");
-  m.def("moe_glu_decode_out", &moe_glu_decode_out,
+  m.def("rope_out", &rope_out, pybind11::call_guard<pybind11::gil_scoped_release>(), "rotary embedding of x [B, H, T, d] (bf16 or fp32) with cos/sin [B, T, R/2] into out");
+  m.def("rms_norm_out", &rms_norm_out, pybind11::call_guard<pybind11::gil_scoped_release>(), "RMSNorm of x [N, dim] (bf16 or fp32) into out, fp32 statistics");
+  m.def("moe_glu_decode_out", &moe_glu_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "a decode step's routed GLU experts (T <= 16 rows, bf16 or fp32): out [T, O], load [E] filled; returns the max load");
-  m.def("bf16_gemv_out", &bf16_gemv_out, "out [T, O] = x [T, I] @ W^T (+ bias): bf16 in and out, fp32 accumulation");
-  m.def("bf16_grouped_gemv_out", &bf16_grouped_gemv_out,
+  m.def("bf16_gemv_out", &bf16_gemv_out, pybind11::call_guard<pybind11::gil_scoped_release>(), "out [T, O] = x [T, I] @ W^T (+ bias): bf16 in and out, fp32 accumulation");
+  m.def("bf16_grouped_gemv_out", &bf16_grouped_gemv_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "per group (expert e, row offset, rows 1..8): out[rows] = x[rows] @ W[e]^T (+ bias[e]); W bf16 [E, O, I]");
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether the AVX512-BF16 path was compiled in");
-  m.def("mxfp4_gemv", &mxfp4_gemv,
+  m.def("mxfp4_gemv", &mxfp4_gemv, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "y [T, O] fp32 = x [T, I] (fp32 or bf16) @ W^T, W MXFP4 (blocks [O, I/32, 16], e8m0 scales [O, I/32])");
-  m.def("nvfp4_gemv", &nvfp4_gemv,
+  m.def("nvfp4_gemv", &nvfp4_gemv, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "y [T, O] fp32 = x [T, I] (fp32 or bf16) @ W^T, W NVFP4 (packed [O, I/2], e4m3 scales [O, I/16], global)");
-  m.def("fp8_block_gemv", &fp8_block_gemv,
+  m.def("fp8_block_gemv", &fp8_block_gemv, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "y [T, O] fp32 = x [T, I] (fp32 or bf16) @ W^T, W blockwise FP8 (e4m3 [O, I], fp32 scales)");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 path was compiled in");
 }
