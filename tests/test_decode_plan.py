@@ -108,7 +108,8 @@ def test_a_stale_plan_is_rebuilt(folder, monkeypatch):
     def moe(m, i=0):
         return m.model.layers[i].mlp.moe
 
-    # routing switched at run time (a config field, not a module): top-k 2 -> 1
+    # routing switched at run time (config fields, not modules): renormalisation off, then top-k 2 -> 1
+    assert both(lambda m: setattr(moe(m).config.gates[0], "normalize", False)) == 1
     assert both(lambda m: setattr(moe(m).config.gates[0], "k", 1)) == 1
     assert a.step()[1][0][1] == 1  # the statistics say k = 1
     b.step()

@@ -7,6 +7,7 @@ import torch
 from dynamoe.models.moe_block import BiasedRouter
 from dynamoe.models.norms import RMSNorm
 from dynamoe.moe import ExpertConfig, GateConfig, MoEConfig, MoELayer
+from dynamoe.moe.gates import renormalizes
 from dynamoe.ops import cpu_kernels, moe_decode
 from spying import record_calls
 
@@ -73,6 +74,12 @@ def test_block_equals_norm_layer_residual(monkeypatch, name, T, dtype):
         got = layer.decode_block(h, norm.weight, norm.eps, norm.weight_in_fp32)
     assert used == [True]
     out, stats = got
+    with torch.inference_mode():  # the functional form: the same call
+        gcfg = layer.config.gates[0]
+        alone = moe_decode.glu_block_decode(h, norm.weight, norm.eps, norm.weight_in_fp32, layer.gates[0], gcfg.type,
+                                            gcfg.k, renormalizes(gcfg, gcfg.k, layer.config.normalize_gate),
+                                            gcfg.route_scale, gcfg.n_group, gcfg.topk_group, layer.experts)
+    assert torch.equal(alone[0], out) and torch.equal(alone[1], stats.load)
     want, want_stats = _one_by_one(layer, norm, h)
     assert out.dtype == dtype and out.shape == (T, D)
     assert torch.equal(out, want)  # the same kernels and roundings, in the same order

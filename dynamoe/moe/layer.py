@@ -8,6 +8,7 @@ stored -- and none allocates parameters, so switching is free.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Optional
 
@@ -348,10 +349,10 @@ class MoELayer(nn.Module):
         """What :meth:`decode_block_args` depends on besides modules, parameters and the step's input: a
         cached set of arguments (dynamoe.models.decode_plan) is stale when this changes."""
         cfg = self.config
-        g = cfg.gates[0]
-        return (len(cfg.gates), g.type, g.k, g.capacity_factor, g.route_scale, g.n_group, g.topk_group,
-                cfg.normalize_gate, cfg.aux_loss, cfg.z_loss_coef, cfg.device_loss_groups,
-                cfg.batch_prioritized_routing, cfg.check_finite, self.training, self.result_func is None)
+        gates = tuple(tuple(getattr(g, f.name) for f in dataclasses.fields(g)) for g in cfg.gates)  # every field
+        return (gates, cfg.normalize_gate, cfg.aux_loss, cfg.z_loss_coef, cfg.device_loss_groups,
+                cfg.batch_prioritized_routing, cfg.check_finite, self.training, self.result_func is None,
+                getattr(self._modules["gates"][0], "fp32_gate", None))
 
     def decode_block_with(self, kernels, args: tuple, h_TD: Tensor) -> tuple[Tensor, RoutingStats]:
         """:meth:`decode_block`'s kernel call with ``args`` from :meth:`decode_block_args`."""
