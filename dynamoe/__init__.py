@@ -1,11 +1,12 @@
 """dynamoe: a fast PyTorch Mixture-of-Experts layer whose sparsity, capacity and layout switch per
-call at no cost, with a Tutel-compatible surface (``dynamoe.moe.moe_layer``, ``dynamoe.ops``,
-``dynamoe.net``)."""
-from . import moe, ops, parallel  # parallel registers expert parallelism with the layer
+call at no cost, with a Tutel-compatible surface: ``from dynamoe import system, moe as tutel_moe, net``
+where Tutel scripts had ``from tutel import ...`` (``dynamoe.moe.moe_layer``, ``dynamoe.ops``,
+``dynamoe.net``, ``dynamoe.system``)."""
+from . import moe, net, ops, parallel, system  # parallel registers expert parallelism with the layer
 from .moe import MoEConfig, MoELayer, moe_layer
 
 __version__ = "0.1.0"
-__all__ = ["moe", "ops", "parallel", "MoELayer", "MoEConfig", "moe_layer", "generate", "__version__"]
+__all__ = ["moe", "net", "ops", "parallel", "system", "MoELayer", "MoEConfig", "moe_layer", "generate", "__version__"]
 
 
 def generate(model_or_path, prompt, **kwargs) -> str:

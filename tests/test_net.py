@@ -48,20 +48,34 @@ def collectives_worker(rank, world):
     gs = [t.detach() for t in inputs(W, (W * 3, 2), seed=5, requires_grad=False)]
     check(rank, net.all_to_all_single,
           lambda xs: [torch.cat([xs[j].chunk(W, 0)[r] for j in range(W)]) for r in range(W)], xs, gs)
-    # all_gather along dim 1, gradient = sum over ranks of each slice
+    # all_gather along dim 1, fused: gradient = sum over ranks of each slice
     xs = inputs(W, (3, 2), seed=6)
     gs = [t.detach() for t in inputs(W, (3, 2 * W), seed=7, requires_grad=False)]
-    check(rank, lambda x: net.all_gather(x, 1), lambda xs: [torch.cat(xs, 1) for _ in range(W)], xs, gs)
+    check(rank, lambda x: net.all_gather(x, 1, fused=True), lambda xs: [torch.cat(xs, 1) for _ in range(W)], xs, gs)
+    # Tutel's default (not fused): the gradient is this rank's own slice
+    x = xs[rank].detach().clone().requires_grad_()
+    (net.all_gather(x, 1) * gs[rank]).sum().backward()
+    torch.testing.assert_close(x.grad, gs[rank].chunk(W, 1)[rank])
+    # spatial_split: own chunk forward, gradient all-gathered (own slice of each rank's gradient)
+    x = xs[rank].detach().repeat(W, 1).requires_grad_()
+    y = net.spatial_split(x, 0)
+    torch.testing.assert_close(y, xs[rank].detach())
+    y.backward(torch.full_like(y, float(rank + 1)))
+    torch.testing.assert_close(x.grad, torch.cat([torch.full_like(y, float(r + 1)) for r in range(W)]))
     # reduce_scatter along dim 0
     xs = inputs(W, (2 * W, 3), seed=8)
     gs = [t.detach() for t in inputs(W, (2, 3), seed=9, requires_grad=False)]
     check(rank, lambda x: net.reduce_scatter(x, 0), lambda xs: list(sum(xs).chunk(W, 0)), xs, gs)
     # zero_gather / zero_scatter
     xs = inputs(W, (2, 3), seed=10)
-    gs = [t.detach() for t in inputs(W, (W * 6,), seed=11, requires_grad=False)]
-    check(rank, net.zero_gather, lambda xs: [torch.cat([x.reshape(-1) for x in xs]) for _ in range(W)], xs, gs)
+    gs = [t.detach() for t in inputs(W, (W * 2, 3), seed=11, requires_grad=False)]
+    check(rank, net.zero_gather, lambda xs: [torch.cat(xs) for _ in range(W)], xs, gs)
     full = inputs(W, (W, 5), seed=12, requires_grad=False)[0]
-    torch.testing.assert_close(net.zero_scatter(full), full.reshape(-1).chunk(W)[rank])
+    shard, shape = net.zero_scatter(full, net.simple_split)
+    torch.testing.assert_close(shard, full.reshape(-1).chunk(W)[rank])
+    assert shape == full.shape
+    odd = torch.arange(7.0)  # padded with zeros to a multiple of W, cut back by zero_gather's full_shape
+    torch.testing.assert_close(net.zero_gather(net.zero_scatter(odd, net.simple_split)[0], full_shape=[7]), odd)
     # all_to_all_v with uneven and zero-length splits
     counts = [[(r + j) % 3 for j in range(W)] for r in range(W)]
     xs = [torch.randn(sum(counts[r]), 4, dtype=torch.float64, generator=torch.Generator().manual_seed(20 + r)).requires_grad_()
@@ -82,9 +96,11 @@ def collectives_worker(rank, world):
     check(rank, lambda x: net.all_to_all_v(x, counts[rank]), sim_a2a_v, xs, gs)
     # batch_all_gather_v: rank r holds r rows (rank 0: none)
     rows = [torch.full((r, 2), float(r), dtype=torch.float64) for r in range(W)]
-    got = net.batch_all_gather_v([rows[rank], rows[rank] * 2])
-    torch.testing.assert_close(got[0], torch.cat(rows))
-    torch.testing.assert_close(got[1], torch.cat(rows) * 2)
+    got, sizes = net.batch_all_gather_v([rows[rank], rows[rank] * 2])  # Tutel's: flat, element counts
+    torch.testing.assert_close(got[0], torch.cat(rows).reshape(-1))
+    torch.testing.assert_close(got[1], torch.cat(rows).reshape(-1) * 2)
+    assert sizes.tolist() == [2 * r for r in range(W)]
+    torch.testing.assert_close(net.all_gather_v(rows[rank]), torch.cat(rows))
     # bad input fails before any collective (no rank waits)
     with pytest.raises(ValueError, match="divisible"):
         net.all_to_all_single(torch.zeros(W + 1, 2))
@@ -95,8 +111,10 @@ def collectives_worker(rank, world):
         groups = net.create_groups_from_world(-2)
         assert groups.model_size == 2 and groups.data_size == W // 2
         v = torch.tensor([float(rank)])
-        net.simple_all_reduce(v, group=groups.model_group)
+        total = net.simple_all_reduce(v, group=groups.model_group)  # Tutel: a new tensor by default
         base = rank - rank % 2
+        assert total.item() == base + base + 1 and v.item() == rank
+        net.simple_all_reduce(v, group=groups.model_group, inplace=True)
         assert v.item() == base + base + 1
         assert net.create_groups_from_world(-2) is groups
 
@@ -111,7 +129,7 @@ def test_single_process_fallbacks():
     assert net.get_world_size() == 1 and net.get_world_rank() == 0
     assert net.all_to_all(x, 1, 0) is x and net.all_gather(x) is x
     assert net.all_to_all_v(x, [4]) is x
-    torch.testing.assert_close(net.zero_gather(x), x.reshape(-1))
+    torch.testing.assert_close(net.zero_gather(x), x)
     with pytest.raises(ValueError, match="send_counts"):
         net.all_to_all_v(x, [3])
 

@@ -301,7 +301,7 @@ def _average_gradients(model: nn.Module) -> None:
     for p in model.parameters():
         if p.grad is not None and not getattr(p, "skip_allreduce", False):
             p.grad /= size
-            net.simple_all_reduce(p.grad)
+            p.grad = net.simple_all_reduce(p.grad)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -71,7 +71,7 @@ def check_parallel_switches(args, model, x, target) -> bool:
                        f"loss = {losses[-1]:.6f}, layout = {model.routing_stats.layout}")
     model.train(not args.eval)
     worst = torch.tensor([max(abs(v - losses[0]) for v in losses)], dtype=torch.float64, device=x.device)
-    net.simple_all_reduce(worst, op=torch.distributed.ReduceOp.MAX)  # every rank agrees on the verdict
+    worst = net.simple_all_reduce(worst, op=torch.distributed.ReduceOp.MAX)  # every rank agrees on the verdict
     identical = bool(worst.item() <= _TOLERANCE.get(DTYPES[args.dtype], 1e-2) * max(1.0, abs(losses[0])))
     dist_print(f"[Switch-check] identical: {identical} (largest difference {worst.item():.3e} over {world()[1]} rank(s))")
     return identical

@@ -36,10 +36,12 @@ def main(argv=None) -> bool:
     print(f"Device-{rank} sends {len(rows_of(rank))} row(s): {y.tolist()}", flush=True)
     net.barrier()
 
-    got_x, got_y = net.batch_all_gather_v([x, y])
+    (got_y, got_neg), sizes = net.batch_all_gather_v([y, -y])   # Tutel's: flat tensors, (outputs, sizes)
+    got_x = net.all_gather_v(x)                                   # rows, differentiable
     want_x, want_y = _tensors([c for s in range(size) for c in rows_of(s)], args.device)
     print(f"Device-{rank} recvs {got_y.numel()} row(s): {got_y.tolist()}", flush=True)
-    ok = torch.equal(got_y, want_y) and torch.equal(got_x, want_x)
+    ok = (torch.equal(got_y, want_y) and torch.equal(got_neg, -want_y) and torch.equal(got_x, want_x)
+          and sizes.tolist() == [len(rows_of(s)) for s in range(size)])
     net.barrier()
     if not agree(ok, args.device):
         dist_print("[all_gather_v] FAILED: a rank gathered rows other than the ones it expected")

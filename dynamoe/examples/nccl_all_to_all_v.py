@@ -4,9 +4,11 @@ Usage: torchrun --nproc_per_node=2 -m dynamoe.examples.nccl_all_to_all_v [--devi
 
 Despite Tutel's name it runs on any backend (NCCL on CUDA, gloo on CPU) and any number of ranks
 (one process included, where the exchange is the identity). Rank s sends ``count(s, d)`` rows to
-rank d, with ``count(s, d) = (s + 2 d + 1) mod 3`` -- uneven, and zero for some pairs. Two tensors
-travel in one call: ``x`` (float32 [rows, 3], every row encoding (source, destination, index)) and
-``y`` (int64 [rows], the same code). Every rank can compute what it must receive -- the rows from
+rank d, with ``count(s, d) = (s + 2 d + 1) mod 3`` -- uneven, and zero for some pairs. ``y`` (int64
+[rows], every entry encoding (source, destination, index)) and ``-y`` travel in one Tutel-style call
+(``net.batch_all_to_all_v([y, -y], counts)``: flat tensors of one length, counts in elements, returns
+``(outputs, received counts)``); ``x`` (float32 [rows, 3], the same code per row) goes through the
+row-based, differentiable ``net.all_to_all_v(x, counts)``. Every rank can compute what it must receive -- the rows from
 ranks 0..W-1 in order -- and checks the result, and the gradient (the reverse exchange: ones back
 to every sent row). Rank 0 prints OK, or the example exits with status 1.
 """
@@ -50,7 +52,7 @@ def _tensors(codes: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
 def agree(ok: bool, device) -> bool:
     """True when ``ok`` holds on every rank."""
     bad = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
-    net.simple_all_reduce(bad)
+    bad = net.simple_all_reduce(bad)
     return int(bad.item()) == 0
 
 
@@ -63,10 +65,12 @@ def main(argv=None) -> bool:
     print(f"Device-{rank} sends {send_counts} rows to ranks 0..{size - 1}: {y.tolist()}", flush=True)
     net.barrier()
 
-    got_x, got_y = net.batch_all_to_all_v([x, y], send_counts)
+    (got_y, got_neg), recv_counts = net.batch_all_to_all_v([y, -y], send_counts)
+    got_x = net.all_to_all_v(x, send_counts)
     want_x, want_y = _tensors([c for s in range(size) for c in rows_sent(s, rank)], args.device)
-    print(f"Device-{rank} recvs {[count(s, rank) for s in range(size)]} rows from ranks 0..{size - 1}: {got_y.tolist()}", flush=True)
-    ok = torch.equal(got_y, want_y) and torch.equal(got_x.detach(), want_x)
+    print(f"Device-{rank} recvs {recv_counts.tolist()} rows from ranks 0..{size - 1}: {got_y.tolist()}", flush=True)
+    ok = (torch.equal(got_y, want_y) and torch.equal(got_neg, -want_y) and torch.equal(got_x.detach(), want_x)
+          and recv_counts.tolist() == [count(s, rank) for s in range(size)])
     got_x.sum().backward()  # the gradient goes back to each sent row exactly once
     ok = ok and x.grad is not None and torch.equal(x.grad, torch.ones_like(x))
     net.barrier()

@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 GATE_TYPES = ("top", "cosine_top", "sigmoid", "custom")
-EXPERT_TYPES = ("ffn", "glu", "custom")
+EXPERT_TYPES = ("ffn", "glu", "llama_ffn", "custom")
 AUX_LOSSES = ("gshard", "switch", "load_importance", "deepseek", "none")
 
 
@@ -140,7 +140,9 @@ class ExpertConfig:
     """The routed experts (and optional shared experts).
 
     type: "ffn" (fc1 -> activation -> fc2, Tutel's layout and names), "glu" (gate/up/down:
-        SwiGLU, GeGLU, GPT-OSS clamped SwiGLU) or "custom" (``module``; see dynamoe.moe.experts).
+        SwiGLU, GeGLU, GPT-OSS clamped SwiGLU), "llama_ffn" (Tutel's: act(x W1) * (x W2) -> W3, flat
+        ``W_fc1/2/3``, no biases, ``activation_fn`` default silu) or "custom" (``module``; see
+        dynamoe.moe.experts).
     num_experts_per_device: local experts L (E = L * world size); a negative -n shards each expert
         over n ranks along its hidden dim (E = world size / n; see dynamoe.moe.sharding).
     hidden_size_per_expert: F.
@@ -151,7 +153,7 @@ class ExpertConfig:
     type: str = "ffn"
     num_experts_per_device: int = 1
     hidden_size_per_expert: int = 0
-    activation_fn: Union[str, Callable, None] = None  # ffn only; None = relu
+    activation_fn: Union[str, Callable, None] = None  # ffn (None = relu) and llama_ffn (None = silu)
     has_fc1_bias: bool = True
     has_fc2_bias: bool = True
     output_dim: Optional[int] = None
@@ -195,6 +197,8 @@ class ExpertConfig:
         _check_int("num_shared_experts", self.num_shared_experts, 0)
         if self.type == "custom" and self.module is None:
             raise ValueError("experts type 'custom' needs 'module': an nn.Module (or class) following dynamoe.moe.experts.ExpertsProtocol")
+        if self.type == "llama_ffn" and (self.output_dim not in (None, 0) or self.num_shared_experts):
+            raise ValueError("llama_ffn experts (Tutel's) have output_dim = model_dim and no shared experts")
         if self.type == "custom" and self.num_shared_experts:
             raise ValueError("shared experts go with 'ffn' or 'glu' experts; add them inside a custom module instead")
 

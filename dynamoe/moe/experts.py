@@ -11,7 +11,9 @@ defines ``forward_ragged(x_ND, counts)`` is run dropless without padding. ``ctx`
 """
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -22,9 +24,10 @@ from ..ops.activations import activation, glu_activation
 from ..ops.grouped_matmul import grouped_mm
 from ..ops.scratch import scratch
 from .config import ExpertConfig
-from .sharding import FFN_SHARD_SPEC, GLU_SHARD_SPEC
+from .sharding import FFN_SHARD_SPEC, GLU_SHARD_SPEC, LLAMA_SHARD_SPEC
 
-__all__ = ["ExpertsProtocol", "FFNExperts", "GLUExperts", "SharedExperts", "build_experts", "glu_activation"]
+__all__ = ["ExpertsProtocol", "FFNExperts", "GLUExperts", "LlamaFFNExperts", "SharedExperts", "build_experts",
+           "glu_activation"]
 
 
 @runtime_checkable
@@ -99,13 +102,25 @@ class FFNExperts(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # fan-in of the whole expert, also when this rank holds a shard of it
-        _uniform_(self.batched_fc1_w, self.model_dim)
-        _uniform_(self.batched_fc2_w, self.hidden_size)
-        if self.batched_fc1_bias is not None:
-            _uniform_(self.batched_fc1_bias, self.model_dim)
-        if self.batched_fc2_bias is not None:
-            _uniform_(self.batched_fc2_bias, self.hidden_size)
+        """Tutel's initialisation, expert by expert: expert i's fc1 and fc2 are what
+        ``nn.Linear(D, F_shard)`` and ``nn.Linear(F_shard, O)`` draw (weight, then bias, fc1 first),
+        in that order from the CPU generator, so the same seeds give Tutel's weights bit for bit
+        (F_shard = F / sharded_count: a shard's fc2 fan-in is its own hidden size, as in Tutel)."""
+        if self.batched_fc1_w.is_meta:
+            return  # built for a later load: nothing to draw
+        Fs, O = self.batched_fc1_w.size(1), self.output_dim
+        b1, b2 = self.batched_fc1_bias is not None, self.batched_fc2_bias is not None
+        kw = dict(dtype=self.batched_fc1_w.dtype, device="cpu")
+        with torch.no_grad():
+            for i in range(self.batched_fc1_w.size(0)):
+                fc1 = nn.Linear(self.model_dim, Fs, bias=b1, **kw)
+                fc2 = nn.Linear(Fs, O, bias=b2, **kw)
+                self.batched_fc1_w[i].copy_(fc1.weight)
+                self.batched_fc2_w[i].copy_(fc2.weight.t())
+                if b1:
+                    self.batched_fc1_bias[i].copy_(fc1.bias)
+                if b2:
+                    self.batched_fc2_bias[i].copy_(fc2.bias[:self.batched_fc2_bias.size(-1)])
 
     def extra_repr(self) -> str:
         return (f"model_dim={self.model_dim}, hidden_size={self.hidden_size}, output_dim={self.output_dim}, "
@@ -187,6 +202,61 @@ class GLUExperts(nn.Module):
                           row_scale=row_scale, out=out)
 
 
+class LlamaFFNExperts(nn.Module):
+    """Tutel's ``llama_ffn`` experts: y = (act(x W1) * (x W2)) W3 with W1, W2 [L, D, F] and W3
+    [L, F, D], no biases, ``act`` silu unless ``activation_fn`` is given. Stored as Tutel stores them:
+    flat parameters ``W_fc1``, ``W_fc2``, ``W_fc3`` of ceil(numel / sharded_count) elements (this rank's
+    slice of the flattened weight when ``sharded_count`` ranks share an expert; the layer gathers
+    them), initialised with normal(0, 0.01) in that order, as Tutel does."""
+
+    fuses_row_scale = True
+    shard_spec = LLAMA_SHARD_SPEC
+
+    def __init__(self, model_dim: int, hidden_size: int, num_local_experts: int, activation_fn=None,
+                 dtype=None, device=None, sharded_count: int = 1):
+        super().__init__()
+        if isinstance(sharded_count, bool) or not isinstance(sharded_count, int) or sharded_count < 1:
+            raise ValueError(f"sharded_count must be an int >= 1, got {sharded_count!r}")
+        L, D, F_ = num_local_experts, model_dim, hidden_size
+        self.model_dim, self.hidden_size, self.output_dim, self.num_local_experts = D, F_, D, L
+        self.sharded_count = sharded_count
+        self.activation_fn = F.silu if activation_fn is None else activation(activation_fn)
+        kw = dict(dtype=dtype, device=device)
+        self.full_shapes = {"W_fc1": (L, D, F_), "W_fc2": (L, D, F_), "W_fc3": (L, F_, D)}
+        for name, shape in self.full_shapes.items():
+            setattr(self, name, nn.Parameter(torch.empty(-(-math.prod(shape) // sharded_count), **kw)))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for name in self.full_shapes:
+                getattr(self, name).normal_(0, 0.01)
+
+    def extra_repr(self) -> str:
+        return (f"model_dim={self.model_dim}, hidden_size={self.hidden_size}, local_experts={self.num_local_experts}, "
+                f"sharded_count={self.sharded_count}")
+
+    def _weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        # whole experts: this module's own (sharded_count 1) or gathered ones the layer passes in
+        D, F_ = self.model_dim, self.hidden_size
+        w1, w2, w3 = self.W_fc1, self.W_fc2, self.W_fc3
+        if w1.numel() < math.prod(self.full_shapes["W_fc1"]):  # this rank's slice only
+            raise ValueError("llama_ffn experts shared by several ranks compute with gathered weights: run them at "
+                             "adaptive_r=1 (Tutel's default parallel_type 'adaptive:1')")
+        return w1.view(-1, D, F_), w2.view(-1, D, F_), w3.view(-1, F_, D)
+
+    def forward(self, x_LCD: Tensor, ctx=None) -> Tensor:
+        w1, w2, w3 = self._weights()
+        return torch.matmul(self.activation_fn(torch.matmul(x_LCD, w1)) * torch.matmul(x_LCD, w2), w3)
+
+    def forward_ragged(self, x_ND: Tensor, counts: Sequence[int], row_scale: Tensor | None = None,
+                       out: Tensor | None = None) -> Tensor:
+        """Rows sorted by expert -> [N, D]; ``row_scale`` and ``out`` as in FFNExperts."""
+        w1, w2, w3 = self._weights()
+        h_NF = self.activation_fn(grouped_mm(x_ND, w1, counts, None, trans_w=False)) * grouped_mm(x_ND, w2, counts, None, trans_w=False)
+        return grouped_mm(h_NF, w3, counts, None, trans_w=False, row_scale=row_scale, out=out)
+
+
 class SharedExperts(nn.Module):
     """Always-on dense expert(s) added to the routed output (DeepSeek's ``shared_experts``): one
     MLP whose hidden size is ``num_shared * F`` unless given. GLU uses HF's names
@@ -232,9 +302,30 @@ def build_experts(cfg: ExpertConfig, model_dim: int, dtype=None, device=None, sh
     if cfg.type == "glu":
         return GLUExperts(model_dim, cfg.hidden_size_per_expert, L, cfg.glu_activation, cfg.glu_bias,
                           cfg.gpt_oss_alpha, cfg.gpt_oss_limit, cfg.output_dim, dtype, device, sharded_count)
+    if cfg.type == "llama_ffn":
+        return LlamaFFNExperts(model_dim, cfg.hidden_size_per_expert, L, cfg.activation_fn, dtype, device, sharded_count)
     module = cfg.module
     if isinstance(module, type):
-        module = module(model_dim=model_dim, num_experts_per_device=L, sharded_count=sharded_count, **cfg.module_kwargs)
+        module = module(**_custom_expert_kwargs(module, dict(model_dim=model_dim, num_experts_per_device=L,
+                                                             sharded_count=sharded_count, **cfg.module_kwargs)))
     if not isinstance(module, nn.Module) or not callable(getattr(module, "forward", None)):
         raise ValueError(f"custom experts 'module' must be an nn.Module (or a class building one) with forward(x_LCD, ctx), got {type(module).__name__}")
     return module.to(dtype=dtype, device=device) if (dtype is not None or device is not None) else module
+
+
+def _custom_expert_kwargs(cls: type, kwargs: dict) -> dict:
+    """Tutel's fallback for expert classes written for its older protocol: a constructor that takes
+    ``local_experts`` (and neither ``num_experts_per_device`` nor ``**kwargs``) gets the local expert
+    count under that name, with a deprecation warning."""
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # no inspectable signature: pass Tutel's current names
+        return kwargs
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if "num_experts_per_device" in params or takes_any or "local_experts" not in params:
+        return kwargs
+    warnings.warn(f"{cls.__name__}.__init__(.., local_experts, ..) is Tutel's deprecated name: rename `local_experts` "
+                  f"to `num_experts_per_device`", DeprecationWarning, stacklevel=4)
+    kwargs = dict(kwargs)
+    kwargs["local_experts"] = kwargs.pop("num_experts_per_device")
+    return kwargs

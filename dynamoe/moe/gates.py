@@ -86,7 +86,8 @@ class CosineGate(nn.Module):
         self.fp32_gate = fp32_gate
         self.temperature = nn.Parameter(torch.log(torch.full([1], 1.0 / init_t, device=device)))
         self.cosine_projector = nn.Linear(model_dim, proj_dim, dtype=dtype, device=device)
-        self.sim_matrix = nn.Parameter(torch.empty(proj_dim, num_experts, dtype=dtype, device=device))
+        # drawn twice, as Tutel does (randn, then normal(0, 0.01)): the same seeds give Tutel's values
+        self.sim_matrix = nn.Parameter(torch.randn(proj_dim, num_experts, dtype=dtype, device=device))
         nn.init.normal_(self.sim_matrix, 0, 0.01)
         self.clamp_max = math.log(1.0 / 0.01)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -26,7 +27,7 @@ from .dispatch import (DispatchPlan, RoutingStats, build_plan, combine_padded, c
                        dispatch_ragged)
 from .experts import FFNExperts, GLUExperts, SharedExperts, build_experts
 from .gates import Routing, build_gate, renormalizes, route
-from .sharding import OUTPUT_BIAS, merge_shards, shard_spec_of
+from .sharding import FLAT, OUTPUT_BIAS, merge_shards, shard_spec_of
 
 __all__ = ["MoELayer", "LAYOUTS"]
 
@@ -43,6 +44,10 @@ class MoELayer(nn.Module):
     configured balance loss, plus ``z_loss_coef`` * router z-loss) and ``y.routing_stats``
     (:class:`RoutingStats`: per-expert load, kept and dropped counts, capacity, layout).
     """
+
+    # Tutel's rule for k > E (moe_layer sets it): k becomes E, with one warning per layer; the typed
+    # API rejects such a k instead
+    _clamps_top_k = False
 
     def __init__(self, config: MoEConfig, scan_expert_func: Callable | None = None,
                  result_func: Callable | None = None, group=None, seeds=None, exchange=None):
@@ -77,6 +82,7 @@ class MoELayer(nn.Module):
         self.shared_experts = SharedExperts(config.experts, config.model_dim, **kw) if config.experts.num_shared_experts else None
         for n, p in self.experts.named_parameters():
             p._dynamoe_expert = True
+            p._tutel_expert = True  # Tutel's tag, which its optimizers and scripts test for
             if scan_expert_func is not None:
                 scan_expert_func(n, p)
 
@@ -92,6 +98,10 @@ class MoELayer(nn.Module):
         self.register_buffer("_load_since_update", torch.zeros(len(gates), E, dtype=torch.int64,
                                                                device=config.device), persistent=False)
         self.l_aux: Optional[Tensor] = None  # the last forward's loss, as Tutel exposes it
+        # the parallel degree and overlap the last forward used (Tutel's attributes report them)
+        self._last_r: Optional[int] = None
+        self._last_overlap: Optional[int] = None
+        self._k_clamp_warned = False
 
     def __getstate__(self):
         # the last forward's loss is part of an autograd graph: not something to copy or pickle;
@@ -105,7 +115,9 @@ class MoELayer(nn.Module):
     # ---- Tutel-compatible helpers -------------------------------------------------------------
     @staticmethod
     def global_expert_count(num_local_experts: int, group=None, world: int | None = None) -> int:
-        world = _world_size(group) if world is None else world
+        """E for ``num_local_experts`` per rank of ``group`` (Tutel's: None = the default group when
+        torch.distributed is initialised); a negative -n: n ranks share each expert."""
+        world = _world_size(dist.group.WORLD if group is None and _initialized() else group) if world is None else world
         if num_local_experts == 0:
             raise ValueError("num_local_experts must be non-zero")
         if num_local_experts > 0:
@@ -123,7 +135,7 @@ class MoELayer(nn.Module):
         """Checks that need the global expert count E (the config only knows the local one)."""
         cfg = self.config
         for g in cfg.gates:
-            if g.k is not None and g.k > E:
+            if g.k is not None and g.k > E and not self._clamps_top_k:
                 raise ValueError(f"gate k={g.k} exceeds the number of experts ({E})")
             if g.type == "sigmoid":
                 if E % g.n_group:
@@ -136,6 +148,59 @@ class MoELayer(nn.Module):
     @property
     def top_k(self) -> int:
         return self.config.gates[0].k
+
+    # Tutel's layer attributes. Per-call switches are not remembered as the new default (dynamoe's
+    # rule); ``adaptive_degree`` and ``a2a_ffn_overlap_degree`` report what the last forward used (the
+    # configured value before any), and assigning one sets the configured default.
+    @property
+    def valid_rs(self) -> list[int]:
+        """The adaptive degrees a forward accepts: 0 (data parallel) and the divisors of sharded_count."""
+        return [0] + [d for d in range(1, self.sharded_count + 1) if self.sharded_count % d == 0]
+
+    @property
+    def adaptive_degree(self) -> int:
+        if self._last_r is not None:
+            return self._last_r
+        return min(parse_parallel_type(self.config.parallel_type, self.sharded_count), self.sharded_count)
+
+    @adaptive_degree.setter
+    def adaptive_degree(self, r: int) -> None:
+        if r not in self.valid_rs:
+            raise ValueError(f"adaptive_degree must be one of {self.valid_rs}, got {r!r}")
+        self.config = dataclasses.replace(self.config, parallel_type=f"adaptive:{r}")
+        self._last_r = None
+
+    @property
+    def a2a_ffn_overlap_degree(self) -> int:
+        return self._last_overlap if self._last_overlap is not None else self.config.a2a_ffn_overlap_degree
+
+    @a2a_ffn_overlap_degree.setter
+    def a2a_ffn_overlap_degree(self, degree: int) -> None:
+        self.config = dataclasses.replace(self.config, a2a_ffn_overlap_degree=check_overlap_degree(degree))
+        self._last_overlap = None
+
+    @property
+    def is_postscore(self) -> bool:
+        return self.config.is_postscore
+
+    @property
+    def batch_prioritized_routing(self) -> bool:
+        return self.config.batch_prioritized_routing
+
+    @property
+    def normalize_gate(self) -> bool:
+        return self.config.normalize_gate
+
+    @property
+    def is_gshard_loss(self) -> bool:
+        return self.config.aux_loss == "gshard"
+
+    @property
+    def use_2dh(self) -> bool:
+        return self.config.use_2dh
+
+    auto_parallel = False       # Tutel's, never set there either
+    use_model_parallel = True
 
     def get_parameter_iterator(self, param_type: str):
         if param_type == "gate":
@@ -154,6 +219,10 @@ class MoELayer(nn.Module):
             state_dict[key] = self._num_global_experts.clone()
         elif int(state_dict[key]) != self.num_global_experts:
             raise ValueError(f"checkpoint has {int(state_dict[key])} experts in {prefix or 'the layer'}, this layer has {self.num_global_experts}")
+        for name, p in self.experts.named_parameters():  # Tutel: an expert tensor of the same size loads in this shape
+            saved = state_dict.get(prefix + "experts." + name)
+            if isinstance(saved, Tensor) and saved.shape != p.shape and saved.numel() == p.numel():
+                state_dict[prefix + "experts." + name] = saved.reshape(p.shape)
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ---- training hooks -----------------------------------------------------------------------
@@ -205,13 +274,17 @@ class MoELayer(nn.Module):
             raise ValueError(f"gate_index must be an int in [0, {len(self.gates)}), got {gate_index!r}")
         gcfg = cfg.gates[gate_index]
         E = self.num_global_experts
-        k = check_top_k(gcfg.k if top_k is None else top_k, E)
+        k = gcfg.k if top_k is None else top_k
+        if self._clamps_top_k and isinstance(k, int) and not isinstance(k, bool) and k > E:
+            k = self._clamp_top_k(k, E)
+        k = check_top_k(k, E)
         cf = check_capacity_factor(gcfg.capacity_factor if capacity_factor is None else capacity_factor)
         overlap = check_overlap_degree(cfg.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else a2a_ffn_overlap_degree)
         valid_r = [0] + [d for d in range(1, self.sharded_count + 1) if self.sharded_count % d == 0]
         if adaptive_r is not None and (isinstance(adaptive_r, bool) or not isinstance(adaptive_r, int) or adaptive_r not in valid_r):
             raise ValueError(f"adaptive_r must be one of {valid_r} here (divisors of sharded_count={self.sharded_count}, or 0), got {adaptive_r!r}")
         r = adaptive_r if adaptive_r is not None else min(parse_parallel_type(cfg.parallel_type, self.sharded_count), self.sharded_count)
+        self.__dict__["_last_r"], self.__dict__["_last_overlap"] = r, overlap
         data_parallel = r == 0 and self.world_size > 1
         chosen_layout = self._pick_layout(layout, megablocks_size, cf, x_TD.size(0) * k, E, local=data_parallel)
         # Tutel's capacity alignment: a multiple of the overlap chunks, rounded up to megablocks_size
@@ -261,6 +334,12 @@ class MoELayer(nn.Module):
         return self._finish(y_TO, out_shape, orig_dtype, l_aux, stats)
 
     # ---- pieces of forward --------------------------------------------------------------------
+    def _clamp_top_k(self, k: int, E: int) -> int:
+        if not self._k_clamp_warned:
+            self.__dict__["_k_clamp_warned"] = True
+            warnings.warn(f"top_k={k} exceeds the {E} experts: using top_k={E} (Tutel's rule)", UserWarning, stacklevel=4)
+        return E
+
     def _fused_decode(self, x_TD: Tensor, routing, cf: float):
         """A decode step's experts in one kernel call (dynamoe.ops.moe_decode), where that is the
         same computation: inference, dropless, built-in FFN/GLU experts or packed GLU experts whole
@@ -417,6 +496,8 @@ class MoELayer(nn.Module):
         gathered = {n: self.exchange.gather_experts(p) for n, p in self.experts.named_parameters()}
         if self.sharded_count > 1:  # [W, ...] = [E, n shards, ...] -> whole experts [E, ...]
             spec, n = shard_spec_of(self.experts), self.sharded_count
+            if FLAT in spec.values():
+                raise ValueError("llama_ffn experts shared by several ranks run at adaptive_r=1 only")
             gathered = {k: merge_shards(t.view(-1, n, *t.shape[1:]).transpose(0, 1), spec[k], self._out_dim())
                         for k, t in gathered.items()}
         local = _LocalView(self)
@@ -432,12 +513,18 @@ class MoELayer(nn.Module):
         g = n // r
         experts = self.experts
         spec = getattr(experts, "shard_spec", None)
-        if spec is None and r != n:
-            raise ValueError(f"custom experts sharded over ranks run at adaptive_r={n} (= sharded_count) only; "
-                             f"gathering shards for adaptive_r={r} needs the built-in ffn/glu experts")
+        if spec is None and r not in (1, n):
+            raise ValueError(f"custom experts shared by {n} ranks run at adaptive_r=1 (they gather their own weights, "
+                             f"Tutel's protocol) or adaptive_r={n}; gathering shards for adaptive_r={r} needs the "
+                             f"built-in ffn/glu experts")
         params = {}
         for name, p in (experts.named_parameters() if spec is not None else ()):
-            if spec[name] == OUTPUT_BIAS:
+            if spec[name] == FLAT:  # llama_ffn: whole only when gathered
+                if r != 1:
+                    raise ValueError(f"llama_ffn experts shared by {n} ranks run at adaptive_r=1 only (Tutel's layout "
+                                     f"slices the flattened weights), got adaptive_r={r}")
+                params[name] = groups.gather_shards(p, n).reshape(-1)[:math.prod(experts.full_shapes[name])]
+            elif spec[name] == OUTPUT_BIAS:
                 full = merge_shards(groups.gather_shards(p, n), OUTPUT_BIAS, self._out_dim())
                 params[name] = full * (1.0 / r) if r > 1 else full
             elif g > 1:
@@ -577,8 +664,12 @@ class MoELayer(nn.Module):
 _NO_AUX_LOSS = torch.zeros(())
 
 
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _world_size(group) -> int:
-    if group is None or not (dist.is_available() and dist.is_initialized()):
+    if group is None or not _initialized():
         return 1
     return dist.get_world_size(group)
 

@@ -20,16 +20,20 @@ from typing import Union
 import torch
 from torch import Tensor
 
-__all__ = ["OUTPUT_BIAS", "ShardRole", "FFN_SHARD_SPEC", "GLU_SHARD_SPEC", "BUILTIN_SHARD_SPEC", "OUTPUT_DIM_OF",
-           "merge_shards", "split_shard", "shard_spec_of"]
+__all__ = ["OUTPUT_BIAS", "FLAT", "ShardRole", "FFN_SHARD_SPEC", "GLU_SHARD_SPEC", "LLAMA_SHARD_SPEC",
+           "BUILTIN_SHARD_SPEC", "OUTPUT_DIM_OF", "merge_shards", "split_shard", "shard_spec_of"]
 
 OUTPUT_BIAS = "output_bias"
+# Tutel's llama_ffn layout: the flattened weight cut into n equal slices (the last one zero-padded);
+# whole again only when gathered (adaptive_r = 1), never a hidden-dim slice
+FLAT = "flat"
 ShardRole = Union[tuple, str]
 
 FFN_SHARD_SPEC = {"batched_fc1_w": (1, 1), "batched_fc1_bias": (1, 1), "batched_fc2_w": (1, 1),
                   "batched_fc2_bias": OUTPUT_BIAS}
 GLU_SHARD_SPEC = {"gate_up_proj": (1, 2), "gate_up_proj_bias": (1, 2), "down_proj": (2, 1),
                   "down_proj_bias": OUTPUT_BIAS}
+LLAMA_SHARD_SPEC = {"W_fc1": FLAT, "W_fc2": FLAT, "W_fc3": FLAT}
 # by parameter name, for code that sees state dicts rather than modules (checkpoint re-sharding)
 BUILTIN_SHARD_SPEC = {**FFN_SHARD_SPEC, **GLU_SHARD_SPEC}
 # an output bias is padded to a multiple of n: its true length is this weight's dim

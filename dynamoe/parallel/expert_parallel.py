@@ -58,7 +58,7 @@ class AllToAllExchange:
         return t
 
     def gather_experts(self, p: Tensor) -> Tensor:
-        return net.all_gather(p, 0, group=self.group)          # [L, ...] -> [E, ...], grads summed back
+        return net.all_gather(p, 0, fused=True, group=self.group)   # [L, ...] -> [E, ...], grads summed back
 
     def shard_groups(self, n: int) -> "ShardGroups":
         """The process groups behind experts shared by n consecutive ranks (collective: every rank
@@ -98,4 +98,4 @@ class ShardGroups:
     def gather_shards(self, p: Tensor, g: int) -> Tensor:
         """[g, *p.shape]: this rank's g-block's shards of ``p`` in rank order (differentiable:
         each shard's gradient sums over the block)."""
-        return net.all_gather(p.unsqueeze(0), 0, group=self._blocks[g])
+        return net.all_gather(p.unsqueeze(0), 0, fused=True, group=self._blocks[g])
