@@ -139,7 +139,11 @@ def test_finish_reasons_and_limits(model):
     r_all = engine.add_request(list(range(3, 13)), greedy, None, ignore_eos=True)
     assert r.max_tokens == 6 and r_all.max_tokens == 6
     engine.run_until_done()
-    assert r.finish_reason == "length" and len(r.output_ids) == 6
+    # max_seq_len full before the asked max_tokens (or with none asked): 'context', not 'length'
+    assert r.finish_reason == r_all.finish_reason == "context" and len(r.output_ids) == len(r_all.output_ids) == 6
+    exact = engine.add_request(list(range(3, 13)), greedy, 6, ignore_eos=True)   # asked for exactly what fits
+    engine.run_until_done()
+    assert exact.finish_reason == "length"
     for bad, match in [(dict(prompt=[]), "at least one token"), (dict(prompt=[1, 10**6]), r"\[0, 302\)"),
                        (dict(prompt=[1], max_tokens=0), "max_tokens"), (dict(prompt="hi"), "tokenizer"),
                        (dict(prompt=[1], stop=["x"]), "tokenizer")]:

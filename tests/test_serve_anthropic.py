@@ -1,6 +1,9 @@
 """The Anthropic routes through the official ``anthropic`` SDK: a real ``dynamoe serve`` process (tiny random
 Qwen3-MoE) for messages, streaming, system prompts, count_tokens and errors; an in-process server over a
 scripted model for thinking and the tool_use -> tool_result round trip."""
+import json
+import os
+
 import httpx
 import pytest
 
@@ -80,8 +83,8 @@ def test_errors_in_anthropic_shape(client, server):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="x", max_tokens=5, messages=MSGS, extra_body={"temperature": -0.5})
     assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error",
-                                                       "message": "temperature must be a finite number >= 0 (0: greedy), "
-                                                                  "got -0.5"}}
+                                                       "message": "invalid request: temperature: Input should be "
+                                                                  "greater than or equal to 0, got -0.5"}}
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         client.messages.create(model="x", max_tokens=0, messages=MSGS)
     r = httpx.post(server.url + "/v1/messages", headers={"x-api-key": server.api_key}, content=b"{not json")
@@ -137,3 +140,198 @@ def test_thinking_switch_reaches_the_template(scripted, tmp_path_factory):
     assert model.prompts[-1].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     scripted.messages.create(model="x", max_tokens=20, messages=MSGS, thinking={"type": "enabled", "budget_tokens": 1024})
     assert model.prompts[-1].endswith("<|im_start|>assistant\n")
+
+
+# --- what Claude Code sends ------------------------------------------------------------------------
+
+CLAUDE_CODE = os.path.join(os.path.dirname(__file__), "data", "claude_code_requests.json")
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory):
+    """A scripted server whose context holds Claude Code's main requests (~78k tokens with the test tokenizer)."""
+    from serve_testing import InProcessServer, scripted_engine
+    engine, tok = scripted_engine(str(tmp_path_factory.mktemp("long_tok")), max_seq_len=131072)
+    srv = InProcessServer(engine, tok)
+    yield srv
+    srv.stop()
+
+
+def _claude_code_requests():
+    with open(CLAUDE_CODE, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("i", range(5), ids=lambda i: "{cli} {method} {path}".format(**_claude_code_requests()[i]))
+def test_claude_code_requests_are_served(long_context, i):
+    """The requests Claude Code 2.1.197 and 2.1.332 sent (recorded): probes answer, messages (a system
+    message inside messages[], thinking adaptive, output_config, context_management, metadata, any
+    anthropic-beta) stream a message; the mid-conversation system text reaches the prompt."""
+    req = _claude_code_requests()[i]
+    url = long_context.url + req["path"]
+    if req["method"] == "HEAD":
+        r = httpx.head(url, headers=req["headers"])
+        assert r.status_code in (200, 404)
+        return
+    body = req["body"]
+    r = httpx.post(url, headers=req["headers"], json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    types = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert types[0] == "message_start" and types[-2:] == ["message_delta", "message_stop"]
+    n = httpx.post(long_context.url + "/v1/messages/count_tokens?beta=true", headers=req["headers"],
+                   json={k: v for k, v in body.items() if k not in ("max_tokens", "stream")}).json()["input_tokens"]
+    start = json.loads(r.text.split("data: ", 1)[1].split("\n", 1)[0])
+    assert start["message"]["usage"]["input_tokens"] == n > 0
+    prompt = long_context.app.state.server.engine.model.prompts[-1]
+    assert "x-anthropic-billing-header" not in prompt   # request metadata, not part of the prompt
+    for m in body["messages"]:
+        if m["role"] == "system":   # the test template cannot render it in place: folded into the system prompt
+            text = m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]
+            assert text[:200] in prompt and prompt.index(text[:200]) < prompt.index("<|im_start|>user")
+    if "format" in body.get("output_config", {}):
+        assert '"required": ["title"]' in prompt   # the JSON schema is asked for in the system prompt
+
+
+TEXT_TEMPLATE_KEEPS = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+TEMPLATE_DROPS = "{% for m in messages %}{% if m.role != 'system' or loop.first %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}"
+TEMPLATE_RAISES = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+                   "{{ raise_exception('system first') }}{% endif %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+
+
+@pytest.mark.parametrize("template,expect", [
+    (TEXT_TEMPLATE_KEEPS, "<system>S<user>a<system>late<assistant>b<system>later<user>c"),
+    (TEMPLATE_DROPS, "<system>S\n\nlate\n\nlater<user>a<assistant>b<user>c"),
+    (TEMPLATE_RAISES, "<system>S\n\nlate\n\nlater<user>a<assistant>b<user>c"),
+], ids=["renders-in-place", "drops", "raises"])
+def test_mid_conversation_system_messages(template, expect):
+    """A system message after the first stays at its place when the template renders it there; when the
+    template raises on it or drops it, its text is folded into the leading system prompt."""
+    from dynamoe.serve.state import _place_system_messages
+    from dynamoe.engine.tokenizer import render_chat_template
+
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+            {"role": "system", "content": "late"}, {"role": "assistant", "content": "b"},
+            {"role": "system", "content": "later"}, {"role": "user", "content": "c"}]
+
+    def render(m):
+        return render_chat_template(template, m, add_generation_prompt=False)
+    assert render(_place_system_messages(msgs, render)) == expect
+    no_lead = _place_system_messages(msgs[1:], render)   # no leading system prompt: one is made when folding
+    assert no_lead == msgs[1:] if template == TEXT_TEMPLATE_KEEPS else \
+        no_lead == [{"role": "system", "content": "late\n\nlater"}, msgs[1], msgs[3], msgs[5]]
+
+
+def test_system_message_in_messages_via_the_sdk(scripted, tmp_path_factory):
+    from serve_testing import scripted_server
+    model = scripted_server(tmp_path_factory).app.state.server.engine.model
+    for content in ("Be brief.", [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]):
+        msg = scripted.messages.create(model="x", max_tokens=20, system=[{"type": "text", "text": "Top."}],
+                                       messages=[{"role": "user", "content": "hi"}, {"role": "system", "content": content}])
+        assert msg.stop_reason == "end_turn"
+        assert model.prompts[-1].startswith("<|im_start|>system\nTop.\n\nBe brief.<|im_end|>\n<|im_start|>user\nhi")
+
+
+def _post(srv_url: str, body: dict, path: str = "/v1/messages", **headers):
+    return httpx.post(srv_url + path, json=body, headers=headers, timeout=30)
+
+
+def _hello(**extra) -> dict:
+    return {"model": "claude-x", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+@pytest.mark.parametrize("extra", [
+    dict(thinking={"type": "adaptive"}), dict(thinking={"type": "adaptive", "display": "summarized"}),
+    dict(thinking={"type": "between_tools"}), dict(thinking={"type": "enabled", "budget_tokens": 1024}),
+    dict(metadata={"user_id": "u"}), dict(context_management={"edits": [{"type": "clear_thinking_20251015"}]}),
+    dict(output_config={"effort": "max"}), dict(temperature=1), dict(temperature=0, top_p=1, top_k=0),
+    dict(service_tier="auto", unknown_field={"x": 1}), dict(stop_sequences=["zzz"]),
+    dict(tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}),
+    dict(tools=TOOLS, tool_choice={"type": "any"}), dict(tools=TOOLS, tool_choice={"type": "none"}),
+    dict(tools=[*TOOLS, {"type": "web_search_20250305", "name": "web_search"}]),
+    dict(system=[{"type": "text", "text": "a", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]),
+    dict(messages=[{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]),
+])
+def test_accepted_fields(tmp_path_factory, extra):
+    from serve_testing import scripted_server
+    srv = scripted_server(tmp_path_factory)
+    r = _post(srv.url, _hello(**extra), "/v1/messages?beta=true", **{"anthropic-beta": "any-beta-2099-01-01,other"})
+    assert r.status_code == 200, r.text
+    assert r.json()["type"] == "message"
+
+
+@pytest.mark.parametrize("extra,field", [
+    (dict(stream="yes"), "stream"), (dict(temperature=1.5), "temperature"), (dict(temperature="hot"), "temperature"),
+    (dict(top_p=1.01), "top_p"), (dict(top_k=-1), "top_k"), (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens="20"), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
+    (dict(thinking={"type": "sometimes"}), "thinking.type"), (dict(thinking={"type": "enabled"}), "thinking.budget_tokens"),
+    (dict(thinking={"type": "enabled", "budget_tokens": 100}), "thinking.budget_tokens"),
+    (dict(thinking={"type": "adaptive", "display": "loud"}), "thinking.display"),
+    (dict(tools=TOOLS, tool_choice={"type": "required"}), "tool_choice.type"),
+    (dict(tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}), "tool_choice.name"),
+    (dict(tools=TOOLS, tool_choice={"type": "auto", "disable_parallel_tool_use": "no"}), "tool_choice.disable_parallel_tool_use"),
+    (dict(tools=[{"name": "x"}]), "tools.0.input_schema"), (dict(tools=[{"input_schema": {}}]), "tools.0.name"),
+    (dict(messages=[]), "messages"), (dict(messages=[{"role": "robot", "content": "hi"}]), "messages.0.role"),
+    (dict(messages=[{"role": "user"}]), "messages.0.content"), (dict(messages=["hi"]), "messages.0"),
+    (dict(messages=[{"role": "user", "content": [{"type": "foo"}]}]), "messages.0.content.0.type"),
+    (dict(messages=[{"role": "user", "content": [{"text": "x"}]}]), "messages.0.content.0.type"),
+    (dict(messages=[{"role": "user", "content": ["hi"]}]), "messages.0.content.0"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), "messages.0.content.0.type"),
+    (dict(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages.0.content.0.text"),
+    (dict(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "tool_result"}]}]),
+     "messages.1.content.0.type"),
+    (dict(messages=[{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]), "messages.0.content.0.tool_use_id"),
+    (dict(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]), "messages.1.content.0.input"),
+    (dict(messages=[{"role": "user", "content": "a"}, {"role": "system", "content": [{"type": "image"}]}]),
+     "messages.1.content.0.type"),
+    (dict(system=[{"type": "image"}]), "system.0.type"), (dict(system=5), "system"),
+    (dict(output_config={"effort": "extreme"}), "output_config.effort"),
+    (dict(output_config={"format": {"type": "regex"}}), "output_config.format"),
+    (dict(stop_sequences=[""]), "stop_sequences"), (dict(stop_sequences="x"), "stop_sequences"),
+    (dict(metadata="u"), "metadata"),
+])
+def test_rejected_fields_name_the_field(tmp_path_factory, extra, field):
+    """A client mistake is a 400 in Anthropic's shape whose message starts with the offending field."""
+    from serve_testing import scripted_server
+    srv = scripted_server(tmp_path_factory)
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        body = _hello(**extra)
+        if path.endswith("count_tokens") and set(extra) & {"stream", "temperature", "top_p", "top_k", "max_tokens",
+                                                          "stop_sequences"}:
+            continue   # not fields of count_tokens (ignored there)
+        r = _post(srv.url, body, path)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        msg = err["error"]["message"].removeprefix("invalid request: ")
+        assert msg.startswith(field + ":") or msg.startswith(field + " "), msg
+
+
+def test_thinking_display_omitted(scripted):
+    msgs = [{"role": "user", "content": "think about it"}]
+    msg = scripted.messages.create(model="x", max_tokens=100, messages=msgs,
+                                   thinking={"type": "adaptive", "display": "omitted"})
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in msg.content] == \
+        [("thinking", None), ("text", "Forty-two.")] and msg.content[0].thinking == ""
+    with scripted.messages.stream(model="x", max_tokens=100, messages=msgs,
+                                  thinking={"type": "adaptive", "display": "omitted"}) as s:
+        final = s.get_final_message()
+    assert final.content[0].type == "thinking" and final.content[0].thinking == "" and final.content[1].text == "Forty-two."
+
+
+# --- a full context --------------------------------------------------------------------------------
+
+def test_full_context_is_not_max_tokens(client, server):
+    """max_tokens above what fits: the generation fills max_seq_len and says so
+    (model_context_window_exceeded), never max_tokens (Claude Code would report its own output limit)."""
+    msg = client.messages.create(model="x", max_tokens=64000, messages=MSGS)
+    assert msg.stop_reason == "model_context_window_exceeded"
+    assert msg.usage.input_tokens + msg.usage.output_tokens == 256   # serve_testing.MAX_SEQ_LEN
+    with client.messages.stream(model="x", max_tokens=64000, messages=MSGS) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "model_context_window_exceeded"
+    exact = client.messages.create(model="x", max_tokens=msg.usage.output_tokens, messages=MSGS)
+    assert exact.stop_reason == "max_tokens"   # its own limit, even though the context is full too
+    too_long = [{"role": "user", "content": "hello world " * 300}]
+    with pytest.raises(anthropic.BadRequestError, match="max_seq_len"):
+        client.messages.create(model="x", max_tokens=10, messages=too_long)

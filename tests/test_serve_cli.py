@@ -55,3 +55,20 @@ def test_streaming_client_example(tmp_path_factory, flag):
                                  out=out, err=err)
     assert rc == 0 and out.getvalue().strip()
     assert "7 generated tokens" in err.getvalue()
+
+
+def test_max_seq_len_above_the_model_warns(tmp_path):
+    from types import SimpleNamespace
+
+    from serve_testing import ScriptedLM, script
+    from engine_testing import write_tokenizer_dir
+    from dynamoe.engine import Tokenizer
+
+    tok = Tokenizer.from_dir(write_tokenizer_dir(str(tmp_path)))
+    model = ScriptedLM(tok, script, eos_token_id=2, max_position_embeddings=512)
+    for asked, warns in ((512, False), (None, False), (2048, True)):
+        err = io.StringIO()
+        args = SimpleNamespace(max_seq_len=asked, max_num_seqs=1, prefix_caching=False)
+        engine, max_seq_len = serve_cli.build_engine(args, model, tok, err)
+        assert max_seq_len == engine.max_seq_len == (asked or 512)
+        assert ("--max_seq_len 2048 is above the model's max_position_embeddings 512" in err.getvalue()) == warns

@@ -279,3 +279,25 @@ def test_a_failing_forward_is_an_error_answer_not_a_dead_server(tmp_path_factory
     assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
     out = oai.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}])
     assert out.choices[0].message.content == "Hello from the script."
+
+
+def test_probes_and_published_api(server):
+    """Claude Code's probes (HEAD / and HEAD /api/hello, sent without the key) get 200 / a quiet 404; the
+    API's description and FastAPI's docs page are behind the key like the data routes."""
+    assert httpx.head(server.url + "/").status_code == 200
+    for path in ("/api/hello", "/nothing/here"):
+        r = httpx.head(server.url + path)
+        assert r.status_code == 404 and not r.content
+        r = httpx.get(server.url + path)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert "Traceback" not in server.log() and "/api/hello" not in server.log()
+    for path in ("/openapi.json", "/docs"):
+        assert httpx.get(server.url + path).status_code == 401
+    spec = httpx.get(server.url + "/openapi.json", headers=server.headers).json()
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/chat"):
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.removeprefix("#/components/schemas/") in spec["components"]["schemas"]
+    messages = spec["components"]["schemas"]["MessagesRequest"]["properties"]
+    assert messages["temperature"]["anyOf"][0]["maximum"] == 1 and messages["max_tokens"]["minimum"] == 1
+    docs = httpx.get(server.url + "/docs", headers=server.headers)
+    assert docs.status_code == 200 and "/openapi.json" in docs.text

@@ -1,6 +1,7 @@
 """The OpenAI routes through the official ``openai`` SDK against a real ``dynamoe serve`` process (a tiny
 random Qwen3-MoE), plus tool calls and reasoning against an in-process server over a scripted model."""
 import json
+import re
 import threading
 
 import httpx
@@ -144,7 +145,7 @@ def test_bad_requests(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "word " * MAX_SEQ_LEN}])
     assert e.value.body["code"] == "context_length_exceeded" and f"max_seq_len is {MAX_SEQ_LEN}" in e.value.message
-    with pytest.raises(openai.BadRequestError, match="prompt token ids must be in"):
+    with pytest.raises(openai.BadRequestError, match=r"prompt holds token id 1000000, outside the vocabulary \[0, "):
         client.completions.create(model="tiny-moe", prompt=[1, 2, 10**6])
     with pytest.raises(openai.BadRequestError, match="role must be one of"):
         client.chat.completions.create(model="tiny-moe", messages=[{"role": "bot", "content": "x"}])
@@ -247,3 +248,41 @@ def test_chat_template_kwargs(scripted_client, tmp_path_factory):
     with pytest.raises(openai.BadRequestError, match="may not set chat_template"):
         scripted_client.chat.completions.create(model="scripted", messages=msgs,
                                                 extra_body={"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}})
+
+
+@pytest.mark.parametrize("body,param,match", [
+    ({"prompt": [-1], "echo": True}, "prompt", r"token id -1, outside the vocabulary"),   # once an OverflowError (500)
+    ({"prompt": [2**70], "echo": True}, "prompt", r"token id 1180591620717411303424, outside"),
+    ({"prompt": [[1, 2], [3, -5]], "echo": True}, "prompt", r"prompt\[1\] holds token id -5"),
+    ({"prompt": ["a"] * 64, "n": 64}, "n", r"64 prompts x n=64 asks for 4096 sequences; one request may ask for at most 128"),
+    ({"prompt": ["a"] * 129}, "prompt", r"129 prompts x n=1"),
+    ({"prompt": "a", "logprobs": 30}, "logprobs", r"logprobs"),
+    ({"prompt": "a", "stream": "yes"}, "stream", r"stream: Input should be a valid boolean, got 'yes'"),
+    ({"prompt": "a", "max_tokens": "5"}, "max_tokens", r"max_tokens"),
+])
+def test_completion_errors_name_the_field(server, body, param, match):
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, json={"max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and re.search(match, err["message"]), err
+
+
+@pytest.mark.parametrize("body,match", [
+    ({"logprobs": True, "top_logprobs": 21}, r"top_logprobs must be an int in \[0, 20\], got 21"),
+    ({"logprobs": True, "top_logprobs": -1}, r"top_logprobs must be an int in \[0, 20\], got -1"),
+    ({"top_logprobs": 2}, "top_logprobs needs logprobs=true"),
+])
+def test_top_logprobs_errors_name_top_logprobs(server, body, match):
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers,
+                   json={"messages": MSGS, "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    assert re.search(match, r.json()["error"]["message"])
+
+
+def test_full_context_is_length(client):
+    """No max_tokens (or more than fits): generation fills max_seq_len; OpenAI's reason is 'length'."""
+    out = client.chat.completions.create(model="tiny-moe", messages=MSGS)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == MAX_SEQ_LEN
+    chunks = list(client.completions.create(model="tiny-moe", prompt="hello", max_tokens=10**6, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"

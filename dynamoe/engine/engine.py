@@ -135,6 +135,8 @@ class GenerationEngine:
         prompt: token ids (or text, encoded with the tokenizer's special tokens). max_tokens: tokens to
         generate at most; None = as many as fit in ``max_seq_len``. A prompt plus ``max_tokens`` over
         ``max_seq_len`` raises ValueError, unless ``clip_max_tokens`` lowers ``max_tokens`` to what fits.
+        A request that then fills ``max_seq_len`` finishes with 'context', not 'length' (its own limit
+        was not reached: APIs report the two differently).
         stop: strings that end the output (not included in it). stop_token_ids: tokens that end it, in
         addition to EOS (unless ``ignore_eos``). on_event: called with each event on the stepping thread,
         under the engine's lock: keep it short (e.g. ``loop.call_soon_threadsafe(queue.put_nowait, ev)``).
@@ -163,6 +165,7 @@ class GenerationEngine:
         room = self.max_seq_len - len(prompt_ids)
         if room < 1:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in max_seq_len={self.max_seq_len}")
+        context_limited = max_tokens is None or (isinstance(max_tokens, int) and max_tokens > room)
         if max_tokens is None:
             max_tokens = room
         elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -188,6 +191,7 @@ class GenerationEngine:
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             req = Request(rid, prompt_ids, params, max_tokens, stop_ids, stops, decoder, on_event)
+            req.context_limited = context_limited
             self._waiting.append(req)
             self.totals["requests"] += 1
             self._work.notify_all()
@@ -392,7 +396,7 @@ class GenerationEngine:
                 if matched is not None:
                     finish, stop = "stop", matched
             if finish is None and len(r.output_ids) >= r.max_tokens:
-                finish = "length"
+                finish = "context" if r.context_limited else "length"
                 if r._decoder is not None:
                     more, matched = r._stop.push(r._decoder.flush())
                     text += more

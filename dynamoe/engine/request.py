@@ -25,7 +25,8 @@ class TokenEvent:
     """One step of one request. ``token_id`` is None only on a final event without a token (cancelled,
     error). ``text`` is the new text (may be "" while a character or a possible stop string is held
     back). ``finish_reason``: None while running, then 'stop' (stop token or string), 'length'
-    (max_tokens), 'cancelled' or 'error' (``error`` holds the message)."""
+    (max_tokens), 'context' (max_seq_len full before the request's max_tokens, or max_tokens None),
+    'cancelled' or 'error' (``error`` holds the message)."""
     request_id: str
     token_id: int | None
     text: str
@@ -86,6 +87,7 @@ class Request:
         self.prompt_ids = prompt_ids
         self.params = params
         self.max_tokens = max_tokens
+        self.context_limited = False   # max_tokens is what fits in max_seq_len, not what was asked
         self.stop_token_ids = stop_token_ids
         self.output_ids: list[int] = []
         self.text = ""

@@ -3,25 +3,31 @@
 
 Any model name is accepted and served by the one loaded model (clients such as Claude Code use several
 names). Requests are converted into the chat template's messages: ``system`` (string or text blocks)
-becomes a system message, ``tool_use`` blocks become the assistant's ``tool_calls``, ``tool_result``
-blocks become ``tool`` messages, ``thinking`` blocks become ``reasoning_content``; ``tools`` are
-rendered as OpenAI-style function definitions; ``thinking.type`` enabled/disabled switches the
-template's thinking mode and ``output_config.effort`` becomes its ``reasoning_effort``. Sampling fields
-(``temperature``, ``top_p``, ``top_k``) are honoured when sent (newer SDKs send them only via extra_body).
-Streams follow the event order in /work/shared/specs/SERVING.md.
+becomes a system message, and so does a ``system`` message inside ``messages`` (kept at its place when
+the template renders it there, else folded into the leading system prompt); ``tool_use`` blocks become
+the assistant's ``tool_calls``, ``tool_result`` blocks become ``tool`` messages, ``thinking`` blocks
+become ``reasoning_content``; ``tools`` are rendered as OpenAI-style function definitions
+(``tool_choice`` none drops them, tool offers only the named one); ``thinking.type`` enabled / adaptive /
+between_tools / disabled switches the template's thinking mode, ``output_config.effort`` becomes its
+``reasoning_effort`` and ``output_config.format`` (a JSON schema) an instruction in the system prompt.
+Unknown fields and any ``anthropic-beta`` header are ignored; the API's own ranges are enforced, errors
+name the field (``messages.1.content.0.type``). Sampling fields (``temperature``, ``top_p``, ``top_k``)
+are honoured when sent. A generation that fills ``max_seq_len`` before ``max_tokens`` stops with
+``model_context_window_exceeded``. Streams follow the event order in /work/shared/specs/SERVING.md.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .body import read_json
+from .openapi import request_body
 from .errors import APIError, sse_error
 from .parsing import OutputParser, Part, new_id
 from .runner import Generation
@@ -33,28 +39,79 @@ __all__ = ["router", "MessagesRequest", "anthropic_messages", "anthropic_tools",
 router = APIRouter()
 
 
-class _Base(BaseModel):
+_SYSTEM_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"$ref": "#/components/schemas/TextBlock"}},
+                            {"type": "null"}]}
+_THINKING_SCHEMA = {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["enabled", "adaptive", "disabled", "between_tools"]},
+    "budget_tokens": {"type": "integer", "minimum": 1024}, "display": {"enum": ["summarized", "omitted"]}}}]}
+_TOOL_CHOICE_SCHEMA = {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
+    "disable_parallel_tool_use": {"type": "boolean"}}}]}
+_TOOLS_SCHEMA = {"anyOf": [{"type": "null"}, {"type": "array", "items": {
+    "type": "object", "required": ["name", "input_schema"],
+    "properties": {"name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+                   "input_schema": {"type": "object"}}}}]}
+_OUTPUT_CONFIG_SCHEMA = {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
+    "effort": {"enum": ["low", "medium", "high", "xhigh", "max", None]},
+    "format": {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type", "schema"], "properties": {
+        "type": {"enum": ["json_schema"]}, "schema": {"type": "object"}}}]}}}]}
+_MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"enum": ["user", "assistant", "system"]},
+                   "content": {"anyOf": [{"type": "string"},
+                                         {"type": "array", "items": {"$ref": "#/components/schemas/ContentBlock"}}]}}}}
+
+
+class TextBlock(BaseModel):
+    """A text block (of a message, the system prompt or a tool result); ``cache_control`` is accepted."""
     model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ContentBlock(BaseModel):
+    """A block of a message's content (what the published schema says; the handler checks each kind)."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "thinking", "redacted_thinking", "tool_use", "tool_result"]
+    text: str | None = None
+    thinking: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+
+
+class _Base(BaseModel):
+    """Fields of both routes. Unknown fields (``metadata``, ``context_management``, ``service_tier``...) are
+    accepted and ignored; ``messages`` and ``system`` are checked by :func:`anthropic_messages`."""
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
-    messages: list[dict[str, Any]]
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
-    output_config: dict[str, Any] | None = None
+    messages: Annotated[list[dict[str, Any]], WithJsonSchema(_MESSAGES_SCHEMA)]
+    system: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema(_SYSTEM_SCHEMA)] = None
+    tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema(_TOOLS_SCHEMA)] = None
+    tool_choice: Annotated[dict[str, Any] | None, WithJsonSchema(_TOOL_CHOICE_SCHEMA)] = None
+    thinking: Annotated[dict[str, Any] | None, WithJsonSchema(_THINKING_SCHEMA)] = None
+    output_config: Annotated[dict[str, Any] | None, WithJsonSchema(_OUTPUT_CONFIG_SCHEMA)] = None
+    metadata: dict[str, Any] | None = None
 
 
 class MessagesRequest(_Base):
-    max_tokens: int
+    """``POST /v1/messages``; the API's own ranges: temperature and top_p in [0, 1], top_k >= 0."""
+    max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    top_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=0)
 
 
 class CountTokensRequest(_Base):
-    pass
+    """``POST /v1/messages/count_tokens``: the prompt fields of a message request."""
+
+
+BODY_MODELS = [MessagesRequest, CountTokensRequest, TextBlock, ContentBlock]
 
 
 def server(request: Request) -> ServerState:
@@ -63,70 +120,114 @@ def server(request: Request) -> ServerState:
 
 # --- request -> chat template messages ------------------------------------------------------------
 
-def _blocks_text(content, where: str, images_ok: bool = False) -> str:
-    """A string, or text blocks (a tool result's or the system prompt's) joined by newlines. With
-    ``images_ok`` (tool results: a screenshot tool must not end the session), an image becomes a note."""
+# Claude Code puts this line first in its system prompt; it is request metadata (it changes with the
+# client's version and request kind), not an instruction, and kept in it would spoil the prefix cache
+_BILLING_HEADER = "x-anthropic-billing-header:"
+_USER_BLOCKS = ("text", "tool_result")
+_ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
+
+
+def _bad(where: str, message: str) -> APIError:
+    return APIError(400, f"{where}: {message}", param=where)
+
+
+def _kind(b, where: str) -> str:
+    if not isinstance(b, dict):
+        raise _bad(where, f"a content block must be an object, got {type(b).__name__}")
+    kind = b.get("type")
+    if not isinstance(kind, str):
+        raise _bad(f"{where}.type", f"a content block needs a string 'type', got {kind!r}")
+    return kind
+
+
+def _text_of(b: dict, where: str) -> str:
+    text = b.get("text")
+    if not isinstance(text, str):
+        raise _bad(f"{where}.text", f"a text block needs a string 'text', got {type(text).__name__}")
+    return text
+
+
+def _blocks_text(content, where: str, images_ok: bool = False, drop_billing: bool = False) -> str:
+    """A string, or text blocks (a tool result's, a system prompt's) joined by newlines. With ``images_ok``
+    (tool results: a screenshot tool must not end the session), an image or document becomes a note."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{where} must be a string or a list of blocks")
+        raise _bad(where, f"must be a string or a list of text blocks, got {type(content).__name__}")
     out = []
     for j, b in enumerate(content):
-        if images_ok and isinstance(b, dict) and b.get("type") in ("image", "document"):
-            out.append(f"[{b['type']} omitted: this model reads text only]")
-            continue
-        if not isinstance(b, dict) or b.get("type") != "text":
-            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
-            raise APIError(400, f"{where}[{j}] is a {kind!r} block; this server takes text only")
-        out.append(str(b.get("text", "")))
+        kind = _kind(b, f"{where}.{j}")
+        if images_ok and kind in ("image", "document"):
+            out.append(f"[{kind} omitted: this model reads text only]")
+        elif kind == "text":
+            text = _text_of(b, f"{where}.{j}")
+            if not (drop_billing and text.startswith(_BILLING_HEADER)):
+                out.append(text)
+        else:
+            allowed = "text (image and document become a note)" if images_ok else "text"
+            raise _bad(f"{where}.{j}.type", f"{kind!r} blocks are not supported here; allowed: {allowed}")
     return "\n".join(out)
 
 
 def anthropic_messages(system, messages: list[dict]) -> list[dict]:
-    """Anthropic ``system`` + ``messages`` -> the chat template's messages (see the module docstring)."""
+    """Anthropic ``system`` + ``messages`` -> the chat template's messages (see the module docstring).
+    A ``system`` message inside ``messages`` stays at its place (:meth:`ServerState.render_chat` folds it
+    into the leading system prompt when the template cannot render it there)."""
     out: list[dict] = []
-    sys_text = _blocks_text(system, "system")
+    sys_text = _blocks_text(system, "system", drop_billing=True)
     if sys_text:
         out.append({"role": "system", "content": sys_text})
     if not messages:
-        raise APIError(400, "messages: at least one message is required")
+        raise _bad("messages", "at least one message is required")
     for i, m in enumerate(messages):
         role, content = m.get("role"), m.get("content")
         where = f"messages.{i}.content"
-        if role not in ("user", "assistant"):
-            raise APIError(400, f"messages.{i}.role must be 'user' or 'assistant', got {role!r}")
+        if role not in ("user", "assistant", "system"):
+            raise _bad(f"messages.{i}.role", f"must be 'user', 'assistant' or 'system', got {role!r}")
+        if content is None:
+            raise _bad(where, "a message needs 'content' (a string or a list of content blocks)")
+        if role == "system":
+            text = _blocks_text(content, where)
+            if text:
+                out.append({"role": "system", "content": text})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
         if not isinstance(content, list):
-            raise APIError(400, f"{where} must be a string or a list of content blocks")
+            raise _bad(where, f"must be a string or a list of content blocks, got {type(content).__name__}")
         texts: list[str] = []
         reasoning: list[str] = []
         calls: list[dict] = []
         for j, b in enumerate(content):
-            kind = b.get("type") if isinstance(b, dict) else None
+            at = f"{where}.{j}"
+            kind = _kind(b, at)
+            allowed = _USER_BLOCKS if role == "user" else _ASSISTANT_BLOCKS
+            if kind not in allowed:
+                hint = "; this model reads text only" if kind in ("image", "document") else ""
+                raise _bad(f"{at}.type", f"{kind!r} blocks are not supported in a {role} message{hint}; "
+                                         f"allowed: {', '.join(allowed)}")
             if kind == "text":
-                texts.append(str(b.get("text", "")))
-            elif kind == "tool_result" and role == "user":
-                result = _blocks_text(b.get("content"), f"{where}.{j}.content", images_ok=True)
+                texts.append(_text_of(b, at))
+            elif kind == "tool_result":
+                if not isinstance(b.get("tool_use_id"), str):
+                    raise _bad(f"{at}.tool_use_id", "a tool_result block needs the string id of its tool_use")
+                result = _blocks_text(b.get("content"), f"{at}.content", images_ok=True)
                 if b.get("is_error"):
                     result = f"Error: {result}"
-                out.append({"role": "tool", "content": result, "tool_call_id": b.get("tool_use_id")})
-            elif kind == "tool_use" and role == "assistant":
+                out.append({"role": "tool", "content": result, "tool_call_id": b["tool_use_id"]})
+            elif kind == "tool_use":
                 if not isinstance(b.get("name"), str):
-                    raise APIError(400, f"{where}.{j}: a tool_use block needs a name")
-                args = b.get("input") if isinstance(b.get("input"), dict) else {}
-                calls.append({"id": b.get("id"), "type": "function",
-                              "function": {"name": b["name"], "arguments": args}})
-            elif kind == "thinking" and role == "assistant":
-                reasoning.append(str(b.get("thinking", "")))
-            elif kind == "redacted_thinking":
-                continue
-            else:
-                raise APIError(400, f"{where}.{j} is a {kind!r} block, which this server does not take in a "
-                                    f"{role} message (text, tool_use, tool_result and thinking are supported)")
+                    raise _bad(f"{at}.name", "a tool_use block needs a string name")
+                args = b.get("input", {})
+                if not isinstance(args, dict):
+                    raise _bad(f"{at}.input", f"must be an object, got {type(args).__name__}")
+                calls.append({"id": b.get("id"), "type": "function", "function": {"name": b["name"], "arguments": args}})
+            elif kind == "thinking":
+                if isinstance(b.get("thinking"), str):
+                    reasoning.append(b["thinking"])
         if role == "user":
             if texts:
                 out.append({"role": "user", "content": "\n".join(texts)})
@@ -140,42 +241,117 @@ def anthropic_messages(system, messages: list[dict]) -> list[dict]:
     return out
 
 
-def anthropic_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Client tools as the function definitions chat templates render; server tools (no
-    ``input_schema``) are left out."""
-    out = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                             "parameters": t["input_schema"]}}
-           for t in tools or [] if isinstance(t, dict) and isinstance(t.get("name"), str) and "input_schema" in t]
+def anthropic_tools(tools: list[dict] | None, tool_choice: dict | None = None) -> list[dict] | None:
+    """Client tools as the function definitions chat templates render; server tools (a ``type`` such as
+    ``web_search_20250305`` and no ``input_schema``) are left out. ``tool_choice`` none: no tools; tool:
+    only the named one (a hint: there is no constrained decoding to force the call)."""
+    out = []
+    for i, t in enumerate(tools or []):
+        if not isinstance(t, dict):
+            raise _bad(f"tools.{i}", f"a tool must be an object, got {type(t).__name__}")
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise _bad(f"tools.{i}.name", "a tool needs a non-empty string name")
+        if "input_schema" not in t and t.get("type") not in (None, "custom"):
+            continue   # a server tool: runs on Anthropic's side, nothing for this model to call
+        if not isinstance(t.get("input_schema"), dict):
+            raise _bad(f"tools.{i}.input_schema", "a client tool needs a JSON schema object")
+        desc = t.get("description", "")
+        if not isinstance(desc, str):
+            raise _bad(f"tools.{i}.description", "must be a string")
+        out.append({"type": "function", "function": {"name": t["name"], "description": desc,
+                                                     "parameters": t["input_schema"]}})
+    choice = _tool_choice(tool_choice, [t["function"]["name"] for t in out])
+    if choice == "none":
+        return None
+    if isinstance(choice, str) and choice not in ("auto", "any"):
+        out = [t for t in out if t["function"]["name"] == choice]
     return out or None
 
 
-def _thinking_switch(thinking: dict | None) -> bool | None:
-    kind = (thinking or {}).get("type")
-    return True if kind == "enabled" else False if kind == "disabled" else None
+def _tool_choice(choice: dict | None, names: list[str]) -> str:
+    """'auto', 'any', 'none' or the name of the tool to use."""
+    if choice is None:
+        return "auto"
+    kind = choice.get("type")
+    if kind not in ("auto", "any", "tool", "none"):
+        raise _bad("tool_choice.type", f"must be one of auto, any, tool, none, got {kind!r}")
+    dpt = choice.get("disable_parallel_tool_use")
+    if dpt is not None and not isinstance(dpt, bool):
+        raise _bad("tool_choice.disable_parallel_tool_use", f"must be a boolean, got {dpt!r}")
+    if kind != "tool":
+        return kind
+    name = choice.get("name")
+    if not isinstance(name, str):
+        raise _bad("tool_choice.name", "tool_choice of type 'tool' needs the name of a tool")
+    if name not in names:
+        raise _bad("tool_choice.name", f"{name!r} is not among the tools sent ({', '.join(names) or 'none'})")
+    return name
 
 
-def _effort(output_config: dict | None) -> str | None:
-    """``output_config.effort`` as a template's reasoning_effort (low|medium|high)."""
-    effort = (output_config or {}).get("effort")
-    return {"xhigh": "high", "max": "high"}.get(effort, effort) if effort in ("low", "medium", "high", "xhigh", "max") \
-        else None
+THINKING_TYPES = ("enabled", "adaptive", "disabled", "between_tools")
 
 
-async def _render(st: ServerState, body: _Base) -> tuple[str, list[int], list[dict] | None]:
+def _thinking(thinking: dict | None) -> tuple[bool | None, bool]:
+    """(the template's enable_thinking: None = its default, whether thinking text is omitted from the
+    answer). ``enabled``, ``adaptive`` and ``between_tools`` think (the template decides what that
+    means; ``budget_tokens`` is checked, not enforced), ``disabled`` does not."""
+    if thinking is None:
+        return None, False
+    kind = thinking.get("type")
+    if kind not in THINKING_TYPES:
+        raise _bad("thinking.type", f"must be one of {', '.join(THINKING_TYPES)}, got {kind!r}")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
+            raise _bad("thinking.budget_tokens", f"must be an int >= 1024 with type 'enabled', got {budget!r}")
+    display = thinking.get("display")
+    if display not in (None, "summarized", "omitted"):
+        raise _bad("thinking.display", f"must be 'summarized' or 'omitted', got {display!r}")
+    return kind != "disabled", display == "omitted"
+
+
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+def _output_config(output_config: dict | None) -> tuple[str | None, str | None]:
+    """(``effort`` as a template's reasoning_effort low|medium|high, an instruction for ``format``).
+    A JSON schema ``format`` is asked for in the system prompt: there is no constrained decoding."""
+    cfg = output_config or {}
+    effort = cfg.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise _bad("output_config.effort", f"must be one of {', '.join(EFFORTS)}, got {effort!r}")
+    fmt = cfg.get("format")
+    instruction = None
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise _bad("output_config.format", "must be {'type': 'json_schema', 'schema': {...}}")
+        instruction = ("Answer with one JSON value, and nothing else, that matches this JSON schema:\n"
+                       + json.dumps(fmt["schema"], ensure_ascii=False))
+    return {"xhigh": "high", "max": "high"}.get(effort, effort), instruction
+
+
+async def _render(st: ServerState, body: _Base) -> tuple[str, list[int], list[dict] | None, bool]:
+    """(prompt text, its token ids, the tools offered, whether thinking text is omitted from the answer)."""
     messages = anthropic_messages(body.system, body.messages)
-    tools = anthropic_tools(body.tools)
-    if (body.tool_choice or {}).get("type") == "none":
-        tools = None
-    text, ids = await asyncio.to_thread(st.render_chat, messages, tools=tools,
-                                        enable_thinking=_thinking_switch(body.thinking),
-                                        reasoning_effort=_effort(body.output_config))
-    return text, ids, tools
+    tools = anthropic_tools(body.tools, body.tool_choice)
+    enable_thinking, omit_thinking = _thinking(body.thinking)
+    effort, instruction = _output_config(body.output_config)
+    if instruction:
+        if messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + instruction}
+        else:
+            messages.insert(0, {"role": "system", "content": instruction})
+    text, ids = await asyncio.to_thread(st.render_chat, messages, tools=tools, enable_thinking=enable_thinking,
+                                        reasoning_effort=effort)
+    return text, ids, tools, omit_thinking
 
 
 def stop_reason(finish_reason: str | None, stop, parser: OutputParser) -> tuple[str, str | None]:
     """(Anthropic stop_reason, stop_sequence) of an engine finish."""
     if finish_reason == "length":
         return "max_tokens", None
+    if finish_reason == "context":   # max_seq_len full before max_tokens: not the client's limit
+        return "model_context_window_exceeded", None
     if parser.num_tool_calls:
         return "tool_use", None
     if isinstance(stop, str):
@@ -185,25 +361,25 @@ def stop_reason(finish_reason: str | None, stop, parser: OutputParser) -> tuple[
 
 # --- routes ---------------------------------------------------------------------------------------
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", openapi_extra=request_body(CountTokensRequest))
 async def count_tokens(request: Request):
     st = server(request)
     body = await read_json(request, st.config.max_request_bytes, CountTokensRequest)
-    _, ids, _ = await _render(st, body)
+    _, ids, _, _ = await _render(st, body)
     return {"input_tokens": len(ids)}
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", openapi_extra=request_body(MessagesRequest))
 async def messages(request: Request):
     st = server(request)
     body = await read_json(request, st.config.max_request_bytes, MessagesRequest)
-    prompt_text, ids, tools = await _render(st, body)
+    prompt_text, ids, tools, omit_thinking = await _render(st, body)
     st.check_prompt(ids, "messages")
     max_tokens = st.max_tokens(body.max_tokens, "max_tokens")
     params = st.sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     stops = list(body.stop_sequences or [])
     if any(not s for s in stops):
-        raise APIError(400, "stop_sequences must not hold empty strings")
+        raise _bad("stop_sequences", "must not hold empty strings")
     parser = st.output_parser(prompt_text, tools)
     gen = st.runner.generation()
     try:
@@ -213,22 +389,24 @@ async def messages(request: Request):
         raise APIError(400, str(err)) from None
     msg_id = new_id("msg_")
     if body.stream:
-        return GenerationResponse(gen, _stream(st, gen, parser, msg_id, len(ids), request.url.path))
+        return GenerationResponse(gen, _stream(st, gen, parser, msg_id, len(ids), request.url.path, omit_thinking))
     async with gen:
-        return JSONResponse(await _collect(st, request, gen, parser, msg_id, len(ids)))
+        return JSONResponse(await _collect(st, request, gen, parser, msg_id, len(ids), omit_thinking))
 
 
-def _content_blocks(parts: list[Part]) -> list[dict]:
+def _content_blocks(parts: list[Part], omit_thinking: bool = False) -> list[dict]:
+    """The answer's blocks; with ``omit_thinking`` (``thinking.display`` omitted) thinking blocks are empty."""
     blocks: list[dict] = []
     for p in parts:
         if p.kind == "tool_call":
             blocks.append({"type": "tool_use", "id": _tool_use_id(p.call), "name": p.call.name,
                            "input": p.call.input})
         elif p.kind == "reasoning":
+            text = "" if omit_thinking else p.text
             if blocks and blocks[-1]["type"] == "thinking":
-                blocks[-1]["thinking"] += p.text
+                blocks[-1]["thinking"] += text
             else:
-                blocks.append({"type": "thinking", "thinking": p.text, "signature": ""})
+                blocks.append({"type": "thinking", "thinking": text, "signature": ""})
         elif blocks and blocks[-1]["type"] == "text":
             blocks[-1]["text"] += p.text
         else:
@@ -246,7 +424,7 @@ def _usage(input_tokens: int, output_tokens: int) -> dict:
 
 
 async def _collect(st: ServerState, request: Request, gen: Generation, parser: OutputParser, msg_id: str,
-                   input_tokens: int) -> dict:
+                   input_tokens: int, omit_thinking: bool = False) -> dict:
     parts: list[Part] = []
     last = None
     async for _, ev in events_while_connected(request, gen):
@@ -259,7 +437,7 @@ async def _collect(st: ServerState, request: Request, gen: Generation, parser: O
             last = ev
     reason, seq = stop_reason(last.finish_reason if last else None, last.stop if last else None, parser)
     return {"id": msg_id, "type": "message", "role": "assistant", "model": st.model_name,
-            "content": _content_blocks(parts), "stop_reason": reason, "stop_sequence": seq,
+            "content": _content_blocks(parts, omit_thinking), "stop_reason": reason, "stop_sequence": seq,
             "usage": _usage(input_tokens, len(gen.requests[0].output_ids))}
 
 
@@ -269,10 +447,12 @@ def sse(event: str, data: dict) -> str:
 
 class AnthropicEvents:
     """The SSE events of one streamed message, from output parts: opens a block per kind change,
-    closes the open block before the next, one block per tool call."""
+    closes the open block before the next, one block per tool call. ``omit_thinking``: thinking blocks
+    open and close without their text (``thinking.display`` omitted)."""
 
-    def __init__(self, msg_id: str, model: str, input_tokens: int):
+    def __init__(self, msg_id: str, model: str, input_tokens: int, omit_thinking: bool = False):
         self.msg_id, self.model, self.input_tokens = msg_id, model, input_tokens
+        self.omit_thinking = omit_thinking
         self.index = -1
         self.open: str | None = None
 
@@ -308,7 +488,8 @@ class AnthropicEvents:
             elif p.kind == "reasoning":
                 if self.open != "thinking":
                     out.append(self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""}))
-                out.append(self._delta({"type": "thinking_delta", "thinking": p.text}))
+                if not self.omit_thinking:
+                    out.append(self._delta({"type": "thinking_delta", "thinking": p.text}))
             else:
                 if self.open != "text":
                     out.append(self._open("text", {"type": "text", "text": ""}))
@@ -327,8 +508,8 @@ class AnthropicEvents:
 
 
 async def _stream(st: ServerState, gen: Generation, parser: OutputParser, msg_id: str, input_tokens: int,
-                  path: str) -> AsyncIterator[str]:
-    events = AnthropicEvents(msg_id, st.model_name, input_tokens)
+                  path: str, omit_thinking: bool = False) -> AsyncIterator[str]:
+    events = AnthropicEvents(msg_id, st.model_name, input_tokens, omit_thinking)
     yield events.start()
     async for item in gen.events(keepalive=st.config.keepalive_s):
         if item is None:

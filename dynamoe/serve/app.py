@@ -3,10 +3,12 @@
 ``create_app(engine, tokenizer, config)`` builds it; the engine thread starts with the app (lifespan)
 and stops with it. Routes: ``POST /chat`` (plain-text stream), the OpenAI routes
 (:mod:`.openai_api`), the Anthropic routes (:mod:`.anthropic_api`), ``GET /health``, ``GET /metrics``
-(Prometheus text), ``GET``/``HEAD /`` (the web UI with ``--serve webui``, else a JSON summary).
+(Prometheus text), ``GET``/``HEAD /`` (the web UI with ``--serve webui``, else a JSON summary),
+``GET /openapi.json`` (the API's description, :mod:`.openapi`) and ``GET /docs`` (FastAPI's page over it).
 
 With an API key, every route but ``/health`` and the static page at ``/`` (which holds no data and asks
-the browser user for the key) needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY``.
+the browser user for the key) needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY``. A path that is no
+route gets a 404 with or without one (clients probe, e.g. Claude Code's ``HEAD /api/hello``).
 """
 from __future__ import annotations
 
@@ -23,10 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
+from .. import __version__
 from ..engine import GenerationEngine, Tokenizer
 from . import anthropic_api, openai_api
 from .body import SamplingFields, read_json
 from .errors import APIError, error_body
+from .openapi import openapi_schema, request_body
 from .sse import GenerationResponse
 from .state import ServerConfig, ServerState
 
@@ -35,13 +39,13 @@ __all__ = ["create_app"]
 log = logging.getLogger("dynamoe.serve")
 
 ROUTES = {"/", "/chat", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-          "/v1/messages", "/v1/messages/count_tokens"}
+          "/v1/messages", "/v1/messages/count_tokens", "/openapi.json", "/docs", "/docs/oauth2-redirect"}
 OPEN_ROUTES = {"/health"}
 
 
 class ChatRequest(SamplingFields):
     """``POST /chat``: ``text`` as one user turn (through the chat template unless ``raw``)."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     text: str
     system: str | None = None
     raw: bool = False
@@ -54,6 +58,10 @@ def _route_label(path: str) -> str:
     if path.startswith("/v1/models/"):
         return "/v1/models/{id}"
     return "other"
+
+
+def _is_route(path: str) -> bool:
+    return path in ROUTES or path.startswith("/v1/")
 
 
 class _Guard:
@@ -84,7 +92,8 @@ class _Guard:
 
         try:
             page = path == "/" and scope.get("method") in ("GET", "HEAD")
-            if self.key is not None and path not in OPEN_ROUTES and not page and not self._authorised(scope):
+            guarded = _is_route(path) and path not in OPEN_ROUTES and not page
+            if self.key is not None and guarded and not self._authorised(scope):
                 body = error_body(path, 401, "invalid or missing API key: send 'Authorization: Bearer KEY' or "
                                              "'x-api-key: KEY'", code="invalid_api_key")
                 await JSONResponse(body, status_code=401)(scope, receive, send_)
@@ -110,10 +119,13 @@ def create_app(engine: GenerationEngine, tokenizer: Tokenizer | None, config: Se
             if start_engine:
                 state.runner.stop()
 
-    app = FastAPI(title="dynamoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="dynamoe", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.server = state
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.openapi = lambda: openapi_schema(app, [ChatRequest, *openai_api.BODY_MODELS, *anthropic_api.BODY_MODELS],
+                                         __version__)
 
     # --- errors in each API's shape --------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -139,7 +151,7 @@ def create_app(engine: GenerationEngine, tokenizer: Tokenizer | None, config: Se
                             status_code=500)
 
     # --- the server's own routes -----------------------------------------------------------------
-    @app.api_route("/", methods=["GET", "HEAD"])
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def index(request: Request):
         if config.webui:
             from .webui import page
@@ -161,7 +173,7 @@ def create_app(engine: GenerationEngine, tokenizer: Tokenizer | None, config: Se
                                     engine_totals=dict(engine.totals))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/chat")
+    @app.post("/chat", openapi_extra=request_body(ChatRequest))
     async def chat(request: Request):
         body: ChatRequest = await read_json(request, config.max_request_bytes, ChatRequest)
         if body.raw or not state.has_template:

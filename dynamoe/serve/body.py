@@ -28,14 +28,36 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
 
 
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "union"}
+
+
+def _field_path(loc) -> str:
+    """A pydantic error location as the field's path (``messages.0.content``): without the names pydantic
+    gives the members of a union (``str``, ``list[dict[str,any]]``)."""
+    return ".".join(str(x) for x in loc if not (isinstance(x, str) and ("[" in x or x in _TYPE_NAMES)))
+
+
 def validation_message(err: ValidationError) -> tuple[str, str | None]:
-    """A one-line message and the first offending field of a pydantic error."""
-    parts, param = [], None
-    for e in err.errors()[:5]:
-        loc = ".".join(str(x) for x in e.get("loc", ()))
-        param = param or (loc or None)
-        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-    return "invalid request: " + "; ".join(parts), param
+    """A one-line message and the first offending field of a pydantic error; the errors of one field
+    (one per member of a union) are one clause: ``system: Input should be a valid string or ...``."""
+    clauses: dict[str, list[str]] = {}
+    got: dict[str, str] = {}
+    for e in err.errors():
+        loc = _field_path(e.get("loc", ()))
+        if loc not in clauses and len(clauses) == 5:
+            break
+        msgs = clauses.setdefault(loc, [])
+        if str(e.get("msg")) not in msgs:
+            msgs.append(str(e.get("msg")))
+        value = e.get("input")
+        if e.get("type") != "missing" and not isinstance(value, (dict, list)):
+            text = repr(value)
+            got[loc] = text if len(text) <= 80 else text[:77] + "..."
+    parts = []
+    for loc, msgs in clauses.items():
+        msg = " or ".join(msgs) + (f", got {got[loc]}" if loc in got else "")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "invalid request: " + "; ".join(parts), next(iter(clauses), None) or None
 
 
 async def read_json(request: Request, limit: int, model: type[M] | None = None):

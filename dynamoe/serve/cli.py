@@ -186,7 +186,7 @@ def serve_command(args, err=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         model, tokenizer = load(path, dtype=args.dtype, device=device, chat_template=args.chat_template)
-        engine, max_seq_len = build_engine(args, model, tokenizer)
+        engine, max_seq_len = build_engine(args, model, tokenizer, err)
     except (ValueError, OSError) as e:
         print(f"dynamoe serve: error: {e}", file=err)
         return 1
@@ -197,13 +197,18 @@ def serve_command(args, err=None) -> int:
     return 0
 
 
-def build_engine(args, model, tokenizer):
+def build_engine(args, model, tokenizer, err=None):
     """(the GenerationEngine for ``model`` with the parsed flags, its max_seq_len): ``--max_seq_len``,
-    else the model's max_position_embeddings capped at 4096."""
+    else the model's max_position_embeddings capped at 4096. A ``--max_seq_len`` above
+    max_position_embeddings is allowed (RoPE scaling, a config that undersells) with a warning on ``err``."""
     from ..engine import GenerationEngine
 
     mpe = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     max_seq_len = args.max_seq_len or (min(int(mpe), 4096) if mpe else 4096)
+    if mpe and max_seq_len > int(mpe):
+        print(f"dynamoe serve: warning: --max_seq_len {max_seq_len} is above the model's max_position_embeddings "
+              f"{int(mpe)}: positions past {int(mpe)} were not trained and output there may degrade",
+              file=err if err is not None else sys.stderr)
     engine = GenerationEngine(model, tokenizer, max_seq_len=max_seq_len, max_batch=args.max_num_seqs, prefill_chunk=2048,
                               prefix_caching=getattr(args, "prefix_caching", True))
     return engine, max_seq_len

@@ -120,7 +120,7 @@ def _lead(args, path, api_key, model, tokenizer, channel, world: int, device, er
     leader = LeaderModel(model, channel, on_fatal=on_fatal)
     try:
         try:
-            engine, max_seq_len = build_engine(args, leader, tokenizer)
+            engine, max_seq_len = build_engine(args, leader, tokenizer, err)
         except (ValueError, OSError) as e:
             print(f"dynamoe serve: error: {e}", file=err)
             return 1

@@ -11,14 +11,15 @@ import asyncio
 import json
 import time
 from datetime import datetime, timezone
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, WithJsonSchema
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .body import SamplingFields, read_json
+from .openapi import request_body
 from .errors import APIError, sse_error
 from .parsing import OutputParser, Part, new_id
 from .runner import Generation
@@ -29,15 +30,32 @@ __all__ = ["router", "ChatCompletionRequest", "CompletionRequest", "openai_messa
 
 router = APIRouter()
 MAX_N = 64
+MAX_SEQUENCES = 128   # prompts x n of one request: more would fill the queue for everyone else
+MAX_TOP_LOGPROBS = 20
+
+_MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role"],
+    "properties": {"role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+                   "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+                       "type": "object", "required": ["type", "text"],
+                       "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}}]},
+                   "name": {"type": "string"}, "tool_call_id": {"type": "string"},
+                   "reasoning_content": {"type": "string"},
+                   "tool_calls": {"type": "array", "items": {
+                       "type": "object", "required": ["function"],
+                       "properties": {"id": {"type": "string"}, "type": {"enum": ["function"]},
+                                      "function": {"type": "object", "required": ["name"],
+                                                   "properties": {"name": {"type": "string"},
+                                                                  "arguments": {"type": "string"}}}}}}}}}
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
 
 
 class _Common(SamplingFields):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -46,7 +64,8 @@ class _Common(SamplingFields):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[dict[str, Any]]
+    """``POST /v1/chat/completions`` (messages are checked by :func:`openai_messages`)."""
+    messages: Annotated[list[dict[str, Any]], WithJsonSchema(_MESSAGES_SCHEMA)]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -58,9 +77,13 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
+    """``POST /v1/completions``: a prompt as text, texts, token ids or lists of token ids."""
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+
+
+BODY_MODELS = [ChatCompletionRequest, CompletionRequest]
 
 
 def server(request: Request) -> ServerState:
@@ -157,9 +180,30 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
                             "whether to call a tool; forcing a call needs constrained decoding)", param="tool_choice")
 
 
-def _check_n(n: int) -> None:
+def _check_n(n: int, prompts: int = 1) -> None:
     if not 1 <= n <= MAX_N:
         raise APIError(400, f"n must be an int in [1, {MAX_N}], got {n}", param="n")
+    if prompts * n > MAX_SEQUENCES:
+        raise APIError(400, f"{prompts} prompts x n={n} asks for {prompts * n} sequences; one request may ask for "
+                            f"at most {MAX_SEQUENCES} (send fewer prompts or a lower n)",
+                       param="n" if n > 1 else "prompt")
+
+
+def _check_top_logprobs(value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS):
+        raise APIError(400, f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {value!r}",
+                       param="top_logprobs")
+
+
+def _check_token_ids(st: ServerState, prompts: list[list[int]]) -> None:
+    """Token-id prompts: every id in the vocabulary (before anything decodes them, e.g. for ``echo``)."""
+    vocab = st.engine.vocab_size or (st.tokenizer.vocab_size if st.tokenizer is not None else None)
+    for k, ids in enumerate(prompts):
+        bad = [t for t in ids if not 0 <= t < (vocab if vocab is not None else 2**63)]
+        if bad:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+            raise APIError(400, f"{where} holds token id {bad[0]}, outside the vocabulary [0, {vocab})",
+                           param="prompt")
 
 
 def _sampling_fields(body: _Common) -> dict:
@@ -204,7 +248,7 @@ def _completion_logprobs(st: ServerState, lps: list, offset: int = 0) -> dict:
 
 
 def _finish(reason: str | None, parser: OutputParser | None) -> str:
-    if reason == "length":
+    if reason in ("length", "context"):   # OpenAI has one reason for max_tokens and a full context
         return "length"
     if parser is not None and parser.num_tool_calls:
         return "tool_calls"
@@ -233,7 +277,7 @@ def _usage(gen: Generation, prompt_tokens: int, cached: bool = False) -> dict:
 
 # --- chat completions -----------------------------------------------------------------------------
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def chat_completions(request: Request):
     st = server(request)
     body = await read_json(request, st.config.max_request_bytes, ChatCompletionRequest)
@@ -251,6 +295,7 @@ async def chat_completions(request: Request):
         if body.max_completion_tokens is not None else st.max_tokens(body.max_tokens, "max_tokens")
     fields = _sampling_fields(body)
     want_lp = bool(body.logprobs)
+    _check_top_logprobs(body.top_logprobs)
     if want_lp:
         fields["logprobs"] = body.top_logprobs or 0
     elif body.top_logprobs is not None:
@@ -351,7 +396,7 @@ async def _chat_stream(st, gen, parsers, prompt_tokens, include_usage, want_lp, 
 
 # --- completions ----------------------------------------------------------------------------------
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def completions(request: Request):
     st = server(request)
     body = await read_json(request, st.config.max_request_bytes, CompletionRequest)
@@ -369,8 +414,11 @@ async def completions(request: Request):
     else:
         raise APIError(400, "prompt must be a string, a list of strings, token ids or lists of token ids, "
                             "and not empty", param="prompt")
+    _check_n(body.n, len(texts))
     if prompts is None:
         prompts = [await asyncio.to_thread(st.encode_text, t) for t in texts]
+    else:
+        _check_token_ids(st, prompts)
     if body.echo and any(t is None for t in texts):
         texts = [t if t is not None else st.tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
     fields = _sampling_fields(body)

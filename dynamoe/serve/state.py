@@ -78,6 +78,40 @@ def _args_as_text(messages: list[dict]) -> list[dict]:
     return out
 
 
+def _fold_system_messages(messages: list[dict]) -> list[dict]:
+    """The messages with every system message after the first message appended (in order, a blank line
+    apart) to the leading system prompt, which is created when there is none."""
+    late = [m for i, m in enumerate(messages) if i > 0 and m.get("role") == "system"]
+    rest = [m for i, m in enumerate(messages) if i == 0 or m.get("role") != "system"]
+    texts = [m.get("content") or "" for m in late]
+    if rest and rest[0].get("role") == "system":
+        rest[0] = {**rest[0], "content": "\n\n".join([rest[0].get("content") or "", *texts])}
+    else:
+        rest.insert(0, {"role": "system", "content": "\n\n".join(texts)})
+    return rest
+
+
+def _place_system_messages(messages: list[dict], render) -> list[dict]:
+    """``messages`` as they are when ``render`` (messages -> prompt text) puts the text of every system
+    message after the first message into the prompt, else folded (:func:`_fold_system_messages`). Found
+    out by rendering with a marker in their place: templates raise on such a message, drop it, or render
+    it; which one is not written anywhere but in the template."""
+    import jinja2
+
+    late = [i for i, m in enumerate(messages) if i > 0 and m.get("role") == "system"]
+    if not late:
+        return messages
+    markers = {i: f"dynamoe{i}system{hashlib.sha1(str(i).encode()).hexdigest()[:8]}" for i in late}
+    probe = [dict(m, content=markers[i]) if i in markers else m for i, m in enumerate(messages)]
+    try:
+        text = render(probe)
+    except (jinja2.TemplateError, TypeError, ValueError):
+        return _fold_system_messages(messages)
+    if all(marker in text for marker in markers.values()):
+        return messages
+    return _fold_system_messages(messages)
+
+
 class ServerState:
     """The engine, its runner, metrics and the served model's text conventions."""
 
@@ -144,7 +178,9 @@ class ServerState:
                     enable_thinking: bool | None = None, reasoning_effort: str | None = None,
                     template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """(prompt text, token ids) of a conversation through the chat template. Tool-call arguments go
-        in as dicts (what most templates want); a template that fails on that gets them as JSON text."""
+        in as dicts (what most templates want); a template that fails on that gets them as JSON text.
+        System messages after the first message stay at their place where the template renders them
+        there, else their text is folded into the leading system prompt (:func:`_place_system_messages`)."""
         import jinja2
 
         if self.tokenizer is None or not self.has_template:
@@ -163,13 +199,17 @@ class ServerState:
             kwargs["enable_thinking"] = bool(enable_thinking)
         if self.tool_parser is mistral_tool_parser:
             messages = _nine_char_ids(messages)
-        try:
+
+        def render(msgs):
             try:
-                text = self.tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
+                return self.tokenizer.apply_chat_template(msgs, tools=tools, **kwargs)
             except (jinja2.TemplateError, TypeError):
-                if not any(m.get("tool_calls") for m in messages):
+                if not any(m.get("tool_calls") for m in msgs):
                     raise
-                text = self.tokenizer.apply_chat_template(_args_as_text(messages), tools=tools, **kwargs)
+                return self.tokenizer.apply_chat_template(_args_as_text(msgs), tools=tools, **kwargs)
+
+        try:
+            text = render(_place_system_messages(messages, render))
         except jinja2.TemplateError as err:
             raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
         except (ValueError, TypeError) as err:
