@@ -154,13 +154,16 @@ def test_tutel_multiprocess_flags_are_accepted(module, extra, capsys):
 
 
 def test_tutel_flags_parse_and_help():
-    from dynamoe.examples._common import build_parser
+    from dynamoe.examples._common import build_parser, parse_args
     parser = build_parser("x")
     args = parser.parse_args(["--local-rank", "3", "--allreduce_degree", "4", "--use_2dh", "--save_load_checkpoint"])
     assert (args.local_rank, args.allreduce_degree, args.use_2dh, args.save_load_checkpoint) == (3, 4, True, True)
     defaults = parser.parse_args([])
     assert (defaults.local_rank, defaults.allreduce_degree, defaults.use_2dh) == (-1, 1, False)
-    assert (defaults.save_load_checkpoint, defaults.checkpoint_path) == (False, "./dynamoe-helloworld.ckpt")
+    # Tutel's default: no checkpoint; --save_load_checkpoint alone uses the example's own file
+    assert (defaults.save_load_checkpoint, defaults.checkpoint_path) == (False, "")
+    assert parse_args(build_parser("x"), ["--save_load_checkpoint"]).checkpoint_path == "./dynamoe-helloworld.ckpt"
+    assert parser.parse_args(["--allreduce_degree", "-1", "--use_tensorcore", "--expert_type", "llama_ffn"]).allreduce_degree == -1
     text = " ".join(parser.format_help().split())
     assert "ignored" in text and text.count("no effect on one process") >= 2
 

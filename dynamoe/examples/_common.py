@@ -1,5 +1,7 @@
-"""Shared pieces of the examples: Tutel's flags, their validation, the model wrapper, the
-checkpoint (``--save_load_checkpoint``) and the training/eval loop that prints Tutel's
+"""Shared pieces of the examples: Tutel's flags (with Tutel's meaning), their validation, the model
+wrapper, Tutel's data and seeds, the checkpoints (Tutel's ``--checkpoint_path`` alone: the model's
+state dict, one file per rank through ``{rank}``/``{size}``; ``--save_load_checkpoint``: model and
+optimizer, resumable) and the training/eval loop that prints Tutel's
 ``STEP-i: loss = ..., step_time = ..., perf = ...`` lines."""
 from __future__ import annotations
 
@@ -70,6 +72,16 @@ def run_main(main: Callable[[], object]) -> None:
                 os._exit(0)
 
 
+def _allreduce_degree(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value != -1 and value < 1:
+        raise argparse.ArgumentTypeError(f"must be -1 (no gradient all-reduce) or an int >= 1, got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -110,11 +122,14 @@ def _finite_float(text: str) -> float:
 
 
 def build_parser(description: str, omit: Iterable[str] = (), **defaults) -> argparse.ArgumentParser:
-    """Tutel's example flags (plus ``--seed``, ``--lr`` and ``--checkpoint_path``). ``omit`` drops
-    flags an example does not use; ``defaults`` overrides default values. The multi-process flags
-    (``--local_rank``, ``--allreduce_degree``, ``--use_2dh``) are accepted so Tutel command lines
-    run unchanged; on one process they have no effect."""
+    """Tutel's example flags (plus ``--seed``, ``--lr`` and ``--save_load_checkpoint``). ``omit`` drops
+    flags an example does not use; ``defaults`` overrides default values (``checkpoint_path=`` names
+    the file ``--save_load_checkpoint`` uses when ``--checkpoint_path`` is not given). The
+    multi-process flags (``--local_rank``, ``--allreduce_degree``, ``--use_2dh``) are accepted so Tutel
+    command lines run unchanged; on one process they have no effect."""
     omit = set(omit)
+    defaults = dict(defaults)
+    default_checkpoint = defaults.pop("checkpoint_path", "./dynamoe-helloworld.ckpt")
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
     def add(name, *aliases, **kw):
@@ -134,8 +149,9 @@ def build_parser(description: str, omit: Iterable[str] = (), **defaults) -> argp
     add("top", type=_positive_int, default=2, help="experts per token (k)")
     add("l_aux_wt", type=_finite_float, default=0.0, help="weight of the balance loss")
     add("a2a_ffn_overlap_degree", type=_positive_int, default=1)
-    add("allreduce_degree", type=_positive_int, default=1,
-        help="Tutel's gradient all-reduce degree; accepted, but no effect on one process")
+    add("allreduce_degree", type=_allreduce_degree, default=1,
+        help="Tutel's: -1 leaves the replicated parameters' gradients un-averaged over the ranks; other "
+             "values are accepted and average them (no effect on one process)")
     add("use_2dh", action="store_true",
         help="Tutel's 2D-hierarchical all-to-all (passed to moe_layer); no effect on one process")
     add("num_steps", type=_positive_int, default=100)
@@ -147,14 +163,19 @@ def build_parser(description: str, omit: Iterable[str] = (), **defaults) -> argp
     add("megablocks_size", type=int, default=None,
         help="0 forces the padded layout; >0 the ragged (dropless-style) one, with the capacity rounded up "
              "to a multiple of it (Tutel); unset lets the layer pick")
-    add("expert_type", choices=["ffn", "glu"], default="ffn",
-        help="ffn: fc1 -> relu -> fc2 (Tutel's); glu: SwiGLU gate/up/down")
+    add("expert_type", choices=["ffn", "glu", "llama_ffn"], default="ffn",
+        help="ffn: fc1 -> relu -> fc2 (Tutel's); llama_ffn: relu(x W1) * (x W2) -> W3 (Tutel's, with its "
+             "example's relu); glu: SwiGLU gate/up/down")
+    add("use_tensorcore", action="store_true", help="allow TF32 matmuls on CUDA (Tutel's flag)")
     add("lr", type=_finite_float, default=1e-5, help="learning rate (default: Tutel's SGD one)")
     add("seed", type=int, default=0)
     add("save_load_checkpoint", action="store_true",
-        help="load model+optimizer state from --checkpoint_path at start if it exists; save it there at the end")
-    add("checkpoint_path", default="./dynamoe-helloworld.ckpt", help="used with --save_load_checkpoint")
-    p.set_defaults(**defaults)
+        help="load model+optimizer state from --checkpoint_path (default: " + default_checkpoint + ") at start "
+             "if it exists; save it there at the end")
+    add("checkpoint_path", default="",
+        help="Tutel's: load the model's state dict from this file if it exists, save it there at the end; "
+             "{rank} and {size} name one file per rank. With --save_load_checkpoint: model and optimizer")
+    p.set_defaults(default_checkpoint=default_checkpoint, **defaults)
     return p
 
 
@@ -194,7 +215,9 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             if device.index is not None and device.index >= torch.cuda.device_count():
                 err(f"argument --device: {args.device!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
         args.device = device
-    if getattr(args, "save_load_checkpoint", False):
+    if getattr(args, "save_load_checkpoint", False) and not args.checkpoint_path:
+        args.checkpoint_path = args.default_checkpoint
+    if getattr(args, "checkpoint_path", ""):
         folder = os.path.dirname(os.path.abspath(args.checkpoint_path))
         if not os.path.isdir(folder):
             err(f"argument --checkpoint_path: folder {folder!r} does not exist")
@@ -202,12 +225,24 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             err(f"argument --checkpoint_path: {args.checkpoint_path!r} is a folder, not a file")
     if hasattr(args, "device"):
         _init_distributed(args)
+    if getattr(args, "use_tensorcore", False):
+        torch.backends.cuda.matmul.allow_tf32 = True
     rank, size = world()
-    if size > 1 and getattr(args, "checkpoint_path", None):
-        # experts and optimizer shards differ per rank: one file each (dynamoe.checkpoint.gather joins them)
-        args.checkpoint_path = f"{args.checkpoint_path}.rank{rank}-of-{size}"
+    if getattr(args, "checkpoint_path", ""):
+        from ..system import apply_rank_size_from_pattern
+        if "{rank}" in args.checkpoint_path or not getattr(args, "save_load_checkpoint", False):
+            # Tutel's pattern (without {rank} every rank uses the same file, as in Tutel -- with a warning)
+            args.checkpoint_path = apply_rank_size_from_pattern(args.checkpoint_path, rank, size)
+        elif size > 1:
+            # experts and optimizer shards differ per rank: one file each (dynamoe.checkpoint.gather joins them)
+            args.checkpoint_path = f"{args.checkpoint_path}.rank{rank}-of-{size}"
     torch.manual_seed(args.seed)  # everything not seeded explicitly (layer init has its own seeds)
     return args
+
+
+def layer_seeds(args) -> tuple[int, int, int]:
+    """Tutel's example seeds ``(1, rank + 1, 1)`` for ``--seed 0``: gates, this rank's experts, after."""
+    return args.seed + 1, args.seed + world()[0] + 1, args.seed + 1
 
 
 class ExampleModel(nn.Module):
@@ -233,9 +268,11 @@ def print_param_counts(moe) -> None:
 
 
 def make_data(args, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Tutel's data: x ~ N(0, 1) [batch, tokens, model_dim] and target class 0 for every sample."""
-    g = torch.Generator().manual_seed(args.seed + world()[0])  # each rank its own batch
-    x = torch.randn(args.batch_size, args.num_tokens, args.model_dim, generator=g).to(device=args.device, dtype=dtype)
+    """Tutel's data: after ``torch.manual_seed(--seed)``, x ~ N(0, 1) [batch, tokens, model_dim] drawn
+    in float32 on the CPU (the same batch on every rank, as Tutel's examples do) and target class 0
+    for every sample."""
+    torch.manual_seed(args.seed)
+    x = torch.randn(args.batch_size, args.num_tokens, args.model_dim, dtype=torch.float32).to(device=args.device, dtype=dtype)
     target = torch.zeros(args.batch_size, dtype=torch.long, device=args.device)
     return x, target
 
@@ -248,8 +285,8 @@ def moe_forward_flops(stats: RoutingStats, model_dim: int, expert_flops_per_row:
 
 
 def ffn_flops_per_row(model_dim: int, hidden_size: int, expert_type: str = "ffn") -> int:
-    """2*D*F per [D, F] matmul: FFN has two (fc1, fc2), GLU three (gate, up, down)."""
-    return 2 * model_dim * hidden_size * (3 if expert_type == "glu" else 2)
+    """2*D*F per [D, F] matmul: FFN has two (fc1, fc2), GLU and llama_ffn three (gate, up, down)."""
+    return 2 * model_dim * hidden_size * (3 if expert_type in ("glu", "llama_ffn") else 2)
 
 
 def _sync(device: torch.device) -> None:
@@ -289,6 +326,20 @@ def save_checkpoint(path: str, model: nn.Module, optimizer, scaler=None, steps: 
              "scaler": scaler.state_dict() if scaler is not None else None, "steps": steps}
     save_atomic(state, path)
     dist_print(f"[Checkpoint] saved model and optimizer state to `{path}` ({steps} training steps).")
+
+
+def load_model_state(path: str, model: nn.Module) -> None:
+    """Tutel's ``--checkpoint_path``: load the model's state dict if the file exists (one written by
+    Tutel's example loads too), else say so."""
+    if not os.path.exists(path):
+        print(f"Checkpoint not loaded: file `{path}` is not found. Will train the model from start.")
+        return
+    try:
+        model.load_state_dict(torch.load(path, map_location=next(model.parameters()).device, weights_only=True))
+    except (RuntimeError, KeyError, TypeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        raise SystemExit(f"error: checkpoint `{path}` does not fit this model (saved with other sizes or ranks?); "
+                         f"delete it or pass another --checkpoint_path.\n{type(e).__name__}: {e}") from e
+    dist_print(f"[Checkpoint] loaded the model state from `{path}`.")
 
 
 def _average_gradients(model: nn.Module) -> None:
@@ -333,7 +384,12 @@ def run_loop(args, model: nn.Module, x: Tensor, target: Tensor, flops_fn: Callab
     optimizer = (make_optimizer or (lambda params: torch.optim.SGD(params, lr=args.lr)))(model.parameters())
     scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 and not args.eval else None
     checkpoint = getattr(args, "save_load_checkpoint", False)
+    model_only = bool(getattr(args, "checkpoint_path", "")) and not checkpoint  # Tutel's --checkpoint_path
+    if model_only:
+        load_model_state(args.checkpoint_path, _unwrap(model))
     steps_before = load_checkpoint(args.checkpoint_path, model, optimizer, scaler) if checkpoint else 0
+    # Tutel: --allreduce_degree -1 leaves the replicated parameters' gradients alone
+    average_gradients = average_gradients and getattr(args, "allreduce_degree", 1) != -1
     model.train(not args.eval)
     losses, times = [], []
     for i in range(args.num_steps):
@@ -367,7 +423,7 @@ def run_loop(args, model: nn.Module, x: Tensor, target: Tensor, flops_fn: Callab
         flops = flops_fn(stats) * (1 if args.eval else 3)  # backward = 2x forward
         losses.append(float(loss.detach()))
         times.append(dt)
-        dist_print(f"STEP-{i}: loss = {losses[-1]:.5f}, step_time = {dt:.6f} sec, perf = {flops / max(dt, 1e-9) * 1e-12:.3f} tflops.")
+        dist_print(f"STEP-{i}: loss = {losses[-1]:.5f}, step_time = {dt:.6f} sec, perf = {flops / max(dt, 1e-9) * 1e-12:.2f} tflops.")
         if after_step is not None:
             after_step(i, kw, stats)
     last = times[-_SUMMARY_STEPS:]
@@ -375,4 +431,7 @@ def run_loop(args, model: nn.Module, x: Tensor, target: Tensor, flops_fn: Callab
     dist_print(f"[Routing] last step: {format_stats(inner.routing_stats)}")
     if checkpoint:
         save_checkpoint(args.checkpoint_path, model, optimizer, scaler, steps_before + (0 if args.eval else args.num_steps))
+    elif model_only:
+        save_atomic(_unwrap(model).state_dict(), args.checkpoint_path)
+        dist_print(f"[Checkpoint] saved the model state to `{args.checkpoint_path}`.")
     return losses

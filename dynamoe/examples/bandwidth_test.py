@@ -2,6 +2,11 @@
 raw ``torch.distributed.all_to_all_single``.
 
 Usage: torchrun --nproc_per_node=2 -m dynamoe.examples.bandwidth_test --size_mb 256 [--iters 10] [--device cpu]
+       torchrun --nproc_per_node=2 -m dynamoe.examples.bandwidth_test --size_mb 256 --loop 50   # Tutel's output
+
+With ``--loop N`` it runs Tutel's test instead: N rounds over one --size_mb buffer, each printing the
+AllToAll, AllReduce, AllGather and ReduceScatter bandwidth lines of Tutel's script (``net.simple_*``,
+one call each, GB/s of the whole buffer; on one process too, where they are local copies).
 
 Every rank sends a float32 buffer of S MB (S = 1, 2, 4, ... doubling, then --size_mb itself), a
 1/world block to each rank. Each size is exchanged once to warm up, then --iters times between
@@ -29,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by distributed launchers; ignored")
     p.add_argument("--size_mb", type=_positive_int, default=256, help="largest buffer per rank, in MB")
     p.add_argument("--iters", type=_positive_int, default=10, help="timed exchanges per size")
+    p.add_argument("--loop", type=_positive_int, default=None,
+                   help="Tutel's test: this many rounds of all-to-all, all-reduce, all-gather and reduce-scatter lines")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -57,9 +64,43 @@ def _time(fn, iters: int, device: torch.device) -> float:
     return float(elapsed.item())
 
 
-def main(argv=None) -> list[tuple[int, float, float]]:
-    """Returns rows (MB, dynamoe seconds, torch seconds) per size; [] on one process."""
+def tutel_loop(args) -> list[dict]:
+    """Tutel's bandwidth_test: ``args.loop`` rounds, each timing one simple_all_to_all, simple_all_reduce
+    (in place), simple_all_gather and simple_reduce_scatter of a float32 buffer of --size_mb MB;
+    returns the GB/s per round and collective."""
+    rank, size = world()
+    numel = ((args.size_mb + 3) // 4 * 1024 * 1024 + size - 1) // size * size  # Tutel's buffer length
+    x = torch.randn(numel, device=args.device, dtype=torch.float32)
+
+    def wait() -> float:
+        _sync(args.device)
+        return time.perf_counter()
+
+    ops = [("AllToAll", lambda: net.simple_all_to_all(x.view(size, -1))),
+           ("AllReduce", lambda: net.simple_all_reduce(x.view(-1), inplace=True)),
+           ("AllGather", lambda: net.simple_all_gather(x.view(size, -1)[rank])),
+           ("ReduceScatter", lambda: net.simple_reduce_scatter(x.view(size, -1)))]
+    rounds = []
+    with torch.no_grad():
+        for _ in range(args.loop):
+            speeds = {}
+            for name, fn in ops:
+                t0 = wait()
+                fn()
+                t1 = wait()
+                speeds[name] = numel * 4 * 1e-9 / max(t1 - t0, 1e-9)
+                dist_print(f"{name} bandwidth across {size} node(s) = {speeds[name]:.4f} GB/s")
+            dist_print("")
+            rounds.append(speeds)
+    return rounds
+
+
+def main(argv=None) -> list:
+    """Returns rows (MB, dynamoe seconds, torch seconds) per size ([] on one process), or with
+    ``--loop`` the GB/s of each round and collective."""
     args = parse_args(build_parser(), argv)
+    if args.loop is not None:
+        return tutel_loop(args)
     rank, size = world()
     if size < 2:
         print("bandwidth_test measures all-to-all between ranks and needs >= 2 ranks; launch it with "

@@ -2,13 +2,20 @@
 
 Usage: python -m dynamoe.examples.helloworld --batch_size 4 --num_tokens 256 --model_dim 256 \
            --hidden_size 512 --num_local_experts 4 --top 2 --num_steps 10 [--eval] [--capacity_factor 0] \
-           [--save_load_checkpoint [--checkpoint_path PATH]]
+           [--expert_type ffn|llama_ffn|glu] [--checkpoint_path 'ckpt-{rank}-of-{size}.pt' | --save_load_checkpoint]
+
+Tutel's flags, seeds ((1, rank + 1, 1) for the gate, experts and after) and data (x from
+torch.manual_seed(0), the same batch on every rank): in fp32 it prints the per-step losses Tutel's
+helloworld prints for the same flags.
 
 The per-call switches (capacity_factor, a2a_ffn_overlap_degree, adaptive_r from --parallel_type,
 megablocks_size) are passed to every forward, as Tutel's forward accepts them. Under
 torchrun (e.g. `torchrun --nproc_per_node=2 -m dynamoe.examples.helloworld ...`) the experts are
 spread over the ranks (expert parallelism over gloo on CPU, NCCL on CUDA) and the gate's gradients
-are averaged, as in Tutel; --local_rank and --allreduce_degree are accepted for Tutel's command lines. --save_load_checkpoint resumes from --checkpoint_path and saves there at the end.
+are averaged, as in Tutel (not with --allreduce_degree -1); --local_rank is accepted for Tutel's command lines.
+--checkpoint_path alone is Tutel's: the model's state dict is loaded from it when it exists and saved there
+at the end (``{rank}``/``{size}`` name one file per rank; Tutel's own files load). --save_load_checkpoint
+also keeps the optimizer and the step count, to resume.
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ import torch.nn.functional as F
 from ..moe import moe_layer
 from ..moe.config import parse_parallel_type
 from ._common import (run_main, DTYPES, ExampleModel, build_parser, dist_print, ffn_flops_per_row, make_data, moe_forward_flops,
-                      parse_args, print_param_counts, run_loop, sharded_count, world)
+                      layer_seeds, parse_args, print_param_counts, run_loop, sharded_count, world)
 
 
 def _world_group():
@@ -29,14 +36,14 @@ def build_model(args, dtype=None) -> ExampleModel:
     """The MoE layer exactly as Tutel's helloworld builds it; ``dtype`` defaults to ``--dtype``."""
     experts = {"type": args.expert_type, "num_experts_per_device": args.num_local_experts,
                "hidden_size_per_expert": args.hidden_size}
-    if args.expert_type == "ffn":  # glu experts take glu_activation instead (default silu: SwiGLU)
+    if args.expert_type != "glu":  # as Tutel's example (llama_ffn too); glu experts take glu_activation (silu)
         experts["activation_fn"] = lambda x: F.relu(x)
     moe = moe_layer(
         gate_type={"type": "top", "k": args.top, "fp32_gate": args.fp32_gate, "capacity_factor": args.capacity_factor},
         experts=experts,
         model_dim=args.model_dim,
         scan_expert_func=lambda name, param: setattr(param, "skip_allreduce", True),
-        seeds=(args.seed + 1, args.seed + 1, args.seed + 1),
+        seeds=layer_seeds(args),  # Tutel's (1, rank + 1, 1)
         a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
         parallel_type=args.parallel_type,
         group=_world_group(),  # torchrun: experts spread over the ranks (expert parallelism)

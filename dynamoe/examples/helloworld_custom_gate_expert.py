@@ -15,8 +15,8 @@ from torch import nn
 
 from ..moe import moe_layer
 from ..moe.config import parse_parallel_type
-from ._common import (run_main, DTYPES, ExampleModel, build_parser, make_data, moe_forward_flops, parse_args, print_param_counts,
-                      run_loop)
+from ._common import (run_main, DTYPES, ExampleModel, build_parser, layer_seeds, make_data, moe_forward_flops, parse_args,
+                      print_param_counts, run_loop)
 
 
 class CustomGate(nn.Module):
@@ -61,7 +61,7 @@ def main(argv=None) -> list[float]:
                  "my_activ_type": "relu"},
         model_dim=args.model_dim,
         scan_expert_func=lambda name, param: setattr(param, "skip_allreduce", True),
-        seeds=(args.seed + 1, args.seed + 1, args.seed + 1),
+        seeds=layer_seeds(args),  # Tutel's (1, rank + 1, 1)
         a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
         parallel_type=args.parallel_type,
         use_2dh=args.use_2dh,  # no effect on one process

@@ -12,6 +12,8 @@ from .layer import MoELayer
 from .losses import (deepseek_device_loss, deepseek_expert_loss, gshard_loss, load_importance_loss, router_z_loss,
                      switch_loss, update_selection_bias)
 from .tutel_compat import moe_layer
+from .fast_dispatch import (extract_critical, fast_cumsum_sub_one, fast_decode, fast_dispatcher, fast_encode,
+                            top_k_routing)
 
 __all__ = [
     "MoELayer", "moe_layer", "MoEConfig", "GateConfig", "ExpertConfig", "gate_config_from_dict",
@@ -19,5 +21,6 @@ __all__ = [
     "combine_ragged", "combine_padded", "LinearGate",
     "CosineGate", "FFNExperts", "GLUExperts", "SharedExperts", "ExpertsProtocol", "gshard_loss", "switch_loss",
     "load_importance_loss", "deepseek_expert_loss", "deepseek_device_loss", "router_z_loss",
-    "update_selection_bias",
+    "update_selection_bias", "top_k_routing", "extract_critical", "fast_encode", "fast_decode", "fast_dispatcher",
+    "fast_cumsum_sub_one",
 ]

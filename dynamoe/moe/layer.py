@@ -211,7 +211,8 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         gates = [f"{g.type}(k={g.k}, capacity_factor={g.capacity_factor})" for g in self.config.gates]
-        return f"gates={gates}, num_experts={self.num_global_experts}, model_dim={self.model_dim}"
+        return (f"gates={gates}, num_experts={self.num_global_experts}, model_dim={self.model_dim}, "
+                f"Total-Experts = {self.num_global_experts} [managed by {self.world_size} device(s)]")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "_num_global_experts"

@@ -1,8 +1,9 @@
 """Pure tensor ops of the MoE data flow, each with a plain reference beside its fast path.
 
-Tutel-compatible names: ``qwen3_moe_scaled_topk``, ``deepseek_moe_sigmoid_scaled_topk``.
+Tutel-compatible names: ``qwen3_moe_scaled_topk``, ``deepseek_moe_sigmoid_scaled_topk``,
+``fast_cumsum_sub_one``.
 """
-from .slots import capacity, expert_slots
+from .slots import capacity, expert_slots, fast_cumsum_sub_one
 from .grouped_matmul import grouped_mm, grouped_mm_reference
 from .gemv import linear
 from .scratch import release_scratch, scratch_bytes
@@ -18,6 +19,7 @@ from .routing import (
 __all__ = [
     "capacity",
     "expert_slots",
+    "fast_cumsum_sub_one",
     "grouped_mm",
     "grouped_mm_reference",
     "linear",

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .triton import use_triton
 
-__all__ = ["capacity", "expert_slots"]
+__all__ = ["capacity", "expert_slots", "fast_cumsum_sub_one"]
 
 
 def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float, max_load: int, alignment: int = 1) -> int:
@@ -78,3 +78,11 @@ def expert_slots(ids_TK: Tensor, num_experts: int, priority_T: Tensor | None = N
         k_idx, t_pos = perm // T, perm % T
         perm = k_idx * T + token_order_T.index_select(0, t_pos)
     return slots_TK.contiguous(), load_E, perm
+
+
+def fast_cumsum_sub_one(data: Tensor, dim: int = 0) -> Tensor:
+    """Tutel's ``fast_cumsum_sub_one``: ``cumsum(data, dim=0) - 1`` of a 2-D mask [T, E] -- each
+    token's 0-based position among the tokens routed to the same expert (where its mask is 1)."""
+    if data.dim() != 2 or dim != 0:
+        raise ValueError(f"fast_cumsum_sub_one takes a 2-D tensor and dim=0, got shape {tuple(data.shape)} and dim={dim}")
+    return torch.cumsum(data, dim=0) - 1

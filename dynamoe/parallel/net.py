@@ -169,14 +169,14 @@ class _AllToAllSingle(torch.autograd.Function):
         return _AllToAllSingle.apply(g, ctx.group, in_splits, out_splits), None, None, None
 
 
-def all_to_all_single(x: Tensor, group=None) -> Tensor:
-    """Equal split along dim 0 (its size a multiple of the world): block i to rank i."""
+def all_to_all_single(input: Tensor, group=None) -> Tensor:
+    """Equal split along dim 0 (its size a multiple of the world): block i to rank i; differentiable."""
     W = get_world_size(group)
     if W == 1:
-        return x
-    if x.size(0) % W:
-        raise ValueError(f"all_to_all_single needs dim 0 ({x.size(0)}) divisible by the world size {W}")
-    return _AllToAllSingle.apply(x, group, None, None)
+        return input
+    if input.size(0) % W:
+        raise ValueError(f"all_to_all_single needs dim 0 ({input.size(0)}) divisible by the world size {W}")
+    return _AllToAllSingle.apply(input, group, None, None)
 
 
 class _AllToAllStart(torch.autograd.Function):
