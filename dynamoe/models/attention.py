@@ -72,10 +72,44 @@ def attend(q_BHTd: Tensor, k_BKLd: Tensor, v_BKLd: Tensor, q_pos_BT: Tensor, k_p
         # one sequence's decode step over exactly its keys 0..position: every key is visible, so
         # no mask (building one costs more than this step's attention)
         return _sdpa(q_BHTd, k_BKLd, v_BKLd, None, scale, causal=False)
-    mask = attention_mask(q_pos_BT, q_pos_BT if k_pos_BL is None else k_pos_BL, window)
+    if window is not None and k_BKLd.size(2) > 2 * window and q_BHTd.size(2) > 1:
+        spans = _window_spans(q_pos_BT, k_pos_BL, k_BKLd.size(2), window)
+        if spans is not None:  # each block of queries over only the keys its window can reach
+            return torch.cat([_masked(q_BHTd[:, :, a:b], k_BKLd[:, :, lo:hi], v_BKLd[:, :, lo:hi], q_pos_BT[:, a:b],
+                                      (q_pos_BT if k_pos_BL is None else k_pos_BL)[:, lo:hi], scale, window, sinks_H)
+                              for a, b, lo, hi in spans], dim=2)
+    return _masked(q_BHTd, k_BKLd, v_BKLd, q_pos_BT, q_pos_BT if k_pos_BL is None else k_pos_BL, scale, window, sinks_H)
+
+
+def _masked(q: Tensor, k: Tensor, v: Tensor, q_pos_BT: Tensor, k_pos_BL: Tensor, scale: float,
+            window: int | None, sinks_H: Tensor | None) -> Tensor:
+    mask = attention_mask(q_pos_BT, k_pos_BL, window)
     if sinks_H is not None:
-        return _attend_with_sinks(q_BHTd, k_BKLd, v_BKLd, mask, scale, sinks_H)
-    return _sdpa(q_BHTd, k_BKLd, v_BKLd, mask, scale, causal=False)
+        return _attend_with_sinks(q, k, v, mask, scale, sinks_H)
+    return _sdpa(q, k, v, mask, scale, causal=False)
+
+
+def _window_spans(q_pos_BT: Tensor, k_pos_BL: Tensor | None, L: int, window: int) -> list | None:
+    """Blocks ``(a, b, lo, hi)`` of ``window`` queries a..b-1 with the key range lo..hi-1 outside of which
+    no query of the block sees a key, so that sliding-window attention costs O(T * window), not O(T * L).
+    Keys are either the queries themselves (``k_pos_BL`` None) or a cache's positions 0..L-1. The ranges
+    come from the positions, so they are exact only where positions grow by at least one per token
+    (a plain sequence, chunked or cached); elsewhere (None) the caller attends over all keys."""
+    T = q_pos_BT.size(1)
+    if k_pos_BL is None:
+        if T > 1 and not bool((q_pos_BT[:, 1:] > q_pos_BT[:, :-1]).all()):
+            return None
+        # key index j < a - window + 1 has position <= pos[a] - window: invisible to queries a.. on
+        return [(a, min(a + window, T), max(0, a - window + 1), min(a + window, T)) for a in range(0, T, window)]
+    if not torch.equal(k_pos_BL, torch.arange(L, device=k_pos_BL.device).expand_as(k_pos_BL)):
+        return None
+    lo_B, hi_B = q_pos_BT.amin(0), q_pos_BT.amax(0)  # per query index, over the rows
+    spans = []
+    for a in range(0, T, window):
+        b = min(a + window, T)
+        lo, hi = int(lo_B[a:b].min()) - window + 1, int(hi_B[a:b].max()) + 1
+        spans.append((a, b, max(0, lo), min(L, max(hi, 1))))
+    return spans
 
 
 def cached_length(positions_BT: Tensor, slots: Tensor | None, kv_len: int | None) -> int:
