@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .body import read_json
+from .body import Int, NonNegativeInt, read_json
 from .openapi import request_body
 from .errors import APIError, sse_error
 from .parsing import OutputParser, Part, new_id
@@ -99,12 +99,12 @@ class _Base(BaseModel):
 
 class MessagesRequest(_Base):
     """``POST /v1/messages``; the API's own ranges: temperature and top_p in [0, 1], top_k >= 0."""
-    max_tokens: int = Field(ge=1)
+    max_tokens: Int = Field(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     top_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=0)
+    top_k: NonNegativeInt | None = None
 
 
 class CountTokensRequest(_Base):
@@ -207,7 +207,8 @@ def anthropic_messages(system, messages: list[dict]) -> list[dict]:
             allowed = _USER_BLOCKS if role == "user" else _ASSISTANT_BLOCKS
             if kind not in allowed:
                 hint = "; this model reads text only" if kind in ("image", "document") else ""
-                raise _bad(f"{at}.type", f"{kind!r} blocks are not supported in a {role} message{hint}; "
+                raise _bad(f"{at}.type", f"{kind!r} blocks are not supported in {'an' if role == 'assistant' else 'a'} "
+                                         f"{role} message{hint}; "
                                          f"allowed: {', '.join(allowed)}")
             if kind == "text":
                 texts.append(_text_of(b, at))
@@ -361,7 +362,8 @@ def stop_reason(finish_reason: str | None, stop, parser: OutputParser) -> tuple[
 
 # --- routes ---------------------------------------------------------------------------------------
 
-@router.post("/v1/messages/count_tokens", openapi_extra=request_body(CountTokensRequest))
+@router.post("/v1/messages/count_tokens", openapi_extra=request_body(
+    CountTokensRequest, text={"model": "any", "messages": [{"role": "user", "content": "hi"}]}))
 async def count_tokens(request: Request):
     st = server(request)
     body = await read_json(request, st.config.max_request_bytes, CountTokensRequest)
@@ -369,7 +371,15 @@ async def count_tokens(request: Request):
     return {"input_tokens": len(ids)}
 
 
-@router.post("/v1/messages", openapi_extra=request_body(MessagesRequest))
+@router.post("/v1/messages", openapi_extra=request_body(
+    MessagesRequest, text={"model": "any", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]},
+    claude_code_like={"model": "claude-x", "max_tokens": 64000, "stream": True, "thinking": {"type": "adaptive"},
+                      "system": [{"type": "text", "text": "You help.", "cache_control": {"type": "ephemeral"}}],
+                      "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                   {"role": "system", "content": "Be brief."}],
+                      "tools": [{"name": "Read", "description": "read a file", "input_schema": {
+                          "type": "object", "properties": {"path": {"type": "string"}}}}],
+                      "output_config": {"effort": "high"}, "metadata": {"user_id": "u"}}))
 async def messages(request: Request):
     st = server(request)
     body = await read_json(request, st.config.max_request_bytes, MessagesRequest)

@@ -189,10 +189,13 @@ def create_app(engine: GenerationEngine, tokenizer: Tokenizer | None, config: Se
                                 frequency_penalty=body.frequency_penalty, seed=body.seed)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         max_tokens = state.max_tokens(body.max_tokens, "max_tokens")
+        if any(not s for s in stops):
+            raise APIError(400, "stop strings must not be empty", param="stop")
         gen = state.runner.generation()
         try:
             gen.add(ids, params, max_tokens, stops)
         except ValueError as err:
+            gen.cancel()
             raise APIError(400, str(err)) from None
 
         async def text():

@@ -2,29 +2,46 @@
 from __future__ import annotations
 
 import json
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from .errors import APIError
 
-__all__ = ["read_json", "validation_message", "SamplingFields"]
+__all__ = ["read_json", "validation_message", "SamplingFields", "Int", "NonNegativeInt"]
 
 M = TypeVar("M", bound=BaseModel)
 
 
+def _integral(value):
+    """A float with an integral value (``264.0``: JSON does not tell the two apart) as an int."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# an int field under strict validation (no "5", no true) that takes 5.0 as JSON Schema's integer does
+Int = Annotated[int, BeforeValidator(_integral)]
+NonNegativeInt = Annotated[int, Field(ge=0), BeforeValidator(_integral)]   # the bound first: it is published
+
+
+def _range(lo=None, hi=None, **exclusive) -> dict:
+    """A published range (JSON schema) for a field whose values SamplingParams checks, with its messages."""
+    out = {k: v for k, v in (("minimum", lo), ("maximum", hi)) if v is not None}
+    return Field(None, json_schema_extra={**out, **exclusive})
+
+
 class SamplingFields(BaseModel):
     """The sampling fields every generating route accepts (validated later by SamplingParams)."""
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
+    model_config = ConfigDict(strict=True)
+    max_tokens: Int | None = Field(None, json_schema_extra={"minimum": 1})
+    temperature: float | None = _range(0)
+    top_p: float | None = _range(hi=1, exclusiveMinimum=0)
+    top_k: Int | None = _range(-1)
+    min_p: float | None = _range(0, 1)
+    repetition_penalty: float | None = _range(exclusiveMinimum=0)
+    presence_penalty: float | None = _range(-2, 2)
+    frequency_penalty: float | None = _range(-2, 2)
+    seed: Int | None = _range(0, 2**64 - 1)
     stop: str | list[str] | None = None
 
 

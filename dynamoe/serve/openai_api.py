@@ -14,11 +14,11 @@ from datetime import datetime, timezone
 from typing import Annotated, Any, AsyncIterator
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .body import SamplingFields, read_json
+from .body import Int, SamplingFields, read_json
 from .openapi import request_body
 from .errors import APIError, sse_error
 from .parsing import OutputParser, Part, new_id
@@ -59,16 +59,16 @@ class _Common(SamplingFields):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Int = Field(1, json_schema_extra={"minimum": 1, "maximum": MAX_N})
     ignore_eos: bool = False
 
 
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions`` (messages are checked by :func:`openai_messages`)."""
     messages: Annotated[list[dict[str, Any]], WithJsonSchema(_MESSAGES_SCHEMA)]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = Field(None, json_schema_extra={"minimum": 1})
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_TOP_LOGPROBS})
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     reasoning_effort: str | None = None
@@ -78,8 +78,8 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``: a prompt as text, texts, token ids or lists of token ids."""
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    logprobs: Int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_TOP_LOGPROBS})
     echo: bool = False
 
 
@@ -277,7 +277,9 @@ def _usage(gen: Generation, prompt_tokens: int, cached: bool = False) -> dict:
 
 # --- chat completions -----------------------------------------------------------------------------
 
-@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
+@router.post("/v1/chat/completions", openapi_extra=request_body(
+    ChatCompletionRequest, chat={"messages": [{"role": "user", "content": "Why mixture of experts?"}], "max_tokens": 16},
+    logprobs={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 2}))
 async def chat_completions(request: Request):
     st = server(request)
     body = await read_json(request, st.config.max_request_bytes, ChatCompletionRequest)
@@ -396,7 +398,9 @@ async def _chat_stream(st, gen, parsers, prompt_tokens, include_usage, want_lp, 
 
 # --- completions ----------------------------------------------------------------------------------
 
-@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
+@router.post("/v1/completions", openapi_extra=request_body(
+    CompletionRequest, text={"prompt": "Mixture of experts", "max_tokens": 16},
+    token_ids_echoed={"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 2, "echo": True, "logprobs": 1}))
 async def completions(request: Request):
     st = server(request)
     body = await read_json(request, st.config.max_request_bytes, CompletionRequest)

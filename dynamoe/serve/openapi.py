@@ -17,10 +17,13 @@ __all__ = ["request_body", "openapi_schema"]
 _REF = "#/components/schemas/{model}"
 
 
-def request_body(model: type[BaseModel]) -> dict:
-    """``openapi_extra`` of a route whose JSON body is ``model``."""
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}}
+def request_body(model: type[BaseModel], **examples: dict) -> dict:
+    """``openapi_extra`` of a route whose JSON body is ``model``; ``examples``: named example bodies (on
+    ``/docs``, and the fuzz test sends each)."""
+    media = {"schema": {"$ref": _REF.format(model=model.__name__)}}
+    if examples:
+        media["examples"] = {name: {"value": value} for name, value in examples.items()}
+    return {"requestBody": {"required": True, "content": {"application/json": media}}}
 
 
 def openapi_schema(app: FastAPI, models: list[type[BaseModel]], version: str) -> dict:
