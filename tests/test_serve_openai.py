@@ -286,3 +286,17 @@ def test_full_context_is_length(client):
     assert out.usage.prompt_tokens + out.usage.completion_tokens == MAX_SEQ_LEN
     chunks = list(client.completions.create(model="tiny-moe", prompt="hello", max_tokens=10**6, stream=True))
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_system_and_developer_messages_anywhere(scripted_client, tmp_path_factory):
+    """OpenAI allows system / developer messages anywhere; a template that cannot render one after the
+    first message (the test template raises) gets its text folded into the leading system prompt."""
+    from serve_testing import scripted_server
+    model = scripted_server(tmp_path_factory).app.state.server.engine.model
+    msgs = [{"role": "developer", "content": "Top."}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}, {"role": "system", "content": [{"type": "text", "text": "Late."}]},
+            {"role": "user", "content": "again"}]
+    out = scripted_client.chat.completions.create(model="scripted", messages=msgs)
+    assert out.choices[0].finish_reason == "stop"
+    assert model.prompts[-1].startswith("<|im_start|>system\nTop.\n\nLate.<|im_end|>\n<|im_start|>user\nhi<|im_end|>")
+    assert model.prompts[-1].count("<|im_start|>system") == 1
