@@ -3,6 +3,7 @@ Qwen3-MoE) for messages, streaming, system prompts, count_tokens and errors; an 
 scripted model for thinking and the tool_use -> tool_result round trip."""
 import json
 import os
+import re
 
 import httpx
 import pytest
@@ -333,5 +334,7 @@ def test_full_context_is_not_max_tokens(client, server):
     exact = client.messages.create(model="x", max_tokens=msg.usage.output_tokens, messages=MSGS)
     assert exact.stop_reason == "max_tokens"   # its own limit, even though the context is full too
     too_long = [{"role": "user", "content": "hello world " * 300}]
-    with pytest.raises(anthropic.BadRequestError, match="max_seq_len"):
+    with pytest.raises(anthropic.BadRequestError) as e:   # Anthropic's words: Claude Code compacts on them
         client.messages.create(model="x", max_tokens=10, messages=too_long)
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 255 maximum \(this server's --max_seq_len 256 holds "
+                        r"the prompt and at least one generated token\)", e.value.body["error"]["message"])

@@ -384,7 +384,7 @@ async def messages(request: Request):
     st = server(request)
     body = await read_json(request, st.config.max_request_bytes, MessagesRequest)
     prompt_text, ids, tools, omit_thinking = await _render(st, body)
-    st.check_prompt(ids, "messages")
+    st.check_prompt(ids, "messages", anthropic=True)
     max_tokens = st.max_tokens(body.max_tokens, "max_tokens")
     params = st.sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     stops = list(body.stop_sequences or [])

@@ -142,8 +142,13 @@ class ServerState:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def check_prompt(self, ids: list[int], param: str) -> None:
+    def check_prompt(self, ids: list[int], param: str, anthropic: bool = False) -> None:
+        """A 400 for an empty prompt or one that leaves no room to generate; ``anthropic``: in the words of
+        Anthropic's API ("prompt is too long: N tokens > M maximum"), which Claude Code reads to compact."""
         m = self.config.max_seq_len
+        if len(ids) >= m and anthropic:
+            raise APIError(400, f"prompt is too long: {len(ids)} tokens > {m - 1} maximum (this server's "
+                                f"--max_seq_len {m} holds the prompt and at least one generated token)", param=param)
         if len(ids) >= m:
             raise APIError(400, f"the prompt is {len(ids)} tokens; this server's max_seq_len is {m} (--max_seq_len), "
                                 f"which must hold the prompt and at least one generated token",
