@@ -338,3 +338,22 @@ def test_full_context_is_not_max_tokens(client, server):
         client.messages.create(model="x", max_tokens=10, messages=too_long)
     assert re.fullmatch(r"prompt is too long: \d+ tokens > 255 maximum \(this server's --max_seq_len 256 holds "
                         r"the prompt and at least one generated token\)", e.value.body["error"]["message"])
+
+
+def test_deferred_tools_and_tool_references(scripted, tmp_path_factory):
+    """defer_loading tools are not offered until a tool_reference in a tool result (a tool search's
+    answer, as Claude Code's ToolSearch gives it) loads them; search_result blocks are read as text."""
+    from serve_testing import scripted_server
+    model = scripted_server(tmp_path_factory).app.state.server.engine.model
+    later = {"name": "LaterTool", "description": "loaded on demand", "defer_loading": True,
+             "input_schema": {"type": "object", "properties": {}}}
+    scripted.messages.create(model="x", max_tokens=50, tools=[*TOOLS, later], messages=MSGS)
+    assert "get_weather" in model.prompts[-1] and "LaterTool" not in model.prompts[-1]
+    msgs = [*MSGS, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                      "input": {"query": "select:LaterTool"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                {"type": "tool_reference", "tool_name": "LaterTool"},
+                {"type": "search_result", "title": "Doc", "source": "https://x", "content": [{"type": "text", "text": "found"}]}]}]}]
+    scripted.messages.create(model="x", max_tokens=50, tools=[*TOOLS, later], messages=msgs)
+    prompt = model.prompts[-1]
+    assert '"name": "LaterTool"' in prompt and "[tool LaterTool loaded]" in prompt and "Doc\nhttps://x\nfound" in prompt

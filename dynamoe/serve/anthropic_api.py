@@ -161,12 +161,17 @@ def _blocks_text(content, where: str, images_ok: bool = False, drop_billing: boo
         kind = _kind(b, f"{where}.{j}")
         if images_ok and kind in ("image", "document"):
             out.append(f"[{kind} omitted: this model reads text only]")
+        elif images_ok and kind == "tool_reference":   # a tool search's result: that tool is offered now
+            out.append(f"[tool {b.get('tool_name')} loaded]")
+        elif images_ok and kind == "search_result":
+            out.append("\n".join(str(x) for x in (b.get("title"), b.get("source")) if x)
+                       + "\n" + _blocks_text(b.get("content"), f"{where}.{j}.content"))
         elif kind == "text":
             text = _text_of(b, f"{where}.{j}")
             if not (drop_billing and text.startswith(_BILLING_HEADER)):
                 out.append(text)
         else:
-            allowed = "text (image and document become a note)" if images_ok else "text"
+            allowed = "text, search_result, tool_reference (image and document become a note)" if images_ok else "text"
             raise _bad(f"{where}.{j}.type", f"{kind!r} blocks are not supported here; allowed: {allowed}")
     return "\n".join(out)
 
@@ -242,10 +247,12 @@ def anthropic_messages(system, messages: list[dict]) -> list[dict]:
     return out
 
 
-def anthropic_tools(tools: list[dict] | None, tool_choice: dict | None = None) -> list[dict] | None:
+def anthropic_tools(tools: list[dict] | None, tool_choice: dict | None = None,
+                    loaded: set[str] = frozenset()) -> list[dict] | None:
     """Client tools as the function definitions chat templates render; server tools (a ``type`` such as
-    ``web_search_20250305`` and no ``input_schema``) are left out. ``tool_choice`` none: no tools; tool:
-    only the named one (a hint: there is no constrained decoding to force the call)."""
+    ``web_search_20250305`` and no ``input_schema``) are left out, and so are ``defer_loading`` tools until
+    a tool_reference block (``loaded``) names them. ``tool_choice`` none: no tools; tool: only the named
+    one (a hint: there is no constrained decoding to force the call)."""
     out = []
     for i, t in enumerate(tools or []):
         if not isinstance(t, dict):
@@ -254,6 +261,8 @@ def anthropic_tools(tools: list[dict] | None, tool_choice: dict | None = None) -
             raise _bad(f"tools.{i}.name", "a tool needs a non-empty string name")
         if "input_schema" not in t and t.get("type") not in (None, "custom"):
             continue   # a server tool: runs on Anthropic's side, nothing for this model to call
+        if t.get("defer_loading") is True and t["name"] not in loaded:
+            continue
         if not isinstance(t.get("input_schema"), dict):
             raise _bad(f"tools.{i}.input_schema", "a client tool needs a JSON schema object")
         desc = t.get("description", "")
@@ -287,6 +296,17 @@ def _tool_choice(choice: dict | None, names: list[str]) -> str:
     if name not in names:
         raise _bad("tool_choice.name", f"{name!r} is not among the tools sent ({', '.join(names) or 'none'})")
     return name
+
+
+def _loaded_tools(messages: list[dict]) -> set[str]:
+    """The tools that tool_reference blocks in tool results name (deferred tools a tool search loaded)."""
+    names = set()
+    for m in messages:
+        for b in m.get("content") if isinstance(m.get("content"), list) else ():
+            if isinstance(b, dict) and b.get("type") == "tool_result" and isinstance(b.get("content"), list):
+                names.update(r.get("tool_name") for r in b["content"]
+                             if isinstance(r, dict) and r.get("type") == "tool_reference")
+    return names
 
 
 THINKING_TYPES = ("enabled", "adaptive", "disabled", "between_tools")
@@ -334,7 +354,7 @@ def _output_config(output_config: dict | None) -> tuple[str | None, str | None]:
 async def _render(st: ServerState, body: _Base) -> tuple[str, list[int], list[dict] | None, bool]:
     """(prompt text, its token ids, the tools offered, whether thinking text is omitted from the answer)."""
     messages = anthropic_messages(body.system, body.messages)
-    tools = anthropic_tools(body.tools, body.tool_choice)
+    tools = anthropic_tools(body.tools, body.tool_choice, _loaded_tools(body.messages))
     enable_thinking, omit_thinking = _thinking(body.thinking)
     effort, instruction = _output_config(body.output_config)
     if instruction:
