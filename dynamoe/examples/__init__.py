@@ -1,4 +1,5 @@
-"""Runnable examples mirroring Tutel's, with Tutel's command-line flags (CPU or CUDA).
+"""Runnable examples mirroring Tutel's, with Tutel's command-line flags, seeds and data (CPU or CUDA):
+``helloworld`` prints the per-step losses Tutel's helloworld prints for the same flags.
 
 Run any of them as a module, e.g. ``python -m dynamoe.examples.helloworld --help``:
 
@@ -12,7 +13,8 @@ Run any of them as a module, e.g. ``python -m dynamoe.examples.helloworld --help
 * ``helloworld_ddp`` -- helloworld's model in ``dynamoe.parallel.data_parallel`` (DDP that leaves the
   expert parameters alone); on one process it makes its own 1-rank gloo group.
 * ``helloworld_ddp_tutel`` -- helloworld trained with the ZeRO-1 ``ZeroOptimizer`` (AdamW, ``--lr``).
-* ``bandwidth_test`` -- all-to-all bandwidth table, ``dynamoe.net`` vs raw ``torch.distributed`` (>= 2 ranks).
+* ``bandwidth_test`` -- all-to-all bandwidth table, ``dynamoe.net`` vs raw ``torch.distributed`` (>= 2 ranks);
+  ``--loop N`` prints Tutel's all-to-all / all-reduce / all-gather / reduce-scatter lines instead.
 * ``nccl_all_to_all_v`` / ``nccl_all_gather_v`` -- ``net.batch_all_to_all_v`` with uneven and zero counts and
   ``net.batch_all_gather_v`` with a different row count per rank, checked against what each rank
   expects (any backend, despite Tutel's names).

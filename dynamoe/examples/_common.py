@@ -191,8 +191,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             err(f"argument --num_local_experts: {n} ranks sharing each expert needs a world size divisible by {n}, got {ranks}")
         if hasattr(args, "hidden_size") and args.hidden_size % n:
             err(f"argument --hidden_size: must be divisible by the {n} ranks sharing each expert, got {args.hidden_size}")
-    if hasattr(args, "top") and hasattr(args, "num_local_experts") and args.top > global_experts(args.num_local_experts, ranks):
-        err(f"argument --top: must be <= the number of experts ({global_experts(args.num_local_experts, ranks)}), got {args.top}")
+    # --top above the number of experts is Tutel's too: moe_layer then routes to all of them (one warning)
     if getattr(args, "megablocks_size", None) is not None and args.megablocks_size < 0:
         err(f"argument --megablocks_size: must be >= 0, got {args.megablocks_size}")
     if hasattr(args, "parallel_type"):
@@ -217,7 +216,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
         args.device = device
     if getattr(args, "save_load_checkpoint", False) and not args.checkpoint_path:
         args.checkpoint_path = args.default_checkpoint
-    if getattr(args, "checkpoint_path", ""):
+    if getattr(args, "save_load_checkpoint", False):  # (Tutel's --checkpoint_path alone creates its folder)
         folder = os.path.dirname(os.path.abspath(args.checkpoint_path))
         if not os.path.isdir(folder):
             err(f"argument --checkpoint_path: folder {folder!r} does not exist")

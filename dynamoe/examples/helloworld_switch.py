@@ -37,7 +37,8 @@ _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 def make_schedule(args) -> list[tuple[int, float, str]]:
     """(top_k, capacity_factor, layout) settings visited in turn: Switch-style k=1, the configured
     k, dropless (0), capped dropless (-1) and a roomy capacity (2.0), on both layouts."""
-    ks = sorted({1, min(2, global_experts(args.num_local_experts, world()[1])), args.top})
+    E = global_experts(args.num_local_experts, world()[1])
+    ks = sorted({1, min(2, E), min(args.top, E)})  # (moe_layer would clamp a larger k to E)
     cfs = [args.capacity_factor, 0.0, -1.0, 2.0]
     schedule = []
     for i, cf in enumerate(cfs):
