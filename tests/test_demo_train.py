@@ -15,7 +15,9 @@ from dynamoe.examples import eval_demo, expert_usage, train_demo
 TINY = ["--steps", "20", "--batch-size", "4", "--seq-len", "96", "--corpus-size", "1200", "--vocab-size", "500",
         "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--experts", "4", "--top-k", "2",
         "--moe-intermediate", "32", "--warmup", "4", "--lr", "3e-3", "--eval-every", "10", "--ckpt-every", "5",
-        "--no-progress", "--no-samples"]
+        "--no-progress", "--no-samples", "--max-position", "512", "--sliding-window", "64", "--long-steps", "4",
+        "--long-seq-len", "256", "--long-batch-size", "2", "--long-corpus-size", "40", "--long-share", "0.7"]
+STEPS = 24  # 20 + the long-context stage's 4
 
 
 def _params(model) -> dict:
@@ -37,15 +39,18 @@ def runs(tmp_path_factory):
 
 def test_loss_falls(runs):
     hist = runs["full"]["history"]
-    assert len(hist) == 20 and all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
-    assert sum(h["loss"] for h in hist[-3:]) / 3 < hist[0]["loss"] - 0.5
+    assert len(hist) == STEPS and all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
+    assert sum(h["loss"] for h in hist[17:20]) / 3 < hist[0]["loss"] - 0.5
     assert hist[-1]["aux"] > 0  # the balance loss is on (Switch loss: K=2 when balanced)
     assert "eval_loss" in hist[9] and "eval_loss" in hist[19]
+    assert "long_eval_loss" in hist[-1] and "long_eval_loss" not in hist[19]
+    # the long-context stage's rows are longer: its steps see more tokens
+    assert runs["full"]["steps_this_run"] == STEPS
 
 
 def test_resume_is_bit_identical(runs):
     assert runs["part"]["step"] == 10 and runs["part"]["steps_this_run"] == 10
-    assert runs["resumed"]["steps_this_run"] == 10 and runs["resumed"]["step"] == 20
+    assert runs["resumed"]["steps_this_run"] == STEPS - 10 and runs["resumed"]["step"] == STEPS
     a, b = _params(runs["full"]["model"]), _params(runs["resumed"]["model"])
     assert a.keys() == b.keys()
     for k in a:
@@ -78,6 +83,7 @@ def test_export_loads_in_dynamoe_and_transformers(runs):
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["num_experts"] == 4
+    assert cfg["use_sliding_window"] is True and cfg["sliding_window"] == 64 and cfg["max_position_embeddings"] == 512
     from safetensors import safe_open
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
@@ -86,6 +92,15 @@ def test_export_loads_in_dynamoe_and_transformers(runs):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     tok = Tokenizer.from_dir(out)
     ids = torch.tensor([tok.encode_chat([{"role": "user", "content": "What is 47 + 38?"}])])
+    # and a prompt longer than the window, as a harness sends it (system blocks, tools, reminders)
+    import random
+
+    from dynamoe.examples import demo_context
+    msgs, tools = demo_context.wrap(random.Random(3), [{"role": "user", "content": "What is 47 + 38?"}], max_chars=900)
+    long_ids = torch.tensor([tok.encode_chat(msgs, tools=tools)])
+    assert long_ids.size(1) > 2 * 64
+    with torch.no_grad():
+        torch.testing.assert_close(ours(long_ids), hf(long_ids).logits, atol=1e-4, rtol=1e-4)
     with torch.no_grad():
         a, b = ours(ids), hf(ids).logits
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -97,6 +112,27 @@ def test_export_loads_in_dynamoe_and_transformers(runs):
     card = open(os.path.join(out, "README.md"), encoding="utf-8").read()
     assert "python -m dynamoe.examples.train_demo --steps 20 --batch-size 4 --seq-len 96 --seed 0 --dtype fp32" in card
     assert "--layers 2" in card and "--aux-loss-coef" not in card and train_demo.CARD_SCORES_START in card
+    assert "It does not use tools" in card and "Long-context stage: 4 steps of 2 × 256 tokens" in card
+
+
+def test_init_from_runs_only_the_long_context_stage(runs, tmp_path):
+    """--init-from an export: the first stage is that model; only the long-context steps run, from
+    its weights and with its tokenizer, and the card quotes the first stage's training from its card."""
+    from dynamoe.models import load
+
+    src = str(runs["root"] / "full")
+    out = train_demo.main(TINY + ["--init-from", src, "--long-steps", "2", "--out", str(tmp_path / "ft"),
+                                  "--ckpt-dir", str(tmp_path / "ft-ckpt")])
+    assert out["steps_this_run"] == 2 and out["step"] == 22
+    assert open(os.path.join(src, "tokenizer.json")).read() == open(tmp_path / "ft" / "tokenizer.json").read()
+    base = load(src, dtype=torch.float32, progress=False).state_dict()
+    tuned = out["model"].state_dict()
+    moved = [k for k in base if not torch.equal(base[k], tuned[k].to(base[k].dtype))]
+    assert moved and all(float((base[k] - tuned[k]).abs().max()) < 0.05 for k in base)  # 2 small steps away
+    card = open(tmp_path / "ft" / "README.md", encoding="utf-8").read()
+    assert "Stage 1 is the model this run started from" in card and "> " in card and "--init-from" in card
+    with pytest.raises(SystemExit):
+        train_demo.main(TINY + ["--init-from", str(tmp_path), "--out", str(tmp_path / "x")])  # no tokenizer there
 
 
 def test_eval_and_expert_usage_on_the_export(runs, tmp_path):
@@ -165,3 +201,20 @@ def test_code_scoring_from_a_reply_and_in_place_sorts():
     assert eval_demo.score(_ex("code-bubble_sort", "bubble_sort", "code"), reply)[0]
     with pytest.raises(ValueError, match="algo must be one of"):
         eval_demo.run_code_tests("mergesort", "")
+
+
+def test_harness_eval_set_wraps_the_target_groups():
+    base = eval_demo.eval_set(2)
+    wrapped = eval_demo.harness_set(base, 1, 3000)
+    targets = {g for _, gs, _ in eval_demo.TARGETS for g in gs}
+    assert {e.group for e in wrapped} == {g + eval_demo.HARNESS_SUFFIX for g in targets if any(b.group == g for b in base)}
+    originals = {b.key: b for b in base if b.group in targets}
+    for e in wrapped:
+        o = originals[e.key]
+        assert e.messages[-1] == o.messages[-1] and e.answer == o.answer
+        last_user = [m for m in e.prompt if m["role"] == "user"][-1]["content"]
+        texts = [last_user] if isinstance(last_user, str) else [p["text"] for p in last_user]
+        assert o.prompt[-1]["content"] in texts  # the question itself, unchanged, among the harness's parts
+        assert sum(len(str(m["content"])) for m in e.prompt) > 3 * len(o.prompt[-1]["content"])
+        if e.skill != "code":  # scored as the plain group is
+            assert eval_demo.score(e, o.messages[-1]["content"])[0]

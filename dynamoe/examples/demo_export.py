@@ -108,7 +108,7 @@ It is a toy: it knows only the skills below, and only in the phrasings it was tr
 | experts | {config['num_experts']} routed experts per layer, top-{config['num_experts_per_tok']}, expert hidden size {config['moe_intermediate_size']} |
 | parameters | {total / 1e6:.1f} M total, {active / 1e6:.1f} M active per token (tied embeddings) |
 | vocabulary | {stats.get('vocab', '?')} byte-level BPE tokens (digits, and the letters of quoted words, one per token), ChatML chat template, eos `<|im_end|>` |
-| context | {config['max_position_embeddings']} positions (trained on rows of {args.seq_len}) |
+| context | {config['max_position_embeddings']} positions; {_window_text(config)} (trained on rows of {args.seq_len}{f" and, in the long-context stage, {args.long_seq_len}" if getattr(args, "long_steps", 0) else ""}) |
 | weights | bf16 safetensors, {stats.get('export_mb', 0):.1f} MB |
 
 ## Data
@@ -124,6 +124,10 @@ unit conversions (km/m/cm, kg/g, hours/minutes, °C/°F rounded to one decimal, 
 Python functions for quicksort, binary search, fibonacci, factorial, bubble sort and gcd.
 The evaluation prompts are held out: their problems (for arithmetic, the operand pairs) never occur in
 training.
+{_long_data_text(args)}
+**It does not use tools.** Tools a client offers are rendered into the system block (so a prompt costs
+what it would with a real model), and the model was trained to ignore them: it never calls one, and it
+answers only the last user message, from what it was trained on.
 
 ## Training
 
@@ -131,11 +135,7 @@ training.
 {cmd}
 ```
 
-{steps_text(stats)} of {args.batch_size} × {args.seq_len} tokens ({stats.get('tokens', 0) / 1e6:.1f} M tokens,
-loss on assistant tokens only), AdamW (lr {args.lr:g}, warmup {args.warmup}, cosine to {args.lr * args.min_lr_ratio:g},
-weight decay {args.weight_decay:g}), Switch balance loss × {args.aux_loss_coef:g}, {args.dtype},
-{stats.get('threads', '?')} CPU thread{'' if stats.get('threads') == 1 else 's'} ({stats.get('cpu', '?')}), {stats.get('wall_min', 0):.0f} minutes.
-Training loss {stats.get('train_loss', float('nan')):.4f} (mean of the last 50 steps), held-out loss {stats.get('eval_loss', float('nan')):.4f}.
+{_training_text(args, stats)}
 
 ## Evaluation
 
@@ -165,6 +165,52 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _window_text(config: dict) -> str:
+    w = config.get("sliding_window") if config.get("use_sliding_window") else None
+    return (f"sliding-window attention over {w} positions on every layer, so the cost of a prompt grows "
+            "linearly with its length" if w else "full attention")
+
+
+def _long_data_text(args) -> str:
+    if not getattr(args, "long_steps", 0):
+        return ""
+    return (f"\nLong-context stage: {args.long_corpus_size} more conversations (seed {args.seed + 2}), "
+            f"{args.long_share:.0%} of them inside what agent harnesses send "
+            f"(`dynamoe.examples.demo_context`, version {_harness_version()}): long synthetic system prompts, "
+            "lists of random JSON-schema tools, reminder blocks before or after the question in the user's "
+            "message, system messages after the user's turn (the chat template folds every system message "
+            "into the leading system block, then the tools); nothing of it is a real harness's text.\n")
+
+
+def _harness_version() -> int:
+    from .demo_context import HARNESS_VERSION
+
+    return HARNESS_VERSION
+
+
+def _training_text(args, stats: dict) -> str:
+    threads = stats.get("threads", "?")
+    hw = f"{threads} CPU thread{'' if threads == 1 else 's'} ({stats.get('cpu', '?')})"
+    if stats.get("base_training"):
+        stage1 = f"Stage 1 is the model this run started from (`--init-from`); its card said:\n\n> " + \
+            stats["base_training"].replace("\n", "\n> ")
+    else:
+        stage1 = (f"{steps_text(stats)} of {args.batch_size} × {args.seq_len} tokens ({stats.get('tokens', 0) / 1e6:.1f} M tokens, "
+                  f"loss on assistant tokens only), AdamW (lr {args.lr:g}, warmup {args.warmup}, cosine to "
+                  f"{args.lr * args.min_lr_ratio:g}, weight decay {args.weight_decay:g}), Switch balance loss × "
+                  f"{args.aux_loss_coef:g}, {args.dtype}.")
+    out = [stage1]
+    if getattr(args, "long_steps", 0):
+        out.append(f"Long-context stage: {stats.get('long_steps', 0)} steps of {args.long_batch_size} × {args.long_seq_len} "
+                   f"tokens ({stats.get('long_tokens', 0) / 1e6:.1f} M tokens), lr {args.long_lr:g} (warmup, cosine to "
+                   f"{args.long_lr * args.min_lr_ratio:g}); held-out loss of wrapped conversations "
+                   f"{stats.get('long_eval_loss') or float('nan'):.4f}.")
+    out.append(f"This run: {hw}, {stats.get('wall_min', 0):.0f} minutes. Training loss "
+               f"{stats.get('train_loss', float('nan')):.4f} (mean of the last 50 steps), held-out loss "
+               f"{stats.get('eval_loss', float('nan')):.4f}.")
+    return "\n\n".join(out)
 
 
 def steps_text(stats: dict) -> str:

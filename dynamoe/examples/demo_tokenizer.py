@@ -15,8 +15,8 @@ import json
 import os
 from typing import Iterable, Sequence
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "QUOTED_LETTER", "PAD", "IM_START", "IM_END", "train_tokenizer", "save_tokenizer",
-           "render", "encode_conversation", "encode_conversations"]
+__all__ = ["CHAT_TEMPLATE", "TOOLS_HEADER", "segments", "render", "SPECIAL_TOKENS", "QUOTED_LETTER", "PAD", "IM_START", "IM_END", "train_tokenizer", "save_tokenizer",
+           "encode_conversation", "encode_conversations"]
 
 #: a letter of a word that ends right before a double quote: such words (``"planet"``: the words the
 #: demo's word skills quote, and their answers) are split into single letters, so that writing a word
@@ -24,12 +24,35 @@ __all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "QUOTED_LETTER", "PAD", "IM_START"
 QUOTED_LETTER = r'\p{L}(?=\p{L}*")'
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+#: what precedes the names of the offered tools in the system block
+TOOLS_HEADER = "# Tools\n\nThe client offers these tools, which this model does not call: "
 SPECIAL_TOKENS = (PAD, IM_START, IM_END)
 
-# ChatML as Qwen3 writes it (without Qwen3's tool and thinking branches): a message's content may be a
-# string or a list of {"type": "text", "text": ...} parts (what OpenAI clients send).
+# ChatML as Qwen3 writes it, without Qwen3's thinking and tool-call branches (the demo model calls no
+# tools): a message's content may be a string or a list of {"type": "text", "text": ...} parts (what
+# OpenAI and Anthropic clients send). Every system message -- the first one and those harnesses put
+# later in the conversation -- goes into one leading system block, in order, joined by a blank line,
+# followed by the names of the offered tools (their JSON schemas are left out: the model calls no tool,
+# and an agent's tool list is tens of thousands of tokens); the other messages follow in order. The demo
+# model reads the system block but answers the last user message.
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
+    "{%- set ns = namespace(system='') %}"
+    "{%- for message in messages if message['role'] == 'system' %}"
+    "{%- if ns.system %}{%- set ns.system = ns.system ~ '\\n\\n' %}{%- endif %}"
+    "{%- if message['content'] is string %}{%- set ns.system = ns.system ~ message['content'] %}"
+    "{%- elif message['content'] is not none %}"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{%- set ns.system = ns.system ~ part['text'] %}{%- endif %}{%- endfor %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if tools %}"
+    "{%- if ns.system %}{%- set ns.system = ns.system ~ '\\n\\n' %}{%- endif %}"
+    "{%- set ns.system = ns.system ~ '" + TOOLS_HEADER.replace("\n", "\\n") + "' %}"
+    "{%- for tool in tools %}{%- set ns.system = ns.system ~ (', ' if not loop.first else '') ~ "
+    "(tool['function']['name'] if tool['function'] is defined else tool['name']) %}{%- endfor %}"
+    "{%- set ns.system = ns.system ~ '.' %}"
+    "{%- endif %}"
+    "{%- if ns.system %}{{- '<|im_start|>system\\n' ~ ns.system ~ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages if message['role'] != 'system' %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}"
     "{%- elif message['content'] is not none %}"
@@ -41,9 +64,27 @@ CHAT_TEMPLATE = (
 )
 
 
-def render(messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-    """What :data:`CHAT_TEMPLATE` renders for string contents, without Jinja (for the corpus)."""
-    text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+def _text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] for p in content if p.get("type") == "text")
+
+
+def segments(messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[tuple[str, str]]:
+    """(role, text) of each rendered block, in :data:`CHAT_TEMPLATE`'s order: the system block first."""
+    system = "\n\n".join(_text(m["content"]) for m in messages if m["role"] == "system")
+    if tools:
+        names = [t["function"]["name"] if "function" in t else t["name"] for t in tools]
+        system += ("\n\n" if system else "") + TOOLS_HEADER + ", ".join(names) + "."
+    head = [("system", system)] if system else []
+    return head + [(m["role"], _text(m["content"])) for m in messages if m["role"] != "system"]
+
+
+def render(messages: Sequence[dict], add_generation_prompt: bool = False, tools: Sequence[dict] | None = None) -> str:
+    """What :data:`CHAT_TEMPLATE` renders, without Jinja (for the corpus)."""
+    text = "".join(f"{IM_START}{role}\n{t}{IM_END}\n" for role, t in segments(messages, tools))
     return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 
 
@@ -83,12 +124,12 @@ def save_tokenizer(tok, out_dir: str, model_max_length: int = 512) -> None:
         f.write("\n")
 
 
-def _assistant_spans(messages: Sequence[dict]) -> list[tuple[int, int]]:
+def _assistant_spans(messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[tuple[int, int]]:
     spans, pos = [], 0
-    for m in messages:
-        start = pos + len(f"{IM_START}{m['role']}\n")
-        end = start + len(m["content"]) + len(IM_END)
-        if m["role"] == "assistant":
+    for role, t in segments(messages, tools):
+        start = pos + len(f"{IM_START}{role}\n")
+        end = start + len(t) + len(IM_END)
+        if role == "assistant":
             spans.append((start, end))
         pos = end + 1
     return spans
@@ -104,14 +145,17 @@ def _mask(offsets, spans) -> list[int]:
     return out
 
 
-def encode_conversation(tok, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
+def encode_conversation(tok, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of one conversation rendered with the chat template: the mask is 1 on the
     tokens of every assistant reply and its ``<|im_end|>`` (what the model must learn to write)."""
-    enc = tok.encode(render(messages), add_special_tokens=False)
-    return list(enc.ids), _mask(enc.offsets, _assistant_spans(messages))
+    enc = tok.encode(render(messages, tools=tools), add_special_tokens=False)
+    return list(enc.ids), _mask(enc.offsets, _assistant_spans(messages, tools))
 
 
-def encode_conversations(tok, conversations: Sequence[Sequence[dict]]) -> list[tuple[list[int], list[int]]]:
-    """:func:`encode_conversation` for many conversations at once (``encode_batch``: parallel)."""
-    encs = tok.encode_batch([render(m) for m in conversations], add_special_tokens=False)
-    return [(list(e.ids), _mask(e.offsets, _assistant_spans(m))) for e, m in zip(encs, conversations)]
+def encode_conversations(tok, conversations: Sequence[Sequence[dict]],
+                         tools: Sequence[Sequence[dict] | None] | None = None) -> list[tuple[list[int], list[int]]]:
+    """:func:`encode_conversation` for many conversations at once (``encode_batch``: parallel);
+    ``tools``: each conversation's offered tools (or None)."""
+    tools = list(tools) if tools is not None else [None] * len(conversations)
+    encs = tok.encode_batch([render(m, tools=t) for m, t in zip(conversations, tools)], add_special_tokens=False)
+    return [(list(e.ids), _mask(e.offsets, _assistant_spans(m, t))) for e, m, t in zip(encs, conversations, tools)]

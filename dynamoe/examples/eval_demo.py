@@ -13,18 +13,24 @@ the function on test inputs (:data:`CODE_TESTS`); a crash, a wrong result or a h
 
 Targets (from the issue): >= 95% on 2-digit arithmetic, >= 90% on sorting/reversing lists, all six
 algorithms pass their tests. ``--update-card`` writes the table into the model card (README.md).
+
+``--harness-per-group N`` (default 20) scores N of each target group's prompts again inside what an
+agent harness sends (:func:`dynamoe.examples.demo_context.wrap`, ``--harness-chars`` of system text,
+about as much as Claude Code sends: system blocks, a system message after the user's turn, offered
+tools, reminder blocks in the user's message), under the same targets, as groups ``GROUP@harness``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 
-from . import demo_data
+from . import demo_context, demo_data
 from .train_demo import CARD_SCORES_END, CARD_SCORES_START, DEFAULT_OUT
 
 __all__ = ["CODE_TESTS", "run_code_tests", "score", "eval_set", "evaluate", "report_rows", "format_table",
@@ -133,7 +139,7 @@ def score(example: demo_data.Example, reply: str, code_timeout: float = 5.0) -> 
     """(correct, detail) of ``reply`` for ``example``: exact match of the final answer; code is run."""
     if example.skill == "code":
         return run_code_tests(example.answer, demo_data.code_block(reply), code_timeout)
-    got = demo_data.final_answer(example.group, reply)
+    got = demo_data.final_answer(example.group.split("@")[0], reply)
     return got == example.answer, f"got {got!r}, expected {example.answer!r}"
 
 
@@ -168,6 +174,25 @@ def eval_set(n_per_group: int = 40, seed: int = 1000) -> list[demo_data.Example]
     return out
 
 
+HARNESS_SUFFIX = "@harness"
+
+
+def harness_set(examples: list[demo_data.Example], per_group: int, chars: int, seed: int = 77) -> list[demo_data.Example]:
+    """Up to ``per_group`` examples of each target group, wrapped in a harness context of about ``chars``
+    characters (their group gets :data:`HARNESS_SUFFIX`; the offered tools go in ``meta['tools']``)."""
+    groups = {g for _, gs, _ in TARGETS for g in gs}
+    rng, taken, out = random.Random(seed), {}, []
+    for ex in examples:
+        if ex.group not in groups or taken.get(ex.group, 0) >= per_group:
+            continue
+        taken[ex.group] = taken.get(ex.group, 0) + 1
+        messages, tools = demo_context.wrap(rng, ex.messages, max_chars=chars)
+        messages[-1] = ex.messages[-1]
+        out.append(demo_data.Example(ex.skill, ex.group + HARNESS_SUFFIX, messages, ex.answer, ex.key,
+                                     {**ex.meta, "tools": tools}))
+    return out
+
+
 @dataclass
 class Result:
     example: demo_data.Example
@@ -177,13 +202,18 @@ class Result:
 
 
 def generate_replies(model, tokenizer, prompts: list[list[dict]], max_tokens: int = 320, batch: int = 8,
-                     progress: bool = False) -> list[str]:
-    """Greedy replies for many chat prompts, batched by dynamoe's engine (continuous batching)."""
+                     progress: bool = False, tools: list | None = None) -> list[str]:
+    """Greedy replies for many chat prompts (``tools``: each one's offered tools, or None), batched by
+    dynamoe's engine (continuous batching)."""
     from ..engine import GenerationEngine, SamplingParams
 
-    engine = GenerationEngine(model, tokenizer, max_seq_len=model.config.max_position_embeddings, max_batch=batch)
+    tools = tools or [None] * len(prompts)
+    ids = [tokenizer.encode_chat(p, tools=t) for p, t in zip(prompts, tools)]
+    longest = max((len(i) for i in ids), default=0) + max_tokens
+    engine = GenerationEngine(model, tokenizer, max_seq_len=min(model.config.max_position_embeddings, max(longest, 512)),
+                              max_batch=batch, prefill_chunk=2048)
     greedy = SamplingParams(temperature=0.0)
-    reqs = [engine.add_request(tokenizer.encode_chat(p), greedy, max_tokens, clip_max_tokens=True) for p in prompts]
+    reqs = [engine.add_request(i, greedy, max_tokens, clip_max_tokens=True) for i in ids]
     bar = None
     if progress:
         from tqdm import tqdm
@@ -202,7 +232,8 @@ def generate_replies(model, tokenizer, prompts: list[list[dict]], max_tokens: in
 
 def evaluate(model, tokenizer, examples: list[demo_data.Example], max_tokens: int = 320, code_timeout: float = 5.0,
              progress: bool = False) -> list[Result]:
-    replies = generate_replies(model, tokenizer, [ex.prompt for ex in examples], max_tokens, progress=progress)
+    replies = generate_replies(model, tokenizer, [ex.prompt for ex in examples], max_tokens, progress=progress,
+                               tools=[ex.meta.get("tools") for ex in examples])
     return [Result(ex, r, *score(ex, r, code_timeout)) for ex, r in zip(examples, replies)]
 
 
@@ -224,10 +255,11 @@ def report_rows(results: list[Result]) -> list[dict]:
     for g in sorted(by, key=_group_order):
         rs = by[g]
         rows.append({"name": g, "n": len(rs), "correct": sum(r.correct for r in rs), "target": None})
-    for name, groups, target in TARGETS:
-        rs = [r for g in groups for r in by.get(g, [])]
-        if rs:
-            rows.append({"name": name, "n": len(rs), "correct": sum(r.correct for r in rs), "target": target})
+    for suffix, what in (("", ""), (HARNESS_SUFFIX, ", in a harness context")):
+        for name, groups, target in TARGETS:
+            rs = [r for g in groups for r in by.get(g + suffix, [])]
+            if rs:
+                rows.append({"name": name + what, "n": len(rs), "correct": sum(r.correct for r in rs), "target": target})
     algos = {r.example.answer for r in by.get("code-canonical", []) if r.correct}
     if by.get("code-canonical"):
         rows.append({"name": "algorithms passing (canonical request)", "n": len(demo_data.ALGORITHMS),
@@ -272,6 +304,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seed", type=int, default=1000, help="seed of the held-out sample")
     p.add_argument("--max-tokens", type=int, default=320)
     p.add_argument("--code-timeout", type=float, default=5.0, help="seconds per code answer")
+    p.add_argument("--harness-per-group", type=int, default=20,
+                   help="prompts of each target group scored again inside a harness context (0: none)")
+    p.add_argument("--harness-chars", type=int, default=12000, help="characters of harness text around each of them")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--json", default=None, help="also write rows and every reply to this JSON file")
     p.add_argument("--update-card", action="store_true", help="write the table into MODEL/README.md")
@@ -286,6 +321,8 @@ def main(argv=None) -> list[dict]:
 
     model, tokenizer = load(args.model, dtype=args.dtype)
     examples = eval_set(args.n_per_group, args.seed)
+    if args.harness_per_group:
+        examples += harness_set(examples, args.harness_per_group, args.harness_chars)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     results = evaluate(model, tokenizer, examples, args.max_tokens, args.code_timeout, progress)
     rows = report_rows(results)
@@ -294,7 +331,9 @@ def main(argv=None) -> list[dict]:
     for r in results:
         if not r.correct and shown.get(r.example.group, 0) < args.show_failures:
             shown[r.example.group] = shown.get(r.example.group, 0) + 1
-            print(f"[fail] {r.example.group}: {r.example.prompt[-1]['content']!r} -> {r.reply!r:.300} ({r.detail})")
+            question = r.example.prompt[-1]["content"]
+            question = question if isinstance(question, str) else question[-1]["text"]
+            print(f"[fail] {r.example.group}: {question[-200:]!r} -> {r.reply!r:.300} ({r.detail})")
     print(table)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -304,6 +343,7 @@ def main(argv=None) -> list[dict]:
                       f, indent=1, ensure_ascii=False)
     if args.update_card:
         cmd = "python -m dynamoe.examples.eval_demo" + (f" --n-per-group {args.n_per_group}" if args.n_per_group != 40 else "")
+        cmd += f" --harness-per-group {args.harness_per_group}" if args.harness_per_group != 20 else ""
         update_card(os.path.join(args.model, "README.md"), table, cmd)
         print(f"[card] scores written to {os.path.join(args.model, 'README.md')}")
     return rows

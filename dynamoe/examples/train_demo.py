@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checkpoint.atomic import save_atomic
-from . import demo_data, demo_tokenizer
+from . import demo_context, demo_data, demo_tokenizer
 from .demo_export import CARD_SCORES_END, CARD_SCORES_START, cpu_name, export_hf, hf_state_dict, model_card
 from .demo_export import card_command
 
@@ -91,7 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--experts", type=int, default=16)
     m.add_argument("--top-k", type=int, default=2)
     m.add_argument("--moe-intermediate", type=int, default=192)
-    m.add_argument("--max-position", type=int, default=512)
+    m.add_argument("--max-position", type=int, default=32768, help="positions the model takes (its context length)")
+    m.add_argument("--sliding-window", type=int, default=512,
+                   help="sliding-window attention on every layer over this many positions (0: full attention); "
+                        "with it the cost of a long prompt grows linearly and no position is unseen in training")
+    lc = p.add_argument_group("long-context stage (after --steps: harness-style prompts, demo_context)")
+    lc.add_argument("--long-steps", type=int, default=300, help="optimizer steps of the long-context stage (0: none)")
+    lc.add_argument("--long-seq-len", type=int, default=2048, help="tokens per row in that stage")
+    lc.add_argument("--long-batch-size", type=int, default=6, help="rows per step in that stage")
+    lc.add_argument("--long-corpus-size", type=int, default=8000, help="conversations generated for that stage")
+    lc.add_argument("--long-share", type=float, default=0.6,
+                    help="share of them wrapped in a long system prompt / tools / reminders (demo_context.wrap)")
+    lc.add_argument("--long-lr", type=float, default=5e-4, help="peak learning rate of that stage (warmup, cosine)")
+    lc.add_argument("--init-from", default=None,
+                    help="start the long-context stage from this exported model folder (weights and tokenizer) "
+                         "instead of training the first --steps steps")
     o = p.add_argument_group("optimizer")
     o.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     o.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr = lr * this (cosine decay)")
@@ -104,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(p: argparse.ArgumentParser, args) -> None:
     for name in ("steps", "batch_size", "seq_len", "ckpt_every", "corpus_size", "layers", "hidden", "heads",
-                 "kv_heads", "experts", "top_k", "moe_intermediate", "max_position"):
+                 "kv_heads", "experts", "top_k", "moe_intermediate", "max_position", "long_seq_len", "long_batch_size",
+                 "long_corpus_size"):
         if getattr(args, name) < 1:
             p.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.eval_every < 0:
@@ -115,6 +130,14 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads}), and --heads by --kv-heads ({args.kv_heads})")
     if args.seq_len > args.max_position:
         p.error(f"argument --seq-len: must be <= --max-position ({args.max_position}), got {args.seq_len}")
+    if args.long_seq_len > args.max_position:
+        p.error(f"argument --long-seq-len: must be <= --max-position ({args.max_position}), got {args.long_seq_len}")
+    if args.sliding_window < 0 or args.long_steps < 0:
+        p.error(f"--sliding-window and --long-steps must be >= 0, got {args.sliding_window}, {args.long_steps}")
+    if not 0 <= args.long_share <= 1 or not args.long_lr > 0:
+        p.error(f"--long-share must be in [0, 1] and --long-lr > 0, got {args.long_share}, {args.long_lr}")
+    if args.init_from is not None and not args.long_steps:
+        p.error("argument --init-from: needs --long-steps >= 1 (it starts the long-context stage)")
     if args.vocab_size < 300:
         p.error(f"argument --vocab-size: must be >= 300 (256 bytes + special tokens + merges), got {args.vocab_size}")
     if not args.lr > 0 or not 0 <= args.min_lr_ratio <= 1:
@@ -139,7 +162,8 @@ def model_config(args, vocab_size: int, pad_id: int, eos_id: int) -> dict:
         "num_experts_per_tok": args.top_k, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
         "hidden_act": "silu", "max_position_embeddings": args.max_position, "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
-        "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": True,
+        "use_sliding_window": bool(args.sliding_window), "sliding_window": args.sliding_window or None,
+        "tie_word_embeddings": True,
         "router_aux_loss_coef": args.aux_loss_coef, "output_router_logits": False, "initializer_range": 0.02,
         "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": pad_id, "use_cache": True,
         "dtype": "bfloat16",
@@ -196,13 +220,17 @@ def lm_loss(logits_BSV: Tensor, targets_BS: Tensor, mask_BS: Tensor) -> Tensor:
 
 
 def lr_at(step: int, args) -> float:
-    """Linear warmup to ``--lr`` over ``--warmup`` steps, then cosine to ``lr * min_lr_ratio``."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    t = (step - args.warmup) / max(1, args.steps - args.warmup)
+    """Linear warmup to ``--lr`` over ``--warmup`` steps, then cosine to ``lr * min_lr_ratio``; from step
+    ``--steps`` on (the long-context stage) the same shape again with ``--long-lr`` over ``--long-steps``."""
+    peak, warmup, steps = args.lr, args.warmup, args.steps
+    if step >= args.steps:
+        step, peak, warmup, steps = step - args.steps, args.long_lr, max(1, args.long_steps // 10), args.long_steps
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
     t = min(t, 1.0)
-    lo = args.lr * args.min_lr_ratio
-    return lo + 0.5 * (args.lr - lo) * (1 + math.cos(math.pi * t))
+    lo = peak * args.min_lr_ratio
+    return lo + 0.5 * (peak - lo) * (1 + math.cos(math.pi * t))
 
 
 def count_params(model) -> tuple[int, int]:
@@ -292,6 +320,87 @@ def prepare_data(args, ckpt_dir: str, log) -> dict:
         f"({int(train_mask.sum())} assistant tokens), {len(held)} held-out -> {eval_ids.size(0)} rows, "
         f"vocab {tok.get_vocab_size()}, {time.perf_counter() - t0:.0f}s")
     return data
+
+
+def prepare_init_data(args, ckpt_dir: str, log) -> dict:
+    """For ``--init-from``: that model's tokenizer, and held-out rows (``--seq-len``) for the eval loss."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = os.path.join(args.init_from, "tokenizer.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"error: --init-from {args.init_from!r} has no tokenizer.json")
+    tok = HFTokenizer.from_file(path)
+    held = demo_data.generate(args.seed + 1, min(HELD_OUT_CONVERSATIONS, max(32, args.corpus_size // 10)), "held_out")
+    eval_ids, eval_mask = pack(demo_tokenizer.encode_conversations(tok, [e.messages for e in held]), args.seq_len,
+                               tok.token_to_id(demo_tokenizer.PAD))
+    log(f"[data] --init-from {args.init_from}: its tokenizer (vocab {tok.get_vocab_size()}), {eval_ids.size(0)} held-out rows")
+    return {"tokenizer": tok, "eval_ids": eval_ids, "eval_mask": eval_mask, "skill_counts": {}}
+
+
+def _base_training(folder: str) -> str:
+    """The "Training" section of the model card of ``folder`` (what a --init-from run started from)."""
+    try:
+        with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
+            card = f.read()
+    except OSError:
+        return f"(the model in {folder}; it has no model card)"
+    a, b = card.find("## Training"), card.find("## Evaluation")
+    return card[a + len("## Training"):b].strip() if 0 <= a < b else f"(the model in {folder})"
+
+
+def prepare_long_data(args, tok, ckpt_dir: str, log) -> dict:
+    """Rows of ``--long-seq-len`` tokens for the long-context stage: corpus conversations (a new seed),
+    ``--long-share`` of them inside a harness context (:func:`demo_context.wrap`: system prompts, tools,
+    reminders, system messages after the user's turn), plus held-out ones wrapped the same way for its
+    eval loss. Cached in ``ckpt_dir/long_data.pt`` for the same flags and tokenizer."""
+    key = {"seed": args.seed, "n": args.long_corpus_size, "seq_len": args.long_seq_len, "share": args.long_share,
+           "vocab": tok.get_vocab_size(), "data_version": demo_data.DATA_VERSION,
+           "harness_version": demo_context.HARNESS_VERSION}
+    cache = os.path.join(ckpt_dir, "long_data.pt")
+    if os.path.exists(cache):
+        data = torch.load(cache, weights_only=True)
+        if data.get("key") == key:
+            log(f"[data] long-context rows cached: {data['ids'].size(0)} training, {data['eval_ids'].size(0)} held-out")
+            return data
+    t0 = time.perf_counter()
+    pad_id = tok.token_to_id(demo_tokenizer.PAD)
+    # harness text of up to ~1.6 characters per token of the row: the demo BPE reads such text at ~1.95
+    # characters a token, so most wrapped conversations fit a row (pack drops the few, ~4 %, that do not)
+    max_chars = int(args.long_seq_len * 1.6)
+
+    def build(examples, seed):
+        rng = random.Random(seed)
+        convs, tools = [], []
+        for e in examples:
+            if rng.random() < args.long_share:
+                m, t = demo_context.wrap(rng, e.messages, max_chars=max_chars)
+            else:
+                m, t = e.messages, None
+            convs.append(m)
+            tools.append(t)
+        return pack(demo_tokenizer.encode_conversations(tok, convs, tools), args.long_seq_len, pad_id), len(convs)
+
+    (ids, mask), n = build(demo_data.generate(args.seed + 2, args.long_corpus_size, "train"), args.seed + 3)
+    (eval_ids, eval_mask), _ = build(demo_data.generate(args.seed + 4, 128, "held_out"), args.seed + 5)
+    data = {"key": key, "ids": ids, "mask": mask, "eval_ids": eval_ids, "eval_mask": eval_mask}
+    save_atomic(data, cache)
+    log(f"[data] long-context stage: {n} conversations -> {ids.size(0)} rows of {args.long_seq_len + 1} tokens "
+        f"({int(mask.sum())} assistant tokens), {eval_ids.size(0)} held-out rows, {time.perf_counter() - t0:.0f}s")
+    return data
+
+
+def load_export(model, folder: str) -> None:
+    """Copy the weights of an exported model folder (read by :func:`dynamoe.models.load`) into ``model``,
+    whose parameters must have the same names and shapes (its config may differ in context length and
+    attention window)."""
+    from ..models import load
+
+    src = load(folder, dtype=torch.float32).state_dict()
+    own = model.state_dict()
+    bad = sorted(k for k in own if k not in src or src[k].shape != own[k].shape)
+    if bad:
+        raise SystemExit(f"error: --init-from {folder!r} does not match this model's parameters: {bad[:4]}")
+    model.load_state_dict({k: src[k] for k in own})
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -391,12 +500,17 @@ def main(argv=None) -> dict:
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    data = prepare_data(args, ckpt_dir, log)
+    data = prepare_init_data(args, ckpt_dir, log) if args.init_from else prepare_data(args, ckpt_dir, log)
     tok = data["tokenizer"]
+    # the exported tokenizer config carries this run's chat template and context length
+    demo_tokenizer.save_tokenizer(tok, os.path.join(ckpt_dir, "tokenizer"), model_max_length=args.max_position)
+    long = prepare_long_data(args, tok, ckpt_dir, log) if args.long_steps else None
     pad_id, eos_id = tok.token_to_id(demo_tokenizer.PAD), tok.token_to_id(demo_tokenizer.IM_END)
     config = model_config(args, tok.get_vocab_size(), pad_id, eos_id)
     model = build_model(config)
     init_weights(model, args.seed)
+    if args.init_from:
+        load_export(model, args.init_from)
     enable_balance_loss(model, "switch")
     model.train()
     total_params, active_params = count_params(model)
@@ -408,7 +522,7 @@ def main(argv=None) -> dict:
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    step, history = 0, []
+    step, history = (args.steps if args.init_from else 0), []
     if os.path.exists(ckpt) and not args.fresh:
         step, history = load_checkpoint(ckpt, model, optimizer, args)
         log(f"[checkpoint] resumed from {ckpt} at step {step}")
@@ -416,14 +530,28 @@ def main(argv=None) -> dict:
     def amp():
         return torch.autocast("cpu", dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
 
-    stop = min(args.steps, args.stop_after) if args.stop_after else args.steps
-    bar = _progress(args.steps, step, args.progress)
+    total = args.steps + args.long_steps
+    stop = min(total, args.stop_after) if args.stop_after else total
+    bar = _progress(total, step, args.progress)
     t_start = time.perf_counter()
-    steps_this_run, tokens_per_step = 0, args.batch_size * args.seq_len
+    steps_this_run, tokens_this_run = 0, 0
     last = {}
+
+    def evaluate_now(last: dict) -> None:
+        last["eval_loss"] = round(eval_loss(model, data["eval_ids"], data["eval_mask"], max(args.batch_size, 32), amp), 5)
+        msg = f"[eval] step {step}: train loss {last['loss']:.4f}, held-out loss {last['eval_loss']:.4f}"
+        if long is not None and step > args.steps:
+            last["long_eval_loss"] = round(eval_loss(model, long["eval_ids"], long["eval_mask"], args.long_batch_size, amp), 5)
+            msg += f", long-context held-out loss {last['long_eval_loss']:.4f}"
+        bar.write(msg)
+
     try:
         while step < stop:
-            x, y, m = batch_at(step, data["train_ids"], data["train_mask"], args.batch_size, args.seed)
+            if step < args.steps:
+                x, y, m = batch_at(step, data["train_ids"], data["train_mask"], args.batch_size, args.seed)
+            else:
+                x, y, m = batch_at(step - args.steps, long["ids"], long["mask"], args.long_batch_size, args.seed)
+            tokens_per_step = x.numel()
             lr = lr_at(step, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -441,9 +569,9 @@ def main(argv=None) -> dict:
             dt = time.perf_counter() - t0
             last = {"step": step, "loss": round(float(loss.detach()), 5), "aux": round(float(aux.detach()), 5), "lr": lr,
                     "grad_norm": round(float(grad_norm), 4), "step_s": round(dt, 4)}
-            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-                last["eval_loss"] = round(eval_loss(model, data["eval_ids"], data["eval_mask"], max(args.batch_size, 32), amp), 5)
-                bar.write(f"[eval] step {step}: train loss {last['loss']:.4f}, held-out loss {last['eval_loss']:.4f}")
+            tokens_this_run += tokens_per_step
+            if args.eval_every and (step % args.eval_every == 0 or step in (args.steps, total)):
+                evaluate_now(last)
             history.append(last)
             bar.set_postfix(loss=f"{last['loss']:.3f}", aux=f"{last['aux']:.3f}", lr=f"{lr:.2e}",
                             tok_s=f"{tokens_per_step / dt:.0f}")
@@ -458,22 +586,26 @@ def main(argv=None) -> dict:
                "config": config, "tokenizer_dir": os.path.join(ckpt_dir, "tokenizer")}
     if steps_this_run:
         log(f"[time] {steps_this_run} steps in {wall:.1f}s: {wall / steps_this_run:.3f} s/step, "
-            f"{tokens_per_step * steps_this_run / wall:.0f} tokens/s")
-    if step < args.steps:
-        log(f"[stop] {step}/{args.steps} steps done; run the same command again to resume")
+            f"{tokens_this_run / wall:.0f} tokens/s")
+    if step < total:
+        log(f"[stop] {step}/{total} steps done; run the same command again to resume")
         if not (args.export_partial and args.export):
             return summary
     if "eval_loss" not in last:
-        last["eval_loss"] = round(eval_loss(model, data["eval_ids"], data["eval_mask"], max(args.batch_size, 32), amp), 5)
+        evaluate_now(last)
     summary["eval_loss"] = last["eval_loss"]
     if args.export:
         train_losses = [h["loss"] for h in history[-50:]]
         wall_total = sum(h["step_s"] for h in history)
-        stats = {"skill_counts": data.get("skill_counts", {}), "vocab": tok.get_vocab_size(), "steps": step,
-                 "of_steps": args.steps,
-                 "tokens": step * tokens_per_step, "train_loss": sum(train_losses) / len(train_losses),
-                 "eval_loss": last["eval_loss"], "threads": torch.get_num_threads(),
-                 "cpu": cpu_name(), "wall_min": wall_total / 60}
+        stage1 = 0 if args.init_from else min(step, args.steps)
+        long_done = max(0, step - args.steps)
+        stats = {"skill_counts": data.get("skill_counts", {}), "vocab": tok.get_vocab_size(), "steps": stage1,
+                 "of_steps": args.steps, "long_steps": long_done,
+                 "tokens": stage1 * args.batch_size * args.seq_len, "train_loss": sum(train_losses) / len(train_losses),
+                 "long_tokens": long_done * args.long_batch_size * args.long_seq_len,
+                 "eval_loss": last["eval_loss"], "long_eval_loss": last.get("long_eval_loss"),
+                 "threads": torch.get_num_threads(), "cpu": cpu_name(), "wall_min": wall_total / 60,
+                 "base_training": _base_training(args.init_from) if args.init_from else None}
         card_args = argparse.Namespace(**vars(args))
         stats["export_mb"] = 0.0
         size = export_hf(model, config, summary["tokenizer_dir"], args.out,
