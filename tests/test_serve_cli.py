@@ -72,3 +72,31 @@ def test_max_seq_len_above_the_model_warns(tmp_path):
         engine, max_seq_len = serve_cli.build_engine(args, model, tok, err)
         assert max_seq_len == engine.max_seq_len == (asked or 512)
         assert ("--max_seq_len 2048 is above the model's max_position_embeddings 512" in err.getvalue()) == warns
+
+
+def test_default_max_seq_len_is_the_models_context_as_far_as_its_kv_cache_fits(monkeypatch):
+    """Without --max_seq_len: max_position_embeddings when slots x positions of KV cache fit a quarter
+    of the memory (a small model: the whole context), else what fits, in steps of 1024."""
+    import types
+
+    import torch
+
+    from dynamoe.models import ModelConfig
+    from dynamoe.serve import cli
+
+    def fake(mpe, layers=6, kv_heads=2, head_dim=64, dtype=torch.bfloat16):
+        cfg = ModelConfig.from_dict({"model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": layers,
+                                     "num_attention_heads": 4, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+                                     "vocab_size": 64, "intermediate_size": 64, "max_position_embeddings": mpe})
+        m = torch.nn.Linear(1, 1, dtype=dtype)
+        return types.SimpleNamespace(config=cfg, dtype=dtype, parameters=m.parameters)
+
+    monkeypatch.setattr(cli, "_memory_bytes", lambda device: 24 << 30)
+    demo = fake(32768)
+    assert demo.config.kv_elements_per_position() == 6 * 2 * 2 * 64
+    assert cli.default_max_seq_len(demo, 8) == 32768          # 24 KB a position: the whole context fits
+    big = fake(40960, layers=48, kv_heads=4, head_dim=128)    # a Qwen3-30B-A3B-sized cache: 96 KB a position
+    n = cli.default_max_seq_len(big, 8)
+    assert n % 1024 == 0 and n * 8 * 48 * 2 * 4 * 128 * 2 <= (24 << 30) * cli.KV_CACHE_SHARE < (n + 1024) * 8 * 48 * 2 * 4 * 128 * 2
+    assert cli.default_max_seq_len(big, 100000) == 1024       # never below 1024
+    assert cli.default_max_seq_len(types.SimpleNamespace(config=None), 8) == cli.FALLBACK_MAX_SEQ_LEN

@@ -287,6 +287,15 @@ class ModelConfig:
         """The sliding window of layer i, or None for full attention."""
         return self.sliding_window if self.layer_types and self.layer_types[i] == "sliding_attention" else None
 
+    def kv_elements_per_position(self) -> int:
+        """Cache elements one position of one sequence takes over all layers: keys and values per KV head
+        (GQA), or the compressed latent and the rotary key (MLA), plus the indexer's key (DSA)."""
+        if self.kv_lora_rank:
+            per_layer = self.kv_lora_rank + (self.qk_rope_head_dim or 0) + (self.index_head_dim or 0)
+        else:
+            per_layer = 2 * self.num_key_value_heads * self.head_dim
+        return per_layer * self.num_hidden_layers
+
     def is_moe_layer(self, i: int) -> bool:
         """Qwen3-MoE's rule (mlp_only_layers, decoder_sparse_step), DeepSeek's first_k_dense_replace, or
         ``mlp_layer_types`` when the config lists them (DeepSeek-V3.2 / GLM-5)."""

@@ -199,12 +199,12 @@ def serve_command(args, err=None) -> int:
 
 def build_engine(args, model, tokenizer, err=None):
     """(the GenerationEngine for ``model`` with the parsed flags, its max_seq_len): ``--max_seq_len``,
-    else the model's max_position_embeddings capped at 4096. A ``--max_seq_len`` above
-    max_position_embeddings is allowed (RoPE scaling, a config that undersells) with a warning on ``err``."""
+    else :func:`default_max_seq_len`. A ``--max_seq_len`` above max_position_embeddings is allowed (RoPE
+    scaling, a config that undersells) with a warning on ``err``."""
     from ..engine import GenerationEngine
 
     mpe = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    max_seq_len = args.max_seq_len or (min(int(mpe), 4096) if mpe else 4096)
+    max_seq_len = args.max_seq_len or default_max_seq_len(model, args.max_num_seqs)
     if mpe and max_seq_len > int(mpe):
         print(f"dynamoe serve: warning: --max_seq_len {max_seq_len} is above the model's max_position_embeddings "
               f"{int(mpe)}: positions past {int(mpe)} were not trained and output there may degrade",
@@ -212,6 +212,46 @@ def build_engine(args, model, tokenizer, err=None):
     engine = GenerationEngine(model, tokenizer, max_seq_len=max_seq_len, max_batch=args.max_num_seqs, prefill_chunk=2048,
                               prefix_caching=getattr(args, "prefix_caching", True))
     return engine, max_seq_len
+
+
+#: share of the memory (RAM, or the GPU's) that the default context length may give the KV cache
+KV_CACHE_SHARE = 0.25
+#: the default context length when neither the model nor the memory says more
+FALLBACK_MAX_SEQ_LEN = 4096
+
+
+def default_max_seq_len(model, num_slots: int) -> int:
+    """The model's max_position_embeddings, as far as ``num_slots`` sequences of it fit their KV cache
+    (allocated whole, slots x positions) in :data:`KV_CACHE_SHARE` of the memory: so a small model
+    takes its whole context (the demo model's 32768 positions cost ~25 KB per position for 8 slots)
+    and a large one as much as fits (rounded down to 1024, at least 1024). 4096 where the model does not
+    say its size."""
+    import torch
+
+    cfg = getattr(model, "config", None)
+    mpe = getattr(cfg, "max_position_embeddings", None)
+    if not mpe:
+        return FALLBACK_MAX_SEQ_LEN
+    per_position = getattr(cfg, "kv_elements_per_position", None)
+    if per_position is None:
+        return min(int(mpe), FALLBACK_MAX_SEQ_LEN)
+    param = next(iter(model.parameters()), None)
+    dtype = getattr(model, "dtype", None) or (param.dtype if param is not None else torch.float32)
+    device = param.device if param is not None else torch.device("cpu")
+    bytes_per_position = per_position() * torch.empty((), dtype=dtype).element_size() * max(1, num_slots)
+    fits = int(_memory_bytes(device) * KV_CACHE_SHARE) // max(1, bytes_per_position)
+    return int(mpe) if fits >= int(mpe) else max(1024, fits // 1024 * 1024)
+
+
+def _memory_bytes(device) -> int:
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: assume a small machine
+        return 8 << 30
 
 
 def server_config(args, path: str, api_key: str | None, max_seq_len: int):
