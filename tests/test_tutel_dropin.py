@@ -216,6 +216,24 @@ def test_tutel_layer_attributes_report_the_last_call():
     assert "Total-Experts = 4 [managed by 1 device(s)]" in repr(layer)
 
 
+def test_tutel_gate_attributes_and_activation_fn_with_self():
+    layer = tutel_moe.moe_layer(gate_type={"type": "top", "k": 2, "capacity_factor": 0.5, "gate_noise": 0.1}, model_dim=8,
+                                experts={"type": "ffn", "num_experts_per_device": 4, "hidden_size_per_expert": 8,
+                                         "activation_fn_with_self": lambda x, experts: F.relu(x) * experts.num_local_experts})
+    gate = layer.gates[0]
+    assert (gate.top_k, gate.capacity_factor, gate.gate_noise) == (2, 0.5, 0.1)
+    gate.capacity_factor = 0  # Tutel's gate attribute: assigning it changes routing
+    layer.eval()
+    x = torch.randn(10, 8)
+    y = layer(x)
+    assert y.routing_stats.capacity_factor == 0.0 and y.routing_stats.dropped == 0
+    e = layer.experts  # the activation saw the experts module: relu(h) * 4
+    h = F.relu(torch.baddbmm(e.batched_fc1_bias.unsqueeze(1), x.expand(4, -1, -1), e.batched_fc1_w.transpose(1, 2))) * 4
+    torch.testing.assert_close(layer.experts(x.expand(4, -1, -1), layer), torch.baddbmm(e.batched_fc2_bias.unsqueeze(1), h, e.batched_fc2_w))
+    with pytest.raises(ValueError, match="capacity_factor"):
+        gate.capacity_factor = float("nan")
+
+
 @pytest.mark.parametrize("top, cf", [(1, 1.0), (2, 1.0), (2, 0.0), (2, -1.25), (2, 0.5)])
 def test_low_level_ops_compute_the_layer(top, cf):
     """gate -> top_k_routing -> fast_encode -> experts -> fast_decode (Tutel's from-scratch flow) gives
@@ -319,6 +337,40 @@ def two_rank_worker(rank, world, tmp):
         ref_e -= 0.5 * float(rank)
     torch.testing.assert_close(shared_w.detach(), ref_w)
     torch.testing.assert_close(expert_w.detach(), ref_e)
+
+
+TUTEL_CKPT = os.path.join(ROOT, "tests", "data", "tutel_v0.3_helloworld", "tutel_helloworld-{rank}-of-{size}.pt")
+
+
+class _TutelHelloworld(torch.nn.Module):
+    """Tutel's helloworld model for its default flags at the sizes in tests/data/tutel_v0.3_helloworld."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self._moe_layer = tutel_moe.moe_layer(
+            gate_type={"type": "top", "k": 2, "fp32_gate": False, "capacity_factor": 1.0},
+            experts={"type": "ffn", "num_experts_per_device": 2, "hidden_size_per_expert": 32, "activation_fn": lambda x: F.relu(x)},
+            model_dim=16, scan_expert_func=lambda name, p: setattr(p, "skip_allreduce", True), seeds=(1, rank + 1, 1))
+
+    def forward(self, x):
+        return F.log_softmax(torch.sum(self._moe_layer(x), dim=2), dim=1)
+
+
+def tutel_checkpoint_worker(rank, world):
+    model = _TutelHelloworld(rank)
+    model.load_state_dict(torch.load(system.apply_rank_size_from_pattern(TUTEL_CKPT, rank, world, create_dir=False)))
+    torch.manual_seed(0)
+    x = torch.randn([2, 16, 16])
+    with torch.no_grad():
+        loss = float(F.nll_loss(model(x), torch.zeros(2, dtype=torch.long)))
+    assert loss == pytest.approx(2.87918, abs=1e-5), loss  # what Tutel printed from these files
+
+
+def test_tutels_own_per_rank_checkpoints_load(tmp_path):
+    run_ranks(2, tutel_checkpoint_worker, timeout=120)
+    one = _TutelHelloworld(0)  # one process holds 2 of the checkpoint's 4 experts: a clear error
+    with pytest.raises(ValueError, match="checkpoint has 4 experts"):
+        one.load_state_dict(torch.load(TUTEL_CKPT.format(rank=0, size=2)))
 
 
 def test_tutel_semantics_on_two_ranks(tmp_path):

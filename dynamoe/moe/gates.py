@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.routing import sigmoid_group_topk, softmax_topk
-from .config import GateConfig
+from .config import GateConfig, check_capacity_factor
 
 __all__ = ["Routing", "LinearGate", "CosineGate", "build_gate", "route", "renormalizes"]
 
@@ -40,7 +40,48 @@ class Routing:
     noisy_logits_TE: Tensor
 
 
-class LinearGate(nn.Module):
+class _TutelGateAttributes:
+    """Tutel's gate attributes ``top_k``, ``capacity_factor`` and ``gate_noise``, read from and written to
+    the gate's config (``routing_config``, set by :func:`build_gate`), so assigning one changes routing
+    as in Tutel."""
+
+    routing_config: Optional[GateConfig] = None
+
+    def _cfg(self) -> GateConfig:
+        if self.routing_config is None:
+            raise ValueError(f"{type(self).__name__} was built outside an MoE layer: it has no routing config")
+        return self.routing_config
+
+    @property
+    def top_k(self) -> int:
+        return self._cfg().k
+
+    @top_k.setter
+    def top_k(self, k: int) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"top_k must be an int >= 1, got {k!r}")
+        self._cfg().k = k
+
+    @property
+    def capacity_factor(self) -> float:
+        return self._cfg().capacity_factor
+
+    @capacity_factor.setter
+    def capacity_factor(self, value: float) -> None:
+        self._cfg().capacity_factor = check_capacity_factor(value)
+
+    @property
+    def gate_noise(self) -> float:
+        return self._cfg().gate_noise
+
+    @gate_noise.setter
+    def gate_noise(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"gate_noise must be a finite number >= 0, got {value!r}")
+        self._cfg().gate_noise = float(value)
+
+
+class LinearGate(_TutelGateAttributes, nn.Module):
     """logits = x @ wg^T. With ``fp32_gate`` the product is computed in fp32 from fp32 copies, so
     the parameter keeps whatever dtype the model has (Tutel's ``wg.float()`` mutates it)."""
 
@@ -76,7 +117,7 @@ class LinearGate(nn.Module):
         return (w, None) if self.fp32_gate or w.dtype == torch.float32 else None
 
 
-class CosineGate(nn.Module):
+class CosineGate(_TutelGateAttributes, nn.Module):
     """Cosine router (Tutel's ``cosine_top``): logits = cos(proj(x), sim_e) / temperature, with the
     learned temperature clamped to at least 0.01."""
 
@@ -105,9 +146,13 @@ class CosineGate(nn.Module):
 def build_gate(cfg: GateConfig, model_dim: int, num_experts: int, dtype=None, device=None) -> nn.Module:
     """The logits module for one gate config."""
     if cfg.type in ("top", "sigmoid"):
-        return LinearGate(model_dim, num_experts, cfg.fp32_gate, cfg.type == "sigmoid", dtype, device)
+        gate = LinearGate(model_dim, num_experts, cfg.fp32_gate, cfg.type == "sigmoid", dtype, device)
+        gate.routing_config = cfg
+        return gate
     if cfg.type == "cosine_top":
-        return CosineGate(model_dim, num_experts, cfg.fp32_gate, cfg.proj_dim, cfg.init_t, dtype, device)
+        gate = CosineGate(model_dim, num_experts, cfg.fp32_gate, cfg.proj_dim, cfg.init_t, dtype, device)
+        gate.routing_config = cfg
+        return gate
     module = cfg.module
     if isinstance(module, type):
         module = module(model_dim=model_dim, num_global_experts=num_experts, **cfg.module_kwargs)
@@ -116,6 +161,9 @@ def build_gate(cfg: GateConfig, model_dim: int, num_experts: int, dtype=None, de
         cfg.k = k if isinstance(k, int) and not isinstance(k, bool) else 2
     if not isinstance(module, nn.Module):
         raise ValueError(f"custom gate 'module' must be an nn.Module or a class building one, got {type(module).__name__}")
+    for name in ("gate_noise", "capacity_factor"):  # Tutel gives a custom gate these when it lacks them
+        if not hasattr(module, name):
+            setattr(module, name, getattr(cfg, name))
     return module.to(dtype=dtype, device=device) if (dtype is not None or device is not None) else module
 
 

@@ -73,6 +73,9 @@ class moe_layer(MoELayer):  # noqa: N801 -- Tutel's name
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD  # Tutel: `group or dist.group.WORLD`
         experts = _tutel_local_count(experts)
+        with_self = experts.pop("activation_fn_with_self", None) if isinstance(experts, dict) else None
+        if with_self is not None and (experts.get("activation_fn") is not None or experts.get("type") != "ffn"):
+            raise ValueError("activation_fn_with_self (Tutel's ffn option) replaces activation_fn: give one of them, with type 'ffn'")
         E = MoELayer.global_expert_count(experts.get("num_experts_per_device", experts.get("count_per_node", 1)), group)
         clamped = []
         for g in gate_dicts:
@@ -99,6 +102,9 @@ class moe_layer(MoELayer):  # noqa: N801 -- Tutel's name
         )
         super().__init__(config, scan_expert_func=scan_expert_func, result_func=result_func, group=group, seeds=seeds)
         self._k_clamp_warned = bool(clamped)
+        if with_self is not None:  # Tutel's activation_fn_with_self(x, experts_module)
+            experts_module = self.experts
+            self.experts.activation_fn = lambda x: with_self(x, experts_module)
 
 
 def _tutel_local_count(experts: dict) -> dict:
