@@ -69,7 +69,11 @@ def test_helloworld_ddp_plain_process_makes_its_own_group(capsys):
 
 
 def test_helloworld_ddp_tutel_two_ranks():
-    out = torchrun("helloworld_ddp_tutel", *TINY, "--lr", "0.01")
+    # Tutel's optimizer (SGD on averaged, sharded gate gradients): helloworld's losses (its manual averaging)
+    out = torchrun("helloworld_ddp_tutel", *TINY, "--lr", "0.1")
+    assert "[Optimizer] TutelDistributedOptimizer(SGD, lr = 0.1, average_shared) over 2 rank(s)" in out
+    assert losses_of(out) == pytest.approx(losses_of(torchrun("helloworld", *TINY, "--lr", "0.1")), abs=2e-5)
+    out = torchrun("helloworld_ddp_tutel", *TINY, "--lr", "0.01", "--optimizer", "zero_adamw")
     losses = losses_of(out)
     assert "[Optimizer] ZeroOptimizer(AdamW, lr = 0.01) over 2 rank(s)" in out
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]

@@ -12,7 +12,8 @@ Run any of them as a module, e.g. ``python -m dynamoe.examples.helloworld --help
   documenting the data flow.
 * ``helloworld_ddp`` -- helloworld's model in ``dynamoe.parallel.data_parallel`` (DDP that leaves the
   expert parameters alone); on one process it makes its own 1-rank gloo group.
-* ``helloworld_ddp_tutel`` -- helloworld trained with the ZeRO-1 ``ZeroOptimizer`` (AdamW, ``--lr``).
+* ``helloworld_ddp_tutel`` -- helloworld trained with Tutel's ``TutelDistributedOptimizer`` (SGD), or
+  ``--optimizer zero_adamw``: the ZeRO-1 ``ZeroOptimizer`` (AdamW, fp32 masters).
 * ``bandwidth_test`` -- all-to-all bandwidth table, ``dynamoe.net`` vs raw ``torch.distributed`` (>= 2 ranks);
   ``--loop N`` prints Tutel's all-to-all / all-reduce / all-gather / reduce-scatter lines instead.
 * ``nccl_all_to_all_v`` / ``nccl_all_gather_v`` -- ``net.batch_all_to_all_v`` with uneven and zero counts and

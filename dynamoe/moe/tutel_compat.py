@@ -28,7 +28,7 @@ class moe_layer(MoELayer):  # noqa: N801 -- Tutel's name
             'sigmoid' (DeepSeek: 'n_group', 'topk_group', 'route_scale') and 'custom' ('module').
         model_dim: D.
         experts: dict such as ``{'type': 'ffn', 'num_experts_per_device': 2, 'hidden_size_per_expert':
-            2048, 'activation_fn': lambda x: F.relu(x)}``; types 'ffn', 'glu', 'custom'.
+            2048, 'activation_fn': lambda x: F.relu(x)}``; types 'ffn', 'llama_ffn' (Tutel's), 'glu', 'custom'.
         scan_expert_func: called as f(name, param) for every expert parameter.
         result_func: applied to the output (which carries ``.l_aux`` and ``.routing_stats``).
         is_postscore, batch_prioritized_routing, normalize_gate, is_gshard_loss, parallel_type,

@@ -654,6 +654,13 @@ class TutelDistributedOptimizer:
         self.local_optim.step()
         self.restore()
 
+    def state_dict(self) -> dict:
+        """The local optimizer's state (this rank's shards and experts)."""
+        return self.local_optim.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.local_optim.load_state_dict(state)
+
 
 def _is_expert(p) -> bool:
     return hasattr(p, "_tutel_expert") or getattr(p, "_dynamoe_expert", False)
