@@ -279,6 +279,9 @@ def two_rank_worker(rank, world, tmp):
     env = system.init_data_model_parallel(backend="gloo")
     assert (env.global_rank, env.global_size, env.is_distributed) == (rank, world, True)
     assert net.create_groups_from_world(1, parent_group=env.global_group) is env
+    two = net.create_groups_from_world(2)  # Tutel's layout: 2 data-parallel groups of 1 model rank
+    assert (two.group_count, two.model_size, two.model_rank, two.data_rank) == (2, 1, 0, rank)
+    assert net.get_world_size(two.model_group) == 1 and net.get_world_size(two.data_group) == 2
     # group=None: the world group (Tutel), E = L x W; a standalone group keeps the experts local
     layer = tutel_moe.moe_layer(gate_type={"type": "top", "k": 2}, model_dim=8, experts=ffn(L=2), seeds=(1, rank + 1, 1))
     assert layer.num_global_experts == 4 and layer.world_size == 2 and "managed by 2 device(s)" in repr(layer)
