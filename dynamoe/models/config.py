@@ -10,9 +10,10 @@ The expert count is read from ``num_experts`` / ``num_local_experts`` / ``n_rout
 V3.2 indexer) are parsed here too, so a family module reads typed values, never the raw dict; the raw
 dict stays on ``ModelConfig.raw`` for anything a later family needs before it gets a typed field.
 
-Family defaults that transformers applies in its config classes (GPT-OSS's YaRN and alternating
-sliding layers, per-family ``rope_theta``) live in ``_FAMILY_DEFAULTS`` below, so a config.json that
-omits them parses as transformers reads it.
+Family defaults that transformers applies in its config classes (``rms_norm_eps``, expert counts and
+top-k, ``max_position_embeddings``, GPT-OSS's YaRN, ``swiglu_limit`` and alternating sliding layers,
+per-family ``rope_theta``, ...) live in ``_FAMILY_DEFAULTS`` below, so a config.json that omits them
+parses as transformers reads it (tests/test_models_config_defaults.py compares every field).
 """
 from __future__ import annotations
 
@@ -29,30 +30,49 @@ MLP_LAYER_TYPES = ("dense", "sparse")
 INDEXER_TYPES = ("full", "shared")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
-# What transformers' config classes fill in when config.json leaves a field out ("fields": plain
-# config.json fields, read as if the file had them).
-_DEEPSEEK_V3 = {  # DeepseekV3Config's structural defaults (MLA ranks and dims, routing)
+# What transformers' config classes (5.x, configuration_<family>.py) fill in when config.json leaves a
+# field out. "fields": plain config.json fields, read as if the file had them; "num_experts" /
+# "num_experts_per_tok": the expert count and top-k when none of their aliases is given; the other keys
+# are defaults of derived values (RoPE, layer kinds, head size). Fields not named here default as
+# ModelConfig's own defaults, which equal transformers' for every family here.
+_DEEPSEEK = {  # DeepseekV3Config's structural defaults (MLA ranks and dims, routing, token ids), shared by V3.2 / GLM-5
     "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
     "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "n_shared_experts": 1, "first_k_dense_replace": 3,
-    "norm_topk_prob": True,
+    "norm_topk_prob": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1,
 }
+# MLA: transformers' head_dim defaults to qk_rope_head_dim (the attention head size is qk_nope + qk_rope); keys
+# and values have as many heads as the queries, so num_key_value_heads keeps its default (the query heads)
+_MLA = {"num_experts": 256, "num_experts_per_tok": 8, "head_dim_is_rope": True}
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "mixtral": {"rope_theta": 1e6},
+    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8,
+                  # Qwen3MoeConfig drops sliding_window unless use_sliding_window
+                  "fields": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                             "use_sliding_window": False}},
+    "mixtral": {"rope_theta": 1e6, "num_experts": 8, "num_experts_per_tok": 2,
+                "fields": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                           "bos_token_id": 1, "eos_token_id": 2}},
     "gpt_oss": {
         "rope_theta": 150000.0,
         "rope": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096},
         "sliding_window": 128, "attention_bias": True, "alternating_layers": True, "head_dim": 64,
+        "num_experts": 128, "num_experts_per_tok": 4,
+        "fields": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                   "swiglu_limit": 7.0},
     },
-    "deepseek_v3": {"rope_interleave": True, "fields": _DEEPSEEK_V3},
-    "kimi_k2": {"rope_interleave": True, "fields": _DEEPSEEK_V3},
-    "deepseek_v32": {"fields": {**_DEEPSEEK_V3, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64}},
-    "glm_moe_dsa": {"fields": {**_DEEPSEEK_V3, "q_lora_rank": 2048, "qk_nope_head_dim": 192, "v_head_dim": 256,
-                               "n_group": 1, "topk_group": 1, "index_topk": 2048, "index_head_dim": 128,
-                               "index_n_heads": 32}},
+    "deepseek_v3": {**_MLA, "rope_interleave": True, "fields": {**_DEEPSEEK, "num_nextn_predict_layers": 1}},
+    "kimi_k2": {**_MLA, "rope_interleave": True, "fields": {**_DEEPSEEK, "num_nextn_predict_layers": 1}},
+    "deepseek_v32": {**_MLA, "fields": {**_DEEPSEEK, "max_position_embeddings": 163840, "index_topk": 2048,
+                                        "index_head_dim": 128, "index_n_heads": 64}},
+    "glm_moe_dsa": {**_MLA, "fields": {**_DEEPSEEK, "q_lora_rank": 2048, "qk_nope_head_dim": 192, "v_head_dim": 256,
+                                       "n_group": 1, "topk_group": 1, "max_position_embeddings": 202752,
+                                       "rms_norm_eps": 1e-5, "index_topk": 2048, "index_head_dim": 128,
+                                       "index_n_heads": 32}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
-    "glm4_moe": {"partial_rotary_factor": 0.5,
-                 "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True}},
+    "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
+                 "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+                            "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                            "num_nextn_predict_layers": 1}},
 }
 
 
@@ -325,21 +345,25 @@ class ModelConfig:
         hidden = _int(d, "hidden_size", required=True)
         heads = _int(d, "num_attention_heads", required=True)
         layers = _int(d, "num_hidden_layers", required=True)
-        kv_heads = _int(d, "num_key_value_heads", heads)
+        kv_heads = _int(d, "num_key_value_heads", heads) or heads  # null: as many as the query heads
         if heads % kv_heads:
             raise _err("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}")
-        head_dim = _int(d, "head_dim", fam.get("head_dim")) or hidden // heads
+        if fam.get("head_dim_is_rope") and d.get("head_dim") is None and d.get("qk_rope_head_dim") is not None:
+            head_dim = _int(d, "qk_rope_head_dim")  # MLA: what transformers sets (and saves) when the file has none
+        else:
+            head_dim = _int(d, "head_dim", fam.get("head_dim")) or hidden // heads
         max_pos = _int(d, "max_position_embeddings", 4096)
 
-        experts = 0
+        experts = fam.get("num_experts", 0)
         for key in _EXPERT_COUNT_KEYS:
             if d.get(key) is not None:
                 experts = _int(d, key, minimum=0)
                 break
         # GPT-OSS's config.json also says experts_per_token
-        top_k = _int(d, "num_experts_per_tok", d.get("experts_per_token", 0), minimum=0)
+        top_k = _int(d, "num_experts_per_tok", d.get("experts_per_token", fam.get("num_experts_per_tok", 0)), minimum=0)
+        top_k = top_k or 0
         if experts and not 1 <= top_k <= experts:
-            raise _err("num_experts_per_tok", d.get("num_experts_per_tok"), f"an int in [1, num_experts={experts}]")
+            raise _err("num_experts_per_tok", top_k, f"an int in [1, num_experts={experts}]")
 
         sliding = _int(d, "sliding_window", fam.get("sliding_window"))
         layer_types = d.get("layer_types")
@@ -354,6 +378,7 @@ class ModelConfig:
             layer_types = ("sliding_attention",) * layers  # Mixtral / Qwen3 with use_sliding_window
         else:
             layer_types = ("full_attention",) * layers
+            sliding = None  # as Qwen3MoeConfig: no window unless use_sliding_window
         if "sliding_attention" in layer_types and sliding is None:
             raise ValueError("config field 'sliding_window' is required when layer_types has 'sliding_attention'")
 

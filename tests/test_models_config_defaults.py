@@ -1,0 +1,254 @@
+"""A config.json that leaves a field out parses as transformers reads it: for every family, a config with
+only the sizes dynamoe requires gives, field by field, the values transformers' configuration class
+(and its modeling code's derivations: head size, MoE layers, sliding layers) gives; and tiny random
+checkpoints whose config.json lost a defaulted field (rms_norm_eps, expert counts, swiglu_limit,
+num_key_value_heads) still load to transformers' logits."""
+import pytest
+import torch
+
+from models_util import one_thread  # noqa: F401 (autouse fixture)
+from models_util import VOCAB, check_logits, randomize_, save_tiny
+from models_mla_util import MLA, edit_config, ids, make_pair
+
+transformers = pytest.importorskip("transformers")
+
+import dynamoe.models as dm  # noqa: E402
+from dynamoe.models import ModelConfig  # noqa: E402
+
+# ------------------------------------------------------------------------------ field by field
+SIZES = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=8)
+# model_type: (transformers' config class, the sizes the family needs beyond SIZES). Kimi-K2 has no
+# config class of its own in transformers: it is DeepSeek-V3.
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=32)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=32)),
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=32)),
+    "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32)),
+    "kimi_k2": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32)),
+    "glm4_moe": ("Glm4MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    "deepseek_v32": ("DeepseekV32Config", dict(intermediate_size=96, moe_intermediate_size=32)),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+}
+DEEPSEEK_LIKE = {"deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm_moe_dsa"}
+MLA_FAMILIES = DEEPSEEK_LIKE - {"glm4_moe"}
+GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
+
+
+def _hf_moe_layers(hf, mt):
+    """Which layers have routed experts, by each transformers modeling file's rule."""
+    n = hf.num_hidden_layers
+    if mt == "qwen3_moe":
+        return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
+                for i in range(n)]
+    if mt in ("mixtral", "gpt_oss"):
+        return [True] * n
+    if mt in ("deepseek_v32", "glm_moe_dsa"):
+        return [t == "sparse" for t in hf.mlp_layer_types]
+    return [i >= hf.first_k_dense_replace for i in range(n)]
+
+
+def _hf_windows(hf, mt):
+    """The sliding window of each layer (None: full attention), as the modeling files read it."""
+    n = hf.num_hidden_layers
+    if mt in ("qwen3_moe", "mixtral"):
+        return [hf.sliding_window] * n
+    if mt == "gpt_oss":
+        return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
+    return [None] * n
+
+
+def _hf_rope(hf):
+    p = dict(hf.rope_parameters)
+    out = {"rope_type": p.get("rope_type", "default"), "theta": p["rope_theta"],
+           "partial_rotary_factor": p.get("partial_rotary_factor", 1.0)}
+    if out["rope_type"] == "yarn":
+        out.update(factor=p["factor"], original_max_position_embeddings=p["original_max_position_embeddings"],
+                   beta_fast=p.get("beta_fast", 32.0), beta_slow=p.get("beta_slow", 1.0),
+                   truncate=p.get("truncate", True))
+    return out
+
+
+def _our_rope(cfg):
+    r = cfg.rope
+    out = {"rope_type": r.rope_type, "theta": r.theta, "partial_rotary_factor": r.partial_rotary_factor}
+    if r.rope_type == "yarn":
+        out.update(factor=r.factor, original_max_position_embeddings=r.original_max_position_embeddings,
+                   beta_fast=r.beta_fast, beta_slow=r.beta_slow, truncate=r.truncate)
+    return out
+
+
+def _eos(v):
+    return () if v is None else tuple(v) if isinstance(v, (list, tuple)) else (v,)
+
+
+# dynamoe's name -> (transformers' value, dynamoe's value, the families it applies to; None = all).
+# Where the names or shapes differ, the two getters say how they correspond.
+FIELDS = {
+    "vocab_size": (lambda hf, mt: hf.vocab_size, None, None),
+    "hidden_size": (lambda hf, mt: hf.hidden_size, None, None),
+    "num_hidden_layers": (lambda hf, mt: hf.num_hidden_layers, None, None),
+    "num_attention_heads": (lambda hf, mt: hf.num_attention_heads, None, None),
+    # MLA ignores it (keys and values have a head per query head)
+    "num_key_value_heads": (lambda hf, mt: hf.num_key_value_heads, None, GQA_FAMILIES),
+    # the modeling files: getattr(config, "head_dim", None) or hidden // heads; MLA configs set qk_rope_head_dim
+    "head_dim": (lambda hf, mt: getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads, None, None),
+    "max_position_embeddings": (lambda hf, mt: hf.max_position_embeddings, None, None),
+    "rms_norm_eps": (lambda hf, mt: hf.rms_norm_eps, None, None),
+    "rope": (lambda hf, mt: _hf_rope(hf), lambda cfg: _our_rope(cfg), None),
+    "hidden_act": (lambda hf, mt: hf.hidden_act, None, set(FAMILIES) - {"gpt_oss"}),  # GPT-OSS: its own SwiGLU
+    "tie_word_embeddings": (lambda hf, mt: hf.tie_word_embeddings, None, None),
+    # Mixtral's attention has no biases (and no attention_bias field)
+    "attention_bias": (lambda hf, mt: getattr(hf, "attention_bias", False), None, None),
+    "layer_windows": (lambda hf, mt: _hf_windows(hf, mt),
+                      lambda cfg: [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)], None),
+    "num_experts": (lambda hf, mt: hf.num_local_experts, None, None),
+    "num_experts_per_tok": (lambda hf, mt: hf.num_experts_per_tok, None, None),
+    # Mixtral and GPT-OSS size their experts with intermediate_size
+    "expert_hidden_size": (lambda hf, mt: hf.intermediate_size if mt in ("mixtral", "gpt_oss")
+                           else hf.moe_intermediate_size, None, None),
+    "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
+                   lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
+    "bos_token_id": (lambda hf, mt: hf.bos_token_id, None, None),
+    "eos_token_id": (lambda hf, mt: _eos(hf.eos_token_id), None, None),
+    "pad_token_id": (lambda hf, mt: hf.pad_token_id, None, None),
+    # Qwen3-MoE
+    "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe"} | DEEPSEEK_LIKE),
+    "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, {"qwen3_moe"}),
+    "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, {"qwen3_moe"}),
+    # GPT-OSS
+    "swiglu_limit": (lambda hf, mt: hf.swiglu_limit, None, {"gpt_oss"}),
+    "swiglu_alpha": (lambda hf, mt: hf.swiglu_alpha, None, {"gpt_oss"}),
+    # DeepSeek routing (DeepSeek-V3 / Kimi-K2, GLM-4.5, V3.2, GLM-5)
+    "n_group": (lambda hf, mt: hf.n_group, None, DEEPSEEK_LIKE),
+    "topk_group": (lambda hf, mt: hf.topk_group, None, DEEPSEEK_LIKE),
+    "routed_scaling_factor": (lambda hf, mt: hf.routed_scaling_factor, None, DEEPSEEK_LIKE),
+    "n_shared_experts": (lambda hf, mt: hf.n_shared_experts, None, DEEPSEEK_LIKE),
+    "first_k_dense_replace": (lambda hf, mt: hf.first_k_dense_replace, None, DEEPSEEK_LIKE),
+    "use_qk_norm": (lambda hf, mt: hf.use_qk_norm, None, {"glm4_moe"}),
+    "num_nextn_predict_layers": (lambda hf, mt: hf.num_nextn_predict_layers, None,
+                                 {"deepseek_v3", "kimi_k2", "glm4_moe"}),
+    # MLA
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, MLA_FAMILIES)
+       for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
+    # V3.2 / GLM-5 always interleave MLA's RoPE (the family classes say so); V3 reads the field
+    "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2"}),
+    # the sparse-attention indexer
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa"})
+       for name in ("index_topk", "index_head_dim", "index_n_heads")},
+    # GLM-5's indexer kinds: dynamoe's () means every layer runs its indexer
+    "indexer_types": (lambda hf, mt: list(hf.indexer_types),
+                      lambda cfg: list(cfg.indexer_types) or ["full"] * cfg.num_hidden_layers, {"glm_moe_dsa"}),
+}
+
+
+def _compare(mt: str, d: dict):
+    cls_name = FAMILIES[mt][0]
+    hf = getattr(transformers, cls_name).from_dict({k: v for k, v in d.items() if k != "model_type"})
+    cfg = ModelConfig.from_dict(dict(d))
+    checked, wrong = [], {}
+    for name, (hf_get, our_get, families) in FIELDS.items():
+        if families is not None and mt not in families:
+            continue
+        want = hf_get(hf, mt)
+        got = our_get(cfg) if our_get else getattr(cfg, name)
+        checked.append(name)
+        if got != want:
+            wrong[name] = {"dynamoe": got, "transformers": want}
+    assert not wrong, f"{mt}: fields where dynamoe's default differs from {cls_name}'s: {wrong}"
+    return checked
+
+
+@pytest.mark.parametrize("mt", sorted(FAMILIES))
+def test_omitted_fields_default_as_transformers(mt):
+    d = {"model_type": mt, **SIZES, **FAMILIES[mt][1]}
+    checked = _compare(mt, d)
+    assert {"rms_norm_eps", "num_experts", "num_experts_per_tok", "max_position_embeddings", "rope"} <= set(checked)
+
+
+@pytest.mark.parametrize("mt,extra", [
+    ("qwen3_moe", {"sliding_window": 64}),                               # a window without use_sliding_window: none
+    ("qwen3_moe", {"sliding_window": 64, "use_sliding_window": True}),   # ... with it: every layer
+    ("mixtral", {"sliding_window": 64}),                                 # Mixtral has no switch: every layer
+    ("mixtral", {"head_dim": None}),                                     # null: hidden // heads
+    ("gpt_oss", {"rope_theta": 50000.0, "rope_scaling": None}),          # hub style: YaRN stays the default
+    ("glm4_moe", {"rope_theta": 1e6}),                                   # half RoPE at the file's base
+    ("deepseek_v3", {"head_dim": 8}),                                    # MLA: head_dim is qk_rope_head_dim
+], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))
+def test_given_fields_derive_as_transformers(mt, extra):
+    _compare(mt, {"model_type": mt, **SIZES, **FAMILIES[mt][1], **extra})
+
+
+# ------------------------------------------------------------------------------ logits parity
+def _drop(path, *names):
+    """Delete fields from a saved config.json (the expert count under every alias)."""
+    if "num_experts" in names:
+        names = names + ("num_local_experts", "n_routed_experts")
+    edit_config(path, **{n: None for n in names})
+
+
+def _tiny_mixtral():
+    # transformers' defaults: 8 experts, top-2, rms_norm_eps 1e-5
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None))
+
+
+def _tiny_gpt_oss():
+    # transformers' defaults: rms_norm_eps 1e-5, swiglu_limit 7 (big gate/up weights make the clamp clip)
+    return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=256, bos_token_id=None, eos_token_id=None))
+
+
+def _tiny_qwen3():
+    # transformers' defaults: 4 KV heads, 128 experts, top-8
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=8, num_hidden_layers=2, num_attention_heads=8,
+        head_dim=16, max_position_embeddings=256, bos_token_id=None, eos_token_id=None))
+
+
+PARITY = {
+    # name: (build the transformers model, how to randomize it, the fields config.json loses)
+    "mixtral": (_tiny_mixtral, {}, ("rms_norm_eps", "num_experts", "num_experts_per_tok")),
+    "gpt_oss": (_tiny_gpt_oss, {"experts.gate_up_proj": 0.5, "experts.down_proj": 0.05, "sinks": 1.0},
+                ("rms_norm_eps", "swiglu_limit")),
+    "qwen3_moe": (_tiny_qwen3, {}, ("num_key_value_heads", "num_experts", "num_experts_per_tok")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARITY))
+def test_logits_without_defaulted_fields(name, tmp_path):
+    build, scales, dropped = PARITY[name]
+    torch.manual_seed(0)
+    hf = build().eval()
+    randomize_(hf, seed=2, scales=scales)
+    path = save_tiny(hf, tmp_path / name)
+    _drop(path, *dropped)
+    ours = dm.load(path, progress=False)
+    check_logits(hf, ours, ids())
+
+
+DEEPSEEK_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=8,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                     bos_token_id=None, eos_token_id=None, first_k_dense_replace=1)
+MLA_PARITY = {
+    # GLM-4.5: rms_norm_eps 1e-5, 128 experts, top-8
+    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(num_key_value_heads=2, head_dim=16),
+                 ("rms_norm_eps", "num_experts", "num_experts_per_tok")),
+    # GLM-5: rms_norm_eps 1e-5
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig",
+                    dict(**MLA, n_routed_experts=8, num_experts_per_tok=2, index_topk=8, index_head_dim=16,
+                         index_n_heads=4), ("rms_norm_eps",)),
+    # DeepSeek-V3: 256 experts in 8 groups (4 eligible), top-8
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(**MLA), ("num_experts", "num_experts_per_tok")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MLA_PARITY))
+def test_deepseek_like_logits_without_defaulted_fields(name, tmp_path):
+    model_cls, config_cls, sizes, dropped = MLA_PARITY[name]
+    hf, path = make_pair(getattr(transformers, model_cls),
+                         getattr(transformers, config_cls)(**{**DEEPSEEK_BASE, **sizes}), tmp_path / name)
+    _drop(path, *dropped)
+    check_logits(hf, dm.load(path, progress=False), ids())
