@@ -39,8 +39,10 @@ def folder(request, tmp_path_factory):
 
 
 def _pair(folder, dtype):
-    """(model with plans, twin without), the same weights."""
-    model = dm.load(folder, dtype=dtype, progress=False)
+    """(model with plans, twin without), the same weights -- both copies, so that both own their memory:
+    a loaded model's weights may be views into the memory-mapped file at any offset, and oneDNN's fp32
+    GEMV (the lm_head here) sums in another order for another alignment of the weight."""
+    model = copy.deepcopy(dm.load(folder, dtype=dtype, progress=False))
     twin = copy.deepcopy(model)
     twin.use_decode_plan = False
     return model, twin
