@@ -242,6 +242,7 @@ def _hello(**extra) -> dict:
 
 @pytest.mark.parametrize("extra", [
     dict(thinking={"type": "adaptive"}), dict(thinking={"type": "adaptive", "display": "summarized"}),
+    dict(thinking={"type": "adaptive", "display": "updates"}),  # Claude Code 2.1.332 with a display beta
     dict(thinking={"type": "between_tools"}), dict(thinking={"type": "enabled", "budget_tokens": 1024}),
     dict(metadata={"user_id": "u"}), dict(context_management={"edits": [{"type": "clear_thinking_20251015"}]}),
     dict(output_config={"effort": "max"}), dict(temperature=1), dict(temperature=0, top_p=1, top_k=0),
@@ -266,7 +267,7 @@ def test_accepted_fields(tmp_path_factory, extra):
     (dict(max_tokens="20"), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
     (dict(thinking={"type": "sometimes"}), "thinking.type"), (dict(thinking={"type": "enabled"}), "thinking.budget_tokens"),
     (dict(thinking={"type": "enabled", "budget_tokens": 100}), "thinking.budget_tokens"),
-    (dict(thinking={"type": "adaptive", "display": "loud"}), "thinking.display"),
+    (dict(thinking={"type": "adaptive", "display": 5}), "thinking.display"),
     (dict(tools=TOOLS, tool_choice={"type": "required"}), "tool_choice.type"),
     (dict(tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}), "tool_choice.name"),
     (dict(tools=TOOLS, tool_choice={"type": "auto", "disable_parallel_tool_use": "no"}), "tool_choice.disable_parallel_tool_use"),

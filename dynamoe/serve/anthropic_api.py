@@ -43,7 +43,7 @@ _SYSTEM_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"$re
                             {"type": "null"}]}
 _THINKING_SCHEMA = {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type"], "properties": {
     "type": {"enum": ["enabled", "adaptive", "disabled", "between_tools"]},
-    "budget_tokens": {"type": "integer", "minimum": 1024}, "display": {"enum": ["summarized", "omitted"]}}}]}
+    "budget_tokens": {"type": "integer", "minimum": 1024}, "display": {"type": "string", "examples": ["summarized", "omitted"]}}}]}
 _TOOL_CHOICE_SCHEMA = {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type"], "properties": {
     "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
     "disable_parallel_tool_use": {"type": "boolean"}}}]}
@@ -315,7 +315,8 @@ THINKING_TYPES = ("enabled", "adaptive", "disabled", "between_tools")
 def _thinking(thinking: dict | None) -> tuple[bool | None, bool]:
     """(the template's enable_thinking: None = its default, whether thinking text is omitted from the
     answer). ``enabled``, ``adaptive`` and ``between_tools`` think (the template decides what that
-    means; ``budget_tokens`` is checked, not enforced), ``disabled`` does not."""
+    means; ``budget_tokens`` is checked, not enforced), ``disabled`` does not. ``display`` 'omitted'
+    leaves the thinking text out; other display modes show it."""
     if thinking is None:
         return None, False
     kind = thinking.get("type")
@@ -326,8 +327,10 @@ def _thinking(thinking: dict | None) -> tuple[bool | None, bool]:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
             raise _bad("thinking.budget_tokens", f"must be an int >= 1024 with type 'enabled', got {budget!r}")
     display = thinking.get("display")
-    if display not in (None, "summarized", "omitted"):
-        raise _bad("thinking.display", f"must be 'summarized' or 'omitted', got {display!r}")
+    # 'summarized' and 'omitted', and the modes betas add (Claude Code 2.1.332 sends 'updates' with
+    # thinking-display-updates-2026-08-18): any of those shows the thinking text, only 'omitted' hides it
+    if display is not None and not isinstance(display, str):
+        raise _bad("thinking.display", f"must be a string ('summarized', 'omitted', ...), got {display!r}")
     return kind != "disabled", display == "omitted"
 
 
