@@ -96,9 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sliding-window attention on every layer over this many positions (0: full attention); "
                         "with it the cost of a long prompt grows linearly and no position is unseen in training")
     lc = p.add_argument_group("long-context stage (after --steps: harness-style prompts, demo_context)")
-    lc.add_argument("--long-steps", type=int, default=300, help="optimizer steps of the long-context stage (0: none)")
+    lc.add_argument("--long-steps", type=int, default=120, help="optimizer steps of the long-context stage (0: none)")
     lc.add_argument("--long-seq-len", type=int, default=2048, help="tokens per row in that stage")
-    lc.add_argument("--long-batch-size", type=int, default=6, help="rows per step in that stage")
+    lc.add_argument("--long-batch-size", type=int, default=4, help="rows per step in that stage")
     lc.add_argument("--long-corpus-size", type=int, default=8000, help="conversations generated for that stage")
     lc.add_argument("--long-share", type=float, default=0.6,
                     help="share of them wrapped in a long system prompt / tools / reminders (demo_context.wrap)")
