@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from serve_testing import free_port
+from serve_testing import free_port, stop_process
 
 PINNED = "2.1.197"  # the version the recipe pins
 QUESTION, ANSWER = "What is 12 + 35?", "47"
@@ -171,13 +171,7 @@ class MakeServe:
             return f.read()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace=20)
 
 
 @pytest.fixture(scope="module")
