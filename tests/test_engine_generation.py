@@ -289,7 +289,6 @@ def test_end_to_end_with_a_loaded_checkpoint(tmp_path, capsys, tok):
     """A tiny random Qwen3-MoE saved by transformers, loaded by dynamoe.models: the engine's batched greedy
     output equals transformers' generate, and `dynamoe generate` streams it."""
     transformers = pytest.importorskip("transformers")
-    import dynamoe.models
     from dynamoe import cli
     from dynamoe.engine import load
 

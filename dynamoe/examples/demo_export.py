@@ -202,7 +202,7 @@ def _training_text(args, stats: dict) -> str:
     threads = stats.get("threads", "?")
     hw = f"{threads} CPU thread{'' if threads == 1 else 's'} ({stats.get('cpu', '?')})"
     if stats.get("base_training"):
-        stage1 = f"Stage 1 is the model this run started from (`--init-from`); its card said:\n\n> " + \
+        stage1 = "Stage 1 is the model this run started from (`--init-from`); its card said:\n\n> " + \
             stats["base_training"].replace("\n", "\n> ")
     else:
         stage1 = (f"{steps_text(stats)} of {args.batch_size} × {args.seq_len} tokens ({stats.get('tokens', 0) / 1e6:.1f} M tokens, "

@@ -7,18 +7,29 @@ AVX512-BF16 dot products over several weight rows at once, where oneDNN's bf16 G
 third of the read bandwidth on this kind of CPU. The extension is compiled once per machine with the local compiler
 (``torch.utils.cpp_extension``, cached under ``TORCH_EXTENSIONS_DIR``) with ``-march=native``; if that
 is impossible (no compiler, ``DYNAMOE_NO_CPU_KERNELS=1``) ``load()`` returns None and callers use the
-pure-torch dequantize-then-matmul path, which gives the same results.
+pure-torch dequantize-then-matmul path, which gives the same results. With ``DYNAMOE_REQUIRE_CPU_KERNELS=1``
+(``make test`` sets it) a failed build on a CPU the kernels are written for raises instead, with the
+compiler's output, so that CI fails rather than skipping every kernel test. ``build()`` compiles the
+sources with other flags into another folder (the scalar paths: ``march="x86-64-v3"``), leaving the
+cached build alone.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import platform
 import sys
 import threading
 
 
-__all__ = ["load", "MAX_ROWS", "prune_stale_builds"]
+__all__ = ["load", "build", "required", "MAX_ROWS", "prune_stale_builds", "ENV_DISABLE", "ENV_REQUIRE"]
+
+#: set (not "" or "0") to turn the kernels off: load() returns None
+ENV_DISABLE = "DYNAMOE_NO_CPU_KERNELS"
+#: set to make a failed build raise on a CPU the kernels are written for (x86-64), instead of falling back
+ENV_REQUIRE = "DYNAMOE_REQUIRE_CPU_KERNELS"
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 
 SOURCES = ("packed_gemv.cpp", "bf16_gemv.cpp", "f32_gemv.cpp", "moe_decode.cpp", "moe_decode_packed.cpp", "rms_norm.cpp", "rope.cpp",
            "router_decode.cpp", "attn_decode.cpp", "moe_block_decode.cpp", "decode_stack.cpp")
@@ -114,25 +125,66 @@ def prune_stale_builds(current: str, root: str, max_age_days: float = STALE_BUIL
     return removed
 
 
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU is one the kernels are written and tested for (x86-64; AVX-512 optional)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def required() -> bool:
+    """Whether a failed build must raise: ``DYNAMOE_REQUIRE_CPU_KERNELS`` set, the kernels not turned off
+    with ``DYNAMOE_NO_CPU_KERNELS``, and a CPU they are written for."""
+    return _flag(ENV_REQUIRE) and not _flag(ENV_DISABLE) and cpu_supported()
+
+
+def _ninja_on_path() -> None:
+    """The venv's ninja, when torch looks for it on PATH."""
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+def build(build_directory: str, march: str = "native", sources=SOURCES, extra_sources=(), name: str | None = None):
+    """Compile ``sources`` (names in ``csrc/``) plus ``extra_sources`` (paths) with ``-march=march`` into
+    ``build_directory`` and import the result; torch's cached build that ``load()`` uses is not touched.
+    ``march="x86-64-v3"`` (AVX2, no AVX-512) compiles the scalar code paths. Raises on a failed build."""
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
+    here = os.path.join(os.path.dirname(__file__), "csrc")
+    os.makedirs(build_directory, exist_ok=True)
+    name = name or f"dynamoe_cpu_kernels_{march.replace('-', '_')}_{_csrc_hash(here)}"
+    return cpp_extension.load(
+        name=name, sources=[os.path.join(here, f) for f in sources] + list(extra_sources),
+        extra_cflags=[*CFLAGS, f"-march={march}", f"-I{here}"], extra_ldflags=["-fopenmp"],
+        build_directory=build_directory, verbose=False,
+    )
+
+
 def load():
     """The compiled module, or None when it cannot be built here (reason logged once). The first call on
-    a machine compiles it (a minute or two, announced on stderr)."""
+    a machine compiles it (a minute or two, announced on stderr). When ``required()``, a failed build
+    raises RuntimeError with the compiler's output instead (on every call, without building again)."""
+    if "error" in _state:
+        raise _state["error"]
     if "module" in _state:
         return _state["module"]
     with _lock:
+        if "error" in _state:
+            raise _state["error"]
         if "module" in _state:
             return _state["module"]
         module = None
-        if os.environ.get("DYNAMOE_NO_CPU_KERNELS", "0") not in ("", "0"):
-            log.info("dynamoe CPU kernels disabled by DYNAMOE_NO_CPU_KERNELS")
+        if _flag(ENV_DISABLE):
+            log.info("dynamoe CPU kernels disabled by %s", ENV_DISABLE)
         else:
             try:
                 from torch.utils import cpp_extension
 
-                # the venv's ninja, when torch looks for it on PATH
-                bindir = os.path.dirname(sys.executable)
-                if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-                    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+                _ninja_on_path()
                 here = os.path.join(os.path.dirname(__file__), "csrc")
                 building = _will_build(here)
                 name = _module_name(here)
@@ -143,7 +195,7 @@ def load():
                               "minute or two ...", file=sys.stderr, flush=True)
                     module = cpp_extension.load(
                         name=name, sources=[os.path.join(here, f) for f in SOURCES],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                        extra_cflags=[*CFLAGS, "-march=native"],
                         extra_ldflags=["-fopenmp"], verbose=False,
                     )
                 if building:
@@ -151,6 +203,11 @@ def load():
                     for folder in prune_stale_builds(name, root):
                         log.info("dynamoe: removed the stale CPU kernel build %s", folder)
             except Exception as exc:  # noqa: BLE001 -- any build failure means: use the fallback
+                if required():
+                    _state["error"] = RuntimeError(
+                        f"dynamoe: the CPU kernels failed to build on this x86-64 machine and {ENV_REQUIRE} is set "
+                        f"({ENV_DISABLE}=1 turns them off deliberately): {exc}")
+                    raise _state["error"] from exc
                 log.warning("dynamoe: CPU GEMV kernels unavailable (%s); using torch matmuls (dequantize-then-matmul for packed weights)", exc)
                 module = None
         _state["module"] = module
