@@ -6,6 +6,7 @@ round), and reported as a median. All methods use the same weights, dropless rou
 
     python benchmarks/moe_layer.py                      # all configs, fp32 and bf16
     python benchmarks/moe_layer.py --configs A D1 --dtypes float32 --rounds 5
+    python benchmarks/moe_layer.py --decode-train --threads 1 2   # D1/D8 forward+backward only
 
 Columns: ours / hf-loop / floor are median milliseconds; ratios are ours divided by the floor and
 hf-loop divided by ours. For decode configs (D1, D8) the floor is the cold weight-read floor:
@@ -48,6 +49,65 @@ def hf_loop(x, gate_w, w1_EFD, w2_EFD, k):
         h = F.relu(x[tok] @ w1_EFD[e].t()) @ w2_EFD[e]
         out.index_add_(0, tok, h * w[tok, choice, None])
     return out
+
+
+def hf_loop_modules(x, gate_w, experts, k):
+    """The same block over per-expert nn.Linear modules (transformers' ModuleList experts): experts
+    not hit get no gradient at all, so this is the per-expert loop a decode backward must match."""
+    logits = F.linear(x, gate_w)
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, ids = torch.topk(probs, k, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+    out = torch.zeros_like(x)
+    mask = F.one_hot(ids, num_classes=len(experts)).permute(2, 1, 0)  # [E, k, T]
+    for e in torch.nonzero(mask.sum(dim=(-1, -2)) > 0)[:, 0].tolist():
+        choice, tok = torch.where(mask[e])
+        fc1, fc2 = experts[e]
+        out.index_add_(0, tok, fc2(F.relu(fc1(x[tok]))) * w[tok, choice, None])
+    return out
+
+
+def run_decode_train(name, dtype, rounds, warmup):
+    """Forward+backward at decode size: ours, the per-expert loop over the stacked [E, F, D] weights
+    and over per-expert modules. Median ms over interleaved rounds, fresh tokens each round."""
+    T, D, Fh, E, k = CONFIGS[name]
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(model_dim=D, gates=[GateConfig(k=k, capacity_factor=0.0)],
+                               experts=ExpertConfig(num_experts_per_device=E, hidden_size_per_expert=Fh,
+                                                    has_fc1_bias=False, has_fc2_bias=False), aux_loss="none")).to(dtype)
+    gate_w = layer.gates[0].wg.weight
+    w1, w2 = layer.experts.batched_fc1_w, layer.experts.batched_fc2_w
+    mods = torch.nn.ModuleList()
+    for e in range(E):
+        fc1 = torch.nn.Linear(D, Fh, bias=False, dtype=dtype)
+        fc2 = torch.nn.Linear(Fh, D, bias=False, dtype=dtype)
+        with torch.no_grad():
+            fc1.weight.copy_(w1[e])
+            fc2.weight.copy_(w2[e].t())
+        mods.append(torch.nn.ModuleList([fc1, fc2]))
+    params = list(layer.parameters()) + list(mods.parameters())
+
+    def step(fn):
+        def run(x):
+            x = x.detach().requires_grad_()
+            y = fn(x)
+            y.backward(torch.ones_like(y))
+        return run
+
+    methods = {"ours": step(layer), "hf-stacked": step(lambda x: hf_loop(x, gate_w, w1, w2, k)),
+               "hf-modules": step(lambda x: hf_loop_modules(x, gate_w, mods, k))}
+    xs = [torch.randn(T, D, dtype=dtype) for _ in range(rounds + 1)]
+    for _ in range(warmup):
+        for fn in methods.values():
+            fn(xs[-1])
+    names, res = list(methods), {m: [] for m in methods}
+    for r in range(rounds):
+        for i in range(len(names)):
+            m = names[(r + i) % len(names)]
+            for p_ in params:
+                p_.grad = None
+            res[m].append(timed(lambda: methods[m](xs[r])) * 1e3)
+    return {m: statistics.median(v) for m, v in res.items()}
 
 
 def floor_pair(x_rows, w1_DF, w2_FD):
@@ -149,9 +209,26 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=3, help="untimed calls of every method before timing")
     p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--decode-train", action="store_true",
+                   help="D1/D8 forward+backward against per-expert loops (stacked weights and per-expert modules)")
+    p.add_argument("--threads", type=int, nargs="+", default=None, help="torch threads (--decode-train: each in turn)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if args.decode_train:
+        print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} cpus; "
+              f"forward+backward, median ms of {args.rounds} interleaved rounds")
+        print(f"{'config':7} {'dtype':9} {'threads':>7} {'ours':>8} {'hf-stacked':>10} {'hf-modules':>10} {'modules/ours':>12}")
+        for th in args.threads or [torch.get_num_threads()]:
+            torch.set_num_threads(th)
+            for name in [c for c in args.configs if c in DECODE] or sorted(DECODE):
+                for dt in args.dtypes:
+                    r = run_decode_train(name, getattr(torch, dt), args.rounds, args.warmup)
+                    print(f"{name:7} {dt:9} {th:7d} {r['ours']:8.2f} {r['hf-stacked']:10.2f} {r['hf-modules']:10.2f} "
+                          f"{r['hf-modules'] / r['ours']:12.2f}", flush=True)
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads[0])
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cpus")
     bw = {}
