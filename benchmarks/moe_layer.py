@@ -67,16 +67,21 @@ def hf_loop_modules(x, gate_w, experts, k):
     return out
 
 
-def run_decode_train(name, dtype, rounds, warmup):
-    """Forward+backward at decode size: ours, the per-expert loop over the stacked [E, F, D] weights
-    and over per-expert modules. Median ms over interleaved rounds, fresh tokens each round."""
+def _dropless_layer(name, dtype):
+    """Config ``name``'s dropless FFN layer (seed 0) with its gate and stacked expert weights."""
     T, D, Fh, E, k = CONFIGS[name]
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(model_dim=D, gates=[GateConfig(k=k, capacity_factor=0.0)],
                                experts=ExpertConfig(num_experts_per_device=E, hidden_size_per_expert=Fh,
                                                     has_fc1_bias=False, has_fc2_bias=False), aux_loss="none")).to(dtype)
-    gate_w = layer.gates[0].wg.weight
-    w1, w2 = layer.experts.batched_fc1_w, layer.experts.batched_fc2_w
+    return layer, layer.gates[0].wg.weight, layer.experts.batched_fc1_w, layer.experts.batched_fc2_w
+
+
+def run_decode_train(name, dtype, rounds, warmup):
+    """Forward+backward at decode size: ours, the per-expert loop over the stacked [E, F, D] weights
+    and over per-expert modules. Median ms over interleaved rounds, fresh tokens each round."""
+    T, D, Fh, E, k = CONFIGS[name]
+    layer, gate_w, w1, w2 = _dropless_layer(name, dtype)
     mods = torch.nn.ModuleList()
     for e in range(E):
         fc1 = torch.nn.Linear(D, Fh, bias=False, dtype=dtype)
@@ -133,12 +138,7 @@ def timed(fn) -> float:
 
 def run_config(name, dtype, rounds, backward, bw_gbs, warmup):
     T, D, Fh, E, k = CONFIGS[name]
-    torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(model_dim=D, gates=[GateConfig(k=k, capacity_factor=0.0)],
-                               experts=ExpertConfig(num_experts_per_device=E, hidden_size_per_expert=Fh,
-                                                    has_fc1_bias=False, has_fc2_bias=False), aux_loss="none")).to(dtype)
-    gate_w = layer.gates[0].wg.weight
-    w1, w2 = layer.experts.batched_fc1_w, layer.experts.batched_fc2_w
+    layer, gate_w, w1, w2 = _dropless_layer(name, dtype)
     decode = name in DECODE
     # decode draws fresh tokens (and so fresh experts) each round; otherwise one batch
     xs = [torch.randn(T, D, dtype=dtype) for _ in range(rounds + 1)]
