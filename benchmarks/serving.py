@@ -1,7 +1,23 @@
-"""Serving throughput and latency: 1, 4, 8, 16 concurrent streaming clients against one server.
+"""Serving throughput and latency: 1, 4, 8, 16 concurrent streaming clients against one server; and the
+engine core's scenarios (``--scenario``).
 
     python benchmarks/serving.py [--url 127.0.0.1:8000 [--api-key K]] [--concurrency 1 4 8 16]
                                  [--max-tokens 64] [--rounds 2] [--model DIR] [--threads N]
+    python benchmarks/serving.py --scenario long-prompt [--long-tokens 12000] [--streams 4]
+    python benchmarks/serving.py --scenario shared-prefix [--prefix-tokens 6000] [--clients 6]
+    python benchmarks/serving.py --scenario capacity [--kv-cache-memory 64MiB] [--capacity-tokens 1500]
+
+Scenarios (the server this script starts gets ``--max_seq_len 32768`` and a model of as many positions):
+
+* ``long-prompt``: ``--streams`` requests stream; once each has 8 tokens, a ``--long-tokens`` prompt arrives.
+  Reports the streams' inter-token gaps before it arrived (median) and while it prefilled (median, p99, max,
+  max / the median before) and the long prompt's time to first token.
+* ``shared-prefix``: one warm request with a ``--prefix-tokens`` prefix, then ``--clients`` requests sent
+  together with the same prefix and their own tails; then as many with prefixes of their own (nothing to
+  share: the baseline of the same run). Reports TTFT p50/max and the cached tokens usage reports.
+* ``capacity``: with ``--kv-cache-memory``, as many requests of ``--capacity-tokens`` prompt tokens as slots
+  (``--concurrency``'s largest) at once; reports the most sequences running together (``/metrics``), the
+  preemptions, and what a cache of whole-context slots would hold in the same memory.
 
 Without ``--url`` it starts ``dynamoe serve`` itself on a random Qwen3-MoE checkpoint it writes to a temp
 folder (``--hidden 256 --layers 4 --experts 16 --top-k 4``; transformers writes it), or on ``--model DIR``.
@@ -45,7 +61,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_random_checkpoint(path: str, hidden: int, layers: int, experts: int, top_k: int) -> str:
+def write_random_checkpoint(path: str, hidden: int, layers: int, experts: int, top_k: int,
+                            max_position: int = 2048) -> str:
     """A random Qwen3-MoE with a small byte-level BPE tokenizer and a ChatML template."""
     import torch
     import transformers
@@ -68,7 +85,7 @@ def write_random_checkpoint(path: str, hidden: int, layers: int, experts: int, t
         vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=2 * hidden,
         moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1),
         num_key_value_heads=max(hidden // 128, 1), head_dim=64, num_experts=experts, num_experts_per_tok=top_k,
-        max_position_embeddings=2048, bos_token_id=None, eos_token_id=tok.token_to_id("<|im_end|>"))
+        max_position_embeddings=max_position, bos_token_id=None, eos_token_id=tok.token_to_id("<|im_end|>"))
     torch.manual_seed(0)
     hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -78,14 +95,14 @@ def write_random_checkpoint(path: str, hidden: int, layers: int, experts: int, t
     return path
 
 
-def start_server(model_dir: str, max_num_seqs: int, threads: int | None) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: str, max_num_seqs: int, threads: int | None, extra=()) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, "-m", "dynamoe.cli", "serve", "--model", model_dir, "--port", str(port),
            "--max-num-seqs", str(max_num_seqs), "--log-level", "warning", "--serve", "core",
-           "--served-model-name", "bench"]
+           "--served-model-name", "bench", *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             cwd=os.path.join(os.path.dirname(__file__), ".."))
     import httpx
@@ -108,7 +125,7 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "stream": True, "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True}
     t0 = time.perf_counter()
-    arrivals, tokens = [], 0
+    arrivals, tokens, cached = [], 0, 0
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -119,11 +136,13 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             for ch in chunk.get("choices", []):
                 if ch.get("delta", {}).get("content"):
                     arrivals.append(time.perf_counter())
     return {"ttft": arrivals[0] - t0 if arrivals else float("nan"),
-            "itl": [b - a for a, b in zip(arrivals, arrivals[1:])], "tokens": tokens}
+            "itl": [b - a for a, b in zip(arrivals, arrivals[1:])], "tokens": tokens, "cached": cached,
+            "arrivals": arrivals}
 
 
 async def level(url: str, headers: dict, model: str, clients: int, rounds: int, max_tokens: int) -> dict:
@@ -148,6 +167,137 @@ async def level(url: str, headers: dict, model: str, clients: int, rounds: int, 
             "itl": [x for r in reqs for x in r["itl"]], "client_cpu": cpu / wall}
 
 
+def text(n_words: int, seed: int = 0) -> str:
+    return " ".join(WORDS[(seed * 13 + k * 7 + k // len(WORDS)) % len(WORDS)] for k in range(n_words))
+
+
+def words_for(url: str, headers: dict, model: str, tokens: int) -> int:
+    """Words of :func:`text` that make about ``tokens`` tokens (the server's own count)."""
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": text(1000)}]}
+    n = httpx.post(url + "/v1/messages/count_tokens", json=body, headers=headers).raise_for_status().json()["input_tokens"]
+    return max(1, int(tokens * 1000 / n))
+
+
+async def long_prompt(url: str, headers: dict, model: str, streams: int, long_tokens: int) -> dict:
+    """Streams running; a long prompt arrives: their gaps before it and while it prefills."""
+    import httpx
+
+    n_words = words_for(url, headers, model, long_tokens)
+    async with httpx.AsyncClient(timeout=None, headers=headers, limits=httpx.Limits(max_connections=streams + 4)) as c:
+        await one_request(c, url, model, "warm up", 4)
+        arrivals: list[list[float]] = [[] for _ in range(streams)]
+
+        async def stream(i):
+            body = {"model": model, "messages": [{"role": "user", "content": text(12, seed=i)}], "max_tokens": 8192,
+                    "stream": True, "temperature": 0, "ignore_eos": True}
+            async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"content":' in line:
+                        arrivals[i].append(time.perf_counter())
+
+        tasks = [asyncio.create_task(stream(i)) for i in range(streams)]
+        while min(len(a) for a in arrivals) < 16:
+            await asyncio.sleep(0.01)
+        t_long = time.perf_counter()
+        long = await one_request(c, url, model, text(n_words, seed=99), 4)
+        t_first = t_long + long["ttft"]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    before = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if b < t_long]
+    during = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if t_long <= b and a <= t_first]
+    return {"before": before, "during": during, "ttft": long["ttft"], "words": n_words}
+
+
+async def shared_prefix(url: str, headers: dict, model: str, clients: int, prefix_tokens: int) -> dict:
+    """TTFT of requests sent together with one shared prefix (after a warm one), and with prefixes of their own."""
+    import httpx
+
+    n_words = words_for(url, headers, model, prefix_tokens)
+    prefix = text(n_words, seed=5)
+    async with httpx.AsyncClient(timeout=None, headers=headers, limits=httpx.Limits(max_connections=clients + 4)) as c:
+        await one_request(c, url, model, prefix + " warm", 2)
+        shared = await asyncio.gather(*(one_request(c, url, model, prefix + f" {text(6, seed=i)} {i}", 2)
+                                        for i in range(clients)))
+        own = await asyncio.gather(*(one_request(c, url, model, f"{i} " + text(n_words, seed=40 + i), 2)
+                                     for i in range(clients)))
+    return {"shared": shared, "own": own}
+
+
+async def capacity(url: str, headers: dict, model: str, clients: int, prompt_tokens: int, max_tokens: int) -> dict:
+    """As many requests as slots at once; the most running together, sampled from /metrics."""
+    import re
+
+    import httpx
+
+    n_words = words_for(url, headers, model, prompt_tokens)
+    peak, used = 0, 0
+    done = asyncio.Event()
+
+    async def sample(c):
+        nonlocal peak, used
+        while not done.is_set():
+            m = (await c.get(url + "/metrics")).text
+            peak = max(peak, int(re.search(r"^dynamoe_running_sequences (\d+)", m, re.M).group(1)))
+            used = max(used, int(re.search(r'^dynamoe_kv_cache_blocks\{state="used"\} (\d+)', m, re.M).group(1)))
+            await asyncio.sleep(0.05)
+
+    async with httpx.AsyncClient(timeout=None, headers=headers, limits=httpx.Limits(max_connections=clients + 4)) as c:
+        sampler = asyncio.create_task(sample(c))
+        t0 = time.perf_counter()
+        reqs = await asyncio.gather(*(one_request(c, url, model, f"{i} " + text(n_words, seed=i), max_tokens)
+                                      for i in range(clients)))
+        wall = time.perf_counter() - t0
+        done.set()
+        await sampler
+        health = (await c.get(url + "/health")).json()["kv_cache"]
+        m = (await c.get(url + "/metrics")).text
+    preempted = int(re.search(r"^dynamoe_preemptions_total (\d+)", m, re.M).group(1))
+    return {"peak": peak, "used": used, "health": health, "preempted": preempted, "wall": wall,
+            "tokens": sum(r["tokens"] for r in reqs)}
+
+
+def ms(x: float) -> str:
+    return f"{1000 * x:.1f}"
+
+
+def run_scenario(args, url: str, headers: dict, model: str) -> None:
+    if args.scenario == "long-prompt":
+        r = asyncio.run(long_prompt(url, headers, model, args.streams, args.long_tokens))
+        med = statistics.median(r["before"])
+        print(f"\n{args.streams} streams; a {args.long_tokens}-token prompt arrives ({r['words']} words)\n")
+        print("| gap before, p50 ms | while it prefills: p50 ms | p99 ms | max ms | max / p50 before | "
+              "long prompt TTFT s |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        d = r["during"] or [float("nan")]
+        print(f"| {ms(med)} | {ms(statistics.median(d))} | {ms(pct(d, 99))} | {ms(max(d))} | "
+              f"{max(d) / med:.1f}x | {r['ttft']:.2f} |")
+    elif args.scenario == "shared-prefix":
+        r = asyncio.run(shared_prefix(url, headers, model, args.clients, args.prefix_tokens))
+        print(f"\n{args.clients} requests sent together, {args.prefix_tokens}-token prefix\n")
+        print("| prefix | TTFT p50 s | TTFT max s | cached tokens (min / max) |")
+        print("| --- | ---: | ---: | ---: |")
+        for name, rows in (("shared (after one warm request)", r["shared"]), ("each its own", r["own"])):
+            t = [x["ttft"] for x in rows]
+            cached = [x["cached"] for x in rows]
+            print(f"| {name} | {statistics.median(t):.2f} | {max(t):.2f} | {min(cached)} / {max(cached)} |")
+    else:
+        r = asyncio.run(capacity(url, headers, model, max(args.concurrency), args.capacity_tokens, args.max_tokens))
+        h = r["health"]
+        per_position = h["bytes_per_block"] / h["block_size"]
+        slots_model = int(h["blocks_total"] * h["block_size"] // args.max_seq_len)
+        print(f"\n{max(args.concurrency)} requests of ~{args.capacity_tokens} + {args.max_tokens} tokens at once, "
+              f"KV cache {h['blocks_total']} blocks x {h['block_size']} ({h['blocks_total'] * h['bytes_per_block'] / 2**20:.0f} "
+              f"MiB, {per_position / 1024:.1f} KiB a position)\n")
+        print("| most running at once | blocks used (peak) | preemptions | whole-context slots (max_seq_len "
+              f"{args.max_seq_len}) in the same memory | tokens/s |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        print(f"| {r['peak']} | {r['used']} of {h['blocks_total']} | {r['preempted']} | {slots_model} | "
+              f"{r['tokens'] / r['wall']:.1f} |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", help="a running server (host:port or URL); default: start one")
@@ -161,7 +311,17 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--scenario", choices=["concurrency", "long-prompt", "shared-prefix", "capacity"],
+                   default="concurrency")
+    p.add_argument("--streams", type=int, default=4, help="long-prompt: running streams")
+    p.add_argument("--long-tokens", type=int, default=12000, help="long-prompt: tokens of the arriving prompt")
+    p.add_argument("--clients", type=int, default=6, help="shared-prefix: requests sent together")
+    p.add_argument("--prefix-tokens", type=int, default=6000, help="shared-prefix: tokens of the shared prefix")
+    p.add_argument("--kv-cache-memory", default="64MiB", help="capacity: the server's --kv-cache-memory")
+    p.add_argument("--capacity-tokens", type=int, default=1500, help="capacity: prompt tokens per request")
+    p.add_argument("--max-seq-len", type=int, default=32768, help="the server's --max_seq_len in the scenarios")
     args = p.parse_args(argv)
+    scenario = args.scenario != "concurrency"
 
     import httpx
 
@@ -175,10 +335,18 @@ def main(argv=None) -> int:
             if model_dir is None:
                 tmp = tempfile.TemporaryDirectory()
                 model_dir = write_random_checkpoint(os.path.join(tmp.name, "ckpt"), args.hidden, args.layers,
-                                                    args.experts, args.top_k)
-            proc, url = start_server(model_dir, max(args.concurrency), args.threads)
+                                                    args.experts, args.top_k,
+                                                    args.max_seq_len if scenario else 2048)
+            extra = ["--max_seq_len", str(args.max_seq_len)] if scenario else []
+            if args.scenario == "capacity":
+                extra += ["--kv-cache-memory", args.kv_cache_memory]
+            proc, url = start_server(model_dir, max(args.concurrency), args.threads, extra)
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = httpx.get(url + "/v1/models", headers=headers).raise_for_status().json()["data"][0]["id"]
+        if scenario:
+            print(f"server {url}, model {model}, scenario {args.scenario}")
+            run_scenario(args, url, headers, model)
+            return 0
         print(f"server {url}, model {model}, {args.max_tokens} tokens per request, {args.rounds} requests per client")
         rows = [asyncio.run(level(url, headers, model, c, args.rounds, args.max_tokens)) for c in args.concurrency]
     finally:

@@ -134,8 +134,8 @@ class TinyLM(nn.Module):
                 self.head.weight.mul_(4.0)  # a peakier distribution than the default init gives
         self.calls: list[tuple[int, int]] = []   # (B, T) of every forward, for the tests
 
-    def new_cache(self, num_slots: int, max_seq_len: int, dtype=None, device=None) -> KVCache:
-        return KVCache(num_slots, max_seq_len, num_layers=1, dtype=dtype or torch.float32, device=device)
+    def new_cache(self, num_slots: int, max_seq_len: int, dtype=None, device=None, **paging) -> KVCache:
+        return KVCache(num_slots, max_seq_len, num_layers=1, dtype=dtype or torch.float32, device=device, **paging)
 
     def forward(self, input_ids, cache: KVCache | None = None, slots=None):
         B, T = input_ids.shape
@@ -146,12 +146,9 @@ class TinyLM(nn.Module):
         x = self.tok(input_ids) + self.pos(pos_BT)
         q, k, v = self.qkv(x).split(D, dim=-1)
         if cache is not None:
-            S = cache.max_seq_len
-            K = cache.buffer(0, "k", S, D)
-            Vb = cache.buffer(0, "v", S, D)
-            K[slots[:, None], pos_BT] = k.to(K.dtype)
-            Vb[slots[:, None], pos_BT] = v.to(Vb.dtype)
-            keys, vals = K[slots].to(x.dtype), Vb[slots].to(x.dtype)       # (B, S, D)
+            S = int(pos_BT.max()) + 1
+            kv = cache.write(0, slots, pos_BT, S, k=k[:, None], v=v[:, None])   # paged, one head: [B, 1, S, D]
+            keys, vals = kv["k"][:, 0], kv["v"][:, 0]
             key_pos = torch.arange(S)
         else:
             keys, vals, key_pos = k, v, torch.arange(T)

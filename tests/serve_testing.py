@@ -180,10 +180,14 @@ class ScriptedLM(nn.Module):
                                       max_position_embeddings=max_position_embeddings, model_type="scripted")
         self.dummy = nn.Parameter(torch.zeros(1))
         self._plan: dict[int, tuple[int, list[int]]] = {}   # slot -> (prompt length, output ids)
+        self._seen: dict[int, list[int]] = {}                # slot -> the tokens it was fed
         self.prompts: list[str] = []
 
-    def new_cache(self, num_slots, max_seq_len, dtype=None, device=None) -> KVCache:
-        return KVCache(num_slots, max_seq_len, num_layers=1, dtype=dtype or torch.float32, device=device)
+    #: its per-slot script is state a prefix cache cannot share (the engine turns prefix caching off)
+    recurrent_state = True
+
+    def new_cache(self, num_slots, max_seq_len, dtype=None, device=None, **paging) -> KVCache:
+        return KVCache(num_slots, max_seq_len, num_layers=1, dtype=dtype or torch.float32, device=device, **paging)
 
     def forward(self, input_ids, cache=None, slots=None):
         if self.delay:
@@ -194,11 +198,21 @@ class ScriptedLM(nn.Module):
         logits = torch.zeros(B, T, V)
         for b in range(B):
             slot, start = int(slots[b]), int(starts[b])
-            if start == 0:
-                text = self.tokenizer.decode(input_ids[b].tolist(), skip_special_tokens=False)
-                self.prompts.append(text)
-                self._plan[slot] = (T, self.tokenizer.encode(self.script(text), add_special_tokens=False))
-            prompt_len, out = self._plan[slot]
+            ids = input_ids[b].tolist()
+            seen = self._seen.setdefault(slot, [])
+            del seen[start:]
+            plan = self._plan.get(slot)
+            decoding = (start > 0 and T == 1 and plan is not None and start >= plan[0]
+                        and start - plan[0] < len(plan[1]) and plan[1][start - plan[0]] == ids[0])
+            seen.extend(ids)
+            if not decoding:   # a prompt (or a chunk of one): the script of everything so far, in case it ends here
+                text = self.tokenizer.decode(seen, skip_special_tokens=False)
+                if start == 0 or plan is None or plan[0] != start:
+                    self.prompts.append(text)
+                else:
+                    self.prompts[-1] = text
+                plan = self._plan[slot] = (len(seen), self.tokenizer.encode(self.script(text), add_special_tokens=False))
+            prompt_len, out = plan
             i = start + T - prompt_len
             logits[b, -1, out[i] if i < len(out) else self.config.eos_token_id] = 30.0
         cache.advance(slots, T)

@@ -65,8 +65,10 @@ def test_equal_length_prompts_prefill_together(model):
     engine = GenerationEngine(model, None, max_seq_len=S, max_batch=3)
     model.calls.clear()
     reqs = [engine.add_request(p, SamplingParams(temperature=0), 5, ignore_eos=True) for p in prompts]
-    engine.step()
-    assert model.calls[:3] == [(2, 6), (1, 4), (3, 1)]  # prefill [6, 6] together, then [4], then decode all
+    engine.step()   # prefill [6, 6] together, then [4]: each samples its first token
+    assert model.calls == [(2, 6), (1, 4)] and all(len(r.output_ids) == 1 for r in reqs)
+    engine.step()   # then all three decode together
+    assert model.calls[2:] == [(3, 1)]
     engine.run_until_done()
     for p, r in zip(prompts, reqs):
         assert r.output_ids == _alone(model, p, SamplingParams(temperature=0), 5).output_ids
@@ -277,8 +279,9 @@ def test_on_event_callback_may_cancel_and_errors_end_requests(model):
     engine = GenerationEngine(Flaky(), None, max_seq_len=S, max_batch=1)
     a = engine.add_request([5, 6, 7], SamplingParams(temperature=0), 5, ignore_eos=True)
     b = engine.add_request([5, 6, 7], SamplingParams(temperature=0), 5, ignore_eos=True)
+    engine.step()   # a's prefill (its first token)
     with pytest.raises(RuntimeError, match="boom"):
-        engine.step()
+        engine.step()   # a's first decode step fails
     assert a.finish_reason == "error" and list(a.events())[-1].error == "RuntimeError: boom"
     engine.run_until_done()  # the slot is free again and the next request runs normally
     assert b.finish_reason == "length"

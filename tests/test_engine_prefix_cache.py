@@ -1,6 +1,6 @@
-"""Prefix caching in the GenerationEngine: a request reuses the keys/values its slot kept from an
-earlier request with the same prompt prefix, prefills only the rest, and generates exactly what an
-engine without the cache generates."""
+"""Prefix caching in the GenerationEngine: full KV blocks are shared by every request whose tokens begin
+with the same prefix (finished or still running), a request computes only the positions after them, and
+it generates exactly what an engine without the cache generates."""
 import pytest
 import torch
 
@@ -8,11 +8,18 @@ from engine_testing import TinyLM
 from dynamoe.engine import GenerationEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
+BS = 4   # small blocks: short prompts share whole blocks
 
 
 @pytest.fixture(scope="module")
 def model():
     return TinyLM(64).eval()
+
+
+def _engine(model, **kw):
+    kw.setdefault("max_seq_len", 64)
+    kw.setdefault("max_batch", 2)
+    return GenerationEngine(model, block_size=BS, **kw)
 
 
 def _run(engine, prompt, n=6):
@@ -26,8 +33,7 @@ def _ids(seed, n):
 
 
 def test_next_turn_reuses_the_conversation_and_matches_no_cache(model):
-    cached = GenerationEngine(model, max_seq_len=64, max_batch=2)
-    plain = GenerationEngine(model, max_seq_len=64, max_batch=2, prefix_caching=False)
+    cached, plain = _engine(model), _engine(model, prefix_caching=False)
     turn1 = _ids(0, 12)
     a, a0 = _run(cached, turn1), _run(plain, turn1)
     assert a.output_ids == a0.output_ids and a.stats.cached_tokens == 0
@@ -35,53 +41,58 @@ def test_next_turn_reuses_the_conversation_and_matches_no_cache(model):
     turn2 = turn1 + a.output_ids + _ids(1, 5)
     model.calls.clear()
     b = _run(cached, turn2)
-    # the slot held the prompt and all outputs but the last (never fed back): that much is reused
-    assert b.stats.cached_tokens == len(turn1) + len(a.output_ids) - 1
+    # the first request computed its prompt and all outputs but the last (never fed back): its full blocks
+    computed = len(turn1) + len(a.output_ids) - 1
+    assert b.stats.cached_tokens == computed // BS * BS
     assert model.calls[0] == (1, len(turn2) - b.stats.cached_tokens)
     assert b.output_ids == _run(plain, turn2).output_ids
     assert cached.totals["cached_tokens"] == b.stats.cached_tokens
     assert b.stats.as_dict()["cached_tokens"] == b.stats.cached_tokens
+    assert plain.totals["cached_tokens"] == 0
 
 
 def test_same_prompt_again_prefills_only_its_last_token(model):
-    engine = GenerationEngine(model, max_seq_len=64, max_batch=1)
-    p = _ids(2, 10)
+    engine = _engine(model, max_batch=1)
+    p = _ids(2, 3 * BS + 1)
     first = _run(engine, p)
     model.calls.clear()
     again = _run(engine, p)
     assert again.stats.cached_tokens == len(p) - 1 and model.calls[0] == (1, 1)
     assert again.output_ids == first.output_ids
+    # a prompt that is whole blocks still computes its last token (its logits start the output)
+    q = _ids(3, 2 * BS)
+    _run(engine, q)
+    model.calls.clear()
+    assert _run(engine, q).stats.cached_tokens == BS and model.calls[0] == (1, BS)
 
 
-def test_slot_choice_longest_prefix_else_least_recently_used(model):
-    engine = GenerationEngine(model, max_seq_len=64, max_batch=3)
-    convs = [_ids(10 + i, 9) for i in range(3)]
-    reqs = [engine.add_request(c, GREEDY, 3, ignore_eos=True) for c in convs]
+def test_running_requests_share_blocks_and_unrelated_prompts_share_nothing(model):
+    engine, plain = _engine(model, max_batch=3), _engine(model, max_batch=3, prefix_caching=False)
+    shared = _ids(10, 3 * BS)
+    first = engine.add_request(shared + _ids(11, 3), GREEDY, 8, ignore_eos=True)
+    engine.step()          # first is prefilled (its blocks registered) and keeps running
+    assert not first.finished
+    second = engine.add_request(shared + _ids(12, 5), GREEDY, 4, ignore_eos=True)
+    other = engine.add_request(_ids(13, 3 * BS + 2), GREEDY, 4, ignore_eos=True)
     engine.run_until_done()
-    slots_of = {i: s for i, s in enumerate(r.slot for r in reqs)}  # finished: slots released
-    assert all(s is None for s in slots_of.values())
-    # a continuation of conversation 1 goes to its slot, even with all three free
-    follow = _run(engine, convs[1] + [5, 6, 7])
-    assert follow.stats.cached_tokens == len(convs[1])
-    # an unrelated prompt reuses nothing
-    other = _run(engine, _ids(99, 9))
-    assert other.stats.cached_tokens == 0
-    # a short accidental match (fewer than min_cached_prefix tokens) is not worth a slot
-    short = _run(engine, convs[0][:2] + _ids(98, 7))
-    assert short.stats.cached_tokens == 0
+    assert second.stats.cached_tokens == len(shared) and other.stats.cached_tokens == 0
+    for r in (first, second, other):
+        assert r.output_ids == _run(plain, r.prompt_ids, len(r.output_ids)).output_ids
+    s = engine.cache_stats()
+    assert s["blocks_used"] == 0 and s["blocks_cached"] > 0 and s["prefix_hits"] == len(shared) // BS
+    engine.cache.pool.check()
 
 
 def test_batched_prefill_of_different_cached_lengths(model):
     """Requests admitted together with different cached prefixes but as many new tokens prefill as
     one batch at their own positions, and still match the engine without the cache."""
-    cached = GenerationEngine(model, max_seq_len=64, max_batch=2)
-    plain = GenerationEngine(model, max_seq_len=64, max_batch=2, prefix_caching=False)
-    a, b = _ids(20, 6), _ids(21, 11)
+    cached, plain = _engine(model), _engine(model, prefix_caching=False)
+    a, b = _ids(20, 2 * BS), _ids(21, 3 * BS)
     for e in (cached, plain):
         e.add_request(a, GREEDY, 2, ignore_eos=True)
         e.add_request(b, GREEDY, 2, ignore_eos=True)
         e.run_until_done()
-    prompts = [a + [9, 9, 9, 9], b + [8, 8, 8, 8]]
+    prompts = [a + [9] * BS, b + [8] * BS]
     out = {}
     for name, e in (("cached", cached), ("plain", plain)):
         model.calls.clear()
@@ -89,15 +100,14 @@ def test_batched_prefill_of_different_cached_lengths(model):
         e.run_until_done()
         out[name] = ([r.output_ids for r in reqs], [r.stats.cached_tokens for r in reqs], list(model.calls))
     assert out["cached"][0] == out["plain"][0]
-    # each slot holds its prompt and first output; the new prompts share the prompts
     assert out["cached"][1] == [len(a), len(b)] and out["plain"][1] == [0, 0]
-    assert out["cached"][2][0] == (2, 4)  # one batched prefill of the 4 tokens after each prefix
+    assert out["cached"][2][0] == (2, BS)  # one batched prefill of the tokens after each prefix
 
 
-def test_failed_forward_forgets_the_slot(model):
-    engine = GenerationEngine(model, max_seq_len=64, max_batch=1)
-    p = _ids(30, 8)
-    _run(engine, p)
+def test_failed_forward_registers_nothing_it_wrote(model):
+    engine = _engine(model, max_batch=1)
+    p = _ids(30, 2 * BS)
+    _run(engine, p)        # computes p and one output: p's blocks are cached
     real = model.forward
 
     def boom(*a, **kw):
@@ -105,11 +115,13 @@ def test_failed_forward_forgets_the_slot(model):
 
     model.forward = boom
     try:
-        req = engine.add_request(p + [4, 4], GREEDY, 3, ignore_eos=True)
+        req = engine.add_request(p + [4] * (2 * BS), GREEDY, 3, ignore_eos=True)
         with pytest.raises(RuntimeError, match="device lost"):
             engine.run_until_done()
         assert req.finish_reason == "error"
     finally:
         model.forward = real
-    again = _run(engine, p + [4, 4])
-    assert again.stats.cached_tokens == 0   # what the failed forward wrote is not trusted
+    engine.cache.pool.check()
+    again = _run(engine, p + [4] * (2 * BS) + [1])
+    assert again.stats.cached_tokens == len(p)   # the blocks the failed forward wrote are not trusted
+    assert again.output_ids == _run(_engine(model, prefix_caching=False), again.prompt_ids).output_ids

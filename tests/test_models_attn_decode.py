@@ -88,13 +88,16 @@ def test_block_equals_op_by_op_block(folder, dtype, rows):
                 h = torch.randn(rows, 1, 64, generator=g).to(dtype)
                 positions = (start + step)[:, None]
                 kv_len = int(positions.max()) + 1
+                for c in (fast_cache, slow_cache):   # (a model's forward takes the blocks; here the layer alone runs)
+                    for s, p in zip(slots.tolist(), positions[:, 0].tolist()):
+                        c.reserve(s, p + 1)
                 fast = attn.decode_step(h, norm, positions, fast_cache, slots, kv_len)
                 slow = h + attn(norm(h), positions, slow_cache, slots, kv_len)
                 assert fast is not None and fast.dtype == dtype and fast.shape == h.shape
                 torch.testing.assert_close(fast.float(), slow.float(), atol=tol * slow.abs().max().item(), rtol=tol)
         for name in ("k", "v"):  # the kernel wrote the same keys and values into the cache
-            a = fast_cache.buffer(attn.layer_idx, name, attn.num_kv_heads, 40, attn.head_dim)
-            b = slow_cache.buffer(attn.layer_idx, name, attn.num_kv_heads, 40, attn.head_dim)
+            a = fast_cache.kv_pool(attn.layer_idx, name, attn.num_kv_heads, attn.head_dim)
+            b = slow_cache.kv_pool(attn.layer_idx, name, attn.num_kv_heads, attn.head_dim)
             torch.testing.assert_close(a.float(), b.float(), atol=tol * b.abs().max().item(), rtol=tol)
 
 

@@ -57,11 +57,12 @@ def test_structure_and_latent_cache(pair):
         assert block.moe.gates[0].e_score_correction_bias.abs().min() > 0
         assert block.moe.shared_experts.gate_proj.out_features == 32 * (1 if name == "q_lora" else 2)
     # the cache holds the compressed latent and the roped key only: C + r numbers per token and layer
+    # ([1 head, blocks, block_size, dim]: 2 slots of 16 positions = 2 blocks of 16)
     cache = ours.new_cache(2, 16)
     with torch.no_grad():
         ours(ids(tokens=5), cache=cache)
     for layer in cache.layers:
-        assert {k: tuple(v.shape) for k, v in layer.items()} == {"latent": (2, 1, 16, 32), "k_rope": (2, 1, 16, 8)}
+        assert {k: tuple(v.shape) for k, v in layer.items()} == {"latent": (1, 2, 16, 32), "k_rope": (1, 2, 16, 8)}
 
 
 def test_logits_match_transformers(pair):

@@ -54,7 +54,7 @@ def test_structure_and_cache(pair):
         ours(ids(tokens=5), cache=cache)
     for layer in cache.layers:
         assert {k: tuple(v.shape) for k, v in layer.items()} == {
-            "latent": (2, 1, 16, 32), "k_rope": (2, 1, 16, 8), "index_k": (2, 1, 16, d)}
+            "latent": (1, 2, 16, 32), "k_rope": (1, 2, 16, 8), "index_k": (1, 2, 16, d)}
 
 
 def test_logits_match_transformers(pair):

@@ -55,10 +55,11 @@ def test_system_prompt_and_count_tokens(client):
     as_blocks = client.messages.count_tokens(model="x", messages=MSGS,
                                              system=[{"type": "text", "text": "You are terse."}]).input_tokens
     assert with_system == as_blocks > plain
+    # usage splits the prompt into tokens computed and tokens read from the prefix cache
     msg = client.messages.create(model="x", max_tokens=4, messages=MSGS, system="You are terse.")
-    assert msg.usage.input_tokens == with_system
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == with_system
     other = client.messages.create(model="x", max_tokens=4, messages=MSGS)
-    assert other.usage.input_tokens == plain
+    assert other.usage.input_tokens + other.usage.cache_read_input_tokens == plain
 
 
 def test_stop_sequences(client):
@@ -328,7 +329,8 @@ def test_full_context_is_not_max_tokens(client, server):
     (model_context_window_exceeded), never max_tokens (Claude Code would report its own output limit)."""
     msg = client.messages.create(model="x", max_tokens=64000, messages=MSGS)
     assert msg.stop_reason == "model_context_window_exceeded"
-    assert msg.usage.input_tokens + msg.usage.output_tokens == 256   # serve_testing.MAX_SEQ_LEN
+    u = msg.usage
+    assert u.input_tokens + u.cache_read_input_tokens + u.output_tokens == 256   # serve_testing.MAX_SEQ_LEN
     with client.messages.stream(model="x", max_tokens=64000, messages=MSGS) as s:
         final = s.get_final_message()
     assert final.stop_reason == "model_context_window_exceeded"
@@ -358,3 +360,27 @@ def test_deferred_tools_and_tool_references(scripted, tmp_path_factory):
     scripted.messages.create(model="x", max_tokens=50, tools=[*TOOLS, later], messages=msgs)
     prompt = model.prompts[-1]
     assert '"name": "LaterTool"' in prompt and "[tool LaterTool loaded]" in prompt and "Doc\nhttps://x\nfound" in prompt
+
+
+# --- the prefix cache in usage, /metrics and /health ----------------------------------------------------
+
+def test_repeated_prompt_is_read_from_the_cache_and_counted(client, server):
+    msgs = [{"role": "user", "content": "the same long question about experts and routers, " * 4}]
+    first = client.messages.create(model="x", max_tokens=3, messages=msgs)
+    again = client.messages.create(model="x", max_tokens=3, messages=msgs)
+    total = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == total
+    assert again.usage.cache_read_input_tokens >= 16 and again.usage.input_tokens >= 1
+    assert again.content[0].text == first.content[0].text
+    with client.messages.stream(model="x", max_tokens=3, messages=msgs) as s:
+        final = s.get_final_message()
+    # message_start went out before the cache was looked up; message_delta has the whole message's usage
+    assert final.usage.cache_read_input_tokens == again.usage.cache_read_input_tokens
+    assert final.usage.input_tokens == again.usage.input_tokens
+    headers = {"x-api-key": server.api_key} if server.api_key else {}
+    metrics = httpx.get(server.url + "/metrics", headers=headers).text
+    hits = re.search(r"^dynamoe_prefix_cache_hits_total (\d+)$", metrics, re.M)
+    assert hits and int(hits.group(1)) >= 2
+    assert re.search(r'^dynamoe_kv_cache_blocks\{state="cached"\} [1-9]', metrics, re.M)
+    health = httpx.get(server.url + "/health").json()["kv_cache"]
+    assert health["blocks_total"] > 0 and health["block_size"] == 16 and health["blocks_used"] == 0

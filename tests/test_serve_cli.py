@@ -42,6 +42,13 @@ def test_cli_errors(tmp_path, monkeypatch, capsys):
                                      "--try_path", "q", "--thinking_effort", "low", "--max-num-seqs", "3"])
     assert (args.listen_port, args.max_seq_len, args.try_path, args.thinking_effort, args.max_num_seqs, args.host) == \
         (9000, 64, ["p", "q"], "low", 3, "127.0.0.1")
+    args = cli._parser().parse_args(["serve", "--kv-cache-memory", "2GiB", "--kv-cache-fraction", "0.4", "--block-size",
+                                     "32", "--max-num-batched-tokens", "512", "--num-speculative-tokens", "4"])
+    assert (args.kv_cache_memory, args.kv_cache_fraction, args.block_size, args.token_budget,
+            args.speculative_tokens) == (2 << 30, 0.4, 32, 512, 4)
+    for bad in (["--block-size", "0"], ["--num-speculative-tokens", "-1"], ["--kv-cache-memory", "much"]):
+        with pytest.raises(SystemExit):
+            cli._parser().parse_args(["serve", *bad])
 
 
 @pytest.mark.parametrize("flag", [[], ["--no-openai"]])
@@ -72,11 +79,19 @@ def test_max_seq_len_above_the_model_warns(tmp_path):
         engine, max_seq_len = serve_cli.build_engine(args, model, tok, err)
         assert max_seq_len == engine.max_seq_len == (asked or 512)
         assert ("--max_seq_len 2048 is above the model's max_position_embeddings 512" in err.getvalue()) == warns
+    # the flags reach the engine
+    err = io.StringIO()
+    args = SimpleNamespace(max_seq_len=None, max_num_seqs=2, prefix_caching=True, block_size=8, token_budget=64,
+                           speculative_tokens=3, kv_cache_memory=None, kv_cache_fraction=0.25)
+    engine, _ = serve_cli.build_engine(args, model, tok, err)
+    assert (engine.cache.block_size, engine.token_budget, engine.speculative_tokens) == (8, 64, 3)
+    assert not engine.prefix_caching     # ScriptedLM keeps per-sequence state: no prefix caching
 
 
-def test_default_max_seq_len_is_the_models_context_as_far_as_its_kv_cache_fits(monkeypatch):
-    """Without --max_seq_len: max_position_embeddings when slots x positions of KV cache fit a quarter
-    of the memory (a small model: the whole context), else what fits, in steps of 1024."""
+def test_kv_cache_blocks_take_a_share_of_the_memory_and_no_more_than_needed(monkeypatch):
+    """Without --max_seq_len the model's whole context; the paged KV cache gets --kv-cache-memory, else a
+    quarter of the memory, in blocks -- never more than every slot at max_seq_len needs, at least one block
+    a slot."""
     import types
 
     import torch
@@ -94,9 +109,30 @@ def test_default_max_seq_len_is_the_models_context_as_far_as_its_kv_cache_fits(m
     monkeypatch.setattr(cli, "_memory_bytes", lambda device: 24 << 30)
     demo = fake(32768)
     assert demo.config.kv_elements_per_position() == 6 * 2 * 2 * 64
-    assert cli.default_max_seq_len(demo, 8) == 32768          # 24 KB a position: the whole context fits
+    assert cli.default_max_seq_len(demo) == 32768
+    assert cli.kv_cache_blocks(demo, 32768, 8, 16) == 8 * 32768 // 16     # 3 KB a position: everything fits
     big = fake(40960, layers=48, kv_heads=4, head_dim=128)    # a Qwen3-30B-A3B-sized cache: 96 KB a position
-    n = cli.default_max_seq_len(big, 8)
-    assert n % 1024 == 0 and n * 8 * 48 * 2 * 4 * 128 * 2 <= (24 << 30) * cli.KV_CACHE_SHARE < (n + 1024) * 8 * 48 * 2 * 4 * 128 * 2
-    assert cli.default_max_seq_len(big, 100000) == 1024       # never below 1024
-    assert cli.default_max_seq_len(types.SimpleNamespace(config=None), 8) == cli.FALLBACK_MAX_SEQ_LEN
+    block = 48 * 2 * 4 * 128 * 2 * 16
+    n = cli.kv_cache_blocks(big, 40960, 8, 16)
+    assert n == int((24 << 30) * cli.KV_CACHE_SHARE) // block < 8 * 40960 // 16   # far fewer than slots x context
+    assert cli.kv_cache_blocks(big, 40960, 8, 16, memory=1 << 30) == (1 << 30) // block
+    assert cli.kv_cache_blocks(big, 40960, 8, 16, fraction=0.5) == int((24 << 30) * 0.5) // block
+    assert cli.kv_cache_blocks(big, 40960, 8, 16, memory=1) == 8                # at least a block a slot
+    assert cli.kv_cache_blocks(types.SimpleNamespace(config=None), 4096, 8, 16) is None
+    assert cli.default_max_seq_len(types.SimpleNamespace(config=None)) == cli.FALLBACK_MAX_SEQ_LEN
+
+
+def test_cache_size_flags_parse_and_refuse_bad_values():
+    import argparse
+
+    from dynamoe.serve import cli
+
+    assert cli._size("4GiB") == 4 << 30 and cli._size("512m") == 512 << 20 and cli._size("1000") == 1000
+    assert cli._size("1.5G") == 3 << 29
+    for bad in ("lots", "-1G", "0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli._size(bad)
+    assert cli._fraction("0.5") == 0.5
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli._fraction(bad)

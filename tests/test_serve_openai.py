@@ -9,6 +9,8 @@ import pytest
 
 from serve_testing import MAX_SEQ_LEN, shared_server
 
+from dynamoe.models.cache import DEFAULT_BLOCK_SIZE
+
 openai = pytest.importorskip("openai")
 
 MSGS = [{"role": "user", "content": "hello world"}]
@@ -54,9 +56,10 @@ def test_next_turn_reports_cached_prompt_tokens(client):
                     {"role": "user", "content": "and more"}]
     second = client.chat.completions.create(model="tiny-moe", messages=convo, max_tokens=6, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert first.usage.prompt_tokens - 2 <= cached < second.usage.prompt_tokens
+    bs = DEFAULT_BLOCK_SIZE   # the cache shares whole blocks
+    assert cached % bs == 0 and (first.usage.prompt_tokens - 2) // bs * bs <= cached < second.usage.prompt_tokens
     again = client.chat.completions.create(model="tiny-moe", messages=convo, max_tokens=6, temperature=0)
-    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // bs * bs
     assert again.choices[0].message.content == second.choices[0].message.content
 
 

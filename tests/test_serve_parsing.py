@@ -170,7 +170,7 @@ def test_anthropic_event_sequence():
     assert [(s["index"], s["content_block"]["type"]) for s in starts] == [(0, "thinking"), (1, "text"), (2, "tool_use")]
     assert starts[2]["content_block"] == {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {}}
     assert events[10]["delta"] == {"type": "input_json_delta", "partial_json": '{"city": "Paris"}'}
-    assert events[12]["delta"]["stop_reason"] == "tool_use" and events[12]["usage"] == {"output_tokens": 30}
+    assert events[12]["delta"]["stop_reason"] == "tool_use" and events[12]["usage"] == {"input_tokens": 12, "output_tokens": 30, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
     # nothing generated: one empty text block all the same
     e2 = AnthropicEvents("m3", "m", 1)
     types = [e["type"] for e in parse_sse(e2.start() + e2.finish("end_turn", None, 1))]

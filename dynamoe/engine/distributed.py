@@ -10,13 +10,16 @@ Protocol, on a gloo group of its own (:class:`ControlChannel`; CPU tensors, a ti
 follower waits for the next request as long as the server idles):
 
 * header, int64[8] broadcast by rank 0: ``[op, B, T, logits_to_keep, with_cache, a, b, c]``;
-* ``NEW_CACHE`` (a = num_slots, b = max_seq_len, c = dtype code): followers make the same KV cache. They
-  keep only the latest (the engine has one); rank 0 refuses a forward with any other cache.
-* ``FORWARD``: then int64[B*T (+ 2B with a cache)] broadcast: input_ids [B, T], slots [B] and the cache
-  lengths of those slots before the step [B]. Followers set their cache's lengths for those slots and
-  run ``model(input_ids, cache, slots, logits_to_keep)``. Sending the lengths with every step keeps the
-  caches in step without mirroring anything else: a forward reads only its own slots' lengths and writes
-  their positions from there on, so a slot freed, requeued, truncated or reused on rank 0 needs no
+* ``NEW_CACHE`` (B = block_size, T = num_blocks, a = num_slots, b = max_seq_len, c = dtype code): followers
+  make the same paged KV cache. They keep only the latest (the engine has one); rank 0 refuses a forward
+  with any other cache.
+* ``FORWARD`` (a = N block ids with a cache): then int64[B*T (+ 3B + N with a cache)] broadcast: input_ids
+  [B, T], slots [B], the cache lengths of those slots before the step [B], how many blocks each slot's
+  table holds for the step [B] and those block ids, slot after slot [N]. Followers set their cache's
+  tables and lengths for those slots (:meth:`KVCache.set_blocks`) and run ``model(input_ids, cache, slots,
+  logits_to_keep)``. Sending the tables with every step keeps the caches in step without mirroring
+  anything else: a forward reads only its own slots' blocks and writes their positions from the length
+  on, so a slot freed, preempted, truncated, reused or started on shared prefix blocks on rank 0 needs no
   message of its own.
 * ``STOP``: followers return (rank 0 is shutting down).
 * status, after every ``FORWARD``: each rank joins an all-reduce (sum) of its failure flag.
@@ -179,14 +182,16 @@ class LeaderModel(nn.Module):
     def moe_stats(self):
         return self.model.moe_stats()
 
-    def new_cache(self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None, device=None):
-        """A KV cache here and the same one on every follower (each on its own device)."""
+    def new_cache(self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None, device=None, **paging):
+        """A KV cache here and the same one on every follower (each on its own device); ``paging``:
+        ``block_size``, ``num_blocks``."""
         if dtype not in _CACHE_DTYPES:
             raise ValueError(f"cache dtype must be one of {list(_CACHE_DTYPES)}, got {dtype!r}")
-        cache = self.model.new_cache(num_slots, max_seq_len, dtype=dtype, device=device)
+        cache = self.model.new_cache(num_slots, max_seq_len, dtype=dtype, device=device, **paging)
         with self._lock:
             self._check_usable()
-            self._send([NEW_CACHE, 0, 0, 0, 0, num_slots, max_seq_len, _CACHE_DTYPES.index(dtype)])
+            self._send([NEW_CACHE, cache.block_size, cache.num_blocks, 0, 0, num_slots, max_seq_len,
+                        _CACHE_DTYPES.index(dtype)])
             self._cache = weakref.ref(cache)
         return cache
 
@@ -212,12 +217,16 @@ class LeaderModel(nn.Module):
                 slots = torch.tensor(slots, dtype=torch.long)
             if slots.dim() != 1 or slots.numel() != B:
                 raise ValueError(f"slots must be a LongTensor [{B}] (one per row), got shape {tuple(slots.shape)}")
-            starts = cache.check_room(slots.to(cache.lengths.device), T)
-            payload = torch.cat([ids, slots.to("cpu", torch.int64), starts.to("cpu", torch.int64)])
+            starts = cache.check_room(slots.to(cache.lengths.device), T)   # (takes the step's blocks)
+            tables = [cache.blocks(int(x)) for x in slots.tolist()]
+            payload = torch.cat([ids, slots.to("cpu", torch.int64), starts.to("cpu", torch.int64),
+                                 torch.tensor([len(t) for t in tables], dtype=torch.int64),
+                                 torch.tensor([b for t in tables for b in t], dtype=torch.int64)])
         kw = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
         with self._lock:
             self._check_usable()
-            self._send([FORWARD, B, T, logits_to_keep, int(cache is not None)], payload)
+            self._send([FORWARD, B, T, logits_to_keep, int(cache is not None), payload.numel() - B * T - 3 * B
+                        if cache is not None else 0], payload)
             err = out = None
             try:
                 # the engine steps on its own thread, whose current CUDA device is not the main thread's
@@ -288,11 +297,11 @@ def follow(model: nn.Module, channel: ControlChannel) -> None:
             return
         if op == NEW_CACHE:
             cache = None   # free the old one first
-            cache = model.new_cache(a, b, dtype=_CACHE_DTYPES[c])
+            cache = model.new_cache(a, b, dtype=_CACHE_DTYPES[c], block_size=B, num_blocks=T)
             continue
         if op != FORWARD:
             raise RanksOutOfStep(f"rank {channel.rank}: unknown message op {op} from rank 0")
-        payload = channel.recv_payload(B * T + (2 * B if with_cache else 0))
+        payload = channel.recv_payload(B * T + (3 * B + a if with_cache else 0))
         ids = payload[:B * T].view(B, T).to(device)
         kw = {"logits_to_keep": keep} if keep else {}
         err = None
@@ -301,9 +310,13 @@ def follow(model: nn.Module, channel: ControlChannel) -> None:
                 if with_cache:
                     if cache is None:
                         raise RuntimeError("rank 0 sent a forward with a cache before any NEW_CACHE")
-                    slots = payload[B * T:B * T + B].to(cache.lengths.device)
-                    cache.lengths[slots] = payload[B * T + B:].to(cache.lengths.device)
-                    model(ids, cache=cache, slots=slots, **kw)
+                    slots, starts, counts = payload[B * T:].split(B)[:3]
+                    blocks = payload[B * T + 3 * B:].tolist()
+                    at = 0
+                    for slot, start, n in zip(slots.tolist(), starts.tolist(), counts.tolist()):
+                        cache.set_blocks(slot, blocks[at:at + n], start)
+                        at += n
+                    model(ids, cache=cache, slots=slots.to(cache.lengths.device), **kw)
                 else:
                     model(ids, **kw)
         except Exception as e:   # noqa: BLE001 -- reported through the status

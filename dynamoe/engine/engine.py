@@ -1,17 +1,29 @@
-"""Continuous batching over a slotted KV cache.
+"""Continuous batching over the paged KV cache, with prefix caching and chunked prefill beside decode.
 
-A :class:`GenerationEngine` owns one :class:`~dynamoe.models.cache.KVCache` with ``max_batch`` slots.
-Requests wait in a FIFO queue; each :meth:`~GenerationEngine.step` first prefills waiting requests
-into free slots (prompts of equal length together, ``model(ids[B, T], cache, slots)``), then runs one
-decode step for every running request at once (``model(ids[B, 1], cache, slots)``, each row at its own
-position). Every produced token becomes a :class:`TokenEvent` on its request's queue; a request that
-finishes (stop token, stop string, ``max_tokens``) or is cancelled frees its slot at once.
+A :class:`GenerationEngine` owns one :class:`~dynamoe.models.cache.KVCache`: ``max_batch`` slots (the
+sequences running at once) over a pool of blocks (``kv_cache_blocks``; by default enough for every slot to
+fill ``max_seq_len``, usually far fewer). Requests wait in a FIFO queue. Each :meth:`~GenerationEngine.step`
+
+1. admits waiting requests into free slots; each starts on the cached blocks of the longest prefix of its
+   tokens that any request computed before -- running ones included (:mod:`dynamoe.engine.prefix`);
+2. runs one decode step for every decoding request at once (``model(ids[B, 1], cache, slots)``, each row
+   at its own position);
+3. spends the rest of the step's ``token_budget`` on prefill chunks of the others, oldest first (equal
+   chunk lengths batched), so that a long prompt arriving never stalls the running streams for more than
+   a chunk; with nothing decoding, prompts prefill in chunks of up to ``prefill_chunk``.
+
+When the pool runs out of blocks the request that arrived last is preempted: its blocks go back (its full
+ones stay cached) and it waits first in line, then recomputes what it had and goes on -- never a crash or
+a truncated output. Every produced token becomes a :class:`TokenEvent` on its request's queue; a request
+that finishes (stop token, stop string, ``max_tokens``) or is cancelled frees its slot and blocks at once.
 
 Threading: one thread drives :meth:`step` (or :meth:`run_forever`); other threads may call
 :meth:`add_request` and :meth:`cancel` and read events with :meth:`Request.get` /
 :meth:`Request.events` (or receive them through ``on_event``, called on the stepping thread).
-The model contract: ``model.new_cache(num_slots, max_seq_len, dtype=None, device=None)`` and
-``model(input_ids_BT, cache=cache, slots=slots_B) -> logits [B, T, V]`` advancing ``cache.lengths``.
+The model contract: ``model.new_cache(num_slots, max_seq_len, dtype=None, device=None, block_size=...,
+num_blocks=...)`` and ``model(input_ids_BT, cache=cache, slots=slots_B) -> logits [B, T, V]`` advancing
+``cache.lengths``; a model with ``recurrent_state = True`` (per-sequence state that cannot be cut back to a
+prefix) gets no prefix caching.
 """
 from __future__ import annotations
 
@@ -27,10 +39,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from ..models.cache import DEFAULT_BLOCK_SIZE, OutOfBlocks
 from .detokenizer import IncrementalDecoder, StopStrings, decode_keeping, special_token_ids
+from .prefix import PrefixCache
 from .prompts import encode_prompt, token_list
 from .request import FINISHED, RUNNING, WAITING, Request, RequestStats, TokenEvent
 from .sampling import SamplingParams, TokenLogprob, sample
+from .speculative import NgramIndex
 
 __all__ = ["GenerationEngine", "Request", "TokenEvent", "RequestStats", "encode_prompt"]  # encode_prompt: .prompts
 
@@ -42,46 +57,49 @@ def _model_device(model) -> torch.device:
     return torch.device("cpu")
 
 
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def _check_int(name: str, v, low: int = 1, none: bool = False) -> None:
+    if none and v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{name} must be {'None or ' if none else ''}an int >= {low}, got {v!r}")
 
 
 class GenerationEngine:
     """Continuous batching of generation requests for one model (see the module docstring).
 
     model: a module honouring the cache contract. tokenizer: a :class:`~dynamoe.engine.Tokenizer`
-    (optional: without it there is no text, only token ids, and no stop strings). max_seq_len: cache
-    positions per slot (prompt + output); default ``min(config.max_position_embeddings, 4096)``.
-    max_batch: cache slots = requests decoded together. prefill_chunk: split longer prompts into
-    chunks of this many tokens (bounds the [T, V] logits of a long prefill); None = whole prompt.
-    eos_token_ids: stop tokens of every request; default the tokenizer's and the model config's.
-    prefix_caching: a finished request leaves its keys/values in its slot; a new request goes to the
-    free slot holding the longest prefix of its prompt (at least ``min_cached_prefix`` tokens) and
-    prefills only the rest -- a chat's next turn re-reads none of the conversation so far.
+    (optional: without it there is no text, only token ids, and no stop strings). max_seq_len: positions
+    per sequence (prompt + output); default ``min(config.max_position_embeddings, 4096)``. max_batch:
+    cache slots = requests running together. kv_cache_blocks: blocks in the KV cache's pool (None: enough
+    for every slot to reach ``max_seq_len``); block_size: positions per block. token_budget: tokens per
+    step while requests decode (their rows plus prefill chunks of the others). prefill_chunk: the longest
+    prefill chunk of one request (bounds a forward's activations); None = a whole prompt when nothing
+    decodes. eos_token_ids: stop tokens of every request; default the tokenizer's and the model config's.
+    prefix_caching: share the blocks of equal prefixes across requests (a chat's next turn, a common
+    system prompt, concurrent requests with one context). speculative_tokens: k > 0 drafts up to k tokens per
+    greedy request and step by n-gram lookup in its own context and verifies them in one forward
+    (:mod:`dynamoe.engine.speculative`; the same tokens as without).
     """
 
-    #: the shortest shared prefix worth steering a request to a slot for (shorter: least recently
-    #: used free slot, so that longer cached conversations survive)
-    min_cached_prefix = 4
+    #: tokens per step while requests decode: their rows plus prefill chunks of new prompts
+    default_token_budget = 256
 
     def __init__(self, model, tokenizer=None, max_seq_len: int | None = None, max_batch: int = 8, *,
                  cache_dtype: torch.dtype | None = None, device=None, prefill_chunk: int | None = None,
-                 eos_token_ids: Sequence[int] | None = None, prefix_caching: bool = True):
+                 eos_token_ids: Sequence[int] | None = None, prefix_caching: bool = True,
+                 kv_cache_blocks: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 token_budget: int | None = None, speculative_tokens: int = 0):
         config = getattr(model, "config", None)
         if max_seq_len is None:
             mpe = getattr(config, "max_position_embeddings", None)
             max_seq_len = min(int(mpe), 4096) if mpe else 4096
-        for name, v in (("max_seq_len", max_seq_len), ("max_batch", max_batch)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                          or prefill_chunk < 1):
-            raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+        _check_int("max_seq_len", max_seq_len)
+        _check_int("max_batch", max_batch)
+        _check_int("prefill_chunk", prefill_chunk, none=True)
+        _check_int("kv_cache_blocks", kv_cache_blocks, none=True)
+        _check_int("block_size", block_size)
+        _check_int("token_budget", token_budget, none=True)
+        _check_int("speculative_tokens", speculative_tokens, low=0)
         self.model = model
         # models that can skip the lm_head over all but the last prompt position (dynamoe's do)
         try:
@@ -92,6 +110,8 @@ class GenerationEngine:
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self.token_budget = token_budget if token_budget is not None else self.default_token_budget
+        self.speculative_tokens = speculative_tokens
         self.device = torch.device(device) if device is not None else _model_device(model)
         self.vocab_size = getattr(config, "vocab_size", None)
         if eos_token_ids is None:
@@ -101,7 +121,16 @@ class GenerationEngine:
             eos_token_ids = ids
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
         self._special_ids: frozenset[int] | None = None   # the tokenizer's, on first use
-        self.cache = model.new_cache(max_batch, max_seq_len, dtype=cache_dtype, device=self.device)
+        self.cache = model.new_cache(max_batch, max_seq_len, dtype=cache_dtype, device=self.device,
+                                     block_size=block_size, num_blocks=kv_cache_blocks)
+        #: positions one sequence can hold: max_seq_len, or fewer when the whole pool is smaller
+        self.capacity = min(max_seq_len, self.cache.num_blocks * self.cache.block_size)
+        recurrent = bool(getattr(model, "recurrent_state", False))
+        if recurrent and prefix_caching:
+            log.info("prefix caching is off: the model keeps per-sequence recurrent state, which cannot be "
+                     "shared by prefix")
+        self.prefix_caching = bool(prefix_caching) and not recurrent
+        self._prefix = PrefixCache(self.cache, self.prefix_caching)
 
         # waiting queue, free slots, request states, cancel flags; re-entrant so that an on_event callback
         # (run under it, on the stepping thread) may call cancel()
@@ -109,19 +138,25 @@ class GenerationEngine:
         self._work = threading.Condition(self._lock)
         self._step_lock = threading.Lock()     # one step at a time
         self._waiting: collections.deque[Request] = collections.deque()
-        self._running: list[Request] = []      # in slot-assignment order
+        self._running: list[Request] = []      # in admission order
         self._free_slots = list(range(max_batch))
-        # prefix cache: the tokens whose keys/values each slot's buffers hold (positions 0..n-1), and
-        # when each slot was freed (least recently used first when no slot shares a prefix)
-        self.prefix_caching = bool(prefix_caching)
-        self._slot_tokens: list[list[int]] = [[] for _ in range(max_batch)]
-        self._slot_freed = [0] * max_batch
-        self._frees = itertools.count(1)
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
         self._stepping = False
         self._loop_thread: threading.Thread | None = None
-        self.totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0, "steps": 0,
-                       "prefill_s": 0.0, "decode_s": 0.0}
+        self.totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0,
+                       "output_tokens": 0, "steps": 0, "preempted": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                       "spec_drafted": 0, "spec_accepted": 0}
+
+    def cache_stats(self) -> dict:
+        """The KV cache's pool now: blocks (total, in use, cached = free but holding a prefix, free),
+        block size and bytes, positions held by running requests, prefix-cache lookups and hits (blocks)."""
+        pool, cache = self.cache.pool, self.cache
+        with self._lock:
+            tokens = sum(r._computed for r in self._running)
+        return {"block_size": cache.block_size, "blocks_total": pool.num_blocks, "blocks_used": pool.num_used,
+                "blocks_cached": pool.num_cached, "blocks_free": pool.num_free, "bytes_per_block": cache.bytes_per_block,
+                "tokens_in_use": tokens, "prefix_queries": pool.queries, "prefix_hits": pool.hits}
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -162,9 +197,12 @@ class GenerationEngine:
         if self.vocab_size is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got min {min(prompt_ids)} "
                              f"max {max(prompt_ids)}")
-        room = self.max_seq_len - len(prompt_ids)
+        room = self.capacity - len(prompt_ids)
+        limit = (f"max_seq_len={self.max_seq_len}" if self.capacity == self.max_seq_len else
+                 f"the KV cache's {self.capacity} positions (kv_cache_blocks={self.cache.num_blocks} x "
+                 f"block_size={self.cache.block_size})")
         if room < 1:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in max_seq_len={self.max_seq_len}")
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in {limit}")
         context_limited = max_tokens is None or (isinstance(max_tokens, int) and max_tokens > room)
         if max_tokens is None:
             max_tokens = room
@@ -173,7 +211,7 @@ class GenerationEngine:
         elif max_tokens > room:
             if not clip_max_tokens:
                 raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                                 f"max_seq_len={self.max_seq_len}; lower max_tokens to at most {room} "
+                                 f"{limit}; lower max_tokens to at most {room} "
                                  f"(or pass clip_max_tokens=True)")
             max_tokens = room
         stops = StopStrings(stop)
@@ -192,6 +230,7 @@ class GenerationEngine:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             req = Request(rid, prompt_ids, params, max_tokens, stop_ids, stops, decoder, on_event)
             req.context_limited = context_limited
+            req._order = next(self._arrivals)
             self._waiting.append(req)
             self.totals["requests"] += 1
             self._work.notify_all()
@@ -225,86 +264,221 @@ class GenerationEngine:
     # --- the step -----------------------------------------------------------------------------------
 
     def step(self) -> list[TokenEvent]:
-        """One scheduling step: prefill waiting requests into free slots, then one decode step for all
-        running requests. Returns the events produced (they are also on the requests' queues)."""
+        """One scheduling step: admit waiting requests into free slots, one decode step for every request
+        that is decoding, then prefill chunks for the others with the rest of the token budget. Returns the
+        events produced (they are also on the requests' queues)."""
         with self._step_lock:
             with self._lock:
                 self._stepping = True
-                admitted = []
-                while self._waiting and self._free_slots:
-                    req = self._waiting.popleft()
-                    req.slot, req.stats.cached_tokens = self._take_slot(req.prompt_ids)
-                    req.state = RUNNING
-                    req.stats.scheduled = time.perf_counter()
-                    self._running.append(req)
-                    admitted.append(req)
+                self._admit()
             events: list[TokenEvent] = []
             try:
-                # prompts with as many tokens left to prefill are prefilled together, in arrival order of
-                # the first of each length
-                groups: dict[int, list[Request]] = {}
-                for req in admitted:
-                    groups.setdefault(len(req.prompt_ids) - req.stats.cached_tokens, []).append(req)
-                try:
-                    for group in groups.values():
-                        self._prefill(group, events)
-                except Exception:
-                    self._requeue([r for r in admitted if r.state == RUNNING and not r.output_ids])
-                    raise
-                decoding = [r for r in self._running if r.state == RUNNING and r.output_ids and not r._cancel]
-                if decoding:
-                    self._decode(decoding, events)
+                decoded = self._decode(events)
+                self._prefill(events, decoded)
             finally:
                 with self._lock:
                     self._stepping = False
-                    for req in list(self._running):
+                    for req in [*self._running, *self._waiting]:
                         if req._cancel and req.state != FINISHED:
                             self._finish(req, "cancelled")
                 self.totals["steps"] += 1
             return events
 
-    def _take_slot(self, prompt_ids: list[int]) -> tuple[int, int]:
-        """(free slot, prompt tokens already in it) for a new request (caller holds ``_lock``): the slot
-        with the longest shared prefix, else the least recently freed one. At least the prompt's last
-        token is always prefilled (its logits start the output)."""
-        best, reuse = None, 0
-        if self.prefix_caching:
-            for slot in self._free_slots:
-                n = _common_prefix(self._slot_tokens[slot], prompt_ids, len(prompt_ids) - 1)
-                if n > reuse:
-                    best, reuse = slot, n
-        if best is None or reuse < self.min_cached_prefix:
-            best, reuse = min(self._free_slots, key=lambda s: self._slot_freed[s]), 0
-        self._free_slots.remove(best)
-        self.cache.lengths[best] = reuse
-        self._slot_tokens[best] = []  # being overwritten from position reuse on: known again when freed
-        return best, reuse
+    def _admit(self) -> None:
+        """Waiting requests into free slots, in queue order (caller holds ``_lock``); each starts on the cached
+        blocks of the longest prefix of its tokens that some earlier request computed."""
+        while self._waiting and self._free_slots:
+            req = self._waiting.popleft()
+            req.slot = self._free_slots.pop(0)
+            req.state = RUNNING
+            if req.stats.scheduled is None:
+                req.stats.scheduled = time.perf_counter()
+            cached = self._prefix.attach(req)
+            if not req._preempted:
+                req.stats.cached_tokens = cached
+            self._running.append(req)
 
-    def _release_slot(self, r: Request, valid: bool) -> None:
-        """Free ``r``'s slot (caller holds ``_lock``), remembering which tokens its buffers hold when
-        ``valid`` (not after a failed forward, whose writes are undefined)."""
-        slot = r.slot
-        n = int(self.cache.lengths[slot]) if valid and self.prefix_caching else 0
-        self._slot_tokens[slot] = (r.prompt_ids + r.output_ids)[:n]
-        self._slot_freed[slot] = next(self._frees)
-        self.cache.free(slot)
-        self._free_slots.append(slot)
+    def _preempt(self, victim: Request) -> None:
+        """Give ``victim``'s blocks back and queue it first again (caller holds ``_lock``): it recomputes its
+        tokens so far when admitted again (its full blocks stay cached, so mostly from the prefix cache) and
+        then goes on where it stopped."""
+        log.info("KV cache full: preempting request %s (%d tokens; recomputed when blocks are free)", victim.id,
+                 victim._computed)
+        self._release(victim)
+        self._running.remove(victim)
+        victim.state, victim._preempted = WAITING, True
+        victim._computed = victim._registered = 0
+        victim._decoding = False
+        self._waiting.appendleft(victim)
+        self.totals["preempted"] += 1
+
+    def _make_room(self, r: Request, length: int, victims_after: bool) -> bool:
+        """Blocks for ``r``'s positions up to ``length``; when the pool runs out, preempt the running request
+        that arrived last (only ones that arrived after ``r`` when ``victims_after``) until they fit. False
+        when ``r`` itself was preempted, or nothing could be preempted (``r`` waits)."""
+        while True:
+            try:
+                self.cache.reserve(r.slot, length)
+                return True
+            except OutOfBlocks:
+                with self._lock:
+                    others = [x for x in self._running if x is not r and (not victims_after or x._order > r._order)]
+                    victim = max(others, key=lambda x: x._order, default=None)
+                    if victim is None or (not victims_after and victim._order < r._order):
+                        victim = None if victims_after else r
+                    if victim is None:
+                        return False
+                    self._preempt(victim)
+                    if victim is r:
+                        return False
+
+    def _decode(self, events: list[TokenEvent]) -> int:
+        """One token for every decoding request -- or, with n-gram drafts, the last token and the drafts of
+        every request in one forward and the drafts' verified prefix kept (:mod:`.speculative`); returns how
+        many rows ran."""
+        with self._lock:
+            batch = [r for r in self._running if r._decoding and not r._cancel]
+        batch.sort(key=lambda r: r._order)
+        drafts = self._drafts(batch)
+        K = max((len(d) for d in drafts), default=0)
+        ready = [r for r in batch if r.state == RUNNING and self._make_room(r, r._computed + 1 + K, victims_after=False)]
+        ready = [r for r in ready if r.state == RUNNING]
+        if not ready:
+            return 0
+        t0 = time.perf_counter()
+        if K == 0:
+            logits = self._forward(ready, [[r.output_ids[-1]] for r in ready])
+            for r in ready:
+                r._computed += 1
+            self._sample_and_emit(ready, logits[:, -1], events)
+        else:
+            rows = {id(r): d for r, d in zip(batch, drafts)}
+            # every row K + 1 tokens: its draft padded with its last token (a pad the model agrees with is a
+            # correct token like any other; the rest is cut off below)
+            ids = [[r.output_ids[-1], *rows[id(r)], *[r.output_ids[-1]] * (K - len(rows[id(r)]))] for r in ready]
+            logits = self._forward(ready, ids, keep=K + 1)
+            self._verify(ready, ids, logits, events)
+        self._prefix.register(ready)
+        self.totals["decode_s"] += time.perf_counter() - t0
+        return len(ready)
+
+    def _drafts(self, reqs: list[Request]) -> list[list[int]]:
+        """Each request's n-gram draft ([] for requests that do not speculate: sampled ones and those with
+        penalties, whose next choice depends on the previous one beyond the logits), all cut to what every
+        row has room for."""
+        k = self.speculative_tokens
+        out = []
+        room = min((self.capacity - r.num_tokens for r in reqs), default=0)
+        k = min(k, room)
+        for r in reqs:
+            d = []
+            p = r.params
+            if k > 0 and p.greedy and not p.uses_repetition_penalty and not p.uses_output_penalties:
+                left = r.max_tokens - len(r.output_ids) - 1   # tokens it may add after the next one
+                if left > 0:
+                    if r._ngram is None:
+                        r._ngram = NgramIndex()
+                    d = r._ngram.draft(r.prompt_ids + r.output_ids, min(k, left))
+            out.append(d)
+        return out if any(out) else [[] for _ in reqs]
+
+    def _verify(self, reqs: list[Request], ids: list[list[int]], logits: Tensor, events: list[TokenEvent]) -> None:
+        """Emit, per row, the model's choices after each of its fed tokens as long as they equal the next fed
+        token (the accepted draft), then its choice after the last accepted one; cut the cache back to the
+        tokens fed and accepted."""
+        K = len(ids[0]) - 1
+        spec = [i for i, r in enumerate(reqs) if r._ngram is not None and r.params.greedy]
+        plain = [i for i in range(len(reqs)) if i not in set(spec)]
+        if plain:
+            self._sample_and_emit([reqs[i] for i in plain], logits[plain, 0], events)
+        accepted = [0] * len(reqs)
+        if spec:
+            flat = logits[spec].reshape(len(spec) * (K + 1), -1)
+            params = [reqs[i].params for i in spec for _ in range(K + 1)]
+            toks, lps = sample(flat, params, [None] * len(params), None, None)
+            toks = toks.view(len(spec), K + 1).tolist()
+            now = time.perf_counter()
+            with self._lock:
+                for j, i in enumerate(spec):
+                    r, row = reqs[i], toks[j]
+                    a = 0
+                    while a < K and row[a] == ids[i][a + 1]:
+                        a += 1
+                    accepted[i] = a
+                    self.totals["spec_drafted"] += K
+                    self.totals["spec_accepted"] += a
+                    for t in range(a + 1):
+                        if r.state == FINISHED or r._cancel:
+                            break
+                        if r.stats.first_token is None:
+                            r.stats.first_token = now
+                        ev = self._accept(r, row[t], lps[j * (K + 1) + t])
+                        events.append(ev)
+                        self._publish(r, ev)
+                        if ev.finish_reason is not None:
+                            self._finish(r, ev.finish_reason, publish=False)
+        with self._lock:
+            for i, r in enumerate(reqs):
+                r._computed += 1 + accepted[i]
+                if r.slot is not None:
+                    self.cache.truncate(r.slot, r._computed)
+
+    def _prefill(self, events: list[TokenEvent], decoded: int) -> None:
+        """Prefill chunks, oldest request first, within the step's token budget: ``token_budget`` minus the
+        rows just decoded while others decode (so that a long prompt never stalls them), else up to
+        ``prefill_chunk`` tokens per request. Chunks of equal length run as one batch."""
+        limit = self.prefill_chunk or self.max_seq_len
+        budget = max(self.token_budget - decoded, self.cache.block_size) if decoded else None
+        with self._lock:
+            todo = sorted((r for r in self._running if not r._decoding and not r._cancel), key=lambda r: r._order)
+        chunks: dict[int, list[Request]] = {}
+        for r in todo:
+            if budget is not None and budget <= 0:
+                break
+            if r.state != RUNNING:
+                continue
+            n = min(r.num_tokens - r._computed, limit, budget if budget is not None else limit)
+            if not self._make_room(r, r._computed + n, victims_after=True):
+                break   # the pool is full of older requests' blocks: wait for them
+            chunks.setdefault(n, []).append(r)
+            if budget is not None:
+                budget -= n
+        for n, group in chunks.items():
+            group = [r for r in group if r.state == RUNNING]
+            if not group:
+                continue
+            t0 = time.perf_counter()
+            logits = self._forward(group, [r.tokens(r._computed, r._computed + n) for r in group])
+            done = []
+            for r in group:
+                r._computed += n
+                if r._computed == r.num_tokens:
+                    r._decoding = True
+                    done.append(r)
+            if done:
+                rows = torch.tensor([group.index(r) for r in done], device=logits.device)
+                self._sample_and_emit(done, logits[rows, -1], events)
+            self._prefix.register(group)
+            self.totals["prefill_s"] += time.perf_counter() - t0
+            self.totals["prefill_tokens"] += n * len(group)
+            for r in done:
+                if not r._preempted:
+                    self.totals["prompt_tokens"] += len(r.prompt_ids)
+                    self.totals["cached_tokens"] += r.stats.cached_tokens
+
+    def _release(self, r: Request) -> None:
+        """Free ``r``'s slot and give its blocks back (caller holds ``_lock``); its full blocks stay cached
+        under their prefix keys."""
+        self.cache.free(r.slot)
+        self._free_slots.append(r.slot)
         self._free_slots.sort()
         r.slot = None
 
-    def _requeue(self, reqs: list[Request]) -> None:
-        """Put admitted requests that were not prefilled back at the head of the queue."""
-        with self._lock:
-            for r in reversed(reqs):
-                self._release_slot(r, valid=False)
-                r.state, r.stats.scheduled, r.stats.cached_tokens = WAITING, None, 0
-                self._running.remove(r)
-                self._waiting.appendleft(r)
-
-    def _forward(self, reqs: list[Request], ids: list[list[int]]) -> Tensor:
+    def _forward(self, reqs: list[Request], ids: list[list[int]], keep: int = 1) -> Tensor:
+        """Logits of the last ``keep`` positions of each row (all, for a model without ``logits_to_keep``)."""
         ids_BT = torch.tensor(ids, dtype=torch.long, device=self.device)
         slots_B = torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
-        kw = {"logits_to_keep": 1} if self._keeps_last and ids_BT.size(1) > 1 else {}
+        kw = {"logits_to_keep": keep} if self._keeps_last and ids_BT.size(1) > keep else {}
         try:
             with torch.inference_mode():
                 out = self.model(ids_BT, cache=self.cache, slots=slots_B, **kw)
@@ -316,24 +490,6 @@ class GenerationEngine:
                         self._finish(r, "error", error=f"{type(err).__name__}: {err}")
             raise
         return getattr(out, "logits", out)
-
-    def _prefill(self, reqs: list[Request], events: list[TokenEvent]) -> None:
-        """Prefill the prompt tokens after each request's cached prefix (the same count for all)."""
-        t0 = time.perf_counter()
-        T = len(reqs[0].prompt_ids) - reqs[0].stats.cached_tokens
-        chunk = self.prefill_chunk or T
-        for start in range(0, T, chunk):
-            logits = self._forward(reqs, [r.prompt_ids[r.stats.cached_tokens + start:][:chunk] for r in reqs])
-        self._sample_and_emit(reqs, logits[:, -1], events, first=True)
-        self.totals["prefill_s"] += time.perf_counter() - t0
-        self.totals["prompt_tokens"] += sum(len(r.prompt_ids) for r in reqs)
-        self.totals["cached_tokens"] += sum(r.stats.cached_tokens for r in reqs)
-
-    def _decode(self, reqs: list[Request], events: list[TokenEvent]) -> None:
-        t0 = time.perf_counter()
-        logits = self._forward(reqs, [[r.output_ids[-1]] for r in reqs])
-        self._sample_and_emit(reqs, logits[:, -1], events, first=False)
-        self.totals["decode_s"] += time.perf_counter() - t0
 
     def _penalty_state(self, reqs: list[Request], V: int, device) -> tuple[Tensor | None, Tensor | None]:
         seen = counts = None
@@ -357,7 +513,7 @@ class GenerationEngine:
             counts = torch.stack(rows)
         return seen, counts
 
-    def _sample_and_emit(self, reqs: list[Request], logits_BV: Tensor, events: list[TokenEvent], first: bool) -> None:
+    def _sample_and_emit(self, reqs: list[Request], logits_BV: Tensor, events: list[TokenEvent]) -> None:
         seen, counts = self._penalty_state(reqs, logits_BV.shape[-1], logits_BV.device)
         tokens_B, lps = sample(logits_BV, [r.params for r in reqs], [r._generator for r in reqs], seen, counts)
         tokens = tokens_B.tolist()
@@ -366,7 +522,7 @@ class GenerationEngine:
             for r, tok, lp in zip(reqs, tokens, lps):
                 if r.state == FINISHED or r._cancel:
                     continue   # cancelled while the forward ran: drop the token
-                if first:
+                if r.stats.first_token is None:
                     r.stats.first_token = now
                 ev = self._accept(r, tok, lp)
                 events.append(ev)
@@ -422,7 +578,7 @@ class GenerationEngine:
         if r.state == FINISHED:
             return
         if r.slot is not None:
-            self._release_slot(r, valid=reason != "error")
+            self._release(r)
         if r in self._running:
             self._running.remove(r)
         r.state = FINISHED

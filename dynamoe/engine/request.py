@@ -106,6 +106,30 @@ class Request:
         self._seen_V: Tensor | None = None     # bool, prompt + output (repetition penalty)
         self._counts_V: Tensor | None = None   # output counts (presence / frequency penalty)
         self._cancel = False
+        # the scheduler's view (dynamoe.engine.engine / .prefix): arrival order (preemption takes the latest),
+        # positions whose keys/values are in the cache, whether it is decoding (else prefilling its tokens),
+        # whether it was preempted, the prefix keys of its full blocks and how many of its blocks are registered
+        self._order = 0
+        self._computed = 0
+        self._decoding = False
+        self._preempted = False
+        self._keys: list[bytes] = []
+        self._registered = 0
+        self._ngram = None   # its n-gram index, once it drafts (dynamoe.engine.speculative)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start..end-1`` of prompt + output."""
+        P = len(self.prompt_ids)
+        if end <= P:
+            return self.prompt_ids[start:end]
+        if start >= P:
+            return self.output_ids[start - P:end - P]
+        return self.prompt_ids[start:] + self.output_ids[:end - P]
 
     @property
     def finished(self) -> bool:

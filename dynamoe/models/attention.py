@@ -122,32 +122,10 @@ def cached_length(positions_BT: Tensor, slots: Tensor | None, kv_len: int | None
 
 def write_kv(cache: KVCache, layer: int, slots_B: Tensor, positions_BT: Tensor, kv_len: int,
              **new: Tensor) -> dict[str, Tensor]:
-    """Write each new tensor [B, K, T, d] at its rows' positions in the cache buffer of that name
-    (allocated [slots, K, max_seq_len, d]), and return the buffers' first ``kv_len`` positions of
-    the batch's slots, [B, K, kv_len, d], in the new tensors' dtype."""
-    out = {}
-    one_row = slots_B.device.type == "cpu" and positions_BT.device.type == "cpu" and slots_B.numel() == 1
-    for name, t in new.items():
-        _, K, T, d = t.shape
-        buf = cache.buffer(layer, name, K, cache.max_seq_len, d)
-        if one_row and T == 1:  # one sequence's decode step: a plain copy, not an index_put
-            buf[int(slots_B[0]), :, int(positions_BT[0, 0])].copy_(t[0, :, 0])
-        else:
-            # buf[slot_b, :, pos_bt] for every (b, t): advanced indices around a slice -> [B, T, K, d]
-            buf[slots_B[:, None], :, positions_BT] = t.transpose(1, 2).to(buf.dtype)
-        out[name] = _slot_rows(buf, slots_B, kv_len).to(t.dtype)
-    return out
-
-
-def _slot_rows(buf: Tensor, slots_B: Tensor, kv_len: int) -> Tensor:
-    """The batch's slots' first ``kv_len`` positions: a view when the slots are consecutive (one
-    sequence, or a batch in slot order; checked only on CPU, where reading ``slots`` costs nothing),
-    else a gathered copy. The copy grows with the context: a view saves it on every layer and step."""
-    if slots_B.device.type == "cpu" and slots_B.numel():
-        s0, B = int(slots_B[0]), slots_B.numel()
-        if B == 1 or torch.equal(slots_B, torch.arange(s0, s0 + B)):
-            return buf[s0:s0 + B, :, :kv_len]
-    return buf[:, :, :kv_len].index_select(0, slots_B)
+    """Write each new tensor [B, K, T, d] at its rows' positions in the cache's paged tensor of that name
+    and return the batch's slots' first ``kv_len`` positions of each, [B, K, kv_len, d], in the new tensors'
+    dtype (:meth:`KVCache.write`)."""
+    return cache.write(layer, slots_B, positions_BT, kv_len, **new)
 
 
 class Attention(nn.Module):
@@ -279,10 +257,11 @@ class Attention(nn.Module):
     def decode_with(self, kernels, args: tuple, h_BD: Tensor, rows: tuple, cache: KVCache, slots: Tensor) -> Tensor:
         """The kernel call of :meth:`decode_step` with ``args`` from :meth:`decode_args` (h [B, D]
         contiguous of their dtype, ``rows`` = the rotary embedding's ``decode_rows``, slots int64)."""
-        K, d, L = self.num_kv_heads, self.head_dim, cache.max_seq_len
+        K, d = self.num_kv_heads, self.head_dim
         out = torch.empty_like(h_BD)
-        kernels.attn_decode_out(h_BD, *args[1:9], rows[0], rows[1], args[9], cache.buffer(self.layer_idx, "k", K, L, d),
-                                cache.buffer(self.layer_idx, "v", K, L, d), slots, rows[2], *args[10:], out)
+        kernels.attn_decode_out(h_BD, *args[1:9], rows[0], rows[1], args[9], cache.kv_pool(self.layer_idx, "k", K, d),
+                                cache.kv_pool(self.layer_idx, "v", K, d), cache.block_tables, slots, rows[2],
+                                *args[10:], out)
         return out
 
     def decode_step(self, h_BTD: Tensor, norm: nn.Module, positions_BT: Tensor, cache: KVCache, slots: Tensor,

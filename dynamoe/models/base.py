@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .cache import KVCache
+from .cache import DEFAULT_BLOCK_SIZE, KVCache
 from .config import ModelConfig
 from .decode_plan import DecodePlan, invalidate_plans
 from .moe_block import SparseMoeBlock
@@ -131,10 +131,12 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def new_cache(self, num_slots: int, max_seq_len: int, dtype: Optional[torch.dtype] = None, device=None) -> KVCache:
-        """An empty KV cache for this model (defaults: the model's dtype and device)."""
+    def new_cache(self, num_slots: int, max_seq_len: int, dtype: Optional[torch.dtype] = None, device=None, *,
+                  block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None) -> KVCache:
+        """An empty KV cache for this model (defaults: the model's dtype and device; enough blocks for every
+        slot to reach ``max_seq_len``)."""
         return KVCache(num_slots, max_seq_len, self.config.num_hidden_layers, dtype or self.dtype,
-                       self.device if device is None else device)
+                       self.device if device is None else device, block_size=block_size, num_blocks=num_blocks)
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 logits_to_keep: int = 0) -> Tensor:

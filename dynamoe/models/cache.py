@@ -1,38 +1,85 @@
-"""The KV cache: a fixed number of sequence slots, each holding up to ``max_seq_len`` positions.
+"""The paged KV cache: sequence slots whose positions live in fixed-size blocks of one shared pool.
 
-Slots are what continuous batching needs: the engine prefills a new request into a free slot
-(``model(ids[1, T], cache=cache, slots=tensor([s]))``), then decodes all live slots together
-(``model(ids[B, 1], cache=cache, slots=tensor([s0, s1, ...]))``); every row is at its own position
-``cache.lengths[slot]``. ``cache.free(slot)`` makes a slot reusable at once.
+Slots are what continuous batching needs: a sequence runs in a slot (``model(ids[B, T], cache=cache,
+slots=tensor([s0, ...]))``, every row at its own position ``cache.lengths[slot]``), and ``cache.free(slot)``
+makes the slot reusable at once. A slot holds no memory of its own: its *block table* lists the pool
+blocks (``block_size`` positions each) that hold its positions in order, taken from the pool as the
+sequence grows (:meth:`KVCache.check_room`, or ahead of time with :meth:`KVCache.reserve`) and given back
+when it ends. Memory is ``num_blocks`` blocks however the positions are spread over the slots, so a pool
+far smaller than ``num_slots * max_seq_len`` serves long contexts beside short ones. Full blocks can be
+shared: :meth:`KVCache.attach` starts a sequence on blocks another one filled (the engine's prefix cache,
+:mod:`dynamoe.models.blocks`).
 
-Each attention layer keeps its own named tensors (GQA: "k", "v" [slots, kv_heads, S, head_dim];
-MLA: the latent and the rope key; the sparse-attention indexer: its keys), allocated on first use
-by :meth:`KVCache.buffer`. The model advances ``lengths`` once per forward, after all layers.
+Storage, per attention layer, by name (allocated on first use):
+
+* :meth:`KVCache.kv_pool` -- paged tensors [K, num_blocks, block_size, d]: GQA's "k" and "v", MLA's latent
+  and rope key, the sparse-attention indexer's keys. Layers write and read them through :meth:`KVCache.write`
+  (positions -> blocks via the table); a sequence whose blocks are consecutive reads them as one view.
+* :meth:`KVCache.buffer` -- per-slot tensors [num_slots, *shape]: fixed-size state of a sequence (e.g. a
+  linear-attention layer's recurrent state), whatever its length.
+
+The model advances ``lengths`` once per forward, after all layers.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-__all__ = ["KVCache"]
+from .blocks import BlockPool, OutOfBlocks
+
+__all__ = ["KVCache", "OutOfBlocks", "DEFAULT_BLOCK_SIZE"]
+
+#: positions per block: small enough that a shared prefix loses little at its end, large enough that the
+#: block tables and the prefix keys cost nothing next to the attention itself
+DEFAULT_BLOCK_SIZE = 16
+
+
+def _positive_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    return v
 
 
 class KVCache:
+    """``num_slots`` sequences of up to ``max_seq_len`` positions over a pool of ``num_blocks`` blocks of
+    ``block_size`` positions (default: enough blocks for every slot to fill up)."""
+
     def __init__(self, num_slots: int, max_seq_len: int, num_layers: int, dtype: torch.dtype = torch.float32,
-                 device=None):
-        for name, v in (("num_slots", num_slots), ("max_seq_len", max_seq_len), ("num_layers", num_layers)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        self.num_slots = num_slots
-        self.max_seq_len = max_seq_len
+                 device=None, *, block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None):
+        for name, v in (("num_slots", num_slots), ("max_seq_len", max_seq_len), ("num_layers", num_layers),
+                        ("block_size", block_size)):
+            _positive_int(name, v)
+        self.num_slots, self.max_seq_len, self.block_size = num_slots, max_seq_len, block_size
+        self.blocks_per_seq = -(-max_seq_len // block_size)
+        self.num_blocks = _positive_int("num_blocks", num_slots * self.blocks_per_seq if num_blocks is None
+                                        else num_blocks)
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.pool = BlockPool(self.num_blocks)
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=self.device)
+        self.block_tables = torch.zeros(num_slots, self.blocks_per_seq, dtype=torch.long, device=self.device)
         self.layers: list[dict[str, Tensor]] = [{} for _ in range(num_layers)]
+        self._paged: list[Tensor] = []        # the kv_pool tensors of every layer
+        self._blocks: list[list[int]] = [[] for _ in range(num_slots)]   # the tables, as lists
+        self._consecutive = [0] * num_slots   # leading blocks of each table that are b0, b0+1, ...
+        self._mirror = False                  # tables set by set_blocks (a follower rank): never allocate
+
+    # --- storage ------------------------------------------------------------------------------------
+    def kv_pool(self, layer: int, name: str, heads: int, dim: int, dtype: torch.dtype | None = None) -> Tensor:
+        """Layer ``layer``'s paged tensor ``name``, [heads, num_blocks, block_size, dim], zeros on first use
+        (positions never written are read only under a mask, and must not be NaN)."""
+        bufs = self.layers[layer]
+        t = bufs.get(name)
+        if t is None:
+            t = torch.zeros(heads, self.num_blocks, self.block_size, dim, dtype=dtype or self.dtype, device=self.device)
+            bufs[name] = t
+            self._paged.append(t)
+        return t
 
     def buffer(self, layer: int, name: str, *shape: int, dtype: torch.dtype | None = None) -> Tensor:
-        """Layer ``layer``'s tensor ``name`` of shape [num_slots, *shape] (position dim included
-        by the caller), zero-initialised on first use."""
+        """Layer ``layer``'s per-slot tensor ``name`` of shape [num_slots, *shape], zeros on first use. A
+        sequence's state there is whatever its slot's previous user left: a layer treats it as empty when
+        the row starts at position 0."""
         bufs = self.layers[layer]
         t = bufs.get(name)
         if t is None:
@@ -40,33 +87,160 @@ class KVCache:
             bufs[name] = t
         return t
 
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block over every paged tensor allocated so far."""
+        return sum(t[:, 0].numel() * t.element_size() for t in self._paged)
+
+    def write(self, layer: int, slots_B: Tensor, positions_BT: Tensor, kv_len: int, **new: Tensor) -> dict[str, Tensor]:
+        """Write each new tensor [B, K, T, d] at its rows' positions into the paged tensor of that name and
+        return the batch's slots' first ``kv_len`` positions of each, [B, K, kv_len, d], in the new tensors'
+        dtype (rows shorter than ``kv_len`` read finite filler past their end: mask it)."""
+        out = {}
+        one_row = slots_B.device.type == "cpu" and positions_BT.device.type == "cpu" and slots_B.numel() == 1
+        bs = self.block_size
+        blk_BT = off_BT = None
+        for name, t in new.items():
+            _, K, T, d = t.shape
+            pool = self.kv_pool(layer, name, K, d)
+            if one_row and T == 1:  # one sequence's decode step: a plain copy, not an index_put
+                p = int(positions_BT[0, 0])
+                pool[:, self._blocks[int(slots_B[0])][p // bs], p % bs].copy_(t[0, :, 0])
+            else:
+                if blk_BT is None:
+                    blk_BT = self.block_tables[slots_B[:, None], positions_BT // bs]
+                    off_BT = positions_BT % bs
+                # pool[:, blk, off] for every (b, t): adjacent advanced indices -> [K, B, T, d]
+                pool[:, blk_BT, off_BT] = t.transpose(0, 1).to(pool.dtype)
+            out[name] = self.rows(pool, slots_B, kv_len).to(t.dtype)
+        return out
+
+    def rows(self, pool: Tensor, slots_B: Tensor, kv_len: int) -> Tensor:
+        """The slots' first ``kv_len`` positions of a paged tensor, [B, K, kv_len, d]: a view when one
+        sequence's blocks are consecutive (checked on the CPU, where reading ``slots`` costs nothing), else a
+        gathered copy."""
+        K, _, bs, d = pool.shape
+        n = -(-kv_len // bs)
+        if slots_B.device.type == "cpu" and slots_B.numel() == 1:
+            s = int(slots_B[0])
+            if self._consecutive[s] >= n:
+                b0 = self._blocks[s][0]
+                return pool[:, b0:b0 + n].reshape(K, n * bs, d)[None, :, :kv_len]
+        B = slots_B.numel()
+        idx = self.block_tables[slots_B, :n]                    # [B, n]
+        return pool[:, idx].transpose(0, 1).reshape(B, K, n * bs, d)[:, :, :kv_len]
+
+    # --- positions and blocks -----------------------------------------------------------------------
     def check_room(self, slots: Tensor, new_tokens: int) -> Tensor:
-        """Positions [B] where the new tokens of each slot start; a clear error when the slot
-        would pass ``max_seq_len``."""
+        """Positions [B] where the new tokens of each slot start, with the blocks for them in place (taken
+        from the pool where missing); a clear error when a slot would pass ``max_seq_len``, and
+        :class:`OutOfBlocks` when the pool has too few blocks left."""
         if slots.dim() != 1 or slots.dtype != torch.long:
             raise ValueError(f"slots must be a 1-D LongTensor, got {tuple(slots.shape)} {slots.dtype}")
-        if slots.numel() == 1:  # one sequence's step: plain ints (the general checks cost more than a decode op)
-            if not 0 <= int(slots[0]) < self.num_slots:
-                raise ValueError(f"slots must be in [0, {self.num_slots}), got {slots.tolist()}")
+        slot_list = slots.tolist()
+        if len(slot_list) == 1:  # one sequence's step: plain ints (the general checks cost more than a decode op)
+            if not 0 <= slot_list[0] < self.num_slots:
+                raise ValueError(f"slots must be in [0, {self.num_slots}), got {slot_list}")
         else:
-            if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
-                raise ValueError(f"slots must be in [0, {self.num_slots}), got {slots.tolist()}")
-            if slots.numel() != torch.unique(slots).numel():
-                raise ValueError(f"slots must be distinct, got {slots.tolist()}")
+            if slot_list and (min(slot_list) < 0 or max(slot_list) >= self.num_slots):
+                raise ValueError(f"slots must be in [0, {self.num_slots}), got {slot_list}")
+            if len(set(slot_list)) != len(slot_list):
+                raise ValueError(f"slots must be distinct, got {slot_list}")
         start = self.lengths[slots]
-        if slots.numel() and int(start.max()) + new_tokens > self.max_seq_len:
-            raise ValueError(f"sequence length {int(start.max()) + new_tokens} exceeds max_seq_len={self.max_seq_len}")
+        if slot_list:
+            longest = int(start.max()) + new_tokens
+            if longest > self.max_seq_len:
+                raise ValueError(f"sequence length {longest} exceeds max_seq_len={self.max_seq_len}")
+            for s, n in zip(slot_list, start.tolist()):
+                self.reserve(s, n + new_tokens)
         return start
+
+    def reserve(self, slot: int, length: int) -> None:
+        """Make slot ``slot``'s table cover positions 0..length-1, taking blocks from the pool: all it needs
+        or none (:class:`OutOfBlocks`)."""
+        have = self._blocks[slot]
+        need = -(-length // self.block_size) - len(have)
+        if need <= 0:
+            return
+        if length > self.max_seq_len:
+            raise ValueError(f"sequence length {length} exceeds max_seq_len={self.max_seq_len}")
+        if self._mirror:
+            raise RuntimeError(f"slot {slot} of a mirrored cache needs {need} more blocks than its leader sent")
+        self._append(slot, self.pool.allocate_many(need))
+
+    def _append(self, slot: int, blocks: list[int]) -> None:
+        have = self._blocks[slot]
+        n0 = len(have)
+        have.extend(blocks)
+        self.block_tables[slot, n0:n0 + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        c = self._consecutive[slot]
+        if c == n0:
+            while c < len(have) and (c == 0 or have[c] == have[c - 1] + 1):
+                c += 1
+            self._consecutive[slot] = c
+
+    def blocks(self, slot: int) -> list[int]:
+        """The blocks of ``slot``'s table, in position order (a copy)."""
+        return list(self._blocks[slot])
+
+    def length(self, slot: int) -> int:
+        return int(self.lengths[slot])
+
+    def attach(self, slot: int, blocks: list[int], length: int) -> None:
+        """Start slot ``slot`` afresh on ``blocks`` (already retained for it, e.g. by :meth:`BlockPool.lookup`)
+        holding its first ``length`` positions; whatever the slot held before is given back."""
+        if not 0 <= length <= len(blocks) * self.block_size:
+            raise ValueError(f"length must be in [0, {len(blocks) * self.block_size}], got {length}")
+        self.free(slot)
+        if blocks:
+            self._append(slot, list(blocks))
+        self.lengths[slot] = length
+
+    def set_blocks(self, slot: int, blocks: list[int], length: int) -> None:
+        """Set ``slot``'s table and length as another cache has them (a follower rank mirroring rank 0's
+        cache: the pool's own bookkeeping is not used, and this cache never allocates again)."""
+        self._mirror = True
+        if len(blocks) > self.blocks_per_seq or any(not 0 <= b < self.num_blocks for b in blocks):
+            raise ValueError(f"blocks must be at most {self.blocks_per_seq} ids in [0, {self.num_blocks})")
+        self._blocks[slot], self._consecutive[slot] = [], 0
+        if blocks:
+            self._append(slot, list(blocks))
+        self.lengths[slot] = length
 
     def advance(self, slots: Tensor, new_tokens: int) -> None:
         self.lengths[slots] += new_tokens
 
     def free(self, slot: int) -> None:
-        """Forget slot ``slot``'s tokens (its buffers are overwritten by the next user)."""
-        self.lengths[slot] = 0
+        """Forget slot ``slot``'s tokens and give its blocks back (blocks other sequences share stay theirs)."""
+        self.truncate(slot, 0)
 
     def truncate(self, slot: int, length: int) -> None:
-        """Keep only the first ``length`` tokens of ``slot`` (e.g. to re-use a shared prompt prefix)."""
+        """Keep only the first ``length`` tokens of ``slot``; blocks past them go back to the pool."""
         if not 0 <= length <= int(self.lengths[slot]):
             raise ValueError(f"length must be in [0, {int(self.lengths[slot])}], got {length}")
+        keep = -(-length // self.block_size)
+        have = self._blocks[slot]
+        if len(have) > keep:
+            if not self._mirror:
+                self.pool.release(have[keep:])
+            del have[keep:]
+            self._consecutive[slot] = min(self._consecutive[slot], keep)
+        if length % self.block_size and not self._mirror and self.pool.shared(have[-1]):
+            self._own_last_block(slot)
         self.lengths[slot] = length
+
+    def _own_last_block(self, slot: int) -> None:
+        """Make the partly kept last block of ``slot`` its own before it writes there: a block only it holds
+        just forgets its prefix key; one that others hold is copied (copy on write)."""
+        have = self._blocks[slot]
+        old = have[-1]
+        if self.pool.refcount(old) == 1:
+            self.pool.unregister(old)
+            return
+        new = self.pool.allocate()
+        for t in self._paged:
+            t[:, new].copy_(t[:, old])
+        self.pool.release([old])
+        have[-1] = new
+        self.block_tables[slot, len(have) - 1] = new
+        self._consecutive[slot] = min(self._consecutive[slot], len(have) - 1)

@@ -127,9 +127,8 @@ class _FusedRun:
         """Each layer's k and v buffers of ``cache`` (created where missing; a cache never replaces them)."""
         if self._cache is None or self._cache() is not cache:
             K, d = self.kv_shape
-            L = cache.max_seq_len
-            self._buffers = ([cache.buffer(e.attn.layer_idx, "k", K, L, d) for e in self.layers],
-                             [cache.buffer(e.attn.layer_idx, "v", K, L, d) for e in self.layers])
+            self._buffers = ([cache.kv_pool(e.attn.layer_idx, "k", K, d) for e in self.layers],
+                             [cache.kv_pool(e.attn.layer_idx, "v", K, d) for e in self.layers])
             self._cache = weakref.ref(cache)  # (not a strong reference: a dropped cache is freed)
         return self._buffers
 
@@ -138,7 +137,7 @@ class _FusedRun:
         k, v = self._caches(cache)
         loads = torch.empty(len(self.layers), self.experts, dtype=torch.long)
         out = torch.empty_like(h_BD)
-        max_loads = self.stack.run(h_BD, cos, sin, slots, pos, k, v, loads, out)
+        max_loads = self.stack.run(h_BD, cos, sin, slots, pos, k, v, cache.block_tables, loads, out)
         for i, e in enumerate(self.layers):  # what MoELayer.decode_block_with / SparseMoeBlock.decode_block record
             e.block.__dict__["last_stats"] = e.moe.decode_done(loads[i], max_loads[i])
         return out
@@ -162,7 +161,7 @@ class DecodePlan:
 
     @staticmethod
     def key_for(h_BD: Tensor, cache) -> tuple:
-        return _generation, h_BD.dtype, cache.dtype, cache.max_seq_len
+        return _generation, h_BD.dtype, cache.dtype
 
     @classmethod
     def build(cls, model, h_BD: Tensor, cache) -> DecodePlan | None:

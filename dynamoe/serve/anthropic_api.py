@@ -451,9 +451,12 @@ def _tool_use_id(call) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
-def _usage(input_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0}
+def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens computed, ``cache_read_input_tokens`` those
+    read from the prefix cache (the two add up to the prompt); the cache is written as a side effect of
+    every request, not billed apart, so ``cache_creation_input_tokens`` is 0."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
 
 
 async def _collect(st: ServerState, request: Request, gen: Generation, parser: OutputParser, msg_id: str,
@@ -471,7 +474,7 @@ async def _collect(st: ServerState, request: Request, gen: Generation, parser: O
     reason, seq = stop_reason(last.finish_reason if last else None, last.stop if last else None, parser)
     return {"id": msg_id, "type": "message", "role": "assistant", "model": st.model_name,
             "content": _content_blocks(parts, omit_thinking), "stop_reason": reason, "stop_sequence": seq,
-            "usage": _usage(input_tokens, len(gen.requests[0].output_ids))}
+            "usage": _usage(input_tokens, len(gen.requests[0].output_ids), gen.requests[0].stats.cached_tokens)}
 
 
 def sse(event: str, data: dict) -> str:
@@ -529,14 +532,16 @@ class AnthropicEvents:
                 out.append(self._delta({"type": "text_delta", "text": p.text}))
         return "".join(out)
 
-    def finish(self, stop_reason: str, stop_sequence: str | None, output_tokens: int) -> str:
+    def finish(self, stop_reason: str, stop_sequence: str | None, output_tokens: int, cached_tokens: int = 0) -> str:
+        """The last events; their usage is the whole message's (message_start's was sent before the prefix
+        cache was looked up: it counts every prompt token as input)."""
         out = ""
         if self.index < 0:   # no output at all: one empty text block, as Anthropic's API sends
             out += self._open("text", {"type": "text", "text": ""})
         out += self._close()
         out += sse("message_delta", {"type": "message_delta",
                                      "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                     "usage": {"output_tokens": output_tokens}})
+                                     "usage": _usage(self.input_tokens, output_tokens, cached_tokens)})
         return out + sse("message_stop", {"type": "message_stop"})
 
 
@@ -559,4 +564,5 @@ async def _stream(st: ServerState, gen: Generation, parser: OutputParser, msg_id
             yield events.parts(parts)
         if ev.finish_reason is not None:
             reason, seq = stop_reason(ev.finish_reason, ev.stop, parser)
-            yield events.finish(reason, seq, len(gen.requests[0].output_ids))
+            req = gen.requests[0]
+            yield events.finish(reason, seq, len(req.output_ids), req.stats.cached_tokens)

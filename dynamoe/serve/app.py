@@ -163,6 +163,9 @@ def create_app(engine: GenerationEngine, tokenizer: Tokenizer | None, config: Se
         ok = state.runner.alive or not start_engine
         body = {"status": "ok" if ok else "engine stopped", "model": config.model_name,
                 "running": engine.num_running, "waiting": engine.num_waiting}
+        kv = getattr(engine, "cache_stats", None)
+        if kv is not None:
+            body["kv_cache"] = kv()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -170,7 +173,8 @@ def create_app(engine: GenerationEngine, tokenizer: Tokenizer | None, config: Se
         load = await asyncio.to_thread(state.expert_load.snapshot)
         text = state.metrics.render(model_name=config.model_name, waiting=engine.num_waiting,
                                     running=engine.num_running, max_num_seqs=engine.max_batch, expert_load=load,
-                                    engine_totals=dict(engine.totals))
+                                    engine_totals=dict(engine.totals),
+                                    kv_cache=engine.cache_stats() if hasattr(engine, "cache_stats") else None)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/chat", openapi_extra=request_body(ChatRequest))

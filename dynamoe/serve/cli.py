@@ -2,7 +2,7 @@
 
 The model path comes only from the command line: ``--model DIR``, else the first existing of the
 ``--try_path DIR`` flags (repeatable), else the embedded demo model (``dynamoe/assets/demo-moe/``) when
-this build has it. Nothing here imports torch or FastAPI until the command runs.
+this build has it. FastAPI and the model code are imported only when the command runs.
 
 Multi-rank (expert parallel) serving: under torchrun (``WORLD_SIZE`` > 1, ``RANK``, ``LOCAL_RANK``; or
 ``LOCAL_SIZE`` ranks per node, the launcher's name, when ``LOCAL_RANK`` is missing) every rank joins the
@@ -22,6 +22,39 @@ __all__ = ["add_serve_parser", "serve_command", "resolve_model_path", "rank_envi
            "DEMO_MODEL_DIR"]
 
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "demo-moe")
+
+
+def _size(text: str) -> int:
+    """'4GiB', '512MiB', '2G', '1.5GB', '1000000' -> bytes (K/M/G/T: powers of 1024 with or without 'iB')."""
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(t[-1:], 1)
+    try:
+        v = float(t[:-1] if scale > 1 else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4GiB, 512MiB or a number of bytes, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return int(v * scale)
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return v
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return v
 
 
 def _positive_int(text: str) -> int:
@@ -45,6 +78,9 @@ def _port(text: str) -> int:
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
+    from ..engine.engine import GenerationEngine
+    from ..models.cache import DEFAULT_BLOCK_SIZE
+
     s = sub.add_parser("serve", help="serve a model over HTTP: /chat, OpenAI and Anthropic APIs, web UI, metrics",
                        description="Serve a Hugging Face checkpoint folder over HTTP with continuous batching: "
                                    "POST /chat (plain-text stream), OpenAI /v1/chat/completions, /v1/completions, "
@@ -61,15 +97,33 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--listen_port", "--port", "--listen-port", dest="listen_port", type=_port, default=8000,
                    metavar="N", help="TCP port (default 8000)")
     s.add_argument("--max_seq_len", "--max-model-len", "--max-seq-len", dest="max_seq_len", type=_positive_int,
-                   metavar="N", help="prompt + output tokens per sequence (default: the model's context, at most 4096)")
+                   metavar="N", help="prompt + output tokens per sequence (default: the model's context, "
+                                     "max_position_embeddings)")
+    s.add_argument("--kv-cache-memory", "--kv_cache_memory", dest="kv_cache_memory", type=_size, metavar="SIZE",
+                   help="memory of the paged KV cache, e.g. 4GiB, 512MiB or bytes (default: --kv-cache-fraction of "
+                        "the RAM, or of the GPU's memory; never more than every sequence at max_seq_len needs)")
+    s.add_argument("--kv-cache-fraction", "--kv_cache_fraction", dest="kv_cache_fraction", type=_fraction,
+                   default=KV_CACHE_SHARE, metavar="F",
+                   help=f"share of the memory for the KV cache when --kv-cache-memory is not given (default {KV_CACHE_SHARE})")
+    s.add_argument("--block-size", "--block_size", dest="block_size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
+                   metavar="N", help=f"positions per KV cache block (default {DEFAULT_BLOCK_SIZE})")
+    s.add_argument("--max-num-batched-tokens", "--max_num_batched_tokens", "--token-budget", dest="token_budget",
+                   type=_positive_int, default=None, metavar="N",
+                   help="tokens per engine step while requests decode: their rows plus prefill chunks of new prompts, "
+                        "so a long prompt never stalls running streams (default "
+                        f"{GenerationEngine.default_token_budget})")
     s.add_argument("--serve", choices=["core", "webui"], default="webui",
                    help="core: the APIs only; webui: the APIs and the chat page at / (default)")
     s.add_argument("--thinking_effort", "--thinking-effort", choices=["low", "medium", "high"], default=None,
                    help="default reasoning effort, passed to chat templates as reasoning_effort (gpt-oss); "
                         "requests may override it")
+    s.add_argument("--num-speculative-tokens", "--num_speculative_tokens", dest="speculative_tokens",
+                   type=_nonnegative_int, default=0, metavar="K",
+                   help="speculative decoding with n-gram (prompt lookup) drafts: up to K tokens per greedy request "
+                        "and step, verified in one forward; the same output as without (default 0: off)")
     s.add_argument("--prefix-caching", "--prefix_caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="reuse the keys/values a finished request left in its slot for a new request "
-                                      "with the same prompt prefix (a chat's next turn)")
+                   default=True, help="share the KV cache blocks of equal prompt prefixes across requests, running ones "
+                                      "included (a chat's next turn, a common system prompt)")
     s.add_argument("--max-num-seqs", "--max_num_seqs", dest="max_num_seqs", type=_positive_int, default=8,
                    metavar="N", help="sequences decoded together (batch slots); more requests wait (default 8)")
     s.add_argument("--api-key", "--api_key", dest="api_key", metavar="KEY",
@@ -198,49 +252,64 @@ def serve_command(args, err=None) -> int:
 
 
 def build_engine(args, model, tokenizer, err=None):
-    """(the GenerationEngine for ``model`` with the parsed flags, its max_seq_len): ``--max_seq_len``,
-    else :func:`default_max_seq_len`. A ``--max_seq_len`` above max_position_embeddings is allowed (RoPE
-    scaling, a config that undersells) with a warning on ``err``."""
+    """(the GenerationEngine for ``model`` with the parsed flags, its max_seq_len): ``--max_seq_len``, else the
+    model's context; a paged KV cache of :func:`kv_cache_blocks`. A ``--max_seq_len`` above
+    max_position_embeddings is allowed (RoPE scaling, a config that undersells) with a warning on ``err``, and
+    so is a cache too small for one whole sequence (requests are held to what it holds)."""
     from ..engine import GenerationEngine
 
+    err = err if err is not None else sys.stderr
     mpe = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    max_seq_len = args.max_seq_len or default_max_seq_len(model, args.max_num_seqs)
+    max_seq_len = args.max_seq_len or default_max_seq_len(model)
     if mpe and max_seq_len > int(mpe):
         print(f"dynamoe serve: warning: --max_seq_len {max_seq_len} is above the model's max_position_embeddings "
-              f"{int(mpe)}: positions past {int(mpe)} were not trained and output there may degrade",
-              file=err if err is not None else sys.stderr)
+              f"{int(mpe)}: positions past {int(mpe)} were not trained and output there may degrade", file=err)
+    from ..models.cache import DEFAULT_BLOCK_SIZE
+
+    block_size = getattr(args, "block_size", DEFAULT_BLOCK_SIZE)
+    blocks = kv_cache_blocks(model, max_seq_len, args.max_num_seqs, block_size, getattr(args, "kv_cache_memory", None),
+                             getattr(args, "kv_cache_fraction", KV_CACHE_SHARE))
+    if blocks is not None and blocks * block_size < max_seq_len:
+        print(f"dynamoe serve: warning: the KV cache holds {blocks * block_size} positions, fewer than max_seq_len "
+              f"{max_seq_len}: a request gets at most that many (raise --kv-cache-memory)", file=err)
     engine = GenerationEngine(model, tokenizer, max_seq_len=max_seq_len, max_batch=args.max_num_seqs, prefill_chunk=2048,
-                              prefix_caching=getattr(args, "prefix_caching", True))
+                              prefix_caching=getattr(args, "prefix_caching", True), kv_cache_blocks=blocks,
+                              block_size=block_size, token_budget=getattr(args, "token_budget", None),
+                              speculative_tokens=getattr(args, "speculative_tokens", 0))
     return engine, max_seq_len
 
 
-#: share of the memory (RAM, or the GPU's) that the default context length may give the KV cache
+#: share of the memory (RAM, or the GPU's) that the KV cache takes by default
 KV_CACHE_SHARE = 0.25
-#: the default context length when neither the model nor the memory says more
+#: the default context length when the model does not say its own
 FALLBACK_MAX_SEQ_LEN = 4096
 
 
-def default_max_seq_len(model, num_slots: int) -> int:
-    """The model's max_position_embeddings, as far as ``num_slots`` sequences of it fit their KV cache
-    (allocated whole, slots x positions) in :data:`KV_CACHE_SHARE` of the memory: so a small model
-    takes its whole context (the demo model's 32768 positions cost ~25 KB per position for 8 slots)
-    and a large one as much as fits (rounded down to 1024, at least 1024). 4096 where the model does not
-    say its size."""
+def default_max_seq_len(model) -> int:
+    """The model's context (max_position_embeddings), else 4096: the paged cache spends memory on the
+    positions requests use, not on the longest one they could."""
+    mpe = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(mpe) if mpe else FALLBACK_MAX_SEQ_LEN
+
+
+def kv_cache_blocks(model, max_seq_len: int, num_slots: int, block_size: int, memory: int | None = None,
+                    fraction: float = KV_CACHE_SHARE) -> int | None:
+    """Blocks of the KV cache's pool: ``memory`` bytes (default ``fraction`` of the RAM, or of the GPU's
+    memory) over the bytes of a block, at most what ``num_slots`` sequences at ``max_seq_len`` need and at
+    least one block per slot; None (every slot can fill up) where the model does not say its KV size."""
     import torch
 
     cfg = getattr(model, "config", None)
-    mpe = getattr(cfg, "max_position_embeddings", None)
-    if not mpe:
-        return FALLBACK_MAX_SEQ_LEN
     per_position = getattr(cfg, "kv_elements_per_position", None)
     if per_position is None:
-        return min(int(mpe), FALLBACK_MAX_SEQ_LEN)
+        return None
     param = next(iter(model.parameters()), None)
     dtype = getattr(model, "dtype", None) or (param.dtype if param is not None else torch.float32)
     device = param.device if param is not None else torch.device("cpu")
-    bytes_per_position = per_position() * torch.empty((), dtype=dtype).element_size() * max(1, num_slots)
-    fits = int(_memory_bytes(device) * KV_CACHE_SHARE) // max(1, bytes_per_position)
-    return int(mpe) if fits >= int(mpe) else max(1024, fits // 1024 * 1024)
+    block_bytes = per_position() * torch.empty((), dtype=dtype).element_size() * block_size
+    budget = memory if memory is not None else int(_memory_bytes(device) * fraction)
+    full = num_slots * -(-max_seq_len // block_size)
+    return max(num_slots, min(full, budget // max(1, block_bytes)))
 
 
 def _memory_bytes(device) -> int:

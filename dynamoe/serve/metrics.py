@@ -136,7 +136,8 @@ class Metrics:
                 self.ttft.observe(ttft_s)
 
     def render(self, *, model_name: str, waiting: int, running: int, max_num_seqs: int,
-               expert_load: dict[int, tuple[list[int], int]], engine_totals: dict | None = None) -> str:
+               expert_load: dict[int, tuple[list[int], int]], engine_totals: dict | None = None,
+               kv_cache: dict | None = None) -> str:
         L: list[str] = []
 
         def head(name, kind, help_):
@@ -171,6 +172,35 @@ class Metrics:
             for phase in ("prefill", "decode"):
                 seconds = float(engine_totals.get(phase + "_s", 0.0))
                 L.append(f"dynamoe_engine_seconds_total{_labels(phase=phase)} {_num(seconds)}")
+            head("dynamoe_prefill_tokens_total", "counter", "Positions prefilled (prompt tokens not read from the "
+                 "prefix cache, and tokens recomputed after a preemption).")
+            L.append(f"dynamoe_prefill_tokens_total {engine_totals.get('prefill_tokens', 0)}")
+            head("dynamoe_prompt_cached_tokens_total", "counter", "Prompt tokens read from the prefix cache.")
+            L.append(f"dynamoe_prompt_cached_tokens_total {engine_totals.get('cached_tokens', 0)}")
+            head("dynamoe_preemptions_total", "counter", "Requests preempted (recomputed later) when the KV cache was full.")
+            L.append(f"dynamoe_preemptions_total {engine_totals.get('preempted', 0)}")
+            head("dynamoe_spec_draft_tokens_total", "counter", "Speculative (n-gram) draft tokens verified.")
+            L.append(f"dynamoe_spec_draft_tokens_total {engine_totals.get('spec_drafted', 0)}")
+            head("dynamoe_spec_accepted_tokens_total", "counter", "Speculative draft tokens accepted.")
+            L.append(f"dynamoe_spec_accepted_tokens_total {engine_totals.get('spec_accepted', 0)}")
+        if kv_cache:
+            head("dynamoe_kv_cache_blocks", "gauge", "KV cache blocks by state: used (held by running requests), "
+                 "cached (free, holding a shared prefix) and free (uncached).")
+            free = kv_cache["blocks_free"] - kv_cache["blocks_cached"]
+            for state_, n in (("used", kv_cache["blocks_used"]), ("cached", kv_cache["blocks_cached"]), ("free", free)):
+                L.append(f"dynamoe_kv_cache_blocks{_labels(state=state_)} {n}")
+            head("dynamoe_kv_cache_block_size", "gauge", "Positions per KV cache block.")
+            L.append(f"dynamoe_kv_cache_block_size {kv_cache['block_size']}")
+            head("dynamoe_kv_cache_usage_ratio", "gauge", "Share of the KV cache's blocks held by running requests.")
+            L.append(f"dynamoe_kv_cache_usage_ratio {_num(kv_cache['blocks_used'] / max(1, kv_cache['blocks_total']))}")
+            head("dynamoe_kv_cache_bytes", "gauge", "Bytes of the KV cache by state (as the blocks).")
+            per = kv_cache["bytes_per_block"]
+            for state_, n in (("used", kv_cache["blocks_used"]), ("total", kv_cache["blocks_total"])):
+                L.append(f"dynamoe_kv_cache_bytes{_labels(state=state_)} {n * per}")
+            head("dynamoe_prefix_cache_queries_total", "counter", "Full prompt blocks looked up in the prefix cache.")
+            L.append(f"dynamoe_prefix_cache_queries_total {kv_cache['prefix_queries']}")
+            head("dynamoe_prefix_cache_hits_total", "counter", "Full prompt blocks found in the prefix cache.")
+            L.append(f"dynamoe_prefix_cache_hits_total {kv_cache['prefix_hits']}")
         head("dynamoe_model_info", "gauge", "The served model.")
         L.append(f"dynamoe_model_info{_labels(model=model_name)} 1")
         head("dynamoe_moe_expert_tokens_total", "counter",

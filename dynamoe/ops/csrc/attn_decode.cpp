@@ -1,7 +1,8 @@
 // A decode step (one new token for each of B <= 16 sequences) through a decoder layer's attention block
 // in one call (CPU, bf16 or fp32). Per row b:
 //   x = RMSNorm(h_b); q, k, v = x W_qkv^T (+ b); q/k RMSNorm per head (optional); RoPE on q and k at
-//   position pos_b; k, v written into the cache at (slot_b, pos_b); per query head, softmax(q k_j^T *
+//   position pos_b; k, v written into the paged cache at (slot_b, pos_b) -- block table[slot_b][pos_b / bs],
+//   offset pos_b % bs; per query head, softmax(q k_j^T *
 //   scale) over the keys j of its KV head in [pos_b - window + 1, pos_b] (all of 0..pos_b without a
 //   window), with an optional per-head sink logit in the softmax's denominator (GPT-OSS);
 //   out_b = h_b + (attention W_o^T (+ b)). The projections run as GEMVs over all B rows at once.
@@ -33,15 +34,25 @@ void gemv(const scalar_t* x, int64_t B, const scalar_t* w, int64_t O, int64_t I,
   });
 }
 
+// The paged cache: [K, NB, bs, d] blocks of bs positions; a row's position j is in block table[slot][j / bs].
+struct Paged {
+  int64_t blocks, bs, d, width;  // NB, positions per block, head dim, table entries per slot
+  const int64_t* table;          // [slots, width]
+  // offset of (KV head kv, position j) of slot s, in elements
+  int64_t at(int64_t s, int64_t kv, int64_t j) const {
+    return ((kv * blocks + table[s * width + j / bs]) * bs + j % bs) * d;
+  }
+};
+
 // per row b and query head h (KV head h / G): the softmax-weighted sum of the keys [j0_b, pos_b] of the
-// row's slot in the cache [slots, K, L, d]. One work item per (row, KV head): its G query heads share
-// every key and value row, converted to fp32 once; scores by 16-lane dot products, the softmax's
-// exponentials 16 at a time (decode_rows.h), the weighted sum of values over fp32 arrays.
+// row's slot in the paged cache. One work item per (row, KV head): its G query heads share every key and
+// value row, converted to fp32 once; scores by 16-lane dot products, the softmax's exponentials 16 at a
+// time (decode_rows.h), the weighted sum of values over fp32 arrays.
 template <typename scalar_t>
-void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* slots,
-            const int64_t* pos, int64_t window, int64_t B, int64_t L, int64_t H, int64_t K, int64_t d, float scale,
-            const float* sinks, scalar_t* out) {
-  const int64_t G = H / K;
+void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const Paged& pg, const int64_t* slots,
+            const int64_t* pos, int64_t window, int64_t B, int64_t H, int64_t K, float scale, const float* sinks,
+            scalar_t* out) {
+  const int64_t G = H / K, d = pg.d;
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, pos[b] + 1);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (longest * d * G));
@@ -50,25 +61,25 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / K, kv = item % K;
       const int64_t j0 = window > 0 ? std::max<int64_t>(0, pos[b] - window + 1) : 0, n = pos[b] + 1 - j0;
-      const scalar_t* kb = k_cache + (slots[b] * K + kv) * L * d + j0 * d;
-      const scalar_t* vb = v_cache + (slots[b] * K + kv) * L * d + j0 * d;
       const scalar_t* qr = q + (b * H + kv * G) * d;  // the G query heads of this KV head, consecutive
       for (int64_t i = 0; i < G * d; ++i) qf[i] = static_cast<float>(qr[i]);
       for (int64_t j = 0; j < n; ++j) {
-        for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(kb[j * d + i]);
+        const scalar_t* kr = k_cache + pg.at(slots[b], kv, j0 + j);
+        for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(kr[i]);
         for (int64_t g = 0; g < G; ++g) p[g * n + j] = dynamoe::dot_rows(qf.data() + g * d, row.data(), d) * scale;
       }
       for (int64_t g = 0; g < G; ++g) {
-        float* pg = p.data() + g * n;
+        float* pg_ = p.data() + g * n;
         const int64_t h = kv * G + g;
         float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, pg[j]);
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, pg_[j]);
         if (sinks) mx = std::max(mx, sinks[h]);
-        den[g] = dynamoe::exp_shifted(pg, n, mx) + (sinks ? std::exp(sinks[h] - mx) : 0.f);
+        den[g] = dynamoe::exp_shifted(pg_, n, mx) + (sinks ? std::exp(sinks[h] - mx) : 0.f);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(vb[j * d + i]);
+        const scalar_t* vr_ = v_cache + pg.at(slots[b], kv, j0 + j);
+        for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(vr_[i]);
         for (int64_t g = 0; g < G; ++g) {
           const float wj = p[g * n + j] / den[g];
           float* __restrict__ ag = acc.data() + g * d;
@@ -95,7 +106,8 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
                  const torch::Tensor& w_qkv, const c10::optional<torch::Tensor>& b_qkv,
                  const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm, double qk_eps,
                  const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved, torch::Tensor& k_cache,
-                 torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& positions, int64_t window,
+                 torch::Tensor& v_cache, const torch::Tensor& block_table, const torch::Tensor& slots,
+                 const torch::Tensor& positions, int64_t window,
                  const c10::optional<torch::Tensor>& sinks, double scale, const torch::Tensor& w_o,
                  const c10::optional<torch::Tensor>& b_o, torch::Tensor& out) {
   const c10::ScalarType dt = h.scalar_type();
@@ -103,8 +115,12 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
   const int64_t B = h.size(0), D = h.size(1);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
               v_cache.is_contiguous() && k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
-              "k_cache and v_cache must be contiguous [slots, K, L, d] of h's dtype");
-  const int64_t S = k_cache.size(0), K = k_cache.size(1), L = k_cache.size(2), d = k_cache.size(3);
+              "k_cache and v_cache must be contiguous [K, blocks, block_size, d] of h's dtype");
+  const int64_t K = k_cache.size(0), d = k_cache.size(3);
+  TORCH_CHECK(block_table.dim() == 2 && block_table.is_contiguous() && block_table.scalar_type() == torch::kLong,
+              "block_table must be contiguous int64 [slots, blocks per slot]");
+  const Paged pg{k_cache.size(1), k_cache.size(2), d, block_table.size(1), block_table.data_ptr<int64_t>()};
+  const int64_t S = block_table.size(0), L = pg.width * pg.bs;
   TORCH_CHECK(w_o.dim() == 2 && w_o.size(0) == D && w_o.size(1) % d == 0 && w_o.is_contiguous() && w_o.scalar_type() == dt,
               "w_o must be contiguous [", D, ", H * ", d, "] of h's dtype");
   const int64_t H = w_o.size(1) / d;
@@ -122,6 +138,11 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
     TORCH_CHECK(sp[b] >= 0 && sp[b] < S && pp[b] >= 0 && pp[b] < L, "slot ", sp[b], " / position ", pp[b],
                 " outside the cache [", S, ", ", L, "]");
     for (int64_t c = 0; c < b; ++c) TORCH_CHECK(sp[c] != sp[b], "slots must be distinct, got ", sp[b], " twice");
+    for (int64_t i = 0; i <= pp[b] / pg.bs; ++i) {
+      const int64_t blk = pg.table[sp[b] * pg.width + i];
+      TORCH_CHECK(blk >= 0 && blk < pg.blocks, "slot ", sp[b], "'s block ", i, " is ", blk, ", outside the pool of ",
+                  pg.blocks);
+    }
   }
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && sin.sizes() == cos.sizes() && 2 * cos.size(1) <= d &&
@@ -160,13 +181,13 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
         dynamoe::rms_row(src, i < H ? qn : kn, d, qe, false, tmp.data());
         src = tmp.data();
       }
-      scalar_t* dst = i < H ? q.data() + (b * H + i) * d : kc + ((sp[b] * K + i - H) * L + pp[b]) * d;
+      scalar_t* dst = i < H ? q.data() + (b * H + i) * d : kc + pg.at(sp[b], i - H, pp[b]);
       dynamoe::rope_row(src, c, s, half, d, interleaved, dst);
     }
     for (int64_t g = 0; g < K; ++g)
-      std::copy(row + (H + K + g) * d, row + (H + K + g + 1) * d, vc + ((sp[b] * K + g) * L + pp[b]) * d);
+      std::copy(row + (H + K + g) * d, row + (H + K + g + 1) * d, vc + pg.at(sp[b], g, pp[b]));
   }
-  attend(q.data(), kc, vc, sp, pp, window, B, L, H, K, d, static_cast<float>(scale), sk, attn.data());
+  attend(q.data(), kc, vc, pg, sp, pp, window, B, H, K, static_cast<float>(scale), sk, attn.data());
   gemv(attn.data(), B, w_o.data_ptr<scalar_t>(), D, H * d, bo, o.data());
   scalar_t* op = out.data_ptr<scalar_t>();
   for (int64_t i = 0; i < B * D; ++i) op[i] = static_cast<scalar_t>(static_cast<float>(hp[i]) + static_cast<float>(o[i]));
@@ -176,18 +197,21 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
 void attn_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32, torch::Tensor w_qkv,
                      c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
                      c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor cos, torch::Tensor sin,
-                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+                     torch::Tensor slots,
                      torch::Tensor positions, int64_t window, c10::optional<torch::Tensor> sinks, double scale,
                      torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor out) {
   TORCH_CHECK(h.is_contiguous() && h.device().is_cpu(), "h must be a contiguous CPU tensor [B, D]");
   switch (h.scalar_type()) {
     case torch::kBFloat16:
       attn_decode<c10::BFloat16>(h, norm_w, norm_eps, norm_weight_fp32, w_qkv, b_qkv, q_norm, k_norm, qk_eps, cos, sin,
-                                 interleaved, k_cache, v_cache, slots, positions, window, sinks, scale, w_o, b_o, out);
+                                 interleaved, k_cache, v_cache, block_table, slots, positions, window, sinks, scale, w_o, b_o,
+                                 out);
       break;
     case torch::kFloat:
       attn_decode<float>(h, norm_w, norm_eps, norm_weight_fp32, w_qkv, b_qkv, q_norm, k_norm, qk_eps, cos, sin,
-                         interleaved, k_cache, v_cache, slots, positions, window, sinks, scale, w_o, b_o, out);
+                         interleaved, k_cache, v_cache, block_table, slots, positions, window, sinks, scale, w_o, b_o,
+                                 out);
       break;
     default:
       TORCH_CHECK(false, "h must be bf16 or fp32, got ", h.scalar_type());

@@ -35,8 +35,8 @@ void route_decode_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Ten
 void attn_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32, torch::Tensor w_qkv,
                      c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
                      c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor cos, torch::Tensor sin,
-                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                     torch::Tensor positions, int64_t window, c10::optional<torch::Tensor> sinks, double scale,
+                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+                     torch::Tensor slots, torch::Tensor positions, int64_t window, c10::optional<torch::Tensor> sinks, double scale,
                      torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor out);
 
 int64_t moe_block_glu_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32,

@@ -63,11 +63,13 @@ class DecodeStack {
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
-  // h [B, D] -> out [B, D] through every layer; k_caches/v_caches: each layer's [slots, K, L, d];
+  // h [B, D] -> out [B, D] through every layer; k_caches/v_caches: each layer's paged [K, blocks, block_size, d]
+  // (one block_table [slots, blocks per slot] for all);
   // loads [layers, E] int64 filled row by row; returns each layer's max load
   std::vector<int64_t> run(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                            torch::Tensor positions, std::vector<torch::Tensor> k_caches,
-                           std::vector<torch::Tensor> v_caches, torch::Tensor loads, torch::Tensor out) {
+                           std::vector<torch::Tensor> v_caches, torch::Tensor block_table, torch::Tensor loads,
+                           torch::Tensor out) {
     const int64_t N = size();
     TORCH_CHECK(N > 0, "the DecodeStack has no layers");
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == N && static_cast<int64_t>(v_caches.size()) == N,
@@ -83,8 +85,8 @@ class DecodeStack {
     for (int64_t i = 0; i < N; ++i) {
       const Layer& l = layers_[i];
       attn_decode_out(x, l.attn_norm_w, l.attn_eps, l.attn_norm_fp32, l.w_qkv, l.b_qkv, l.q_norm, l.k_norm, l.qk_eps,
-                      cos, sin, l.interleaved, k_caches[i], v_caches[i], slots, positions, l.window, l.sinks, l.scale,
-                      l.w_o, l.b_o, a);
+                      cos, sin, l.interleaved, k_caches[i], v_caches[i], block_table, slots, positions, l.window,
+                      l.sinks, l.scale, l.w_o, l.b_o, a);
       torch::Tensor y = i == N - 1 ? out : ping[i % 2];
       max_loads[i] = moe_block_glu_decode_out(a, l.moe_norm_w, l.moe_eps, l.moe_norm_fp32, l.gate_w, l.gate_bias,
                                               l.sel_bias, l.kind, l.renormalize, l.route_scale, l.n_group,

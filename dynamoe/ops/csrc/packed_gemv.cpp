@@ -199,7 +199,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "load [E] filled; returns the max load");
   m.def("attn_decode_out", &attn_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "a decode step of B <= 16 sequences through an attention block: out = h + o_proj(attention(RoPE(qk-norm("
-        "qkv(norm(h)))))) with k/v written into the cache at (slots, positions)");
+        "qkv(norm(h)))))) with k/v written into the paged cache [K, blocks, block_size, d] at (slots, positions) "
+        "through block_table [slots, blocks per slot]");
   m.def("route_decode_out", &route_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "router of a decode step: fp32 logits of x [T, D] @ W^T (+ bias), softmax (0) or DeepSeek sigmoid-group (1) "
         "top-k into ids [T, K] int64 and weights [T, K] fp32");

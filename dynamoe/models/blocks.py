@@ -1,0 +1,168 @@
+"""The block allocator of the paged KV cache: fixed-size blocks of positions from one pool, reference
+counted, and full blocks remembered by the tokens they hold so that other sequences can share them.
+
+A block is *in use* while some sequence's block table holds it (refcount > 0). When its last user lets
+go it becomes *free* -- or, when it is full and registered under its prefix key (:func:`prefix_keys`),
+*cached*: still free for allocation, but it keeps its contents and can be taken back by
+:meth:`BlockPool.lookup` until it is evicted. Allocation takes never-used/uncached blocks first (the
+lowest index: a fresh pool hands a growing sequence consecutive blocks, which the cache reads as one
+view), then evicts the least recently released cached block.
+
+Pure Python, no tensors: the KV cache (:mod:`dynamoe.models.cache`) owns the storage and the block tables.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import heapq
+from array import array
+from typing import Iterable, Sequence
+
+__all__ = ["BlockPool", "OutOfBlocks", "prefix_keys"]
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has no free block left (every block is held by some sequence)."""
+
+
+def prefix_keys(tokens: Sequence[int], block_size: int, start: int = 0, parent: bytes | None = None) -> list[bytes]:
+    """Key of every full block of ``tokens`` from block ``start`` on: a 128-bit digest of the whole prefix up to
+    the end of that block (chained: each key hashes the previous one with the block's tokens), so equal keys mean
+    equal prefixes. ``parent``: the key of block ``start - 1`` (None at block 0)."""
+    keys = []
+    prev = parent or b""
+    for b in range(start, len(tokens) // block_size):
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(array("q", tokens[b * block_size:(b + 1) * block_size]).tobytes())
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
+class BlockPool:
+    """``num_blocks`` blocks: allocation, reference counts and the prefix-keyed cache of full blocks."""
+
+    def __init__(self, num_blocks: int):
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks))            # a heap: lowest index first
+        self._refs = [0] * num_blocks
+        self._key_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # refcount 0, keyed; LRU first
+        self.hits = self.queries = 0                   # blocks found / looked up (prefix-cache hit rate)
+
+    # --- counts -------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take now (uncached free ones and evictable cached ones)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Free blocks that still hold a registered prefix."""
+        return len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+    # --- allocation ---------------------------------------------------------------------------------
+    def allocate(self) -> int:
+        """A block for new contents (refcount 1); :class:`OutOfBlocks` when none is free."""
+        if self._free:
+            b = heapq.heappop(self._free)
+        elif self._cached:
+            b, _ = self._cached.popitem(last=False)   # evict the least recently released prefix
+            del self._block_of[self._key_of.pop(b)]
+        else:
+            raise OutOfBlocks(f"all {self.num_blocks} KV cache blocks are in use")
+        self._refs[b] = 1
+        return b
+
+    def allocate_many(self, n: int) -> list[int]:
+        """``n`` blocks, or none at all (:class:`OutOfBlocks`) when fewer are free."""
+        if n > self.num_free:
+            raise OutOfBlocks(f"{n} KV cache blocks needed, {self.num_free} of {self.num_blocks} free")
+        return [self.allocate() for _ in range(n)]
+
+    def retain(self, block: int) -> None:
+        """One more user of ``block`` (a cached block is taken out of the evictable set)."""
+        if self._refs[block] == 0:
+            if block not in self._cached:
+                raise ValueError(f"block {block} is free; only held or cached blocks can be retained")
+            del self._cached[block]
+        self._refs[block] += 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """One user fewer of each block; a block nobody holds becomes cached (when keyed) or free."""
+        for b in blocks:
+            if self._refs[b] <= 0:
+                raise ValueError(f"block {b} released more often than it was held")
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if b in self._key_of:
+                    self._cached[b] = None
+                else:
+                    heapq.heappush(self._free, b)
+
+    # --- the prefix cache ---------------------------------------------------------------------------
+    def register(self, block: int, key: bytes) -> None:
+        """Remember that held block ``block`` is full and holds the prefix ``key``. A key already held by
+        another block keeps that one (the new block stays a private copy)."""
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is not held; only a sequence's own full blocks are registered")
+        if key in self._block_of or block in self._key_of:
+            return
+        self._key_of[block] = key
+        self._block_of[key] = block
+
+    def shared(self, block: int) -> bool:
+        """Whether writing into ``block`` would change what others read: another sequence holds it too, or it
+        is registered (a later sequence may take it by its prefix)."""
+        return self._refs[block] > 1 or block in self._key_of
+
+    def unregister(self, block: int) -> None:
+        """Forget ``block``'s prefix key (its holder is about to overwrite it)."""
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The blocks holding the longest run of ``keys`` from the first, each retained for the caller."""
+        found = []
+        for k in keys:
+            b = self._block_of.get(k)
+            if b is None:
+                break
+            self.retain(b)
+            found.append(b)
+        self.queries += len(keys)
+        self.hits += len(found)
+        return found
+
+    def forget_cached(self) -> int:
+        """Drop every cached (unheld) prefix, e.g. after the model's weights changed; returns how many."""
+        n = len(self._cached)
+        for b in self._cached:
+            del self._block_of[self._key_of.pop(b)]
+            heapq.heappush(self._free, b)
+        self._cached.clear()
+        return n
+
+    def check(self) -> None:
+        """Assert the invariants (tests): every block exactly one of held / cached / free, keys consistent."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is twice on the free list"
+        for b in range(self.num_blocks):
+            states = (self._refs[b] > 0) + (b in self._cached) + (b in free)
+            assert states == 1, f"block {b}: refs {self._refs[b]}, cached {b in self._cached}, free {b in free}"
+            assert self._refs[b] >= 0
+        for b in self._cached:
+            assert b in self._key_of
+        assert all(self._block_of[k] == b for b, k in self._key_of.items())
+        assert len(self._block_of) == len(self._key_of)
