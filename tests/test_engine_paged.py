@@ -174,7 +174,7 @@ def test_a_request_larger_than_the_pool_is_refused_by_name(model):
 def test_a_long_prompt_never_stalls_running_streams(model):
     """While a long prompt prefills, every step decodes each running request once and spends only the
     rest of the token budget on the prompt's chunks."""
-    engine = GenerationEngine(model, max_seq_len=256, max_batch=3, token_budget=16, block_size=4)
+    engine = GenerationEngine(model, max_seq_len=256, max_batch=3, token_budget=16, block_size=4)   # fixed
     running = [engine.add_request(_ids(i, 5), GREEDY, 40, ignore_eos=True) for i in range(2)]
     engine.step()
     assert all(len(r.output_ids) == 1 for r in running)
@@ -192,6 +192,42 @@ def test_a_long_prompt_never_stalls_running_streams(model):
     assert long.output_ids == _alone(model, long.prompt_ids, GREEDY, 5)
     for r in running:
         assert r.output_ids == _alone(model, r.prompt_ids, GREEDY, 40)
+
+
+def test_chunk_cost_fit_and_the_tokens_within_a_time():
+    from dynamoe.engine.budget import ChunkCost
+
+    c = ChunkCost()
+    assert c.tokens_within(1.0, 100) is None
+    c.observe(10, 0.030)                       # one size: all of it per token
+    assert c.fit() == (0.0, pytest.approx(0.003)) and c.tokens_within(0.015, 100) == 5
+    for n in (4, 16, 8, 32, 4, 64, 12):        # a = 20 ms fixed, b = 1 ms a token
+        c.observe(n, 0.020 + 0.001 * n)
+    a, b = c.fit()
+    assert a == pytest.approx(0.020, rel=0.05) and b == pytest.approx(0.001, rel=0.05)
+    assert c.tokens_within(0.050, 100) in (29, 30)
+    assert c.tokens_within(0.010, 100) in (19, 20)   # the fixed part alone is over: tokens worth as much
+    mean = c._m[0]
+    assert c.tokens_within(1.0, 1000) == int(2 * mean) + 1   # no jump past the sizes seen
+
+
+def test_the_prefill_budget_follows_the_measured_speeds(model):
+    engine = GenerationEngine(model, max_seq_len=256, max_batch=3, block_size=4)
+    assert engine.adaptive_budget and engine._prefill_budget(2) == 4     # a block until measured
+    engine._decode_s = 0.010
+    for n in (10, 20, 40, 30):
+        engine._chunk_cost.observe(n, 0.001 * n)                        # 1 ms a token, no fixed part
+    assert engine._prefill_budget(2) == int(engine.stall_ratio * 10)
+    fixed = GenerationEngine(model, max_seq_len=256, max_batch=3, token_budget=40)
+    assert not fixed.adaptive_budget and fixed._prefill_budget(2) == 38
+    # measured as it runs: a long prompt beside streams ends with both averages set, same tokens
+    running = [engine.add_request(_ids(i, 5), GREEDY, 30, ignore_eos=True) for i in range(2)]
+    engine.step()
+    long = engine.add_request(_ids(9, 120), GREEDY, 3, ignore_eos=True)
+    engine.run_until_done()
+    assert engine._decode_s > 0 and engine._chunk_cost.fit() is not None
+    assert long.output_ids == _alone(model, long.prompt_ids, GREEDY, 3)
+    assert all(r.output_ids == _alone(model, r.prompt_ids, GREEDY, 30) for r in running)
 
 
 def test_concurrent_requests_share_one_prefix(model):

@@ -84,8 +84,9 @@ def test_max_seq_len_above_the_model_warns(tmp_path):
     args = SimpleNamespace(max_seq_len=None, max_num_seqs=2, prefix_caching=True, block_size=8, token_budget=64,
                            speculative_tokens=3, kv_cache_memory=None, kv_cache_fraction=0.25)
     engine, _ = serve_cli.build_engine(args, model, tok, err)
-    assert (engine.cache.block_size, engine.token_budget, engine.speculative_tokens) == (8, 64, 3)
-    assert not engine.prefix_caching     # ScriptedLM keeps per-sequence state: no prefix caching
+    assert (engine.cache.block_size, engine.token_budget, engine.adaptive_budget) == (8, 64, False)
+    # ScriptedLM keeps per-sequence state: no prefix caching, no speculation (no rollback)
+    assert not engine.prefix_caching and engine.speculative_tokens == 0
 
 
 def test_kv_cache_blocks_take_a_share_of_the_memory_and_no_more_than_needed(monkeypatch):

@@ -8,9 +8,11 @@ fill ``max_seq_len``, usually far fewer). Requests wait in a FIFO queue. Each :m
    tokens that any request computed before -- running ones included (:mod:`dynamoe.engine.prefix`);
 2. runs one decode step for every decoding request at once (``model(ids[B, 1], cache, slots)``, each row
    at its own position);
-3. spends the rest of the step's ``token_budget`` on prefill chunks of the others, oldest first (equal
-   chunk lengths batched), so that a long prompt arriving never stalls the running streams for more than
-   a chunk; with nothing decoding, prompts prefill in chunks of up to ``prefill_chunk``.
+3. spends a prefill budget on chunks of the others, oldest first (equal chunk lengths batched): as many
+   tokens as take about ``stall_ratio`` times a decode step (measured as the engine runs: the budget follows
+   the hardware, the model and the context lengths), or a fixed ``token_budget``; so a long prompt arriving
+   holds the running streams' next token back by a small factor, never by its whole prefill. With nothing
+   decoding, prompts prefill in chunks of up to ``prefill_chunk``.
 
 When the pool runs out of blocks the request that arrived last is preempted: its blocks go back (its full
 ones stay cached) and it waits first in line, then recomputes what it had and goes on -- never a crash or
@@ -40,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ..models.cache import DEFAULT_BLOCK_SIZE, OutOfBlocks
+from .budget import ChunkCost
 from .detokenizer import IncrementalDecoder, StopStrings, decode_keeping, special_token_ids
 from .prefix import PrefixCache
 from .prompts import encode_prompt, token_list
@@ -57,6 +60,11 @@ def _model_device(model) -> torch.device:
     return torch.device("cpu")
 
 
+def _average(old: float | None, new: float, weight: float = 0.25) -> float:
+    """Exponential moving average (the first value as it is)."""
+    return new if old is None else old + weight * (new - old)
+
+
 def _check_int(name: str, v, low: int = 1, none: bool = False) -> None:
     if none and v is None:
         return
@@ -71,8 +79,9 @@ class GenerationEngine:
     (optional: without it there is no text, only token ids, and no stop strings). max_seq_len: positions
     per sequence (prompt + output); default ``min(config.max_position_embeddings, 4096)``. max_batch:
     cache slots = requests running together. kv_cache_blocks: blocks in the KV cache's pool (None: enough
-    for every slot to reach ``max_seq_len``); block_size: positions per block. token_budget: tokens per
-    step while requests decode (their rows plus prefill chunks of the others). prefill_chunk: the longest
+    for every slot to reach ``max_seq_len``); block_size: positions per block. token_budget: tokens per step
+    while requests decode (their rows plus prefill chunks of the others); None: the prefill share is what
+    takes ``stall_ratio`` decode steps at the measured speeds (at most ``default_token_budget``). prefill_chunk: the longest
     prefill chunk of one request (bounds a forward's activations); None = a whole prompt when nothing
     decodes. eos_token_ids: stop tokens of every request; default the tokenizer's and the model config's.
     prefix_caching: share the blocks of equal prefixes across requests (a chat's next turn, a common
@@ -81,8 +90,11 @@ class GenerationEngine:
     (:mod:`dynamoe.engine.speculative`; the same tokens as without).
     """
 
-    #: tokens per step while requests decode: their rows plus prefill chunks of new prompts
-    default_token_budget = 256
+    #: the most tokens per step while requests decode (their rows plus prefill chunks of new prompts) when the
+    #: budget follows the measured speeds
+    default_token_budget = 512
+    #: while requests decode, a step's prefill chunks take about this many decode steps' time
+    stall_ratio = 2.0
 
     def __init__(self, model, tokenizer=None, max_seq_len: int | None = None, max_batch: int = 8, *,
                  cache_dtype: torch.dtype | None = None, device=None, prefill_chunk: int | None = None,
@@ -110,8 +122,11 @@ class GenerationEngine:
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self.adaptive_budget = token_budget is None
         self.token_budget = token_budget if token_budget is not None else self.default_token_budget
         self.speculative_tokens = speculative_tokens
+        self._decode_s: float | None = None      # moving average: seconds of a decode step
+        self._chunk_cost = ChunkCost()           # prefill chunk seconds = a + b * tokens, while requests decode
         self.device = torch.device(device) if device is not None else _model_device(model)
         self.vocab_size = getattr(config, "vocab_size", None)
         if eos_token_ids is None:
@@ -130,6 +145,10 @@ class GenerationEngine:
             log.info("prefix caching is off: the model keeps per-sequence recurrent state, which cannot be "
                      "shared by prefix")
         self.prefix_caching = bool(prefix_caching) and not recurrent
+        if recurrent and speculative_tokens:
+            log.info("speculative decoding is off: the model's recurrent state cannot be rolled back past "
+                     "rejected drafts")
+            self.speculative_tokens = 0
         self._prefix = PrefixCache(self.cache, self.prefix_caching)
 
         # waiting queue, free slots, request states, cancel flags; re-entrant so that an on_event callback
@@ -359,8 +378,22 @@ class GenerationEngine:
             logits = self._forward(ready, ids, keep=K + 1)
             self._verify(ready, ids, logits, events)
         self._prefix.register(ready)
-        self.totals["decode_s"] += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.totals["decode_s"] += dt
+        self._decode_s = _average(self._decode_s, dt)
         return len(ready)
+
+    def _prefill_budget(self, decoded: int) -> int:
+        """Prefill tokens for a step that decoded ``decoded`` rows: ``token_budget`` - decoded (at least one)
+        when it is fixed, else what takes ``stall_ratio`` decode steps at the measured speeds (:mod:`.budget`),
+        at least a block, at most ``default_token_budget`` - decoded."""
+        top = max(1, self.token_budget - decoded)
+        if not self.adaptive_budget:
+            return top
+        n = None if self._decode_s is None else self._chunk_cost.tokens_within(self.stall_ratio * self._decode_s, top)
+        # at least a block: where a forward's fixed part alone is over the target (a long context on a slow
+        # machine), smaller chunks would not shorten the stall, only the progress
+        return min(top, max(self.cache.block_size, n or 0))
 
     def _drafts(self, reqs: list[Request]) -> list[list[int]]:
         """Each request's n-gram draft ([] for requests that do not speculate: sampled ones and those with
@@ -428,7 +461,7 @@ class GenerationEngine:
         rows just decoded while others decode (so that a long prompt never stalls them), else up to
         ``prefill_chunk`` tokens per request. Chunks of equal length run as one batch."""
         limit = self.prefill_chunk or self.max_seq_len
-        budget = max(self.token_budget - decoded, self.cache.block_size) if decoded else None
+        budget = self._prefill_budget(decoded) if decoded else None
         with self._lock:
             todo = sorted((r for r in self._running if not r._decoding and not r._cancel), key=lambda r: r._order)
         chunks: dict[int, list[Request]] = {}
@@ -459,7 +492,10 @@ class GenerationEngine:
                 rows = torch.tensor([group.index(r) for r in done], device=logits.device)
                 self._sample_and_emit(done, logits[rows, -1], events)
             self._prefix.register(group)
-            self.totals["prefill_s"] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.totals["prefill_s"] += dt
+            if decoded:
+                self._chunk_cost.observe(n * len(group), dt)
             self.totals["prefill_tokens"] += n * len(group)
             for r in done:
                 if not r._preempted:

@@ -4,9 +4,10 @@ counted, and full blocks remembered by the tokens they hold so that other sequen
 A block is *in use* while some sequence's block table holds it (refcount > 0). When its last user lets
 go it becomes *free* -- or, when it is full and registered under its prefix key (:func:`prefix_keys`),
 *cached*: still free for allocation, but it keeps its contents and can be taken back by
-:meth:`BlockPool.lookup` until it is evicted. Allocation takes never-used/uncached blocks first (the
-lowest index: a fresh pool hands a growing sequence consecutive blocks, which the cache reads as one
-view), then evicts the least recently released cached block.
+:meth:`BlockPool.lookup` until it is evicted. Allocation takes uncached free blocks first -- the one
+asked for when it is free (the block after a sequence's last: sequences that grow side by side keep
+consecutive runs, which the cache reads as one view instead of gathering them), else the lowest index --
+then evicts the least recently released cached block.
 
 Pure Python, no tensors: the KV cache (:mod:`dynamoe.models.cache`) owns the storage and the block tables.
 """
@@ -46,7 +47,9 @@ class BlockPool:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks))            # a heap: lowest index first
+        self._free = list(range(num_blocks))            # a heap, lowest index first; entries may be stale
+        self._is_free = [True] * num_blocks             # (an entry is current while this says so)
+        self._n_free = num_blocks
         self._refs = [0] * num_blocks
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
@@ -57,7 +60,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take now (uncached free ones and evictable cached ones)."""
-        return len(self._free) + len(self._cached)
+        return self._n_free + len(self._cached)
 
     @property
     def num_cached(self) -> int:
@@ -72,15 +75,24 @@ class BlockPool:
         return self._refs[block]
 
     # --- allocation ---------------------------------------------------------------------------------
-    def allocate(self) -> int:
-        """A block for new contents (refcount 1); :class:`OutOfBlocks` when none is free."""
-        if self._free:
+    def allocate(self, prefer: int | None = None) -> int:
+        """A block for new contents (refcount 1): ``prefer`` when it is free and uncached, else the lowest free
+        one, else the least recently released cached one; :class:`OutOfBlocks` when none is free."""
+        if prefer is not None and 0 <= prefer < self.num_blocks and self._is_free[prefer]:
+            b = prefer
+        elif self._n_free:
             b = heapq.heappop(self._free)
+            while not self._is_free[b]:   # taken as someone's preferred block since it was pushed
+                b = heapq.heappop(self._free)
         elif self._cached:
             b, _ = self._cached.popitem(last=False)   # evict the least recently released prefix
             del self._block_of[self._key_of.pop(b)]
+            self._refs[b] = 1
+            return b
         else:
             raise OutOfBlocks(f"all {self.num_blocks} KV cache blocks are in use")
+        self._is_free[b] = False
+        self._n_free -= 1
         self._refs[b] = 1
         return b
 
@@ -108,7 +120,7 @@ class BlockPool:
                 if b in self._key_of:
                     self._cached[b] = None
                 else:
-                    heapq.heappush(self._free, b)
+                    self._push_free(b)
 
     # --- the prefix cache ---------------------------------------------------------------------------
     def register(self, block: int, key: bytes) -> None:
@@ -150,14 +162,22 @@ class BlockPool:
         n = len(self._cached)
         for b in self._cached:
             del self._block_of[self._key_of.pop(b)]
-            heapq.heappush(self._free, b)
+            self._push_free(b)
         self._cached.clear()
         return n
 
+    def _push_free(self, b: int) -> None:
+        self._is_free[b] = True
+        self._n_free += 1
+        heapq.heappush(self._free, b)
+        if len(self._free) > 2 * self.num_blocks:   # drop the stale entries now and then
+            self._free = [x for x in range(self.num_blocks) if self._is_free[x]]
+
     def check(self) -> None:
         """Assert the invariants (tests): every block exactly one of held / cached / free, keys consistent."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is twice on the free list"
+        free = {b for b in range(self.num_blocks) if self._is_free[b]}
+        assert free <= set(self._free), "a free block is missing from the free heap"
+        assert self._n_free == len(free)
         for b in range(self.num_blocks):
             states = (self._refs[b] > 0) + (b in self._cached) + (b in free)
             assert states == 1, f"block {b}: refs {self._refs[b]}, cached {b in self._cached}, free {b in free}"

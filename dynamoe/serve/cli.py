@@ -109,9 +109,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    metavar="N", help=f"positions per KV cache block (default {DEFAULT_BLOCK_SIZE})")
     s.add_argument("--max-num-batched-tokens", "--max_num_batched_tokens", "--token-budget", dest="token_budget",
                    type=_positive_int, default=None, metavar="N",
-                   help="tokens per engine step while requests decode: their rows plus prefill chunks of new prompts, "
-                        "so a long prompt never stalls running streams (default "
-                        f"{GenerationEngine.default_token_budget})")
+                   help="tokens per engine step while requests decode: their rows plus prefill chunks of new prompts "
+                        "(default: as many as take about "
+                        f"{GenerationEngine.stall_ratio:g} decode steps at the measured speeds, at most "
+                        f"{GenerationEngine.default_token_budget}: a long prompt does not stall running streams)")
     s.add_argument("--serve", choices=["core", "webui"], default="webui",
                    help="core: the APIs only; webui: the APIs and the chat page at / (default)")
     s.add_argument("--thinking_effort", "--thinking-effort", choices=["low", "medium", "high"], default=None,

@@ -1,0 +1,54 @@
+"""How many prompt tokens a step may prefill beside running decodes: the largest chunk whose time stays
+within a target (a few decode steps), from a cost model fitted as the engine runs.
+
+A prefill chunk of ``n`` tokens costs about ``a + b * n`` seconds: ``a`` is what a forward costs whatever
+its size (reading the weights, the attention over the cached keys -- large for a long context), ``b`` each
+token's own share. :class:`ChunkCost` fits ``a`` and ``b`` by least squares over exponentially weighted
+past chunks (their sizes vary as the budget moves, which is what makes the fit possible) and answers the
+largest ``n`` within a time. Where even one token costs more than the target (the fixed part alone is
+over it: a long context on a slow machine), stalls cannot be kept within it by chunk size; then the chunk
+is sized so that its own tokens cost as much as the fixed part (``n = a / b``): at most twice the least
+possible stall, for a useful amount of progress. The fit is trusted only near the chunk sizes it saw: an
+answer is at most twice their (weighted) mean plus one, so the budget grows step by step, never by a jump
+a noisy fit suggests.
+"""
+from __future__ import annotations
+
+__all__ = ["ChunkCost"]
+
+
+class ChunkCost:
+    """Online least-squares fit of chunk time = a + b * tokens (see the module docstring)."""
+
+    def __init__(self, weight: float = 0.15):
+        self.weight = weight
+        self._m = None   # weighted means of n, t, n*n, n*t
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        x = (float(tokens), seconds, float(tokens) ** 2, tokens * seconds)
+        if self._m is None:
+            self._m = list(x)
+        else:
+            w = self.weight
+            self._m = [m + w * (v - m) for m, v in zip(self._m, x)]
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) seconds, or None before anything was seen."""
+        if self._m is None:
+            return None
+        n, t, nn, nt = self._m
+        var = nn - n * n
+        if var <= 1e-9 * max(1.0, nn):   # one chunk size so far: all of it per token (the cautious reading)
+            return 0.0, t / max(n, 1.0)
+        b = max((nt - n * t) / var, 1e-12)
+        a = max(t - b * n, 0.0)
+        return a, b
+
+    def tokens_within(self, seconds: float, cap: int) -> int | None:
+        """The largest chunk (1..cap) expected to take at most ``seconds``; None before any observation."""
+        ab = self.fit()
+        if ab is None:
+            return None
+        a, b = ab
+        n = (seconds - a) / b if seconds > a + b else a / b
+        return max(1, min(cap, int(n), int(2 * self._m[0]) + 1))
