@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .unsupported import refusal
+
 __all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -336,6 +338,9 @@ class ModelConfig:
         model_type = _str(d, "model_type", None)
         if not model_type:
             raise ValueError("config field 'model_type' is required but missing")
+        reason = refusal(model_type)  # before any field: a wrapper or hybrid would fail on one for the wrong reason
+        if reason is not None:
+            raise ValueError(f"{model_type}: {reason} (model_type {model_type!r} is not supported)")
         fam = _FAMILY_DEFAULTS.get(model_type, {})
         d = {**fam.get("fields", {}), **d}
         archs = d.get("architectures") or ()

@@ -14,7 +14,7 @@ from typing import Callable, Union
 
 from .config import ModelConfig
 
-__all__ = ["register", "family_for", "builder_for", "supported_families"]
+__all__ = ["register", "family_for", "builder_for", "supported_families", "is_registered"]
 
 
 @dataclass
@@ -43,6 +43,11 @@ def register(model_type: str, target: Union[str, Callable], architectures: tuple
 def supported_families() -> list[str]:
     """Every model_type we can build (aliases included), sorted."""
     return sorted(set(_FAMILIES) | set(_ALIASES))
+
+
+def is_registered(model_type: str) -> bool:
+    """Whether ``model_type`` (or an alias) has a registered family."""
+    return model_type in _FAMILIES or model_type in _ALIASES
 
 
 def family_for(config: ModelConfig) -> str:
