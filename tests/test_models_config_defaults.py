@@ -21,6 +21,7 @@ SIZES = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_
 # config class of its own in transformers: it is DeepSeek-V3.
 FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=32)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(moe_intermediate_size=32, num_attention_heads=16)),  # 16 KV heads by default
     "mixtral": ("MixtralConfig", dict(intermediate_size=32)),
     "gpt_oss": ("GptOssConfig", dict(intermediate_size=32)),
     "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32)),
@@ -37,7 +38,7 @@ GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 def _hf_moe_layers(hf, mt):
     """Which layers have routed experts, by each transformers modeling file's rule."""
     n = hf.num_hidden_layers
-    if mt == "qwen3_moe":
+    if mt in ("qwen3_moe", "qwen2_moe"):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss"):
@@ -52,7 +53,7 @@ def _hf_windows(hf, mt):
     n = hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral"):
         return [hf.sliding_window] * n
-    if mt == "gpt_oss":
+    if mt in ("gpt_oss", "qwen2_moe"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -101,7 +102,8 @@ FIELDS = {
     "attention_bias": (lambda hf, mt: getattr(hf, "attention_bias", False), None, None),
     "layer_windows": (lambda hf, mt: _hf_windows(hf, mt),
                       lambda cfg: [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)], None),
-    "num_experts": (lambda hf, mt: hf.num_local_experts, None, None),
+    "num_experts": (lambda hf, mt: next(getattr(hf, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                                        if hasattr(hf, k)), None, None),
     "num_experts_per_tok": (lambda hf, mt: hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
     "expert_hidden_size": (lambda hf, mt: hf.intermediate_size if mt in ("mixtral", "gpt_oss")
@@ -112,9 +114,12 @@ FIELDS = {
     "eos_token_id": (lambda hf, mt: _eos(hf.eos_token_id), None, None),
     "pad_token_id": (lambda hf, mt: hf.pad_token_id, None, None),
     # Qwen3-MoE
-    "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe"} | DEEPSEEK_LIKE),
-    "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, {"qwen3_moe"}),
-    "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, {"qwen3_moe"}),
+    "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe"} | DEEPSEEK_LIKE),
+    "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, {"qwen3_moe", "qwen2_moe"}),
+    "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, {"qwen3_moe", "qwen2_moe"}),
+    # Qwen2-MoE
+    "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
+    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size, None, {"qwen2_moe"}),
     # GPT-OSS
     "swiglu_limit": (lambda hf, mt: hf.swiglu_limit, None, {"gpt_oss"}),
     "swiglu_alpha": (lambda hf, mt: hf.swiglu_alpha, None, {"gpt_oss"}),
@@ -169,6 +174,8 @@ def test_omitted_fields_default_as_transformers(mt):
     ("qwen3_moe", {"sliding_window": 64}),                               # a window without use_sliding_window: none
     ("qwen3_moe", {"sliding_window": 64, "use_sliding_window": True}),   # ... with it: every layer
     ("mixtral", {"sliding_window": 64}),                                 # Mixtral has no switch: every layer
+    ("qwen2_moe", {"sliding_window": 64, "use_sliding_window": True}),   # even layers below max_window_layers (28)
+    ("qwen2_moe", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 3}),
     ("mixtral", {"head_dim": None}),                                     # null: hidden // heads
     ("gpt_oss", {"rope_theta": 50000.0, "rope_scaling": None}),          # hub style: YaRN stays the default
     ("glm4_moe", {"rope_theta": 1e6}),                                   # half RoPE at the file's base

@@ -70,6 +70,25 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                        "n_group": 1, "topk_group": 1, "max_position_embeddings": 202752,
                                        "rms_norm_eps": 1e-5, "index_topk": 2048, "index_head_dim": 128,
                                        "index_n_heads": 32}},
+    # Qwen2MoeConfig: q/k/v biases, a gated shared expert; with use_sliding_window, the even layers below
+    # max_window_layers slide ("qwen2_windows"); sliding_window is saved as 0 when it is off
+    "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "qwen2_windows": True,
+                  "fields": {"num_key_value_heads": 16, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                             "qkv_bias": True, "shared_expert_intermediate_size": 5632, "use_sliding_window": False,
+                             "sliding_window": 4096, "max_window_layers": 28}},
+    "olmoe": {"num_experts": 64, "num_experts_per_tok": 8,
+              "fields": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "pad_token_id": 1,
+                         "eos_token_id": 50279}},
+    # DeepseekV2Config: no top-k default (a config must say num_experts_per_tok), greedy routing
+    "deepseek_v2": {"num_experts": 64, "head_dim_is_rope": True,
+                    "fields": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                               "v_head_dim": 128, "n_shared_experts": 2, "topk_method": "greedy",
+                               "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1,
+                               "eos_token_id": 2}},
+    # MiniMaxM2Config: hub configs give the rotated dims as rotary_dim (partial_rotary_factor = rotary_dim / head_dim)
+    "minimax_m2": {"rope_theta": 5e6, "head_dim": 128, "num_experts": 256, "num_experts_per_tok": 8, "rotary_dim": True,
+                   "fields": {"num_key_value_heads": 8, "max_position_embeddings": 196608, "rms_norm_eps": 1e-6,
+                              "bos_token_id": 200034, "eos_token_id": 200020}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -160,6 +179,18 @@ def _indexer_types(d: dict, layers: int) -> tuple:
     offset = _int(d, "index_skip_topk_offset", 2, minimum=0)
     types = tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers))
     return () if all(t == "full" for t in types) else types
+
+
+def _rotary_dim_factor(d: dict, head_dim: int) -> float:
+    """MiniMax-M2: a hub config's ``rotary_dim`` (rotated dims per head) as a partial_rotary_factor, as
+    transformers' MiniMaxM2Config converts it; 1.0 when absent (a saved rope_parameters or a top-level
+    partial_rotary_factor still wins in parse_rope)."""
+    rotary_dim = _int(d, "rotary_dim")
+    if rotary_dim is None:
+        return 1.0
+    if rotary_dim > head_dim or rotary_dim % 2:
+        raise _err("rotary_dim", rotary_dim, f"an even int <= head_dim={head_dim}")
+    return rotary_dim / head_dim
 
 
 # ------------------------------------------------------------------------------------------ RoPE
@@ -263,12 +294,18 @@ class ModelConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    #: Qwen2-MoE: biases on q/k/v only (o_proj has none)
+    qkv_bias: bool = False
+    #: OLMoE: q, k and v are clamped to [-clip_qkv, clip_qkv] after their projections (and norms)
+    clip_qkv: Optional[float] = None
     sliding_window: Optional[int] = None
     layer_types: tuple = ()
     # routed experts
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: Optional[int] = None
+    #: Qwen2-MoE: the hidden size of its one (gated) shared expert
+    shared_expert_intermediate_size: Optional[int] = None
     norm_topk_prob: bool = False
     mlp_only_layers: tuple = ()
     decoder_sparse_step: int = 1
@@ -370,7 +407,7 @@ class ModelConfig:
         if experts and not 1 <= top_k <= experts:
             raise _err("num_experts_per_tok", top_k, f"an int in [1, num_experts={experts}]")
 
-        sliding = _int(d, "sliding_window", fam.get("sliding_window"))
+        sliding = _int(d, "sliding_window", fam.get("sliding_window"), minimum=0) or None  # 0: none (Qwen2-MoE)
         layer_types = d.get("layer_types")
         if layer_types is not None:
             if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
@@ -379,6 +416,10 @@ class ModelConfig:
             layer_types = tuple(layer_types)
         elif fam.get("alternating_layers"):  # GPT-OSS: even layers sliding, odd layers full
             layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+        elif fam.get("qwen2_windows") and _bool(d, "use_sliding_window", False):  # even layers < max_window_layers
+            below = _int(d, "max_window_layers", minimum=0)
+            layer_types = tuple("sliding_attention" if i % 2 == 0 and i < below else "full_attention"
+                                for i in range(layers))
         elif sliding is not None and _bool(d, "use_sliding_window", True):
             layer_types = ("sliding_attention",) * layers  # Mixtral / Qwen3 with use_sliding_window
         else:
@@ -399,8 +440,8 @@ class ModelConfig:
         scoring = _str(d, "scoring_func", "softmax")
         if scoring not in ("softmax", "sigmoid"):
             raise _err("scoring_func", scoring, "'softmax' or 'sigmoid'")
-        n_group = _int(d, "n_group", 1)
-        topk_group = _int(d, "topk_group", 1)
+        n_group = _int(d, "n_group", 1) or 1  # null (DeepSeek-V2's greedy routing): one group
+        topk_group = _int(d, "topk_group", 1) or 1
         if topk_group > n_group:
             raise _err("topk_group", topk_group, f"<= n_group={n_group}")
 
@@ -410,13 +451,15 @@ class ModelConfig:
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
             rms_norm_eps=_float(d, "rms_norm_eps", 1e-6, positive=True),
             rope=parse_rope(d, max_pos, fam.get("rope_theta", 10000.0), fam.get("rope"),
-                            fam.get("partial_rotary_factor", 1.0)),
+                            _rotary_dim_factor(d, head_dim) if fam.get("rotary_dim") else fam.get("partial_rotary_factor", 1.0)),
             intermediate_size=_int(d, "intermediate_size"), hidden_act=_str(d, "hidden_act", "silu"),
             tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
             attention_bias=_bool(d, "attention_bias", fam.get("attention_bias", False)),
+            qkv_bias=_bool(d, "qkv_bias", False), clip_qkv=_float(d, "clip_qkv", positive=True),
             sliding_window=sliding, layer_types=layer_types,
             num_experts=experts, num_experts_per_tok=top_k,
             moe_intermediate_size=_int(d, "moe_intermediate_size"),
+            shared_expert_intermediate_size=_int(d, "shared_expert_intermediate_size"),
             norm_topk_prob=_bool(d, "norm_topk_prob", False), mlp_only_layers=mlp_only,
             decoder_sparse_step=_int(d, "decoder_sparse_step", 1),
             swiglu_limit=_float(d, "swiglu_limit", positive=True),

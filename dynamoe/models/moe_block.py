@@ -82,17 +82,28 @@ class SparseMoeBlock(nn.Module):
     The experts are GLU experts (``moe.experts.gate_up_proj`` [E, 2F, D] gate rows then up rows,
     ``moe.experts.down_proj`` [E, D, F], optional biases), or, for a quantized checkpoint, the
     loader's :class:`~dynamoe.quant.QuantizedExperts`. ``glu`` is 'silu' or 'gpt_oss' (clamped SwiGLU).
+    Shared experts (``moe.shared_experts``): ``num_shared_experts`` of F each, or one MLP of
+    ``shared_hidden_size``; ``shared_gate`` scales their output by a per-token sigmoid gate (Qwen2-MoE).
+    ``router_groups``: group-limited selection for the softmax router (DeepSeek-V2's
+    'group_limited_greedy': groups ranked by their best expert, ``cfg.n_group`` / ``cfg.topk_group``).
+    ``route_scale``: the routed weights' factor for the 'softmax' router (DeepSeek-V2's
+    ``routed_scaling_factor``; the sigmoid router always takes the config's).
     """
 
     def __init__(self, cfg: ModelConfig, router: str = "softmax", normalize: bool = True, glu: str = "silu",
-                 expert_bias: bool = False, num_shared_experts: int = 0, dtype=None):
+                 expert_bias: bool = False, num_shared_experts: int = 0, shared_hidden_size: int | None = None,
+                 shared_gate: bool = False, router_groups: bool = False, route_scale: float = 1.0, dtype=None):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
         E, K, D, F_ = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.expert_hidden_size
         self.router_kind, self.num_experts, self.hidden_size = router, E, D
+        if router != "softmax" and router_groups:
+            raise ValueError(f"router_groups (group-limited softmax routing) needs router 'softmax', got {router!r}")
         if router == "softmax":
-            gate = GateConfig(type="top", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize)
+            groups = (cfg.n_group, cfg.topk_group) if router_groups else (1, 1)
+            gate = GateConfig(type="top", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize,
+                              n_group=groups[0], topk_group=groups[1], route_scale=route_scale)
         elif router == "softmax_bias":
             gate = GateConfig(type="custom", k=K, capacity_factor=0.0, normalize=normalize,
                               module=BiasedRouter(D, E, dtype=dtype))
@@ -102,7 +113,7 @@ class SparseMoeBlock(nn.Module):
         experts = ExpertConfig(
             type="glu", num_experts_per_device=E, hidden_size_per_expert=F_, glu_activation=glu, glu_bias=expert_bias,
             gpt_oss_alpha=cfg.swiglu_alpha, gpt_oss_limit=cfg.swiglu_limit or 7.0,
-            num_shared_experts=num_shared_experts,
+            num_shared_experts=num_shared_experts, shared_hidden_size=shared_hidden_size, shared_gate=shared_gate,
         )
         # check_finite off: the input is this model's own hidden state, and the check costs a host
         # sync per layer and step

@@ -120,7 +120,6 @@ UNSUPPORTED: dict[str, str] = {
     "olmoe": "OLMoE is not implemented yet: q/k RMSNorm over the whole projection",
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
     "phimoe": "Phi-3.5-MoE is not implemented yet: SparseMixer routing and LayerNorm with biases",
-    "qwen2_moe": "Qwen1.5/2-MoE is not implemented yet: a shared expert with a sigmoid gate",
     "qwen3_5_moe": "a vision-language wrapper (Qwen3.5-MoE) whose text model mixes Gated DeltaNet linear "
                    "attention with gated full attention; not supported yet (work in progress)",
     "qwen3_5_moe_text": "Gated DeltaNet linear attention is not supported yet (work in progress)",

@@ -260,7 +260,8 @@ class LlamaFFNExperts(nn.Module):
 class SharedExperts(nn.Module):
     """Always-on dense expert(s) added to the routed output (DeepSeek's ``shared_experts``): one
     MLP whose hidden size is ``num_shared * F`` unless given. GLU uses HF's names
-    (``gate_proj``, ``up_proj``, ``down_proj``); FFN uses ``fc1``/``fc2``."""
+    (``gate_proj``, ``up_proj``, ``down_proj``); FFN uses ``fc1``/``fc2``. With ``shared_gate`` the
+    output is scaled per token by sigmoid(``gate``(x)), ``gate`` a [1, D] linear (Qwen1.5/2-MoE)."""
 
     def __init__(self, cfg: ExpertConfig, model_dim: int, dtype=None, device=None):
         super().__init__()
@@ -277,11 +278,16 @@ class SharedExperts(nn.Module):
             self.activation_fn = activation(cfg.activation_fn)
             self.fc1 = nn.Linear(model_dim, hidden, bias=cfg.has_fc1_bias, **kw)
             self.fc2 = nn.Linear(hidden, out, bias=cfg.has_fc2_bias, **kw)
+        self.gate = nn.Linear(model_dim, 1, bias=False, **kw) if cfg.shared_gate else None
 
     def forward(self, x_TD: Tensor) -> Tensor:
         if self.is_glu:
-            return self.down_proj(glu_activation(self.gate_proj(x_TD), self.up_proj(x_TD), self.activation, self.alpha, self.limit))
-        return self.fc2(self.activation_fn(self.fc1(x_TD)))
+            y = self.down_proj(glu_activation(self.gate_proj(x_TD), self.up_proj(x_TD), self.activation, self.alpha, self.limit))
+        else:
+            y = self.fc2(self.activation_fn(self.fc1(x_TD)))
+        if self.gate is not None:
+            y = torch.sigmoid(self.gate(x_TD)) * y
+        return y
 
 
 def _shard_sizes(hidden: int, out: int, n: int) -> tuple[int, int]:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.routing import sigmoid_group_topk, softmax_topk
+from ..ops.routing import sigmoid_group_topk, softmax_group_topk, softmax_topk
 from .config import GateConfig, check_capacity_factor
 
 __all__ = ["Routing", "LinearGate", "CosineGate", "build_gate", "route", "renormalizes"]
@@ -193,6 +193,10 @@ def route(gate: nn.Module, cfg: GateConfig, x_TD: Tensor, num_experts: int, top_
         weights_TK, ids_TK, scores_TE = sigmoid_group_topk(
             noisy_TE, top_k, bias, cfg.n_group, cfg.topk_group, renorm, cfg.route_scale
         )
+    elif cfg.n_group > 1 and cfg.topk_group < cfg.n_group:  # DeepSeek-V2's group-limited greedy
+        renorm = renormalizes(cfg, top_k, normalize_gate)
+        weights_TK, ids_TK, scores_TE = softmax_group_topk(noisy_TE, top_k, cfg.n_group, cfg.topk_group, renorm,
+                                                           cfg.route_scale)
     else:
         renorm = renormalizes(cfg, top_k, normalize_gate)
         weights_TK, ids_TK, scores_TE = softmax_topk(noisy_TE, top_k, renorm, need_probs=need_scores)
