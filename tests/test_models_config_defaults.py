@@ -23,6 +23,7 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=32)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(moe_intermediate_size=32, num_attention_heads=16)),  # 16 KV heads by default
     "mixtral": ("MixtralConfig", dict(intermediate_size=32)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=32)),
     "gpt_oss": ("GptOssConfig", dict(intermediate_size=32)),
     "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     "kimi_k2": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32)),
@@ -41,7 +42,7 @@ def _hf_moe_layers(hf, mt):
     if mt in ("qwen3_moe", "qwen2_moe"):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
-    if mt in ("mixtral", "gpt_oss"):
+    if mt in ("mixtral", "gpt_oss", "olmoe"):
         return [True] * n
     if mt in ("deepseek_v32", "glm_moe_dsa"):
         return [t == "sparse" for t in hf.mlp_layer_types]
@@ -106,7 +107,7 @@ FIELDS = {
                                         if hasattr(hf, k)), None, None),
     "num_experts_per_tok": (lambda hf, mt: hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
-    "expert_hidden_size": (lambda hf, mt: hf.intermediate_size if mt in ("mixtral", "gpt_oss")
+    "expert_hidden_size": (lambda hf, mt: hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe")
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
@@ -114,7 +115,9 @@ FIELDS = {
     "eos_token_id": (lambda hf, mt: _eos(hf.eos_token_id), None, None),
     "pad_token_id": (lambda hf, mt: hf.pad_token_id, None, None),
     # Qwen3-MoE
-    "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe"} | DEEPSEEK_LIKE),
+    "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe", "olmoe"} | DEEPSEEK_LIKE),
+    # OLMoE
+    "clip_qkv": (lambda hf, mt: hf.clip_qkv, None, {"olmoe"}),
     "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, {"qwen3_moe", "qwen2_moe"}),
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, {"qwen3_moe", "qwen2_moe"}),
     # Qwen2-MoE

@@ -77,5 +77,6 @@ register("gpt_oss", "dynamoe.models.gpt_oss:GptOssForCausalLM", ("GptOssForCausa
 register("deepseek_v3", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM", ("DeepseekV3ForCausalLM",), aliases=("kimi_k2",))
 register("glm4_moe", "dynamoe.models.glm4_moe:Glm4MoeForCausalLM", ("Glm4MoeForCausalLM",))
 register("deepseek_v32", "dynamoe.models.deepseek_v32:DeepseekV32ForCausalLM", ("DeepseekV32ForCausalLM",))
+register("olmoe", "dynamoe.models.olmoe:OlmoeForCausalLM", ("OlmoeForCausalLM",))
 register("qwen2_moe", "dynamoe.models.qwen2_moe:Qwen2MoeForCausalLM", ("Qwen2MoeForCausalLM",))
 register("glm_moe_dsa", "dynamoe.models.glm_moe_dsa:GlmMoeDsaForCausalLM", ("GlmMoeDsaForCausalLM",))

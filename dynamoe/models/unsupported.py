@@ -117,7 +117,6 @@ UNSUPPORTED: dict[str, str] = {
     "nemotron_h": "Nemotron-H mixes Mamba-2 layers with attention: state-space layers are not supported yet",
     "nemotron_h_omni": _OMNI + " (its language model is Nemotron-H, a Mamba-2 hybrid)",
     "nllb-moe": "NLLB-MoE is an encoder-decoder translation model, not a decoder-only causal LM",
-    "olmoe": "OLMoE is not implemented yet: q/k RMSNorm over the whole projection",
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
     "phimoe": "Phi-3.5-MoE is not implemented yet: SparseMixer routing and LayerNorm with biases",
     "qwen3_5_moe": "a vision-language wrapper (Qwen3.5-MoE) whose text model mixes Gated DeltaNet linear "
