@@ -26,12 +26,14 @@ FAMILIES = {
     "olmoe": ("OlmoeConfig", dict(intermediate_size=32)),
     "gpt_oss": ("GptOssConfig", dict(intermediate_size=32)),
     "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32)),
+    # DeepseekV2Config has no top-k default (its model cannot run without one)
+    "deepseek_v2": ("DeepseekV2Config", dict(intermediate_size=96, moe_intermediate_size=32, num_experts_per_tok=2)),
     "kimi_k2": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     "glm4_moe": ("Glm4MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
     "deepseek_v32": ("DeepseekV32Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     "glm_moe_dsa": ("GlmMoeDsaConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
 }
-DEEPSEEK_LIKE = {"deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm_moe_dsa"}
+DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm_moe_dsa"}
 MLA_FAMILIES = DEEPSEEK_LIKE - {"glm4_moe"}
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
@@ -127,8 +129,10 @@ FIELDS = {
     "swiglu_limit": (lambda hf, mt: hf.swiglu_limit, None, {"gpt_oss"}),
     "swiglu_alpha": (lambda hf, mt: hf.swiglu_alpha, None, {"gpt_oss"}),
     # DeepSeek routing (DeepSeek-V3 / Kimi-K2, GLM-4.5, V3.2, GLM-5)
-    "n_group": (lambda hf, mt: hf.n_group, None, DEEPSEEK_LIKE),
-    "topk_group": (lambda hf, mt: hf.topk_group, None, DEEPSEEK_LIKE),
+    # DeepSeek-V2's greedy routing leaves them null: one group
+    "n_group": (lambda hf, mt: hf.n_group or 1, None, DEEPSEEK_LIKE),
+    "topk_group": (lambda hf, mt: hf.topk_group or 1, None, DEEPSEEK_LIKE),
+    "topk_method": (lambda hf, mt: hf.topk_method, None, {"deepseek_v2"}),
     "routed_scaling_factor": (lambda hf, mt: hf.routed_scaling_factor, None, DEEPSEEK_LIKE),
     "n_shared_experts": (lambda hf, mt: hf.n_shared_experts, None, DEEPSEEK_LIKE),
     "first_k_dense_replace": (lambda hf, mt: hf.first_k_dense_replace, None, DEEPSEEK_LIKE),

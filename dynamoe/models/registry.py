@@ -1,7 +1,8 @@
 """Model families by ``model_type`` (and by ``architectures``, for configs whose model_type we do
 not know under that name).
 
-Extension point: ``register("deepseek_v3", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM",
+Extension point: ``register("deepseek_v2", "dynamoe.models.deepseek_v2:DeepseekV2ForCausalLM", ("DeepseekV2ForCausalLM",))
+register("deepseek_v3", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM",
 architectures=("DeepseekV3ForCausalLM",), aliases=("kimi_k2",))``. A target is a ``"module:attr"``
 string, imported on first use (so importing dynamoe.models stays cheap), or the class itself: any
 callable ``(ModelConfig, dtype=...) -> CausalLM``.
@@ -74,6 +75,7 @@ def builder_for(config: ModelConfig) -> Callable:
 register("qwen3_moe", "dynamoe.models.qwen3_moe:Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",))
 register("mixtral", "dynamoe.models.mixtral:MixtralForCausalLM", ("MixtralForCausalLM",))
 register("gpt_oss", "dynamoe.models.gpt_oss:GptOssForCausalLM", ("GptOssForCausalLM",))
+register("deepseek_v2", "dynamoe.models.deepseek_v2:DeepseekV2ForCausalLM", ("DeepseekV2ForCausalLM",))
 register("deepseek_v3", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM", ("DeepseekV3ForCausalLM",), aliases=("kimi_k2",))
 register("glm4_moe", "dynamoe.models.glm4_moe:Glm4MoeForCausalLM", ("Glm4MoeForCausalLM",))
 register("deepseek_v32", "dynamoe.models.deepseek_v32:DeepseekV32ForCausalLM", ("DeepseekV32ForCausalLM",))

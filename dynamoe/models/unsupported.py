@@ -40,7 +40,6 @@ UNSUPPORTED: dict[str, str] = {
             "expert layout (ffn_config / attn_config sub-configs)",
     "deepseek_ocr2": _VLM,
     "deepseek_ocr2_text": _text_of("deepseek_ocr2", "the OCR model's text decoder is not ported"),
-    "deepseek_v2": "DeepSeek-V2 is not implemented yet: MLA with softmax group-limited greedy routing",
     "deepseek_v4": "DeepSeek-V4 is not implemented yet: compressed sparse attention with hash routing, sinks "
                    "and a sqrtsoftplus router",
     "diffusion_gemma": _VLM + " (and a diffusion, not autoregressive, decoder)",
