@@ -24,6 +24,7 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(moe_intermediate_size=32, num_attention_heads=16)),  # 16 KV heads by default
     "mixtral": ("MixtralConfig", dict(intermediate_size=32)),
     "olmoe": ("OlmoeConfig", dict(intermediate_size=32)),
+    "minimax_m2": ("MiniMaxM2Config", dict(intermediate_size=32)),
     "gpt_oss": ("GptOssConfig", dict(intermediate_size=32)),
     "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     # DeepseekV2Config has no top-k default (its model cannot run without one)
@@ -44,7 +45,7 @@ def _hf_moe_layers(hf, mt):
     if mt in ("qwen3_moe", "qwen2_moe"):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
-    if mt in ("mixtral", "gpt_oss", "olmoe"):
+    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2"):
         return [True] * n
     if mt in ("deepseek_v32", "glm_moe_dsa"):
         return [t == "sparse" for t in hf.mlp_layer_types]
@@ -109,7 +110,7 @@ FIELDS = {
                                         if hasattr(hf, k)), None, None),
     "num_experts_per_tok": (lambda hf, mt: hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
-    "expert_hidden_size": (lambda hf, mt: hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe")
+    "expert_hidden_size": (lambda hf, mt: hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2")
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
@@ -186,6 +187,7 @@ def test_omitted_fields_default_as_transformers(mt):
     ("mixtral", {"head_dim": None}),                                     # null: hidden // heads
     ("gpt_oss", {"rope_theta": 50000.0, "rope_scaling": None}),          # hub style: YaRN stays the default
     ("glm4_moe", {"rope_theta": 1e6}),                                   # half RoPE at the file's base
+    ("minimax_m2", {"rotary_dim": 64}),                                  # hub style: half of head_dim 128 rotates
     ("deepseek_v3", {"head_dim": 8}),                                    # MLA: head_dim is qk_rope_head_dim
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))
 def test_given_fields_derive_as_transformers(mt, extra):

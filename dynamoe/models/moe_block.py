@@ -84,32 +84,36 @@ class SparseMoeBlock(nn.Module):
     loader's :class:`~dynamoe.quant.QuantizedExperts`. ``glu`` is 'silu' or 'gpt_oss' (clamped SwiGLU).
     Shared experts (``moe.shared_experts``): ``num_shared_experts`` of F each, or one MLP of
     ``shared_hidden_size``; ``shared_gate`` scales their output by a per-token sigmoid gate (Qwen2-MoE).
-    ``router_groups``: group-limited selection for the softmax router (DeepSeek-V2's
-    'group_limited_greedy': groups ranked by their best expert, ``cfg.n_group`` / ``cfg.topk_group``).
-    ``route_scale``: the routed weights' factor for the 'softmax' router (DeepSeek-V2's
-    ``routed_scaling_factor``; the sigmoid router always takes the config's).
+    ``router_groups``: group-limited selection over ``cfg.n_group`` / ``cfg.topk_group``; None = the
+    sigmoid router's default (DeepSeek-V3: yes) and the softmax router's (no). For 'softmax' this is
+    DeepSeek-V2's 'group_limited_greedy' (groups ranked by their best expert). ``route_scale``: the
+    routed weights' factor; None = ``cfg.routed_scaling_factor`` for 'sigmoid', 1 for the others.
+    (MiniMax-M2's sigmoid router has neither groups nor a scale: it passes False and 1.)
     """
 
     def __init__(self, cfg: ModelConfig, router: str = "softmax", normalize: bool = True, glu: str = "silu",
                  expert_bias: bool = False, num_shared_experts: int = 0, shared_hidden_size: int | None = None,
-                 shared_gate: bool = False, router_groups: bool = False, route_scale: float = 1.0, dtype=None):
+                 shared_gate: bool = False, router_groups: bool | None = None, route_scale: float | None = None,
+                 dtype=None):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
         E, K, D, F_ = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.expert_hidden_size
         self.router_kind, self.num_experts, self.hidden_size = router, E, D
-        if router != "softmax" and router_groups:
-            raise ValueError(f"router_groups (group-limited softmax routing) needs router 'softmax', got {router!r}")
+        if router == "softmax_bias" and (router_groups or route_scale not in (None, 1.0)):
+            raise ValueError("router 'softmax_bias' (GPT-OSS) has no groups and no route scale")
+        sigmoid = router == "sigmoid"
+        groups = (cfg.n_group, cfg.topk_group) if (sigmoid if router_groups is None else router_groups) else (1, 1)
+        scale = (cfg.routed_scaling_factor if sigmoid else 1.0) if route_scale is None else route_scale
         if router == "softmax":
-            groups = (cfg.n_group, cfg.topk_group) if router_groups else (1, 1)
             gate = GateConfig(type="top", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize,
-                              n_group=groups[0], topk_group=groups[1], route_scale=route_scale)
+                              n_group=groups[0], topk_group=groups[1], route_scale=scale)
         elif router == "softmax_bias":
             gate = GateConfig(type="custom", k=K, capacity_factor=0.0, normalize=normalize,
                               module=BiasedRouter(D, E, dtype=dtype))
         else:
             gate = GateConfig(type="sigmoid", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize,
-                              n_group=cfg.n_group, topk_group=cfg.topk_group, route_scale=cfg.routed_scaling_factor)
+                              n_group=groups[0], topk_group=groups[1], route_scale=scale)
         experts = ExpertConfig(
             type="glu", num_experts_per_device=E, hidden_size_per_expert=F_, glu_activation=glu, glu_bias=expert_bias,
             gpt_oss_alpha=cfg.swiglu_alpha, gpt_oss_limit=cfg.swiglu_limit or 7.0,

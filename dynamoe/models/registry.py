@@ -79,6 +79,7 @@ register("deepseek_v2", "dynamoe.models.deepseek_v2:DeepseekV2ForCausalLM", ("De
 register("deepseek_v3", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM", ("DeepseekV3ForCausalLM",), aliases=("kimi_k2",))
 register("glm4_moe", "dynamoe.models.glm4_moe:Glm4MoeForCausalLM", ("Glm4MoeForCausalLM",))
 register("deepseek_v32", "dynamoe.models.deepseek_v32:DeepseekV32ForCausalLM", ("DeepseekV32ForCausalLM",))
+register("minimax_m2", "dynamoe.models.minimax_m2:MiniMaxM2ForCausalLM", ("MiniMaxM2ForCausalLM",))
 register("olmoe", "dynamoe.models.olmoe:OlmoeForCausalLM", ("OlmoeForCausalLM",))
 register("qwen2_moe", "dynamoe.models.qwen2_moe:Qwen2MoeForCausalLM", ("Qwen2MoeForCausalLM",))
 register("glm_moe_dsa", "dynamoe.models.glm_moe_dsa:GlmMoeDsaForCausalLM", ("GlmMoeDsaForCausalLM",))

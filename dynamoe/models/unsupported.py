@@ -104,7 +104,6 @@ UNSUPPORTED: dict[str, str] = {
     "mimo_v2_flash": "MiMo-V2-Flash is not implemented yet: hybrid sliding-window layers with attention sinks",
     "minimax": "MiniMax-Text-01 mixes lightning (linear) attention with softmax attention: linear-attention "
                "layers are not supported yet",
-    "minimax_m2": "MiniMax-M2 is not implemented yet: q/k RMSNorm over all heads, sigmoid routing with a selection bias",
     "minimax_m3_vl": _VLM,
     "minimax_m3_vl_text": _text_of("minimax_m3_vl", "lightning (linear) attention layers"),
     "mistral4": "Mistral-Small-4 is not implemented yet: MLA with Mistral's routing",
