@@ -31,10 +31,11 @@ FAMILIES = {
     "deepseek_v2": ("DeepseekV2Config", dict(intermediate_size=96, moe_intermediate_size=32, num_experts_per_tok=2)),
     "kimi_k2": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     "glm4_moe": ("Glm4MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
     "deepseek_v32": ("DeepseekV32Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     "glm_moe_dsa": ("GlmMoeDsaConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
 }
-DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm_moe_dsa"}
+DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"}
 MLA_FAMILIES = DEEPSEEK_LIKE - {"glm4_moe"}
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
@@ -47,7 +48,7 @@ def _hf_moe_layers(hf, mt):
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2"):
         return [True] * n
-    if mt in ("deepseek_v32", "glm_moe_dsa"):
+    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
@@ -136,7 +137,7 @@ FIELDS = {
     "topk_method": (lambda hf, mt: hf.topk_method, None, {"deepseek_v2"}),
     "routed_scaling_factor": (lambda hf, mt: hf.routed_scaling_factor, None, DEEPSEEK_LIKE),
     "n_shared_experts": (lambda hf, mt: hf.n_shared_experts, None, DEEPSEEK_LIKE),
-    "first_k_dense_replace": (lambda hf, mt: hf.first_k_dense_replace, None, DEEPSEEK_LIKE),
+    "first_k_dense_replace": (lambda hf, mt: hf.first_k_dense_replace, None, DEEPSEEK_LIKE - {"glm4_moe_lite"}),
     "use_qk_norm": (lambda hf, mt: hf.use_qk_norm, None, {"glm4_moe"}),
     "num_nextn_predict_layers": (lambda hf, mt: hf.num_nextn_predict_layers, None,
                                  {"deepseek_v3", "kimi_k2", "glm4_moe"}),
@@ -144,7 +145,7 @@ FIELDS = {
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, MLA_FAMILIES)
        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
     # V3.2 / GLM-5 always interleave MLA's RoPE (the family classes say so); V3 reads the field
-    "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2"}),
+    "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2", "glm4_moe_lite"}),
     # the sparse-attention indexer
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa"})
        for name in ("index_topk", "index_head_dim", "index_n_heads")},

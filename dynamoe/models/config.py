@@ -89,6 +89,11 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "minimax_m2": {"rope_theta": 5e6, "head_dim": 128, "num_experts": 256, "num_experts_per_tok": 8, "rotary_dim": True,
                    "fields": {"num_key_value_heads": 8, "max_position_embeddings": 196608, "rms_norm_eps": 1e-6,
                               "bos_token_id": 200034, "eos_token_id": 200020}},
+    # Glm4MoeLiteConfig (GLM-4.7-Flash): DeepSeek-V3's MLA and routing; without mlp_layer_types only layer 0 is dense
+    "glm4_moe_lite": {**_MLA, "num_experts": 64, "num_experts_per_tok": 4, "rope_interleave": True, "first_layer_dense": True,
+                      "fields": {**_DEEPSEEK, "q_lora_rank": 768, "qk_nope_head_dim": 192, "v_head_dim": 256, "n_group": 1,
+                                 "topk_group": 1, "routed_scaling_factor": 1.8, "first_k_dense_replace": 0,
+                                 "rms_norm_eps": 1e-5, "max_position_embeddings": 202752}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -429,6 +434,8 @@ class ModelConfig:
             raise ValueError("config field 'sliding_window' is required when layer_types has 'sliding_attention'")
 
         mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
+        if not mlp_types and fam.get("first_layer_dense"):
+            mlp_types = ("dense",) + ("sparse",) * (layers - 1)
         indexer_types = _indexer_types(d, layers)
         mlp_only = _int_list(d, "mlp_only_layers")
         if any(not 0 <= i < layers for i in mlp_only):

@@ -61,7 +61,6 @@ UNSUPPORTED: dict[str, str] = {
     "flint": "Flint is not implemented yet: attention sinks with sliding windows and an ungated shared expert",
     "gemma4": _VLM,
     "gemma4_text": _text_of("gemma4", "per-layer embeddings, sliding/global layers and MoE beside a dense MLP"),
-    "glm4_moe_lite": "GLM-4.7-Flash (glm4_moe_lite) is not implemented yet: MLA with GLM's routing",
     "glm4v_moe": _VLM,
     "glm4v_moe_text": _text_of("glm4v_moe", "multimodal RoPE (mrope sections)"),
     "glm5_next": _VLM,
