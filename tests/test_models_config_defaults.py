@@ -32,11 +32,15 @@ FAMILIES = {
     "kimi_k2": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     "glm4_moe": ("Glm4MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    # Dots1Config has no expert count, top-k or shared-expert default (null), and 32 KV heads
+    "dots1": ("Dots1Config", dict(intermediate_size=96, moe_intermediate_size=32, num_attention_heads=32,
+                                  n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1)),
     "deepseek_v32": ("DeepseekV32Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     "glm_moe_dsa": ("GlmMoeDsaConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
 }
-DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"}
-MLA_FAMILIES = DEEPSEEK_LIKE - {"glm4_moe"}
+DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
+                 "dots1"}
+MLA_FAMILIES = DEEPSEEK_LIKE - {"glm4_moe", "dots1"}
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
 
@@ -58,7 +62,7 @@ def _hf_windows(hf, mt):
     n = hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral"):
         return [hf.sliding_window] * n
-    if mt in ("gpt_oss", "qwen2_moe"):
+    if mt in ("gpt_oss", "qwen2_moe", "dots1"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -188,7 +192,9 @@ def test_omitted_fields_default_as_transformers(mt):
     ("mixtral", {"head_dim": None}),                                     # null: hidden // heads
     ("gpt_oss", {"rope_theta": 50000.0, "rope_scaling": None}),          # hub style: YaRN stays the default
     ("glm4_moe", {"rope_theta": 1e6}),                                   # half RoPE at the file's base
-    ("minimax_m2", {"rotary_dim": 64}),                                  # hub style: half of head_dim 128 rotates
+    ("minimax_m2", {"rotary_dim": 64}),
+    ("dots1", {"sliding_window": 64, "max_window_layers": 2}),           # layers 2, 3 slide
+    ("dots1", {"sliding_window": None}),                                 # no window: every layer full                                  # hub style: half of head_dim 128 rotates
     ("deepseek_v3", {"head_dim": 8}),                                    # MLA: head_dim is qk_rope_head_dim
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))
 def test_given_fields_derive_as_transformers(mt, extra):

@@ -94,6 +94,12 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                       "fields": {**_DEEPSEEK, "q_lora_rank": 768, "qk_nope_head_dim": 192, "v_head_dim": 256, "n_group": 1,
                                  "topk_group": 1, "routed_scaling_factor": 1.8, "first_k_dense_replace": 0,
                                  "rms_norm_eps": 1e-5, "max_position_embeddings": 202752}},
+    # Dots1Config: no expert-count, top-k or shared-expert defaults (null); without layer_types, the layers from
+    # max_window_layers on slide ("windows_from_max_window_layers")
+    "dots1": {"windows_from_max_window_layers": True,
+              "fields": {"num_key_value_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                         "sliding_window": 4096, "max_window_layers": 62, "first_k_dense_replace": 0,
+                         "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -421,6 +427,11 @@ class ModelConfig:
             layer_types = tuple(layer_types)
         elif fam.get("alternating_layers"):  # GPT-OSS: even layers sliding, odd layers full
             layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+        elif fam.get("windows_from_max_window_layers"):  # dots1: layers >= max_window_layers slide (when windowed)
+            start = _int(d, "max_window_layers", minimum=0)
+            layer_types = tuple("sliding_attention" if sliding is not None and i >= start else "full_attention"
+                                for i in range(layers))
+            sliding = sliding if "sliding_attention" in layer_types else None
         elif fam.get("qwen2_windows") and _bool(d, "use_sliding_window", False):  # even layers < max_window_layers
             below = _int(d, "max_window_layers", minimum=0)
             layer_types = tuple("sliding_attention" if i % 2 == 0 and i < below else "full_attention"

@@ -82,5 +82,6 @@ register("deepseek_v32", "dynamoe.models.deepseek_v32:DeepseekV32ForCausalLM", (
 register("minimax_m2", "dynamoe.models.minimax_m2:MiniMaxM2ForCausalLM", ("MiniMaxM2ForCausalLM",))
 register("olmoe", "dynamoe.models.olmoe:OlmoeForCausalLM", ("OlmoeForCausalLM",))
 register("qwen2_moe", "dynamoe.models.qwen2_moe:Qwen2MoeForCausalLM", ("Qwen2MoeForCausalLM",))
+register("dots1", "dynamoe.models.dots1:Dots1ForCausalLM", ("Dots1ForCausalLM",))
 register("glm4_moe_lite", "dynamoe.models.glm4_moe_lite:Glm4MoeLiteForCausalLM", ("Glm4MoeLiteForCausalLM",))
 register("glm_moe_dsa", "dynamoe.models.glm_moe_dsa:GlmMoeDsaForCausalLM", ("GlmMoeDsaForCausalLM",))
