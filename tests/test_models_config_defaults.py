@@ -24,6 +24,8 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(moe_intermediate_size=32, num_attention_heads=16)),  # 16 KV heads by default
     "mixtral": ("MixtralConfig", dict(intermediate_size=32)),
     "olmoe": ("OlmoeConfig", dict(intermediate_size=32)),
+    "granitemoe": ("GraniteMoeConfig", dict(intermediate_size=32)),
+    "granitemoeshared": ("GraniteMoeSharedConfig", dict(intermediate_size=32)),
     "minimax_m2": ("MiniMaxM2Config", dict(intermediate_size=32)),
     "gpt_oss": ("GptOssConfig", dict(intermediate_size=32)),
     "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32)),
@@ -50,7 +52,7 @@ def _hf_moe_layers(hf, mt):
     if mt in ("qwen3_moe", "qwen2_moe"):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
-    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2"):
+    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared"):
         return [True] * n
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite"):
         return [t == "sparse" for t in hf.mlp_layer_types]
@@ -115,7 +117,8 @@ FIELDS = {
                                         if hasattr(hf, k)), None, None),
     "num_experts_per_tok": (lambda hf, mt: hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
-    "expert_hidden_size": (lambda hf, mt: hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2")
+    "expert_hidden_size": (lambda hf, mt: hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2",
+                                                                          "granitemoe", "granitemoeshared")
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
@@ -124,13 +127,17 @@ FIELDS = {
     "pad_token_id": (lambda hf, mt: hf.pad_token_id, None, None),
     # Qwen3-MoE
     "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe", "olmoe"} | DEEPSEEK_LIKE),
+    # GraniteMoE (a shared MLP only in granitemoeshared, and only when its size is > 0)
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared"})
+       for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
+    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt == "qwen2_moe"
+                                        else hf.shared_intermediate_size or None, None, {"qwen2_moe", "granitemoeshared"}),
     # OLMoE
     "clip_qkv": (lambda hf, mt: hf.clip_qkv, None, {"olmoe"}),
     "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, {"qwen3_moe", "qwen2_moe"}),
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, {"qwen3_moe", "qwen2_moe"}),
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
-    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size, None, {"qwen2_moe"}),
     # GPT-OSS
     "swiglu_limit": (lambda hf, mt: hf.swiglu_limit, None, {"gpt_oss"}),
     "swiglu_alpha": (lambda hf, mt: hf.swiglu_alpha, None, {"gpt_oss"}),

@@ -100,6 +100,14 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
               "fields": {"num_key_value_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                          "sliding_window": 4096, "max_window_layers": 62, "first_k_dense_replace": 0,
                          "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False}},
+    # GraniteMoeConfig / GraniteMoeSharedConfig: the multipliers default to 1 (attention_multiplier too: not
+    # head_dim^-1/2), no shared MLP unless shared_intermediate_size > 0
+    "granitemoe": {"num_experts": 8, "num_experts_per_tok": 2,
+                   "fields": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+                              "attention_multiplier": 1.0}},
+    "granitemoeshared": {"num_experts": 8, "num_experts_per_tok": 2,
+                         "fields": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1,
+                                    "eos_token_id": 2, "attention_multiplier": 1.0}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -315,7 +323,7 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: Optional[int] = None
-    #: Qwen2-MoE: the hidden size of its one (gated) shared expert
+    #: Qwen2-MoE (and GraniteMoE-Shared's ``shared_intermediate_size``): the hidden size of the one shared expert
     shared_expert_intermediate_size: Optional[int] = None
     norm_topk_prob: bool = False
     mlp_only_layers: tuple = ()
@@ -345,6 +353,13 @@ class ModelConfig:
     #: DeepSeek-V3.2 / GLM-5: per layer 'dense' or 'sparse' (overrides first_k_dense_replace when given)
     mlp_layer_types: tuple = ()
     num_nextn_predict_layers: int = 0
+    # GraniteMoE (muP): embeddings times embedding_multiplier, each sublayer's output times
+    # residual_multiplier before its residual add, softmax scale attention_multiplier (None: head_dim^-1/2),
+    # logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: Optional[float] = None
+    logits_scaling: float = 1.0
     # tokens
     bos_token_id: Optional[int] = None
     eos_token_id: tuple = ()
@@ -477,7 +492,12 @@ class ModelConfig:
             sliding_window=sliding, layer_types=layer_types,
             num_experts=experts, num_experts_per_tok=top_k,
             moe_intermediate_size=_int(d, "moe_intermediate_size"),
-            shared_expert_intermediate_size=_int(d, "shared_expert_intermediate_size"),
+            shared_expert_intermediate_size=_int(d, "shared_expert_intermediate_size",
+                                                 d.get("shared_intermediate_size"), minimum=0) or None,
+            embedding_multiplier=_float(d, "embedding_multiplier", 1.0, positive=True),
+            residual_multiplier=_float(d, "residual_multiplier", 1.0, positive=True),
+            attention_multiplier=_float(d, "attention_multiplier", positive=True),
+            logits_scaling=_float(d, "logits_scaling", 1.0, positive=True),
             norm_topk_prob=_bool(d, "norm_topk_prob", False), mlp_only_layers=mlp_only,
             decoder_sparse_step=_int(d, "decoder_sparse_step", 1),
             swiglu_limit=_float(d, "swiglu_limit", positive=True),

@@ -83,7 +83,8 @@ class SparseMoeBlock(nn.Module):
     ``moe.experts.down_proj`` [E, D, F], optional biases), or, for a quantized checkpoint, the
     loader's :class:`~dynamoe.quant.QuantizedExperts`. ``glu`` is 'silu' or 'gpt_oss' (clamped SwiGLU).
     Shared experts (``moe.shared_experts``): ``num_shared_experts`` of F each, or one MLP of
-    ``shared_hidden_size``; ``shared_gate`` scales their output by a per-token sigmoid gate (Qwen2-MoE).
+    ``shared_hidden_size``; ``shared_gate`` scales their output by a per-token sigmoid gate (Qwen2-MoE);
+    ``shared_fused_gate_up`` keeps their gate and up projections in one linear (GraniteMoE-Shared).
     ``router_groups``: group-limited selection over ``cfg.n_group`` / ``cfg.topk_group``; None = the
     sigmoid router's default (DeepSeek-V3: yes) and the softmax router's (no). For 'softmax' this is
     DeepSeek-V2's 'group_limited_greedy' (groups ranked by their best expert). ``route_scale``: the
@@ -93,8 +94,8 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, router: str = "softmax", normalize: bool = True, glu: str = "silu",
                  expert_bias: bool = False, num_shared_experts: int = 0, shared_hidden_size: int | None = None,
-                 shared_gate: bool = False, router_groups: bool | None = None, route_scale: float | None = None,
-                 dtype=None):
+                 shared_gate: bool = False, shared_fused_gate_up: bool = False, router_groups: bool | None = None,
+                 route_scale: float | None = None, dtype=None):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
@@ -118,6 +119,7 @@ class SparseMoeBlock(nn.Module):
             type="glu", num_experts_per_device=E, hidden_size_per_expert=F_, glu_activation=glu, glu_bias=expert_bias,
             gpt_oss_alpha=cfg.swiglu_alpha, gpt_oss_limit=cfg.swiglu_limit or 7.0,
             num_shared_experts=num_shared_experts, shared_hidden_size=shared_hidden_size, shared_gate=shared_gate,
+            shared_fused_gate_up=shared_fused_gate_up,
         )
         # check_finite off: the input is this model's own hidden state, and the check costs a host
         # sync per layer and step

@@ -152,6 +152,8 @@ class ExpertConfig:
     num_shared_experts / shared_hidden_size: always-on experts added to the routed output.
     shared_gate: scale the shared experts' output by sigmoid(x w) per token, w [D] (Qwen1.5/2-MoE's
         ``shared_expert_gate``); needs shared experts.
+    shared_fused_gate_up: the shared GLU's gate and up projections as one ``gate_up_proj`` linear
+        [2S, D] (gate rows, then up rows: GraniteMoE-Shared's ``input_linear``) instead of two.
     """
 
     type: str = "ffn"
@@ -168,6 +170,7 @@ class ExpertConfig:
     num_shared_experts: int = 0
     shared_hidden_size: Optional[int] = None
     shared_gate: bool = False
+    shared_fused_gate_up: bool = False
     module: Any = None
     module_kwargs: dict = field(default_factory=dict)
 
@@ -186,7 +189,7 @@ class ExpertConfig:
             _check_choice("glu_activation", self.glu_activation, GLU_ACTIVATIONS)
         elif self.glu_activation is not None:
             raise ValueError(f"glu_activation is for experts type 'glu', got type {self.type!r}")
-        for name in ("has_fc1_bias", "has_fc2_bias", "glu_bias", "shared_gate"):
+        for name in ("has_fc1_bias", "has_fc2_bias", "glu_bias", "shared_gate", "shared_fused_gate_up"):
             _check_bool(name, getattr(self, name))
         _check_float("gpt_oss_alpha", self.gpt_oss_alpha, positive=True)
         _check_float("gpt_oss_limit", self.gpt_oss_limit, positive=True)
@@ -202,6 +205,9 @@ class ExpertConfig:
         _check_int("num_shared_experts", self.num_shared_experts, 0)
         if self.shared_gate and not self.num_shared_experts:
             raise ValueError("shared_gate gates the shared experts' output: it needs num_shared_experts >= 1")
+        if self.shared_fused_gate_up and (not self.num_shared_experts or self.type != "glu"):
+            raise ValueError("shared_fused_gate_up fuses the shared GLU's gate and up: it needs glu experts and "
+                             "num_shared_experts >= 1")
         if self.type == "custom" and self.module is None:
             raise ValueError("experts type 'custom' needs 'module': an nn.Module (or class) following dynamoe.moe.experts.ExpertsProtocol")
         if self.type == "llama_ffn" and (self.output_dim not in (None, 0) or self.num_shared_experts):
