@@ -24,6 +24,7 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(moe_intermediate_size=32, num_attention_heads=16)),  # 16 KV heads by default
     "mixtral": ("MixtralConfig", dict(intermediate_size=32)),
     "olmoe": ("OlmoeConfig", dict(intermediate_size=32)),
+    "flex_olmo": ("FlexOlmoConfig", dict(intermediate_size=32)),
     "granitemoe": ("GraniteMoeConfig", dict(intermediate_size=32)),
     "granitemoeshared": ("GraniteMoeSharedConfig", dict(intermediate_size=32)),
     "minimax_m2": ("MiniMaxM2Config", dict(intermediate_size=32)),
@@ -52,7 +53,7 @@ def _hf_moe_layers(hf, mt):
     if mt in ("qwen3_moe", "qwen2_moe"):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
-    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared"):
+    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "flex_olmo"):
         return [True] * n
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite"):
         return [t == "sparse" for t in hf.mlp_layer_types]
@@ -118,7 +119,7 @@ FIELDS = {
     "num_experts_per_tok": (lambda hf, mt: hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
     "expert_hidden_size": (lambda hf, mt: hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2",
-                                                                          "granitemoe", "granitemoeshared")
+                                                                          "granitemoe", "granitemoeshared", "flex_olmo")
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
@@ -126,7 +127,8 @@ FIELDS = {
     "eos_token_id": (lambda hf, mt: _eos(hf.eos_token_id), None, None),
     "pad_token_id": (lambda hf, mt: hf.pad_token_id, None, None),
     # Qwen3-MoE
-    "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe", "olmoe"} | DEEPSEEK_LIKE),
+    "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo"}
+                       | DEEPSEEK_LIKE),
     # GraniteMoE (a shared MLP only in granitemoeshared, and only when its size is > 0)
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared"})
        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
