@@ -100,7 +100,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
               "fields": {"num_key_value_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                          "sliding_window": 4096, "max_window_layers": 62, "first_k_dense_replace": 0,
                          "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False}},
-    "flex_olmo": {"num_experts": 7, "num_experts_per_tok": 5,
+    "flex_olmo": {"rope_theta": 500000.0, "num_experts": 7, "num_experts_per_tok": 5,
                   "fields": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "pad_token_id": 100277,
                              "eos_token_id": 100257}},
     # GraniteMoeConfig / GraniteMoeSharedConfig: the multipliers default to 1 (attention_multiplier too: not
