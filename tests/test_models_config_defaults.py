@@ -25,6 +25,7 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", dict(intermediate_size=32)),
     "olmoe": ("OlmoeConfig", dict(intermediate_size=32)),
     "flex_olmo": ("FlexOlmoConfig", dict(intermediate_size=32)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(intermediate_size=32)),
     "granitemoe": ("GraniteMoeConfig", dict(intermediate_size=32)),
     "granitemoeshared": ("GraniteMoeSharedConfig", dict(intermediate_size=32)),
     "minimax_m2": ("MiniMaxM2Config", dict(intermediate_size=32)),
@@ -53,7 +54,8 @@ def _hf_moe_layers(hf, mt):
     if mt in ("qwen3_moe", "qwen2_moe"):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
-    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "flex_olmo"):
+    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "flex_olmo",
+              "hunyuan_v1_moe"):
         return [True] * n
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite"):
         return [t == "sparse" for t in hf.mlp_layer_types]
@@ -116,10 +118,11 @@ FIELDS = {
                       lambda cfg: [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)], None),
     "num_experts": (lambda hf, mt: next(getattr(hf, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
                                         if hasattr(hf, k)), None, None),
-    "num_experts_per_tok": (lambda hf, mt: hf.num_experts_per_tok, None, None),
+    "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt == "hunyuan_v1_moe" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
     "expert_hidden_size": (lambda hf, mt: hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2",
-                                                                          "granitemoe", "granitemoeshared", "flex_olmo")
+                                                                          "granitemoe", "granitemoeshared", "flex_olmo",
+                                                                          "hunyuan_v1_moe")
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),

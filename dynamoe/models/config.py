@@ -103,6 +103,13 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "flex_olmo": {"rope_theta": 500000.0, "num_experts": 7, "num_experts_per_tok": 5,
                   "fields": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "pad_token_id": 100277,
                              "eos_token_id": 100257}},
+    # HunYuanMoEV1Config: top-k is moe_topk; both it and num_experts may be per-layer lists (one value here); its
+    # experts are intermediate_size wide (hub configs' moe_intermediate_size is not read by transformers: "ignored")
+    "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "aliases": {"num_experts_per_tok": "moe_topk"},
+                       "ignored": ("moe_intermediate_size",),
+                       "per_layer_lists": ("num_experts", "moe_topk"),
+                       "fields": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "pad_token_id": 0,
+                                  "bos_token_id": 1, "eos_token_id": 2}},
     # GraniteMoeConfig / GraniteMoeSharedConfig: the multipliers default to 1 (attention_multiplier too: not
     # head_dim^-1/2), no shared MLP unless shared_intermediate_size > 0
     "granitemoe": {"num_experts": 8, "num_experts_per_tok": 2,
@@ -409,6 +416,16 @@ class ModelConfig:
             raise ValueError(f"{model_type}: {reason} (model_type {model_type!r} is not supported)")
         fam = _FAMILY_DEFAULTS.get(model_type, {})
         d = {**fam.get("fields", {}), **d}
+        d = {k: v for k, v in d.items() if k not in fam.get("ignored", ())}
+        for name in fam.get("per_layer_lists", ()):  # one value for every layer, or ValueError
+            v = d.get(name)
+            if isinstance(v, (list, tuple)):
+                if not v or any(x != v[0] for x in v):
+                    raise _err(name, v, "an int (or a list of one value for every layer: per-layer values are not supported)")
+                d[name] = v[0]
+        for ours, theirs in fam.get("aliases", {}).items():
+            if d.get(ours) is None and d.get(theirs) is not None:
+                d[ours] = d[theirs]
         archs = d.get("architectures") or ()
         if not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs):
             raise _err("architectures", archs, "a list of strings")

@@ -87,4 +87,5 @@ register("flex_olmo", "dynamoe.models.flex_olmo:FlexOlmoForCausalLM", ("FlexOlmo
 register("glm4_moe_lite", "dynamoe.models.glm4_moe_lite:Glm4MoeLiteForCausalLM", ("Glm4MoeLiteForCausalLM",))
 register("granitemoe", "dynamoe.models.granitemoe:GraniteMoeForCausalLM", ("GraniteMoeForCausalLM",))
 register("granitemoeshared", "dynamoe.models.granitemoe:GraniteMoeForCausalLM", ("GraniteMoeSharedForCausalLM",))
+register("hunyuan_v1_moe", "dynamoe.models.hunyuan_v1_moe:HunYuanMoEV1ForCausalLM", ("HunYuanMoEV1ForCausalLM",))
 register("glm_moe_dsa", "dynamoe.models.glm_moe_dsa:GlmMoeDsaForCausalLM", ("GlmMoeDsaForCausalLM",))

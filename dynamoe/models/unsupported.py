@@ -66,8 +66,6 @@ UNSUPPORTED: dict[str, str] = {
                       "Granite's multipliers",
     "granitemoehybrid": "GraniteMoE-Hybrid mixes Mamba-2 layers with attention: state-space layers are not "
                         "supported yet",
-    "hunyuan_v1_moe": "Hunyuan-A13B (hunyuan_v1_moe) is not implemented yet: q/k norm after RoPE and a "
-                      "shared MLP beside the experts",
     "hy_v3": "Hy3 is not implemented yet: its router_scaling_factor routing and layer kinds",
     "hy_v4": "Hy4 is not implemented yet: MLA with attention sinks",
     "hy_v4_vl": _VLM,
