@@ -26,6 +26,7 @@ FAMILIES = {
     "olmoe": ("OlmoeConfig", dict(intermediate_size=32)),
     "flex_olmo": ("FlexOlmoConfig", dict(intermediate_size=32)),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(intermediate_size=32)),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
     "granitemoe": ("GraniteMoeConfig", dict(intermediate_size=32)),
     "granitemoeshared": ("GraniteMoeSharedConfig", dict(intermediate_size=32)),
     "minimax_m2": ("MiniMaxM2Config", dict(intermediate_size=32)),
@@ -57,6 +58,9 @@ def _hf_moe_layers(hf, mt):
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "flex_olmo",
               "hunyuan_v1_moe"):
         return [True] * n
+    if mt == "ernie4_5_moe":
+        return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
+                for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     return [i >= hf.first_k_dense_replace for i in range(n)]
@@ -137,6 +141,8 @@ FIELDS = {
        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
     "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt == "qwen2_moe"
                                         else hf.shared_intermediate_size or None, None, {"qwen2_moe", "granitemoeshared"}),
+    # ERNIE-4.5 (shared experts under its own name)
+    "n_shared_experts_ernie": (lambda hf, mt: hf.moe_num_shared_experts, lambda cfg: cfg.n_shared_experts, {"ernie4_5_moe"}),
     # OLMoE
     "clip_qkv": (lambda hf, mt: hf.clip_qkv, None, {"olmoe"}),
     "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, {"qwen3_moe", "qwen2_moe"}),
@@ -206,7 +212,8 @@ def test_omitted_fields_default_as_transformers(mt):
     ("glm4_moe", {"rope_theta": 1e6}),                                   # half RoPE at the file's base
     ("minimax_m2", {"rotary_dim": 64}),
     ("dots1", {"sliding_window": 64, "max_window_layers": 2}),           # layers 2, 3 slide
-    ("dots1", {"sliding_window": None}),                                 # no window: every layer full                                  # hub style: half of head_dim 128 rotates
+    ("dots1", {"sliding_window": None}),                                 # no window: every layer full
+    ("ernie4_5_moe", {"moe_layer_start_index": 0, "moe_layer_end_index": 2, "moe_layer_interval": 2}),                                  # hub style: half of head_dim 128 rotates
     ("deepseek_v3", {"head_dim": 8}),                                    # MLA: head_dim is qk_rope_head_dim
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))
 def test_given_fields_derive_as_transformers(mt, extra):

@@ -103,6 +103,15 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "flex_olmo": {"rope_theta": 500000.0, "num_experts": 7, "num_experts_per_tok": 5,
                   "fields": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "pad_token_id": 100277,
                              "eos_token_id": 100257}},
+    # Ernie4_5_MoeConfig: moe_* names; MoE layers (i+1) % moe_layer_interval == 0 within
+    # [moe_layer_start_index, moe_layer_end_index] (-1: the last layer), the others dense ("ernie_moe_layers")
+    "ernie4_5_moe": {"rope_theta": 500000.0, "num_experts": 64, "num_experts_per_tok": 6, "ernie_moe_layers": True,
+                     "aliases": {"num_experts": "moe_num_experts", "num_experts_per_tok": "moe_k",
+                                 "n_shared_experts": "moe_num_shared_experts"},
+                     "fields": {"num_key_value_heads": 4, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                                "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                                "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_layer_end_index": -1,
+                                "moe_layer_interval": 1, "use_bias": False}},
     # HunYuanMoEV1Config: top-k is moe_topk; both it and num_experts may be per-layer lists (one value here); its
     # experts are intermediate_size wide (hub configs' moe_intermediate_size is not read by transformers: "ignored")
     "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "aliases": {"num_experts_per_tok": "moe_topk"},
@@ -482,6 +491,11 @@ class ModelConfig:
         mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("first_layer_dense"):
             mlp_types = ("dense",) + ("sparse",) * (layers - 1)
+        if not mlp_types and fam.get("ernie_moe_layers"):
+            start, every = _int(d, "moe_layer_start_index", minimum=0), _int(d, "moe_layer_interval")
+            end = _int(d, "moe_layer_end_index", minimum=-1)
+            end = layers - 1 if end == -1 else end
+            mlp_types = tuple("sparse" if (i + 1) % every == 0 and start <= i <= end else "dense" for i in range(layers))
         indexer_types = _indexer_types(d, layers)
         mlp_only = _int_list(d, "mlp_only_layers")
         if any(not 0 <= i < layers for i in mlp_only):

@@ -90,12 +90,13 @@ class SparseMoeBlock(nn.Module):
     DeepSeek-V2's 'group_limited_greedy' (groups ranked by their best expert). ``route_scale``: the
     routed weights' factor; None = ``cfg.routed_scaling_factor`` for 'sigmoid', 1 for the others.
     (MiniMax-M2's sigmoid router has neither groups nor a scale: it passes False and 1.)
+    ``selection_bias``: the softmax router's selection-only ``e_score_correction_bias`` (ERNIE-4.5).
     """
 
     def __init__(self, cfg: ModelConfig, router: str = "softmax", normalize: bool = True, glu: str = "silu",
                  expert_bias: bool = False, num_shared_experts: int = 0, shared_hidden_size: int | None = None,
                  shared_gate: bool = False, shared_fused_gate_up: bool = False, router_groups: bool | None = None,
-                 route_scale: float | None = None, dtype=None):
+                 route_scale: float | None = None, selection_bias: bool = False, dtype=None):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
@@ -106,9 +107,12 @@ class SparseMoeBlock(nn.Module):
         sigmoid = router == "sigmoid"
         groups = (cfg.n_group, cfg.topk_group) if (sigmoid if router_groups is None else router_groups) else (1, 1)
         scale = (cfg.routed_scaling_factor if sigmoid else 1.0) if route_scale is None else route_scale
+        if selection_bias and router != "softmax":
+            raise ValueError(f"selection_bias is an option of router 'softmax' (the sigmoid router always has one), "
+                             f"got router {router!r}")
         if router == "softmax":
             gate = GateConfig(type="top", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize,
-                              n_group=groups[0], topk_group=groups[1], route_scale=scale)
+                              n_group=groups[0], topk_group=groups[1], route_scale=scale, selection_bias=selection_bias)
         elif router == "softmax_bias":
             gate = GateConfig(type="custom", k=K, capacity_factor=0.0, normalize=normalize,
                               module=BiasedRouter(D, E, dtype=dtype))

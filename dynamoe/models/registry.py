@@ -83,6 +83,7 @@ register("minimax_m2", "dynamoe.models.minimax_m2:MiniMaxM2ForCausalLM", ("MiniM
 register("olmoe", "dynamoe.models.olmoe:OlmoeForCausalLM", ("OlmoeForCausalLM",))
 register("qwen2_moe", "dynamoe.models.qwen2_moe:Qwen2MoeForCausalLM", ("Qwen2MoeForCausalLM",))
 register("dots1", "dynamoe.models.dots1:Dots1ForCausalLM", ("Dots1ForCausalLM",))
+register("ernie4_5_moe", "dynamoe.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM", ("Ernie4_5_MoeForCausalLM",))
 register("flex_olmo", "dynamoe.models.flex_olmo:FlexOlmoForCausalLM", ("FlexOlmoForCausalLM",))
 register("glm4_moe_lite", "dynamoe.models.glm4_moe_lite:Glm4MoeLiteForCausalLM", ("Glm4MoeLiteForCausalLM",))
 register("granitemoe", "dynamoe.models.granitemoe:GraniteMoeForCausalLM", ("GraniteMoeForCausalLM",))

@@ -49,8 +49,6 @@ UNSUPPORTED: dict[str, str] = {
     "dots3_note": _VLM,
     "dots3_note_text": _text_of("dots3_note", "MLA with bidirectional/sliding layer kinds"),
     "dots3_note_vision_encoder": "a vision encoder (part of dots3_note), not a causal LM",
-    "ernie4_5_moe": "ERNIE-4.5-MoE is not implemented yet: moe_layer_start_index / interval dense layers, "
-                    "expert-bias statistics (moe_statics) in routing and shared experts",
     "ernie4_5_vl_moe": _VLM,
     "ernie4_5_vl_moe_text": _text_of("ernie4_5_vl_moe", "separate text and vision expert groups"),
     "exaone_moe": "EXAONE-MoE is not implemented yet: sliding_window_pattern layer kinds with RoPE only on "

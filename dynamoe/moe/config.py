@@ -98,6 +98,9 @@ class GateConfig:
     fp32_gate: bool = False
     gate_noise: float = 0.0
     normalize: Optional[bool] = None
+    # 'top' only: a selection-only bias on the softmax probabilities (ERNIE-4.5's e_score_correction_bias;
+    # sigmoid gates always have theirs)
+    selection_bias: bool = False
     # sigmoid (DeepSeek) routing
     n_group: int = 1
     topk_group: int = 1
@@ -120,6 +123,9 @@ class GateConfig:
         if self.gate_noise < 0:
             raise ValueError(f"gate_noise must be >= 0, got {self.gate_noise}")
         _check_bool("normalize", self.normalize, optional=True)
+        _check_bool("selection_bias", self.selection_bias)
+        if self.selection_bias and self.type != "top":
+            raise ValueError(f"selection_bias is for gate type 'top' (sigmoid gates always have one), got type {self.type!r}")
         _check_int("n_group", self.n_group, 1)
         _check_int("topk_group", self.topk_group, 1)
         if self.topk_group > self.n_group:

@@ -104,12 +104,14 @@ def _check_groups(E: int, top_k: int, n_group: int, topk_group: int) -> None:
         )
 
 
-def softmax_group_topk(logits_TE: Tensor, top_k: int, n_group: int, topk_group: int, renormalize: bool = False,
-                       route_scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+def softmax_group_topk(logits_TE: Tensor, top_k: int, n_group: int = 1, topk_group: int = 1, renormalize: bool = False,
+                       route_scale: float = 1.0, correction_bias_E: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """DeepSeek-V2's 'group_limited_greedy': probs = softmax(logits); each of ``n_group`` equal groups
     of experts is ranked by its best probability, only the best ``topk_group`` groups stay eligible,
     and the K most probable eligible experts are chosen, weighted by their probabilities (optionally
     renormalised to sum to 1), times ``route_scale``. n_group == topk_group is plain softmax top-k.
+    ``correction_bias_E`` (ERNIE-4.5) is added to the probabilities to *choose* the experts (and rank
+    the groups); the weights stay the unbiased probabilities.
 
     Returns (weights_TK fp32+, ids_TK int64, probs_TE fp32+).
     """
@@ -118,12 +120,12 @@ def softmax_group_topk(logits_TE: Tensor, top_k: int, n_group: int, topk_group: 
     check_top_k(top_k, E)
     _check_groups(E, top_k, n_group, topk_group)
     probs_TE = torch.softmax(_upcast(logits_TE), dim=-1)
-    choice_TE = probs_TE
+    choice_TE = probs_TE if correction_bias_E is None else probs_TE + correction_bias_E.reshape(E).to(probs_TE.dtype)
     if topk_group < n_group:
-        probs_TGe = probs_TE.view(T, n_group, E // n_group)
-        group_ids = probs_TGe.amax(dim=-1).topk(topk_group, dim=-1).indices
+        choice_TGe = choice_TE.view(T, n_group, E // n_group)
+        group_ids = choice_TGe.amax(dim=-1).topk(topk_group, dim=-1).indices
         keep_TG = torch.zeros(T, n_group, dtype=torch.bool, device=probs_TE.device).scatter_(1, group_ids, True)
-        choice_TE = probs_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
+        choice_TE = choice_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
     ids_TK = choice_TE.topk(top_k, dim=-1).indices
     weights_TK = probs_TE.gather(1, ids_TK)
     if renormalize:
