@@ -27,6 +27,7 @@ FAMILIES = {
     "flex_olmo": ("FlexOlmoConfig", dict(intermediate_size=32)),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(intermediate_size=32)),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    "exaone_moe": ("ExaoneMoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, num_attention_heads=32)),
     "granitemoe": ("GraniteMoeConfig", dict(intermediate_size=32)),
     "granitemoeshared": ("GraniteMoeSharedConfig", dict(intermediate_size=32)),
     "minimax_m2": ("MiniMaxM2Config", dict(intermediate_size=32)),
@@ -61,7 +62,7 @@ def _hf_moe_layers(hf, mt):
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
                 for i in range(n)]
-    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite"):
+    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
@@ -71,7 +72,7 @@ def _hf_windows(hf, mt):
     n = hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral"):
         return [hf.sliding_window] * n
-    if mt in ("gpt_oss", "qwen2_moe", "dots1"):
+    if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -141,6 +142,12 @@ FIELDS = {
        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
     "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt == "qwen2_moe"
                                         else hf.shared_intermediate_size or None, None, {"qwen2_moe", "granitemoeshared"}),
+    # K-EXAONE: DeepSeek routing, shared experts under their own name
+    # (keys of their own: the DeepSeek entries above keep theirs)
+    **{f"{name}_exaone": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                          {"exaone_moe"})
+       for name in ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob")},
+    "n_shared_experts_exaone": (lambda hf, mt: hf.num_shared_experts, lambda cfg: cfg.n_shared_experts, {"exaone_moe"}),
     # ERNIE-4.5 (shared experts under its own name)
     "n_shared_experts_ernie": (lambda hf, mt: hf.moe_num_shared_experts, lambda cfg: cfg.n_shared_experts, {"ernie4_5_moe"}),
     # OLMoE
@@ -213,7 +220,8 @@ def test_omitted_fields_default_as_transformers(mt):
     ("minimax_m2", {"rotary_dim": 64}),
     ("dots1", {"sliding_window": 64, "max_window_layers": 2}),           # layers 2, 3 slide
     ("dots1", {"sliding_window": None}),                                 # no window: every layer full
-    ("ernie4_5_moe", {"moe_layer_start_index": 0, "moe_layer_end_index": 2, "moe_layer_interval": 2}),                                  # hub style: half of head_dim 128 rotates
+    ("ernie4_5_moe", {"moe_layer_start_index": 0, "moe_layer_end_index": 2, "moe_layer_interval": 2}),
+    ("exaone_moe", {"sliding_window_pattern": 2, "sliding_window": 64, "first_k_dense_replace": 2}),                                  # hub style: half of head_dim 128 rotates
     ("deepseek_v3", {"head_dim": 8}),                                    # MLA: head_dim is qk_rope_head_dim
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))
 def test_given_fields_derive_as_transformers(mt, extra):

@@ -162,14 +162,15 @@ class Attention(nn.Module):
     ``qk_norm``: False, True / 'head' (RMSNorm over each head's d dims: Qwen3, GLM) or 'all' (one
     RMSNorm over the whole q [H*d] and k [K*d] projections: OLMoE, MiniMax-M2). ``clip_qkv``: clamp
     q, k and v to [-c, c] after the projections and q/k norms (OLMoE). ``qk_norm_after_rope``: the
-    per-head q/k norms act on the rotated q and k (Hunyuan-A13B) instead of before RoPE.
+    per-head q/k norms act on the rotated q and k (Hunyuan-A13B) instead of before RoPE. ``use_rope``
+    False: no rotary embedding in this layer (NoPE: EXAONE's global layers).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
                  rotary: RotaryEmbedding, qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool | str = False,
                  norm_eps: float = 1e-6, sinks: bool = False, sliding_window: int | None = None,
                  scale: float | None = None, rope_interleaved: bool = False, clip_qkv: float | None = None,
-                 qk_norm_after_rope: bool = False, dtype=None):
+                 qk_norm_after_rope: bool = False, use_rope: bool = True, dtype=None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
@@ -180,6 +181,7 @@ class Attention(nn.Module):
         if qk_norm_after_rope and qk_norm not in (True, "head"):
             raise ValueError(f"qk_norm_after_rope needs per-head q/k norms (qk_norm=True), got qk_norm={qk_norm!r}")
         self.qk_norm_all, self.clip_qkv, self.qk_norm_after_rope = qk_norm == "all", clip_qkv, qk_norm_after_rope
+        self.use_rope = use_rope
         self.layer_idx, self.num_heads, self.num_kv_heads, self.head_dim = layer_idx, num_heads, num_kv_heads, head_dim
         self.sliding_window, self.rope_interleaved = sliding_window, rope_interleaved
         self.scale = head_dim ** -0.5 if scale is None else scale
@@ -276,8 +278,8 @@ class Attention(nn.Module):
         dtype on the CPU). The sinks are an fp32 copy where the parameter is not fp32 already."""
         qkv = self._qkv
         if (qkv is None or type(norm) is not RMSNorm or self.qk_norm_all or self.clip_qkv is not None
-                or self.qk_norm_after_rope or not self._still_fused(qkv)):
-            return None  # (the kernel norms q/k per head before RoPE and does not clamp)
+                or self.qk_norm_after_rope or not self.use_rope or not self._still_fused(qkv)):
+            return None  # (the kernel norms q/k per head before RoPE, always rotates and does not clamp)
         # (plain dict lookups: this runs for every layer and step, where nn.Module.__getattr__ adds up)
         mods, params = self._modules, self._parameters
         o, qn, kn, sinks = mods.get("o_proj"), mods.get("q_norm"), mods.get("k_norm"), params.get("sinks")
@@ -338,9 +340,10 @@ class Attention(nn.Module):
         per_head = self.q_norm is not None and not self.qk_norm_all
         if per_head and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary(positions_BT, q.dtype)
-        q = apply_rope(q.transpose(1, 2), cos, sin, self.rope_interleaved)  # [B, H, T, d]
-        k = apply_rope(k.transpose(1, 2), cos, sin, self.rope_interleaved)  # [B, K, T, d]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)                            # [B, H, T, d], [B, K, T, d]
+        if self.use_rope:
+            cos, sin = self.rotary(positions_BT, q.dtype)
+            q, k = apply_rope(q, cos, sin, self.rope_interleaved), apply_rope(k, cos, sin, self.rope_interleaved)
         if per_head and self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         k_pos = None

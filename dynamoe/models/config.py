@@ -112,6 +112,14 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                 "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
                                 "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_layer_end_index": -1,
                                 "moe_layer_interval": 1, "use_bias": False}},
+    # ExaoneMoeConfig: DeepSeek routing (scale 2.5) with num_shared_experts; without layer_types every
+    # sliding_window_pattern-th layer is global, the others slide ("exaone_windows")
+    "exaone_moe": {"num_experts": 64, "num_experts_per_tok": 8, "exaone_windows": True,
+                   "aliases": {"n_shared_experts": "num_shared_experts"},
+                   "fields": {"num_key_value_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                              "bos_token_id": 1, "eos_token_id": 53, "pad_token_id": 0, "sliding_window": 4096,
+                              "sliding_window_pattern": 4, "first_k_dense_replace": 1, "num_shared_experts": 1,
+                              "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1}},
     # HunYuanMoEV1Config: top-k is moe_topk; both it and num_experts may be per-layer lists (one value here); its
     # experts are intermediate_size wide (hub configs' moe_intermediate_size is not read by transformers: "ignored")
     "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "aliases": {"num_experts_per_tok": "moe_topk"},
@@ -471,6 +479,12 @@ class ModelConfig:
             layer_types = tuple(layer_types)
         elif fam.get("alternating_layers"):  # GPT-OSS: even layers sliding, odd layers full
             layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+        elif fam.get("exaone_windows"):  # every pattern-th layer global (transformers derives no other pattern)
+            pattern = d.get("sliding_window_pattern")
+            if sliding is None or isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+                raise ValueError(f"config field 'layer_types' is required for {model_type} unless sliding_window is set "
+                                 f"and sliding_window_pattern is an int >= 1 (got {sliding!r}, {pattern!r})")
+            layer_types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
         elif fam.get("windows_from_max_window_layers"):  # dots1: layers >= max_window_layers slide (when windowed)
             start = _int(d, "max_window_layers", minimum=0)
             layer_types = tuple("sliding_attention" if sliding is not None and i >= start else "full_attention"
