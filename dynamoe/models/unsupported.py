@@ -34,8 +34,8 @@ UNSUPPORTED: dict[str, str] = {
     "bailing_hybrid": "Ling hybrid (bailing_hybrid) mixes MLA with linear-attention / convolution layers: "
                       "recurrent layers are not supported yet",
     "beam": "Beam is not implemented yet: per-layer mlp_layer_types and attention layer_types of its own",
-    "cohere2_moe": "Cohere2-MoE is not implemented yet: LayerNorm blocks, parallel attention/MLP residual, "
-                   "sliding-window layer pattern and logit_scale",
+    "cohere2_moe": "Cohere2-MoE is not implemented yet: one norm feeding attention and MLP in parallel (one residual), "
+                   "dense/sparse mlp_layer_types, a sliding-window layer pattern and logit_scale",
     "dbrx": "DBRX is not implemented yet: fused Wqkv with clip_qkv, bias-free LayerNorm and its fused "
             "expert layout (ffn_config / attn_config sub-configs)",
     "deepseek_ocr2": _VLM,
@@ -104,7 +104,8 @@ UNSUPPORTED: dict[str, str] = {
     "nemotron_h_omni": _OMNI + " (its language model is Nemotron-H, a Mamba-2 hybrid)",
     "nllb-moe": "NLLB-MoE is an encoder-decoder translation model, not a decoder-only causal LM",
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
-    "phimoe": "Phi-3.5-MoE is not implemented yet: SparseMixer routing and LayerNorm with biases",
+    "phimoe": "Phi-3.5-MoE is not implemented yet: SparseMixer top-2 routing, LayerNorm with biases, an lm_head "
+              "bias and longrope RoPE",
     "qwen3_5_moe": "a vision-language wrapper (Qwen3.5-MoE) whose text model mixes Gated DeltaNet linear "
                    "attention with gated full attention; not supported yet (work in progress)",
     "qwen3_5_moe_text": "Gated DeltaNet linear attention is not supported yet (work in progress)",
