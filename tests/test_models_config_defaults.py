@@ -27,6 +27,8 @@ FAMILIES = {
     "flex_olmo": ("FlexOlmoConfig", dict(intermediate_size=32)),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(intermediate_size=32)),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    # DbrxConfig takes the standard names through its attribute_map; experts and top-k sit in ffn_config
+    "dbrx": ("DbrxConfig", {}),
     "exaone_moe": ("ExaoneMoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, num_attention_heads=32)),
     "granitemoe": ("GraniteMoeConfig", dict(intermediate_size=32)),
     "granitemoeshared": ("GraniteMoeSharedConfig", dict(intermediate_size=32)),
@@ -57,7 +59,7 @@ def _hf_moe_layers(hf, mt):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "flex_olmo",
-              "hunyuan_v1_moe"):
+              "hunyuan_v1_moe", "dbrx"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
@@ -113,19 +115,24 @@ FIELDS = {
     # the modeling files: getattr(config, "head_dim", None) or hidden // heads; MLA configs set qk_rope_head_dim
     "head_dim": (lambda hf, mt: getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads, None, None),
     "max_position_embeddings": (lambda hf, mt: hf.max_position_embeddings, None, None),
-    "rms_norm_eps": (lambda hf, mt: hf.rms_norm_eps, None, None),
+    # DBRX's LayerNorms: torch's default eps (its config has no field)
+    "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.rms_norm_eps, None, None),
     "rope": (lambda hf, mt: _hf_rope(hf), lambda cfg: _our_rope(cfg), None),
-    "hidden_act": (lambda hf, mt: hf.hidden_act, None, set(FAMILIES) - {"gpt_oss"}),  # GPT-OSS: its own SwiGLU
+    "hidden_act": (lambda hf, mt: hf.hidden_act, None, set(FAMILIES) - {"gpt_oss", "dbrx"}),  # GPT-OSS: its own SwiGLU
+    # DBRX: clip_qkv in attn_config
+    "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
     "tie_word_embeddings": (lambda hf, mt: hf.tie_word_embeddings, None, None),
     # Mixtral's attention has no biases (and no attention_bias field)
     "attention_bias": (lambda hf, mt: getattr(hf, "attention_bias", False), None, None),
     "layer_windows": (lambda hf, mt: _hf_windows(hf, mt),
                       lambda cfg: [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)], None),
-    "num_experts": (lambda hf, mt: next(getattr(hf, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
-                                        if hasattr(hf, k)), None, None),
-    "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt == "hunyuan_v1_moe" else hf.num_experts_per_tok, None, None),
+    "num_experts": (lambda hf, mt: hf.ffn_config.moe_num_experts if mt == "dbrx" else
+                    next(getattr(hf, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if hasattr(hf, k)),
+                    None, None),
+    "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt == "hunyuan_v1_moe" else hf.ffn_config.moe_top_k
+                            if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
-    "expert_hidden_size": (lambda hf, mt: hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2",
+    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "flex_olmo",
                                                                           "hunyuan_v1_moe")
                            else hf.moe_intermediate_size, None, None),

@@ -103,6 +103,18 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "flex_olmo": {"rope_theta": 500000.0, "num_experts": 7, "num_experts_per_tok": 5,
                   "fields": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "pad_token_id": 100277,
                              "eos_token_id": 100257}},
+    # DbrxConfig: its own top-level names, the attention and FFN fields in attn_config / ffn_config ("nested":
+    # read as if at the top; the file's own top-level values win). attn_config.rope_theta (hub configs: 500000)
+    # is DBRX's RoPE base when the file has no top-level rope_theta / rope_parameters.
+    "dbrx": {"num_experts": 4, "num_experts_per_tok": 1,
+             "aliases": {"hidden_size": "d_model", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
+                         "max_position_embeddings": "max_seq_len"},
+             "nested": {"attn_config": {"kv_n_heads": "num_key_value_heads", "clip_qkv": "clip_qkv",
+                                        "rope_theta": "rope_theta"},
+                        "ffn_config": {"ffn_hidden_size": "intermediate_size", "moe_num_experts": "num_experts",
+                                       "moe_top_k": "num_experts_per_tok"}},
+             "fields": {"d_model": 2048, "n_heads": 16, "n_layers": 24, "max_seq_len": 2048, "num_key_value_heads": 1,
+                        "intermediate_size": 3584, "rms_norm_eps": 1e-5}},
     # Ernie4_5_MoeConfig: moe_* names; MoE layers (i+1) % moe_layer_interval == 0 within
     # [moe_layer_start_index, moe_layer_end_index] (-1: the last layer), the others dense ("ernie_moe_layers")
     "ernie4_5_moe": {"rope_theta": 500000.0, "num_experts": 64, "num_experts_per_tok": 6, "ernie_moe_layers": True,
@@ -432,7 +444,14 @@ class ModelConfig:
         if reason is not None:
             raise ValueError(f"{model_type}: {reason} (model_type {model_type!r} is not supported)")
         fam = _FAMILY_DEFAULTS.get(model_type, {})
-        d = {**fam.get("fields", {}), **d}
+        nested = {}
+        for sub, names in fam.get("nested", {}).items():  # DBRX's attn_config / ffn_config, read as top-level fields
+            inner = d.get(sub) or {}
+            if not isinstance(inner, dict):
+                raise _err(sub, inner, "a dict")
+            nested.update({ours: inner[theirs] for theirs, ours in names.items() if inner.get(theirs) is not None})
+        # the file's own (non-null) fields win over its nested ones, which win over the family's defaults
+        d = {**fam.get("fields", {}), **nested, **{k: v for k, v in d.items() if v is not None or k not in nested}}
         d = {k: v for k, v in d.items() if k not in fam.get("ignored", ())}
         for name in fam.get("per_layer_lists", ()):  # one value for every layer, or ValueError
             v = d.get(name)

@@ -82,6 +82,7 @@ register("deepseek_v32", "dynamoe.models.deepseek_v32:DeepseekV32ForCausalLM", (
 register("minimax_m2", "dynamoe.models.minimax_m2:MiniMaxM2ForCausalLM", ("MiniMaxM2ForCausalLM",))
 register("olmoe", "dynamoe.models.olmoe:OlmoeForCausalLM", ("OlmoeForCausalLM",))
 register("qwen2_moe", "dynamoe.models.qwen2_moe:Qwen2MoeForCausalLM", ("Qwen2MoeForCausalLM",))
+register("dbrx", "dynamoe.models.dbrx:DbrxForCausalLM", ("DbrxForCausalLM",))
 register("dots1", "dynamoe.models.dots1:Dots1ForCausalLM", ("Dots1ForCausalLM",))
 register("ernie4_5_moe", "dynamoe.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM", ("Ernie4_5_MoeForCausalLM",))
 register("exaone_moe", "dynamoe.models.exaone_moe:ExaoneMoeForCausalLM", ("ExaoneMoeForCausalLM",))
