@@ -21,28 +21,50 @@ SIZES = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_
 # config class of its own in transformers: it is DeepSeek-V3.
 FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=32)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(moe_intermediate_size=32, num_attention_heads=16)),  # 16 KV heads by default
     "mixtral": ("MixtralConfig", dict(intermediate_size=32)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=32)),
+    "flex_olmo": ("FlexOlmoConfig", dict(intermediate_size=32)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(intermediate_size=32)),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    # DbrxConfig takes the standard names through its attribute_map; experts and top-k sit in ffn_config
+    "dbrx": ("DbrxConfig", {}),
+    "exaone_moe": ("ExaoneMoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, num_attention_heads=32)),
+    "granitemoe": ("GraniteMoeConfig", dict(intermediate_size=32)),
+    "granitemoeshared": ("GraniteMoeSharedConfig", dict(intermediate_size=32)),
+    "minimax_m2": ("MiniMaxM2Config", dict(intermediate_size=32)),
     "gpt_oss": ("GptOssConfig", dict(intermediate_size=32)),
     "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32)),
+    # DeepseekV2Config has no top-k default (its model cannot run without one)
+    "deepseek_v2": ("DeepseekV2Config", dict(intermediate_size=96, moe_intermediate_size=32, num_experts_per_tok=2)),
     "kimi_k2": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     "glm4_moe": ("Glm4MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    # Dots1Config has no expert count, top-k or shared-expert default (null), and 32 KV heads
+    "dots1": ("Dots1Config", dict(intermediate_size=96, moe_intermediate_size=32, num_attention_heads=32,
+                                  n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1)),
     "deepseek_v32": ("DeepseekV32Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     "glm_moe_dsa": ("GlmMoeDsaConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
 }
-DEEPSEEK_LIKE = {"deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm_moe_dsa"}
-MLA_FAMILIES = DEEPSEEK_LIKE - {"glm4_moe"}
+DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
+                 "dots1"}
+MLA_FAMILIES = DEEPSEEK_LIKE - {"glm4_moe", "dots1"}
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
 
 def _hf_moe_layers(hf, mt):
     """Which layers have routed experts, by each transformers modeling file's rule."""
     n = hf.num_hidden_layers
-    if mt == "qwen3_moe":
+    if mt in ("qwen3_moe", "qwen2_moe"):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
-    if mt in ("mixtral", "gpt_oss"):
+    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "flex_olmo",
+              "hunyuan_v1_moe", "dbrx"):
         return [True] * n
-    if mt in ("deepseek_v32", "glm_moe_dsa"):
+    if mt == "ernie4_5_moe":
+        return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
+                for i in range(n)]
+    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
@@ -52,7 +74,7 @@ def _hf_windows(hf, mt):
     n = hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral"):
         return [hf.sliding_window] * n
-    if mt == "gpt_oss":
+    if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -93,18 +115,26 @@ FIELDS = {
     # the modeling files: getattr(config, "head_dim", None) or hidden // heads; MLA configs set qk_rope_head_dim
     "head_dim": (lambda hf, mt: getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads, None, None),
     "max_position_embeddings": (lambda hf, mt: hf.max_position_embeddings, None, None),
-    "rms_norm_eps": (lambda hf, mt: hf.rms_norm_eps, None, None),
+    # DBRX's LayerNorms: torch's default eps (its config has no field)
+    "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.rms_norm_eps, None, None),
     "rope": (lambda hf, mt: _hf_rope(hf), lambda cfg: _our_rope(cfg), None),
-    "hidden_act": (lambda hf, mt: hf.hidden_act, None, set(FAMILIES) - {"gpt_oss"}),  # GPT-OSS: its own SwiGLU
+    "hidden_act": (lambda hf, mt: hf.hidden_act, None, set(FAMILIES) - {"gpt_oss", "dbrx"}),  # GPT-OSS: its own SwiGLU
+    # DBRX: clip_qkv in attn_config
+    "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
     "tie_word_embeddings": (lambda hf, mt: hf.tie_word_embeddings, None, None),
     # Mixtral's attention has no biases (and no attention_bias field)
     "attention_bias": (lambda hf, mt: getattr(hf, "attention_bias", False), None, None),
     "layer_windows": (lambda hf, mt: _hf_windows(hf, mt),
                       lambda cfg: [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)], None),
-    "num_experts": (lambda hf, mt: hf.num_local_experts, None, None),
-    "num_experts_per_tok": (lambda hf, mt: hf.num_experts_per_tok, None, None),
+    "num_experts": (lambda hf, mt: hf.ffn_config.moe_num_experts if mt == "dbrx" else
+                    next(getattr(hf, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if hasattr(hf, k)),
+                    None, None),
+    "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt == "hunyuan_v1_moe" else hf.ffn_config.moe_top_k
+                            if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
-    "expert_hidden_size": (lambda hf, mt: hf.intermediate_size if mt in ("mixtral", "gpt_oss")
+    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2",
+                                                                          "granitemoe", "granitemoeshared", "flex_olmo",
+                                                                          "hunyuan_v1_moe")
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
@@ -112,18 +142,38 @@ FIELDS = {
     "eos_token_id": (lambda hf, mt: _eos(hf.eos_token_id), None, None),
     "pad_token_id": (lambda hf, mt: hf.pad_token_id, None, None),
     # Qwen3-MoE
-    "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe"} | DEEPSEEK_LIKE),
-    "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, {"qwen3_moe"}),
-    "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, {"qwen3_moe"}),
+    "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo"}
+                       | DEEPSEEK_LIKE),
+    # GraniteMoE (a shared MLP only in granitemoeshared, and only when its size is > 0)
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared"})
+       for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
+    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt == "qwen2_moe"
+                                        else hf.shared_intermediate_size or None, None, {"qwen2_moe", "granitemoeshared"}),
+    # K-EXAONE: DeepSeek routing, shared experts under their own name
+    # (keys of their own: the DeepSeek entries above keep theirs)
+    **{f"{name}_exaone": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                          {"exaone_moe"})
+       for name in ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob")},
+    "n_shared_experts_exaone": (lambda hf, mt: hf.num_shared_experts, lambda cfg: cfg.n_shared_experts, {"exaone_moe"}),
+    # ERNIE-4.5 (shared experts under its own name)
+    "n_shared_experts_ernie": (lambda hf, mt: hf.moe_num_shared_experts, lambda cfg: cfg.n_shared_experts, {"ernie4_5_moe"}),
+    # OLMoE
+    "clip_qkv": (lambda hf, mt: hf.clip_qkv, None, {"olmoe"}),
+    "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, {"qwen3_moe", "qwen2_moe"}),
+    "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, {"qwen3_moe", "qwen2_moe"}),
+    # Qwen2-MoE
+    "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
     "swiglu_limit": (lambda hf, mt: hf.swiglu_limit, None, {"gpt_oss"}),
     "swiglu_alpha": (lambda hf, mt: hf.swiglu_alpha, None, {"gpt_oss"}),
     # DeepSeek routing (DeepSeek-V3 / Kimi-K2, GLM-4.5, V3.2, GLM-5)
-    "n_group": (lambda hf, mt: hf.n_group, None, DEEPSEEK_LIKE),
-    "topk_group": (lambda hf, mt: hf.topk_group, None, DEEPSEEK_LIKE),
+    # DeepSeek-V2's greedy routing leaves them null: one group
+    "n_group": (lambda hf, mt: hf.n_group or 1, None, DEEPSEEK_LIKE),
+    "topk_group": (lambda hf, mt: hf.topk_group or 1, None, DEEPSEEK_LIKE),
+    "topk_method": (lambda hf, mt: hf.topk_method, None, {"deepseek_v2"}),
     "routed_scaling_factor": (lambda hf, mt: hf.routed_scaling_factor, None, DEEPSEEK_LIKE),
     "n_shared_experts": (lambda hf, mt: hf.n_shared_experts, None, DEEPSEEK_LIKE),
-    "first_k_dense_replace": (lambda hf, mt: hf.first_k_dense_replace, None, DEEPSEEK_LIKE),
+    "first_k_dense_replace": (lambda hf, mt: hf.first_k_dense_replace, None, DEEPSEEK_LIKE - {"glm4_moe_lite"}),
     "use_qk_norm": (lambda hf, mt: hf.use_qk_norm, None, {"glm4_moe"}),
     "num_nextn_predict_layers": (lambda hf, mt: hf.num_nextn_predict_layers, None,
                                  {"deepseek_v3", "kimi_k2", "glm4_moe"}),
@@ -131,7 +181,7 @@ FIELDS = {
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, MLA_FAMILIES)
        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
     # V3.2 / GLM-5 always interleave MLA's RoPE (the family classes say so); V3 reads the field
-    "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2"}),
+    "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2", "glm4_moe_lite"}),
     # the sparse-attention indexer
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa"})
        for name in ("index_topk", "index_head_dim", "index_n_heads")},
@@ -169,9 +219,16 @@ def test_omitted_fields_default_as_transformers(mt):
     ("qwen3_moe", {"sliding_window": 64}),                               # a window without use_sliding_window: none
     ("qwen3_moe", {"sliding_window": 64, "use_sliding_window": True}),   # ... with it: every layer
     ("mixtral", {"sliding_window": 64}),                                 # Mixtral has no switch: every layer
+    ("qwen2_moe", {"sliding_window": 64, "use_sliding_window": True}),   # even layers below max_window_layers (28)
+    ("qwen2_moe", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 3}),
     ("mixtral", {"head_dim": None}),                                     # null: hidden // heads
     ("gpt_oss", {"rope_theta": 50000.0, "rope_scaling": None}),          # hub style: YaRN stays the default
     ("glm4_moe", {"rope_theta": 1e6}),                                   # half RoPE at the file's base
+    ("minimax_m2", {"rotary_dim": 64}),
+    ("dots1", {"sliding_window": 64, "max_window_layers": 2}),           # layers 2, 3 slide
+    ("dots1", {"sliding_window": None}),                                 # no window: every layer full
+    ("ernie4_5_moe", {"moe_layer_start_index": 0, "moe_layer_end_index": 2, "moe_layer_interval": 2}),
+    ("exaone_moe", {"sliding_window_pattern": 2, "sliding_window": 64, "first_k_dense_replace": 2}),                                  # hub style: half of head_dim 128 rotates
     ("deepseek_v3", {"head_dim": 8}),                                    # MLA: head_dim is qk_rope_head_dim
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))
 def test_given_fields_derive_as_transformers(mt, extra):

@@ -178,7 +178,7 @@ def test_cosine_router_formula():
     (lambda: GateConfig(type="cosine_top", init_t=-1.0), "init_t"),
     (lambda: GateConfig(fp32_gate="false"), "fp32_gate"),
     (lambda: GateConfig(capacity_factor=1e30), "capacity_factor"),
-    (lambda: GateConfig(type="top", n_group=2), "sigmoid"),
+    (lambda: GateConfig(type="cosine_top", n_group=2), "sigmoid"),
     (lambda: GateConfig(route_scale=0), "route_scale"),
     (lambda: GateConfig(module_kwargs=5), "module_kwargs"),
     (lambda: ExpertConfig(hidden_size_per_expert=4, shared_hidden_size=-3), "shared_hidden_size"),

@@ -1,5 +1,7 @@
 """Model families on dynamoe's MoE layer: Qwen3-MoE, Mixtral, GPT-OSS, DeepSeek-V3 / Kimi-K2, GLM-4.5,
-DeepSeek-V3.2, GLM-5 (more register through :mod:`dynamoe.models.registry`), the shared blocks they are
+DeepSeek-V3.2, GLM-5, Qwen1.5/2-MoE, OLMoE, DeepSeek-V2, MiniMax-M2, GLM-4.7-Flash, dots.llm1, GraniteMoE(-Shared),
+FlexOlmo, Hunyuan-A13B, ERNIE-4.5-MoE, K-EXAONE (more register through :mod:`dynamoe.models.registry`; the MoE
+types that do not load say why: :mod:`dynamoe.models.unsupported`), the shared blocks they are
 built from (GQA and MLA attention, the sparse-attention indexer, RoPE, the MoE block), and the
 checkpoint loader.
 

@@ -1,5 +1,5 @@
-"""Grouped-query attention with the options our families need: q/k RMSNorm per head (before RoPE),
-q/k/v/o biases, learned per-head sinks (GPT-OSS), a sliding window per layer, partial or interleaved
+"""Grouped-query attention with the options our families need: q/k RMSNorm per head or over the
+whole projection (before RoPE), q/k/v clamping (OLMoE's clip_qkv), q/k/v/o biases, learned per-head sinks (GPT-OSS), a sliding window per layer, partial or interleaved
 RoPE, and the KV cache of :mod:`dynamoe.models.cache`.
 
 Legend: B batch rows, T new tokens, L keys attended (cache: positions 0..L-1), H query heads,
@@ -136,15 +136,30 @@ class Attention(nn.Module):
     Without a cache: causal attention over the T tokens. With one: the new k/v are written at the
     positions of each row's slot, and each query attends over its slot's keys 0..position.
     ``kv_len`` (max position + 1 over the rows) can be passed by the caller to save a host sync.
+
+    ``qk_norm``: False, True / 'head' (RMSNorm over each head's d dims: Qwen3, GLM) or 'all' (one
+    RMSNorm over the whole q [H*d] and k [K*d] projections: OLMoE, MiniMax-M2). ``clip_qkv``: clamp
+    q, k and v to [-c, c] after the projections and q/k norms (OLMoE). ``qk_norm_after_rope``: the
+    per-head q/k norms act on the rotated q and k (Hunyuan-A13B) instead of before RoPE. ``use_rope``
+    False: no rotary embedding in this layer (NoPE: EXAONE's global layers).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
-                 rotary: RotaryEmbedding, qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False,
+                 rotary: RotaryEmbedding, qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool | str = False,
                  norm_eps: float = 1e-6, sinks: bool = False, sliding_window: int | None = None,
-                 scale: float | None = None, rope_interleaved: bool = False, dtype=None):
+                 scale: float | None = None, rope_interleaved: bool = False, clip_qkv: float | None = None,
+                 qk_norm_after_rope: bool = False, use_rope: bool = True, dtype=None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        if qk_norm not in (False, True, "head", "all"):
+            raise ValueError(f"qk_norm must be False, True / 'head' (per head) or 'all' (whole projection), got {qk_norm!r}")
+        if clip_qkv is not None and not clip_qkv > 0:
+            raise ValueError(f"clip_qkv must be > 0 or None, got {clip_qkv!r}")
+        if qk_norm_after_rope and qk_norm not in (True, "head"):
+            raise ValueError(f"qk_norm_after_rope needs per-head q/k norms (qk_norm=True), got qk_norm={qk_norm!r}")
+        self.qk_norm_all, self.clip_qkv, self.qk_norm_after_rope = qk_norm == "all", clip_qkv, qk_norm_after_rope
+        self.use_rope = use_rope
         self.layer_idx, self.num_heads, self.num_kv_heads, self.head_dim = layer_idx, num_heads, num_kv_heads, head_dim
         self.sliding_window, self.rope_interleaved = sliding_window, rope_interleaved
         self.scale = head_dim ** -0.5 if scale is None else scale
@@ -153,8 +168,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias, **kw)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias, **kw)
-        self.q_norm = RMSNorm(head_dim, norm_eps, dtype=dtype) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, norm_eps, dtype=dtype) if qk_norm else None
+        q_dim, k_dim = (num_heads * head_dim, num_kv_heads * head_dim) if self.qk_norm_all else (head_dim, head_dim)
+        self.q_norm = RMSNorm(q_dim, norm_eps, dtype=dtype) if qk_norm else None
+        self.k_norm = RMSNorm(k_dim, norm_eps, dtype=dtype) if qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(num_heads, **kw)) if sinks else None
         # shared by all layers and owned (registered) by the model: a plain reference here
         object.__setattr__(self, "rotary", rotary)
@@ -229,7 +245,8 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"sliding_window={self.sliding_window}, sinks={self.sinks is not None}")
+                f"sliding_window={self.sliding_window}, sinks={self.sinks is not None}"
+                + (", qk_norm=all" if self.qk_norm_all else "") + (f", clip_qkv={self.clip_qkv}" if self.clip_qkv else ""))
 
     def decode_args(self, norm: nn.Module) -> tuple | None:
         """What a fused decode step of this block reads besides the step's own tensors -- (dtype, the
@@ -238,8 +255,9 @@ class Attention(nn.Module):
         kernel does not apply (q/k/v not fused, a norm that is not RMSNorm, weights not bf16/fp32 of one
         dtype on the CPU). The sinks are an fp32 copy where the parameter is not fp32 already."""
         qkv = self._qkv
-        if qkv is None or type(norm) is not RMSNorm or not self._still_fused(qkv):
-            return None
+        if (qkv is None or type(norm) is not RMSNorm or self.qk_norm_all or self.clip_qkv is not None
+                or self.qk_norm_after_rope or not self.use_rope or not self._still_fused(qkv)):
+            return None  # (the kernel norms q/k per head before RoPE, always rotates and does not clamp)
         # (plain dict lookups: this runs for every layer and step, where nn.Module.__getattr__ adds up)
         mods, params = self._modules, self._parameters
         o, qn, kn, sinks = mods.get("o_proj"), mods.get("q_norm"), mods.get("k_norm"), params.get("sinks")
@@ -292,12 +310,21 @@ class Attention(nn.Module):
         B, T, _ = x_BTD.shape
         H, K, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self._project_qkv(x_BTD)
-        q, k, v = q.reshape(B, T, H, d), k.reshape(B, T, K, d), v.reshape(B, T, K, d).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary(positions_BT, q.dtype)
-        q = apply_rope(q.transpose(1, 2), cos, sin, self.rope_interleaved)  # [B, H, T, d]
-        k = apply_rope(k.transpose(1, 2), cos, sin, self.rope_interleaved)  # [B, K, T, d]
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q, k, v = q.reshape(B, T, H, d), k.reshape(B, T, K, d), v.reshape(B, T, K, d).transpose(1, 2)
+        per_head = self.q_norm is not None and not self.qk_norm_all
+        if per_head and not self.qk_norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)                            # [B, H, T, d], [B, K, T, d]
+        if self.use_rope:
+            cos, sin = self.rotary(positions_BT, q.dtype)
+            q, k = apply_rope(q, cos, sin, self.rope_interleaved), apply_rope(k, cos, sin, self.rope_interleaved)
+        if per_head and self.qk_norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         k_pos = None
         if cache is not None:
             kv_len = cached_length(positions_BT, slots, kv_len)

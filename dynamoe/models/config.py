@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .unsupported import refusal
+
 __all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -68,6 +70,83 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                        "n_group": 1, "topk_group": 1, "max_position_embeddings": 202752,
                                        "rms_norm_eps": 1e-5, "index_topk": 2048, "index_head_dim": 128,
                                        "index_n_heads": 32}},
+    # Qwen2MoeConfig: q/k/v biases, a gated shared expert; with use_sliding_window, the even layers below
+    # max_window_layers slide ("qwen2_windows"); sliding_window is saved as 0 when it is off
+    "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "qwen2_windows": True,
+                  "fields": {"num_key_value_heads": 16, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                             "qkv_bias": True, "shared_expert_intermediate_size": 5632, "use_sliding_window": False,
+                             "sliding_window": 4096, "max_window_layers": 28}},
+    "olmoe": {"num_experts": 64, "num_experts_per_tok": 8,
+              "fields": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "pad_token_id": 1,
+                         "eos_token_id": 50279}},
+    # DeepseekV2Config: no top-k default (a config must say num_experts_per_tok), greedy routing
+    "deepseek_v2": {"num_experts": 64, "head_dim_is_rope": True,
+                    "fields": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                               "v_head_dim": 128, "n_shared_experts": 2, "topk_method": "greedy",
+                               "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1,
+                               "eos_token_id": 2}},
+    # MiniMaxM2Config: hub configs give the rotated dims as rotary_dim (partial_rotary_factor = rotary_dim / head_dim)
+    "minimax_m2": {"rope_theta": 5e6, "head_dim": 128, "num_experts": 256, "num_experts_per_tok": 8, "rotary_dim": True,
+                   "fields": {"num_key_value_heads": 8, "max_position_embeddings": 196608, "rms_norm_eps": 1e-6,
+                              "bos_token_id": 200034, "eos_token_id": 200020}},
+    # Glm4MoeLiteConfig (GLM-4.7-Flash): DeepSeek-V3's MLA and routing; without mlp_layer_types only layer 0 is dense
+    "glm4_moe_lite": {**_MLA, "num_experts": 64, "num_experts_per_tok": 4, "rope_interleave": True, "first_layer_dense": True,
+                      "fields": {**_DEEPSEEK, "q_lora_rank": 768, "qk_nope_head_dim": 192, "v_head_dim": 256, "n_group": 1,
+                                 "topk_group": 1, "routed_scaling_factor": 1.8, "first_k_dense_replace": 0,
+                                 "rms_norm_eps": 1e-5, "max_position_embeddings": 202752}},
+    # Dots1Config: no expert-count, top-k or shared-expert defaults (null); without layer_types, the layers from
+    # max_window_layers on slide ("windows_from_max_window_layers")
+    "dots1": {"windows_from_max_window_layers": True,
+              "fields": {"num_key_value_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                         "sliding_window": 4096, "max_window_layers": 62, "first_k_dense_replace": 0,
+                         "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False}},
+    "flex_olmo": {"rope_theta": 500000.0, "num_experts": 7, "num_experts_per_tok": 5,
+                  "fields": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "pad_token_id": 100277,
+                             "eos_token_id": 100257}},
+    # DbrxConfig: its own top-level names, the attention and FFN fields in attn_config / ffn_config ("nested":
+    # read as if at the top; the file's own top-level values win). attn_config.rope_theta (hub configs: 500000)
+    # is DBRX's RoPE base when the file has no top-level rope_theta / rope_parameters.
+    "dbrx": {"num_experts": 4, "num_experts_per_tok": 1,
+             "aliases": {"hidden_size": "d_model", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
+                         "max_position_embeddings": "max_seq_len"},
+             "nested": {"attn_config": {"kv_n_heads": "num_key_value_heads", "clip_qkv": "clip_qkv",
+                                        "rope_theta": "rope_theta"},
+                        "ffn_config": {"ffn_hidden_size": "intermediate_size", "moe_num_experts": "num_experts",
+                                       "moe_top_k": "num_experts_per_tok"}},
+             "fields": {"d_model": 2048, "n_heads": 16, "n_layers": 24, "max_seq_len": 2048, "num_key_value_heads": 1,
+                        "intermediate_size": 3584, "rms_norm_eps": 1e-5}},
+    # Ernie4_5_MoeConfig: moe_* names; MoE layers (i+1) % moe_layer_interval == 0 within
+    # [moe_layer_start_index, moe_layer_end_index] (-1: the last layer), the others dense ("ernie_moe_layers")
+    "ernie4_5_moe": {"rope_theta": 500000.0, "num_experts": 64, "num_experts_per_tok": 6, "ernie_moe_layers": True,
+                     "aliases": {"num_experts": "moe_num_experts", "num_experts_per_tok": "moe_k",
+                                 "n_shared_experts": "moe_num_shared_experts"},
+                     "fields": {"num_key_value_heads": 4, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                                "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                                "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_layer_end_index": -1,
+                                "moe_layer_interval": 1, "use_bias": False}},
+    # ExaoneMoeConfig: DeepSeek routing (scale 2.5) with num_shared_experts; without layer_types every
+    # sliding_window_pattern-th layer is global, the others slide ("exaone_windows")
+    "exaone_moe": {"num_experts": 64, "num_experts_per_tok": 8, "exaone_windows": True,
+                   "aliases": {"n_shared_experts": "num_shared_experts"},
+                   "fields": {"num_key_value_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                              "bos_token_id": 1, "eos_token_id": 53, "pad_token_id": 0, "sliding_window": 4096,
+                              "sliding_window_pattern": 4, "first_k_dense_replace": 1, "num_shared_experts": 1,
+                              "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1}},
+    # HunYuanMoEV1Config: top-k is moe_topk; both it and num_experts may be per-layer lists (one value here); its
+    # experts are intermediate_size wide (hub configs' moe_intermediate_size is not read by transformers: "ignored")
+    "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "aliases": {"num_experts_per_tok": "moe_topk"},
+                       "ignored": ("moe_intermediate_size",),
+                       "per_layer_lists": ("num_experts", "moe_topk"),
+                       "fields": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "pad_token_id": 0,
+                                  "bos_token_id": 1, "eos_token_id": 2}},
+    # GraniteMoeConfig / GraniteMoeSharedConfig: the multipliers default to 1 (attention_multiplier too: not
+    # head_dim^-1/2), no shared MLP unless shared_intermediate_size > 0
+    "granitemoe": {"num_experts": 8, "num_experts_per_tok": 2,
+                   "fields": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+                              "attention_multiplier": 1.0}},
+    "granitemoeshared": {"num_experts": 8, "num_experts_per_tok": 2,
+                         "fields": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1,
+                                    "eos_token_id": 2, "attention_multiplier": 1.0}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -158,6 +237,18 @@ def _indexer_types(d: dict, layers: int) -> tuple:
     offset = _int(d, "index_skip_topk_offset", 2, minimum=0)
     types = tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers))
     return () if all(t == "full" for t in types) else types
+
+
+def _rotary_dim_factor(d: dict, head_dim: int) -> float:
+    """MiniMax-M2: a hub config's ``rotary_dim`` (rotated dims per head) as a partial_rotary_factor, as
+    transformers' MiniMaxM2Config converts it; 1.0 when absent (a saved rope_parameters or a top-level
+    partial_rotary_factor still wins in parse_rope)."""
+    rotary_dim = _int(d, "rotary_dim")
+    if rotary_dim is None:
+        return 1.0
+    if rotary_dim > head_dim or rotary_dim % 2:
+        raise _err("rotary_dim", rotary_dim, f"an even int <= head_dim={head_dim}")
+    return rotary_dim / head_dim
 
 
 # ------------------------------------------------------------------------------------------ RoPE
@@ -261,12 +352,18 @@ class ModelConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    #: Qwen2-MoE: biases on q/k/v only (o_proj has none)
+    qkv_bias: bool = False
+    #: OLMoE: q, k and v are clamped to [-clip_qkv, clip_qkv] after their projections (and norms)
+    clip_qkv: Optional[float] = None
     sliding_window: Optional[int] = None
     layer_types: tuple = ()
     # routed experts
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: Optional[int] = None
+    #: Qwen2-MoE (and GraniteMoE-Shared's ``shared_intermediate_size``): the hidden size of the one shared expert
+    shared_expert_intermediate_size: Optional[int] = None
     norm_topk_prob: bool = False
     mlp_only_layers: tuple = ()
     decoder_sparse_step: int = 1
@@ -295,6 +392,13 @@ class ModelConfig:
     #: DeepSeek-V3.2 / GLM-5: per layer 'dense' or 'sparse' (overrides first_k_dense_replace when given)
     mlp_layer_types: tuple = ()
     num_nextn_predict_layers: int = 0
+    # GraniteMoE (muP): embeddings times embedding_multiplier, each sublayer's output times
+    # residual_multiplier before its residual add, softmax scale attention_multiplier (None: head_dim^-1/2),
+    # logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: Optional[float] = None
+    logits_scaling: float = 1.0
     # tokens
     bos_token_id: Optional[int] = None
     eos_token_id: tuple = ()
@@ -336,8 +440,28 @@ class ModelConfig:
         model_type = _str(d, "model_type", None)
         if not model_type:
             raise ValueError("config field 'model_type' is required but missing")
+        reason = refusal(model_type)  # before any field: a wrapper or hybrid would fail on one for the wrong reason
+        if reason is not None:
+            raise ValueError(f"{model_type}: {reason} (model_type {model_type!r} is not supported)")
         fam = _FAMILY_DEFAULTS.get(model_type, {})
-        d = {**fam.get("fields", {}), **d}
+        nested = {}
+        for sub, names in fam.get("nested", {}).items():  # DBRX's attn_config / ffn_config, read as top-level fields
+            inner = d.get(sub) or {}
+            if not isinstance(inner, dict):
+                raise _err(sub, inner, "a dict")
+            nested.update({ours: inner[theirs] for theirs, ours in names.items() if inner.get(theirs) is not None})
+        # the file's own (non-null) fields win over its nested ones, which win over the family's defaults
+        d = {**fam.get("fields", {}), **nested, **{k: v for k, v in d.items() if v is not None or k not in nested}}
+        d = {k: v for k, v in d.items() if k not in fam.get("ignored", ())}
+        for name in fam.get("per_layer_lists", ()):  # one value for every layer, or ValueError
+            v = d.get(name)
+            if isinstance(v, (list, tuple)):
+                if not v or any(x != v[0] for x in v):
+                    raise _err(name, v, "an int (or a list of one value for every layer: per-layer values are not supported)")
+                d[name] = v[0]
+        for ours, theirs in fam.get("aliases", {}).items():
+            if d.get(ours) is None and d.get(theirs) is not None:
+                d[ours] = d[theirs]
         archs = d.get("architectures") or ()
         if not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs):
             raise _err("architectures", archs, "a list of strings")
@@ -365,7 +489,7 @@ class ModelConfig:
         if experts and not 1 <= top_k <= experts:
             raise _err("num_experts_per_tok", top_k, f"an int in [1, num_experts={experts}]")
 
-        sliding = _int(d, "sliding_window", fam.get("sliding_window"))
+        sliding = _int(d, "sliding_window", fam.get("sliding_window"), minimum=0) or None  # 0: none (Qwen2-MoE)
         layer_types = d.get("layer_types")
         if layer_types is not None:
             if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
@@ -374,6 +498,21 @@ class ModelConfig:
             layer_types = tuple(layer_types)
         elif fam.get("alternating_layers"):  # GPT-OSS: even layers sliding, odd layers full
             layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+        elif fam.get("exaone_windows"):  # every pattern-th layer global (transformers derives no other pattern)
+            pattern = d.get("sliding_window_pattern")
+            if sliding is None or isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+                raise ValueError(f"config field 'layer_types' is required for {model_type} unless sliding_window is set "
+                                 f"and sliding_window_pattern is an int >= 1 (got {sliding!r}, {pattern!r})")
+            layer_types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
+        elif fam.get("windows_from_max_window_layers"):  # dots1: layers >= max_window_layers slide (when windowed)
+            start = _int(d, "max_window_layers", minimum=0)
+            layer_types = tuple("sliding_attention" if sliding is not None and i >= start else "full_attention"
+                                for i in range(layers))
+            sliding = sliding if "sliding_attention" in layer_types else None
+        elif fam.get("qwen2_windows") and _bool(d, "use_sliding_window", False):  # even layers < max_window_layers
+            below = _int(d, "max_window_layers", minimum=0)
+            layer_types = tuple("sliding_attention" if i % 2 == 0 and i < below else "full_attention"
+                                for i in range(layers))
         elif sliding is not None and _bool(d, "use_sliding_window", True):
             layer_types = ("sliding_attention",) * layers  # Mixtral / Qwen3 with use_sliding_window
         else:
@@ -383,6 +522,13 @@ class ModelConfig:
             raise ValueError("config field 'sliding_window' is required when layer_types has 'sliding_attention'")
 
         mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
+        if not mlp_types and fam.get("first_layer_dense"):
+            mlp_types = ("dense",) + ("sparse",) * (layers - 1)
+        if not mlp_types and fam.get("ernie_moe_layers"):
+            start, every = _int(d, "moe_layer_start_index", minimum=0), _int(d, "moe_layer_interval")
+            end = _int(d, "moe_layer_end_index", minimum=-1)
+            end = layers - 1 if end == -1 else end
+            mlp_types = tuple("sparse" if (i + 1) % every == 0 and start <= i <= end else "dense" for i in range(layers))
         indexer_types = _indexer_types(d, layers)
         mlp_only = _int_list(d, "mlp_only_layers")
         if any(not 0 <= i < layers for i in mlp_only):
@@ -394,8 +540,8 @@ class ModelConfig:
         scoring = _str(d, "scoring_func", "softmax")
         if scoring not in ("softmax", "sigmoid"):
             raise _err("scoring_func", scoring, "'softmax' or 'sigmoid'")
-        n_group = _int(d, "n_group", 1)
-        topk_group = _int(d, "topk_group", 1)
+        n_group = _int(d, "n_group", 1) or 1  # null (DeepSeek-V2's greedy routing): one group
+        topk_group = _int(d, "topk_group", 1) or 1
         if topk_group > n_group:
             raise _err("topk_group", topk_group, f"<= n_group={n_group}")
 
@@ -405,13 +551,20 @@ class ModelConfig:
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
             rms_norm_eps=_float(d, "rms_norm_eps", 1e-6, positive=True),
             rope=parse_rope(d, max_pos, fam.get("rope_theta", 10000.0), fam.get("rope"),
-                            fam.get("partial_rotary_factor", 1.0)),
+                            _rotary_dim_factor(d, head_dim) if fam.get("rotary_dim") else fam.get("partial_rotary_factor", 1.0)),
             intermediate_size=_int(d, "intermediate_size"), hidden_act=_str(d, "hidden_act", "silu"),
             tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
             attention_bias=_bool(d, "attention_bias", fam.get("attention_bias", False)),
+            qkv_bias=_bool(d, "qkv_bias", False), clip_qkv=_float(d, "clip_qkv", positive=True),
             sliding_window=sliding, layer_types=layer_types,
             num_experts=experts, num_experts_per_tok=top_k,
             moe_intermediate_size=_int(d, "moe_intermediate_size"),
+            shared_expert_intermediate_size=_int(d, "shared_expert_intermediate_size",
+                                                 d.get("shared_intermediate_size"), minimum=0) or None,
+            embedding_multiplier=_float(d, "embedding_multiplier", 1.0, positive=True),
+            residual_multiplier=_float(d, "residual_multiplier", 1.0, positive=True),
+            attention_multiplier=_float(d, "attention_multiplier", positive=True),
+            logits_scaling=_float(d, "logits_scaling", 1.0, positive=True),
             norm_topk_prob=_bool(d, "norm_topk_prob", False), mlp_only_layers=mlp_only,
             decoder_sparse_step=_int(d, "decoder_sparse_step", 1),
             swiglu_limit=_float(d, "swiglu_limit", positive=True),

@@ -227,8 +227,11 @@ def _other_ranks_expert(name: str, partial: dict) -> bool:
     return int(m.group(2)) < E and int(m.group(2)) not in local
 
 
-def _ignorable(name: str, config: ModelConfig) -> bool:
+def _ignorable(name: str, config: ModelConfig, model: CausalLM) -> bool:
     if name.endswith("rotary_emb.inv_freq"):
+        return True
+    # a family's tensors plain decoding does not use (K-EXAONE's multi-token-prediction "mtp.*")
+    if any(re.match(p, name) for p in getattr(type(model), "checkpoint_ignored", ())):
         return True
     if config.tie_word_embeddings and name == "lm_head.weight":
         return True
@@ -278,7 +281,7 @@ def load(path, dtype: Union[torch.dtype, str] = torch.float32, device=None, prog
     try:
         filler = _Filler(model, tensors, qcfg, dtype, device)
         filler.run(progress)
-        unexpected = sorted(n for n in files if n not in tensors.read and not _ignorable(n, config)
+        unexpected = sorted(n for n in files if n not in tensors.read and not _ignorable(n, config, model)
                             and not _other_ranks_expert(n, filler.partial_experts))
     finally:
         files.close()

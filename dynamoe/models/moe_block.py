@@ -82,27 +82,48 @@ class SparseMoeBlock(nn.Module):
     The experts are GLU experts (``moe.experts.gate_up_proj`` [E, 2F, D] gate rows then up rows,
     ``moe.experts.down_proj`` [E, D, F], optional biases), or, for a quantized checkpoint, the
     loader's :class:`~dynamoe.quant.QuantizedExperts`. ``glu`` is 'silu' or 'gpt_oss' (clamped SwiGLU).
+    Shared experts (``moe.shared_experts``): ``num_shared_experts`` of F each, or one MLP of
+    ``shared_hidden_size``; ``shared_gate`` scales their output by a per-token sigmoid gate (Qwen2-MoE);
+    ``shared_fused_gate_up`` keeps their gate and up projections in one linear (GraniteMoE-Shared).
+    ``router_groups``: group-limited selection over ``cfg.n_group`` / ``cfg.topk_group``; None = the
+    sigmoid router's default (DeepSeek-V3: yes) and the softmax router's (no). For 'softmax' this is
+    DeepSeek-V2's 'group_limited_greedy' (groups ranked by their best expert). ``route_scale``: the
+    routed weights' factor; None = ``cfg.routed_scaling_factor`` for 'sigmoid', 1 for the others.
+    (MiniMax-M2's sigmoid router has neither groups nor a scale: it passes False and 1.)
+    ``selection_bias``: the softmax router's selection-only ``e_score_correction_bias`` (ERNIE-4.5).
     """
 
     def __init__(self, cfg: ModelConfig, router: str = "softmax", normalize: bool = True, glu: str = "silu",
-                 expert_bias: bool = False, num_shared_experts: int = 0, dtype=None):
+                 expert_bias: bool = False, num_shared_experts: int = 0, shared_hidden_size: int | None = None,
+                 shared_gate: bool = False, shared_fused_gate_up: bool = False, router_groups: bool | None = None,
+                 route_scale: float | None = None, selection_bias: bool = False, dtype=None):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
         E, K, D, F_ = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.expert_hidden_size
         self.router_kind, self.num_experts, self.hidden_size = router, E, D
+        if router == "softmax_bias" and (router_groups or route_scale not in (None, 1.0)):
+            raise ValueError("router 'softmax_bias' (GPT-OSS) has no groups and no route scale")
+        sigmoid = router == "sigmoid"
+        groups = (cfg.n_group, cfg.topk_group) if (sigmoid if router_groups is None else router_groups) else (1, 1)
+        scale = (cfg.routed_scaling_factor if sigmoid else 1.0) if route_scale is None else route_scale
+        if selection_bias and router != "softmax":
+            raise ValueError(f"selection_bias is an option of router 'softmax' (the sigmoid router always has one), "
+                             f"got router {router!r}")
         if router == "softmax":
-            gate = GateConfig(type="top", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize)
+            gate = GateConfig(type="top", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize,
+                              n_group=groups[0], topk_group=groups[1], route_scale=scale, selection_bias=selection_bias)
         elif router == "softmax_bias":
             gate = GateConfig(type="custom", k=K, capacity_factor=0.0, normalize=normalize,
                               module=BiasedRouter(D, E, dtype=dtype))
         else:
             gate = GateConfig(type="sigmoid", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize,
-                              n_group=cfg.n_group, topk_group=cfg.topk_group, route_scale=cfg.routed_scaling_factor)
+                              n_group=groups[0], topk_group=groups[1], route_scale=scale)
         experts = ExpertConfig(
             type="glu", num_experts_per_device=E, hidden_size_per_expert=F_, glu_activation=glu, glu_bias=expert_bias,
             gpt_oss_alpha=cfg.swiglu_alpha, gpt_oss_limit=cfg.swiglu_limit or 7.0,
-            num_shared_experts=num_shared_experts,
+            num_shared_experts=num_shared_experts, shared_hidden_size=shared_hidden_size, shared_gate=shared_gate,
+            shared_fused_gate_up=shared_fused_gate_up,
         )
         # check_finite off: the input is this model's own hidden state, and the check costs a host
         # sync per layer and step

@@ -1,7 +1,8 @@
 """Model families by ``model_type`` (and by ``architectures``, for configs whose model_type we do
 not know under that name).
 
-Extension point: ``register("deepseek_v3", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM",
+Extension point: ``register("deepseek_v2", "dynamoe.models.deepseek_v2:DeepseekV2ForCausalLM", ("DeepseekV2ForCausalLM",))
+register("deepseek_v3", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM",
 architectures=("DeepseekV3ForCausalLM",), aliases=("kimi_k2",))``. A target is a ``"module:attr"``
 string, imported on first use (so importing dynamoe.models stays cheap), or the class itself: any
 callable ``(ModelConfig, dtype=...) -> CausalLM``.
@@ -14,7 +15,7 @@ from typing import Callable, Union
 
 from .config import ModelConfig
 
-__all__ = ["register", "family_for", "builder_for", "supported_families"]
+__all__ = ["register", "family_for", "builder_for", "supported_families", "is_registered"]
 
 
 @dataclass
@@ -45,6 +46,11 @@ def supported_families() -> list[str]:
     return sorted(set(_FAMILIES) | set(_ALIASES))
 
 
+def is_registered(model_type: str) -> bool:
+    """Whether ``model_type`` (or an alias) has a registered family."""
+    return model_type in _FAMILIES or model_type in _ALIASES
+
+
 def family_for(config: ModelConfig) -> str:
     """The registered model_type that builds ``config``; ValueError listing the supported ones."""
     mt = _ALIASES.get(config.model_type, config.model_type)
@@ -69,7 +75,20 @@ def builder_for(config: ModelConfig) -> Callable:
 register("qwen3_moe", "dynamoe.models.qwen3_moe:Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",))
 register("mixtral", "dynamoe.models.mixtral:MixtralForCausalLM", ("MixtralForCausalLM",))
 register("gpt_oss", "dynamoe.models.gpt_oss:GptOssForCausalLM", ("GptOssForCausalLM",))
+register("deepseek_v2", "dynamoe.models.deepseek_v2:DeepseekV2ForCausalLM", ("DeepseekV2ForCausalLM",))
 register("deepseek_v3", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM", ("DeepseekV3ForCausalLM",), aliases=("kimi_k2",))
 register("glm4_moe", "dynamoe.models.glm4_moe:Glm4MoeForCausalLM", ("Glm4MoeForCausalLM",))
 register("deepseek_v32", "dynamoe.models.deepseek_v32:DeepseekV32ForCausalLM", ("DeepseekV32ForCausalLM",))
+register("minimax_m2", "dynamoe.models.minimax_m2:MiniMaxM2ForCausalLM", ("MiniMaxM2ForCausalLM",))
+register("olmoe", "dynamoe.models.olmoe:OlmoeForCausalLM", ("OlmoeForCausalLM",))
+register("qwen2_moe", "dynamoe.models.qwen2_moe:Qwen2MoeForCausalLM", ("Qwen2MoeForCausalLM",))
+register("dbrx", "dynamoe.models.dbrx:DbrxForCausalLM", ("DbrxForCausalLM",))
+register("dots1", "dynamoe.models.dots1:Dots1ForCausalLM", ("Dots1ForCausalLM",))
+register("ernie4_5_moe", "dynamoe.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM", ("Ernie4_5_MoeForCausalLM",))
+register("exaone_moe", "dynamoe.models.exaone_moe:ExaoneMoeForCausalLM", ("ExaoneMoeForCausalLM",))
+register("flex_olmo", "dynamoe.models.flex_olmo:FlexOlmoForCausalLM", ("FlexOlmoForCausalLM",))
+register("glm4_moe_lite", "dynamoe.models.glm4_moe_lite:Glm4MoeLiteForCausalLM", ("Glm4MoeLiteForCausalLM",))
+register("granitemoe", "dynamoe.models.granitemoe:GraniteMoeForCausalLM", ("GraniteMoeForCausalLM",))
+register("granitemoeshared", "dynamoe.models.granitemoe:GraniteMoeForCausalLM", ("GraniteMoeSharedForCausalLM",))
+register("hunyuan_v1_moe", "dynamoe.models.hunyuan_v1_moe:HunYuanMoEV1ForCausalLM", ("HunYuanMoEV1ForCausalLM",))
 register("glm_moe_dsa", "dynamoe.models.glm_moe_dsa:GlmMoeDsaForCausalLM", ("GlmMoeDsaForCausalLM",))

@@ -11,6 +11,11 @@ rows), ``w2`` = down [E, D, F], optional biases b1 [E, 2F], b2 [E, D]. On disk:
   gate/up columns interleaved, ``experts.down_proj`` [E, F, D], biases ``gate_up_proj_bias`` [E, 2F]
   (interleaved), ``down_proj_bias`` [E, D]; MXFP4 checkpoints store the two weights out->in
   (``*_blocks`` / ``*_scales``).
+* :class:`RowStacked` -- DBRX: ``experts.mlp.w1`` (gate), ``v1`` (up), ``w2`` (down, stored in->out), each
+  [E*F, D], expert e's rows e*F..(e+1)*F-1; dense only.
+* :class:`Stacked` -- our own layout on disk, one 3D tensor per projection (GraniteMoE:
+  ``block_sparse_moe.input_linear.weight`` [E, 2F, D] gate rows then up rows,
+  ``block_sparse_moe.output_linear.weight`` [E, D, F]); dense only.
 
 Readers stream: the dense result is allocated once in the target dtype and filled one expert (or
 one tensor) at a time; packed weights stay packed (:mod:`dynamoe.quant.checkpoint`).
@@ -32,7 +37,7 @@ from torch import Tensor
 from ..quant.base import QuantizedWeight
 from ..quant.checkpoint import QuantConfig, concat_out, deinterleave_gate_up, read_weight, stack_experts
 
-__all__ = ["PerExpert", "FusedInterleaved", "ExpertWeights", "ExpertRows", "read_experts", "check_shape"]
+__all__ = ["PerExpert", "FusedInterleaved", "Stacked", "RowStacked", "ExpertWeights", "ExpertRows", "read_experts", "check_shape"]
 
 log = logging.getLogger(__name__)
 Weight = Union[Tensor, QuantizedWeight]
@@ -56,6 +61,25 @@ class PerExpert:
 @dataclass(frozen=True)
 class FusedInterleaved:
     """GPT-OSS's fused experts (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """``{prefix}.{gate_up}.weight`` [E, 2F, D] (gate rows, then up rows) and ``{prefix}.{down}.weight``
+    [E, D, F]: our layout, stored as is (see the module docstring)."""
+
+    gate_up: str = "input_linear"
+    down: str = "output_linear"
+
+
+@dataclass(frozen=True)
+class RowStacked:
+    """``{prefix}.{gate}``, ``{prefix}.{up}``, ``{prefix}.{down}`` (no ``.weight``), each [E*F, D]; gate and
+    up out->in, down in->out (DBRX's ``w1``, ``v1``, ``w2``)."""
+
+    gate: str = "w1"
+    up: str = "v1"
+    down: str = "w2"
 
 
 @dataclass
@@ -194,6 +218,40 @@ def _read_fused_interleaved(tensors: Mapping, qcfg, prefix: str, E: int, F_: int
     return ExpertWeights(w1, w2, b1, b2)
 
 
+def _read_stacked(tensors: Mapping, qcfg, prefix: str, layout: Stacked, E: int, F_: int, D: int, dtype,
+                  device) -> ExpertWeights:
+    out = []
+    for name, want in ((f"{prefix}.{layout.gate_up}.weight", (E, 2 * F_, D)), (f"{prefix}.{layout.down}.weight", (E, D, F_))):
+        t = read_weight(tensors, name, qcfg)
+        if isinstance(t, QuantizedWeight):
+            raise ValueError(f"tensor {name!r} is quantized: stacked (GraniteMoE-style) experts load dense only")
+        check_shape(name, t.shape, want)
+        out.append(t.to(dtype=dtype, device=device).contiguous())
+    return ExpertWeights(*out)
+
+
+def _read_row_stacked(tensors: Mapping, qcfg, prefix: str, layout: RowStacked, E: int, local: range, F_: int, D: int,
+                      dtype, device) -> ExpertWeights:
+    rows = slice(local.start * F_, local.stop * F_)
+    L = len(local)
+    parts = []
+    for name in (f"{prefix}.{layout.gate}", f"{prefix}.{layout.up}", f"{prefix}.{layout.down}"):
+        get_slice = getattr(tensors, "get_slice", None)
+        if get_slice is not None and qcfg is None:  # expert parallelism reads its rows only
+            lazy = get_slice(name)
+            check_shape(name, lazy.get_shape(), (E * F_, D))
+            t = lazy[rows]
+        else:
+            t = read_weight(tensors, name, qcfg)
+            if isinstance(t, QuantizedWeight):
+                raise ValueError(f"tensor {name!r} is quantized: row-stacked (DBRX-style) experts load dense only")
+            check_shape(name, t.shape, (E * F_, D))
+            t = t[rows]
+        parts.append(t.to(dtype=dtype, device=device).reshape(L, F_, D))
+    gate, up, down = parts
+    return ExpertWeights(torch.cat([gate, up], dim=1).contiguous(), down.transpose(1, 2).contiguous())
+
+
 def read_experts(tensors: Mapping, qcfg: Optional[QuantConfig], prefix: str, layout, num_experts: int,
                  hidden_size: int, model_dim: int, dtype: torch.dtype, device, bias: bool = False,
                  local: Optional[range] = None) -> ExpertWeights:
@@ -213,4 +271,14 @@ def read_experts(tensors: Mapping, qcfg: Optional[QuantConfig], prefix: str, lay
         if len(local) != E:
             tensors = ExpertRows(tensors, local, E)
         return _read_fused_interleaved(tensors, qcfg, prefix, len(local), F_, D, dtype, device, bias)
-    raise ValueError(f"unknown expert layout {layout!r}; expected PerExpert or FusedInterleaved")
+    if isinstance(layout, RowStacked):
+        if bias:
+            raise ValueError("row-stacked expert checkpoints with expert biases are not supported")
+        return _read_row_stacked(tensors, qcfg, prefix, layout, E, local, F_, D, dtype, device)
+    if isinstance(layout, Stacked):
+        if bias:
+            raise ValueError("stacked expert checkpoints with expert biases are not supported")
+        if len(local) != E:
+            tensors = ExpertRows(tensors, local, E)
+        return _read_stacked(tensors, qcfg, prefix, layout, len(local), F_, D, dtype, device)
+    raise ValueError(f"unknown expert layout {layout!r}; expected PerExpert, FusedInterleaved, Stacked or RowStacked")

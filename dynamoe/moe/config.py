@@ -83,7 +83,8 @@ class GateConfig:
 
     type: "top" (linear logits, softmax top-k: Switch k=1, GShard k>=2), "cosine_top" (cosine
         router), "sigmoid" (DeepSeek-V3: sigmoid scores, selection bias, group-limited top-k,
-        route scale) or "custom" (``module`` returns logits [T, E]).
+        route scale) or "custom" (``module`` returns logits [T, E]). "top" with ``n_group`` > 1 is
+        DeepSeek-V2's group-limited greedy (groups ranked by their best probability).
     k: experts per token. capacity_factor: see dynamoe.ops.slots (0 = dropless).
     fp32_gate: compute logits in fp32 (without changing the parameters' dtype).
     gate_noise: std of training-time logit noise (Tutel: noise * randn / E).
@@ -97,10 +98,13 @@ class GateConfig:
     fp32_gate: bool = False
     gate_noise: float = 0.0
     normalize: Optional[bool] = None
+    # 'top' only: a selection-only bias on the softmax probabilities (ERNIE-4.5's e_score_correction_bias;
+    # sigmoid gates always have theirs)
+    selection_bias: bool = False
     # sigmoid (DeepSeek) routing
     n_group: int = 1
     topk_group: int = 1
-    route_scale: float = 1.0
+    route_scale: float = 1.0  # (also 'top': DeepSeek-V2's routed_scaling_factor)
     # cosine router
     proj_dim: int = 256
     init_t: float = 0.5
@@ -119,12 +123,16 @@ class GateConfig:
         if self.gate_noise < 0:
             raise ValueError(f"gate_noise must be >= 0, got {self.gate_noise}")
         _check_bool("normalize", self.normalize, optional=True)
+        _check_bool("selection_bias", self.selection_bias)
+        if self.selection_bias and self.type != "top":
+            raise ValueError(f"selection_bias is for gate type 'top' (sigmoid gates always have one), got type {self.type!r}")
         _check_int("n_group", self.n_group, 1)
         _check_int("topk_group", self.topk_group, 1)
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group must be <= n_group={self.n_group}, got {self.topk_group}")
-        if self.type != "sigmoid" and (self.n_group, self.topk_group) != (1, 1):
-            raise ValueError(f"n_group/topk_group (group-limited routing) need gate type 'sigmoid', got type {self.type!r}")
+        if self.type not in ("sigmoid", "top") and (self.n_group, self.topk_group) != (1, 1):
+            raise ValueError(f"n_group/topk_group (group-limited routing) need gate type 'sigmoid' or 'top', "
+                             f"got type {self.type!r}")
         _check_float("route_scale", self.route_scale, positive=True)
         _check_int("proj_dim", self.proj_dim, 1)
         _check_float("init_t", self.init_t, positive=True)
@@ -148,6 +156,10 @@ class ExpertConfig:
     hidden_size_per_expert: F.
     activation_fn: ffn activation, a callable or "relu"/"gelu"/"silu"; glu_activation for "glu".
     num_shared_experts / shared_hidden_size: always-on experts added to the routed output.
+    shared_gate: scale the shared experts' output by sigmoid(x w) per token, w [D] (Qwen1.5/2-MoE's
+        ``shared_expert_gate``); needs shared experts.
+    shared_fused_gate_up: the shared GLU's gate and up projections as one ``gate_up_proj`` linear
+        [2S, D] (gate rows, then up rows: GraniteMoE-Shared's ``input_linear``) instead of two.
     """
 
     type: str = "ffn"
@@ -163,6 +175,8 @@ class ExpertConfig:
     gpt_oss_limit: float = 7.0
     num_shared_experts: int = 0
     shared_hidden_size: Optional[int] = None
+    shared_gate: bool = False
+    shared_fused_gate_up: bool = False
     module: Any = None
     module_kwargs: dict = field(default_factory=dict)
 
@@ -181,7 +195,7 @@ class ExpertConfig:
             _check_choice("glu_activation", self.glu_activation, GLU_ACTIVATIONS)
         elif self.glu_activation is not None:
             raise ValueError(f"glu_activation is for experts type 'glu', got type {self.type!r}")
-        for name in ("has_fc1_bias", "has_fc2_bias", "glu_bias"):
+        for name in ("has_fc1_bias", "has_fc2_bias", "glu_bias", "shared_gate", "shared_fused_gate_up"):
             _check_bool(name, getattr(self, name))
         _check_float("gpt_oss_alpha", self.gpt_oss_alpha, positive=True)
         _check_float("gpt_oss_limit", self.gpt_oss_limit, positive=True)
@@ -195,6 +209,11 @@ class ExpertConfig:
         if self.output_dim is not None:
             _check_int("output_dim", self.output_dim, 1)
         _check_int("num_shared_experts", self.num_shared_experts, 0)
+        if self.shared_gate and not self.num_shared_experts:
+            raise ValueError("shared_gate gates the shared experts' output: it needs num_shared_experts >= 1")
+        if self.shared_fused_gate_up and (not self.num_shared_experts or self.type != "glu"):
+            raise ValueError("shared_fused_gate_up fuses the shared GLU's gate and up: it needs glu experts and "
+                             "num_shared_experts >= 1")
         if self.type == "custom" and self.module is None:
             raise ValueError("experts type 'custom' needs 'module': an nn.Module (or class) following dynamoe.moe.experts.ExpertsProtocol")
         if self.type == "llama_ffn" and (self.output_dim not in (None, 0) or self.num_shared_experts):

@@ -260,7 +260,9 @@ class LlamaFFNExperts(nn.Module):
 class SharedExperts(nn.Module):
     """Always-on dense expert(s) added to the routed output (DeepSeek's ``shared_experts``): one
     MLP whose hidden size is ``num_shared * F`` unless given. GLU uses HF's names
-    (``gate_proj``, ``up_proj``, ``down_proj``); FFN uses ``fc1``/``fc2``."""
+    (``gate_proj``, ``up_proj``, ``down_proj``); FFN uses ``fc1``/``fc2``. With ``shared_gate`` the
+    output is scaled per token by sigmoid(``gate``(x)), ``gate`` a [1, D] linear (Qwen1.5/2-MoE). With
+    ``shared_fused_gate_up`` the gate and up projections are one ``gate_up_proj`` [2S, D] (GraniteMoE-Shared)."""
 
     def __init__(self, cfg: ExpertConfig, model_dim: int, dtype=None, device=None):
         super().__init__()
@@ -270,18 +272,31 @@ class SharedExperts(nn.Module):
         self.is_glu = cfg.type == "glu"
         if self.is_glu:
             self.activation, self.alpha, self.limit = cfg.glu_activation or "silu", cfg.gpt_oss_alpha, cfg.gpt_oss_limit
-            self.gate_proj = nn.Linear(model_dim, hidden, bias=cfg.glu_bias, **kw)
-            self.up_proj = nn.Linear(model_dim, hidden, bias=cfg.glu_bias, **kw)
+            if cfg.shared_fused_gate_up:
+                self.gate_up_proj = nn.Linear(model_dim, 2 * hidden, bias=cfg.glu_bias, **kw)
+            else:
+                self.gate_proj = nn.Linear(model_dim, hidden, bias=cfg.glu_bias, **kw)
+                self.up_proj = nn.Linear(model_dim, hidden, bias=cfg.glu_bias, **kw)
             self.down_proj = nn.Linear(hidden, out, bias=cfg.glu_bias, **kw)
+            self.fused_gate_up = cfg.shared_fused_gate_up
         else:
             self.activation_fn = activation(cfg.activation_fn)
             self.fc1 = nn.Linear(model_dim, hidden, bias=cfg.has_fc1_bias, **kw)
             self.fc2 = nn.Linear(hidden, out, bias=cfg.has_fc2_bias, **kw)
+        self.gate = nn.Linear(model_dim, 1, bias=False, **kw) if cfg.shared_gate else None
 
     def forward(self, x_TD: Tensor) -> Tensor:
         if self.is_glu:
-            return self.down_proj(glu_activation(self.gate_proj(x_TD), self.up_proj(x_TD), self.activation, self.alpha, self.limit))
-        return self.fc2(self.activation_fn(self.fc1(x_TD)))
+            if self.fused_gate_up:
+                gate, up = self.gate_up_proj(x_TD).chunk(2, dim=-1)
+            else:
+                gate, up = self.gate_proj(x_TD), self.up_proj(x_TD)
+            y = self.down_proj(glu_activation(gate, up, self.activation, self.alpha, self.limit))
+        else:
+            y = self.fc2(self.activation_fn(self.fc1(x_TD)))
+        if self.gate is not None:
+            y = torch.sigmoid(self.gate(x_TD)) * y
+        return y
 
 
 def _shard_sizes(hidden: int, out: int, n: int) -> tuple[int, int]:

@@ -137,7 +137,7 @@ class MoELayer(nn.Module):
         for g in cfg.gates:
             if g.k is not None and g.k > E and not self._clamps_top_k:
                 raise ValueError(f"gate k={g.k} exceeds the number of experts ({E})")
-            if g.type == "sigmoid":
+            if g.type in ("sigmoid", "top"):
                 if E % g.n_group:
                     raise ValueError(f"n_group={g.n_group} must divide the number of experts ({E})")
                 if g.k > g.topk_group * (E // g.n_group):

@@ -49,6 +49,9 @@ def _router_args(x_TD: Tensor, gate, gate_type: str, top_k: int, n_group: int, t
     if gate_type == "sigmoid" and 1 < n_group and topk_group < n_group and (
             E % n_group or not 1 <= topk_group or topk_group * (E // n_group) < top_k):
         return None  # the general path raises the clear error
+    if gate_type != "sigmoid" and ((1 < n_group and topk_group < n_group)
+                                   or getattr(gate, "e_score_correction_bias", None) is not None):
+        return None  # group-limited or biased softmax (DeepSeek-V2, ERNIE-4.5): the kernel's softmax router has neither
     sel = getattr(gate, "e_score_correction_bias", None) if gate_type == "sigmoid" else None
     return (w, None if b is None else b.float().contiguous(), None if sel is None else sel.float().contiguous(),
             1 if gate_type == "sigmoid" else 0)

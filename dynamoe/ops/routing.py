@@ -17,6 +17,7 @@ __all__ = [
     "softmax_topk",
     "softmax_topk_reference",
     "sigmoid_group_topk",
+    "softmax_group_topk",
     "qwen3_moe_scaled_topk",
     "deepseek_moe_sigmoid_scaled_topk",
 ]
@@ -91,6 +92,49 @@ def softmax_topk(
     return weights_TK, ids_TK, probs_TE
 
 
+def _check_groups(E: int, top_k: int, n_group: int, topk_group: int) -> None:
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"n_group must be >= 1 and divide num_experts={E}, got {n_group}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+    if topk_group * (E // n_group) < top_k:
+        raise ValueError(
+            f"top_k={top_k} exceeds the experts in the {topk_group} selected groups "
+            f"({topk_group} x {E // n_group}); raise topk_group or lower top_k"
+        )
+
+
+def softmax_group_topk(logits_TE: Tensor, top_k: int, n_group: int = 1, topk_group: int = 1, renormalize: bool = False,
+                       route_scale: float = 1.0, correction_bias_E: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """DeepSeek-V2's 'group_limited_greedy': probs = softmax(logits); each of ``n_group`` equal groups
+    of experts is ranked by its best probability, only the best ``topk_group`` groups stay eligible,
+    and the K most probable eligible experts are chosen, weighted by their probabilities (optionally
+    renormalised to sum to 1), times ``route_scale``. n_group == topk_group is plain softmax top-k.
+    ``correction_bias_E`` (ERNIE-4.5) is added to the probabilities to *choose* the experts (and rank
+    the groups); the weights stay the unbiased probabilities.
+
+    Returns (weights_TK fp32+, ids_TK int64, probs_TE fp32+).
+    """
+    _check_logits(logits_TE)
+    T, E = logits_TE.shape
+    check_top_k(top_k, E)
+    _check_groups(E, top_k, n_group, topk_group)
+    probs_TE = torch.softmax(_upcast(logits_TE), dim=-1)
+    choice_TE = probs_TE if correction_bias_E is None else probs_TE + correction_bias_E.reshape(E).to(probs_TE.dtype)
+    if topk_group < n_group:
+        choice_TGe = choice_TE.view(T, n_group, E // n_group)
+        group_ids = choice_TGe.amax(dim=-1).topk(topk_group, dim=-1).indices
+        keep_TG = torch.zeros(T, n_group, dtype=torch.bool, device=probs_TE.device).scatter_(1, group_ids, True)
+        choice_TE = choice_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
+    ids_TK = choice_TE.topk(top_k, dim=-1).indices
+    weights_TK = probs_TE.gather(1, ids_TK)
+    if renormalize:
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).eps)
+    if route_scale != 1.0:
+        weights_TK = weights_TK * route_scale
+    return weights_TK, ids_TK, probs_TE
+
+
 def sigmoid_group_topk(
     logits_TE: Tensor,
     top_k: int,
@@ -112,15 +156,7 @@ def sigmoid_group_topk(
     _check_logits(logits_TE)
     T, E = logits_TE.shape
     check_top_k(top_k, E)
-    if n_group < 1 or E % n_group:
-        raise ValueError(f"n_group must be >= 1 and divide num_experts={E}, got {n_group}")
-    if not 1 <= topk_group <= n_group:
-        raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
-    if topk_group * (E // n_group) < top_k:
-        raise ValueError(
-            f"top_k={top_k} exceeds the experts in the {topk_group} selected groups "
-            f"({topk_group} x {E // n_group}); raise topk_group or lower top_k"
-        )
+    _check_groups(E, top_k, n_group, topk_group)
     if _triton_path(logits_TE, correction_bias_E):  # --- Triton fast path (GPU): one launch ---
         from .triton import routing as triton_routing
         return triton_routing.sigmoid_group_topk(logits_TE, top_k, correction_bias_E, n_group, topk_group,
