@@ -73,3 +73,4 @@ register("deepseek_v3", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM", ("De
 register("glm4_moe", "dynamoe.models.glm4_moe:Glm4MoeForCausalLM", ("Glm4MoeForCausalLM",))
 register("deepseek_v32", "dynamoe.models.deepseek_v32:DeepseekV32ForCausalLM", ("DeepseekV32ForCausalLM",))
 register("glm_moe_dsa", "dynamoe.models.glm_moe_dsa:GlmMoeDsaForCausalLM", ("GlmMoeDsaForCausalLM",))
+register("kimi_k25", "dynamoe.models.kimi_k25:KimiK25ForCausalLM", ("KimiK25ForConditionalGeneration",))
