@@ -24,6 +24,8 @@ def reference(x, w):
     ("int4", (40, 256), {}), ("int4", (17, 96), {}), ("int4", (11, 80), {}),          # 80: a partial last group
     ("int4", (9, 48), {"group_size": 16}), ("int4", (7, 256), {"group_size": 128, "scale_dtype": torch.float32}),
     ("int4", (6, 96), {"group_size": 48, "scale_dtype": torch.float16}),               # 48: kernel groups of 16
+    ("int4", (5, 1056), {}), ("int4", (3, 544), {"group_size": 16, "scale_dtype": torch.float16}),  # 16 scales at once
+    ("int4", (4, 96), {"scale_dtype": torch.float32}),
 ])
 @pytest.mark.parametrize("T", [1, 3, 8, 9, 16])
 def test_packed_gemv_matches_dequantize_then_matmul(fmt, shape, options, T):

@@ -15,8 +15,10 @@ Checked against the public sources (no code taken): compressed-tensors
 as uint8, ``packed |= value[:, i::8] << 4 * i`` for i in 0..7 over numpy uint32, viewed as int32;
 ``unpack_from_int32``: ``(value >> 4 * i) & 15`` then ``- 8``; ``compression_param_info``: packed
 [out, ceil(in / 8)] int32, ``weight_shape`` [2]; a ``weight_zero_point`` [ceil(out / 8), groups] packed
-along dim 0 only for asymmetric schemes), and vLLM's compressed-tensors W4A16 MoE loader, which reads
-the same three tensors per expert (``weight_packed``, ``weight_scale``, ``weight_shape``).
+along dim 0 only for asymmetric schemes), and vLLM's compressed-tensors WNA16 MoE methods
+(``compressed_tensors_moe.py``), which register per expert ``w13/w2_weight_packed`` int32 (8 per word along
+the input dim), ``w13/w2_weight_scale`` [E, out, groups] in the model dtype and ``w13/w2_weight_shape``
+[E, 2], and name the stored type ``uint4b8`` (unsigned 4-bit, bias 8).
 
 Because an int32 is stored little-endian, the packed words seen as bytes are exactly the nibble layout
 of the FP4 formats (byte j = elements 2j in its low nibble, 2j + 1 in its high one): the CPU kernels

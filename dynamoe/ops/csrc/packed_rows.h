@@ -247,13 +247,33 @@ enum ScaleWords : int { kScaleF32 = 0, kScaleBF16 = 1, kScaleF16 = 2 };
 // the group, else 16 (8 bytes); a checkpoint group is then `group / kernel group` kernel groups.
 inline int64_t int4_kernel_group(int64_t group) { return group % 32 == 0 ? 32 : 16; }
 // The fp32 scales of one INT4 row for the 4-bit kernels: n kernel groups, kernel group k taking the
-// checkpoint scale srow[k / rep]; srow holds fp32, bf16 or fp16 words (ScaleWords).
+// checkpoint scale srow[k / rep]; srow holds fp32, bf16 or fp16 words (ScaleWords). rep == 1 (the
+// checkpoint group is the kernel group: Kimi's 32) converts 16 words at a time.
 inline void int4_row_scales(const void* srow, int words, int64_t n, int64_t rep, float* gs) {
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t g = k / rep;
-    if (words == kScaleF32) gs[k] = static_cast<const float*>(srow)[g];
-    else if (words == kScaleBF16) gs[k] = bf16_float(static_cast<const uint16_t*>(srow)[g]);
-    else gs[k] = fp16_float(static_cast<const uint16_t*>(srow)[g]);
+  const uint16_t* s16 = static_cast<const uint16_t*>(srow);
+  const float* s32 = static_cast<const float*>(srow);
+  if (rep == 1) {
+    if (words == kScaleF32) {
+      std::memcpy(gs, s32, n * sizeof(float));
+      return;
+    }
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    for (; k + 16 <= n; k += 16) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16 + k));
+      _mm512_storeu_ps(gs + k, words == kScaleBF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16))
+                                                   : _mm512_cvtph_ps(w));
+    }
+#endif
+    if (words == kScaleBF16)
+      for (; k < n; ++k) gs[k] = bf16_float(s16[k]);
+    else
+      for (; k < n; ++k) gs[k] = fp16_float(s16[k]);
+    return;
+  }
+  for (int64_t g = 0, k = 0; k < n; ++g) {  // each checkpoint scale spans rep kernel groups
+    const float v = words == kScaleF32 ? s32[g] : words == kScaleBF16 ? bf16_float(s16[g]) : fp16_float(s16[g]);
+    for (int64_t r = 0; r < rep && k < n; ++r) gs[k++] = v;
   }
 }
 
