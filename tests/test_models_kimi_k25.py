@@ -141,6 +141,19 @@ def test_int4_kimi_equals_the_dequantized_deepseek(ckpts):
     assert torch.equal(greedy(ours, ids(rows=1, seed=2), 8), greedy(ref, ids(rows=1, seed=2), 8))
 
 
+def test_kimi_k2_thinking_layout(ckpts, tmp_path):
+    """Kimi-K2-Thinking's layout: a plain kimi_k2 config with quantization_config at the top, INT4 experts
+    under model.layers (no wrapper): the DeepSeek-V3 model of the dequantized weights."""
+    dense = write_int4_experts(ckpts["text"], str(tmp_path / "k2"), group=32, config_edit=lambda cfg, qc: {
+        **cfg, "model_type": "kimi_k2", "quantization_config": qc})
+    write_dense_reference(ckpts["text"], str(tmp_path / "ref"), dense)
+    ours, ref = dm.load(tmp_path / "k2", progress=False), dm.load(tmp_path / "ref", progress=False)
+    assert type(ours) is DeepseekV3ForCausalLM and all(b.moe.experts.format == "int4" for _, b in ours.moe_layers())
+    x = ids(seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=0)
+
+
 def test_int4_kimi_in_bf16_keeps_experts_packed(ckpts):
     """bf16 compute with the experts still INT4: near the fp32 model of the dequantized weights (bf16 rounding
     through three random layers; the dense bf16 model of the same weights is no closer)."""

@@ -103,3 +103,9 @@ def test_reader_builds_the_weight_and_names_bad_tensors():
     for tensors, match in bad:
         with pytest.raises(ValueError, match=match):
             read_weight(tensors, name, qcfg)
+    # the channel strategy: one scale per row
+    q, scale, dense = spec_weight(6, 40, 40, seed=4)
+    channel = parse_quant_config(_qc(strategy="channel", group_size=None))
+    w = read_weight({base + ".weight_packed": spec_pack(q), base + ".weight_scale": scale,
+                     base + ".weight_shape": torch.tensor([6, 40])}, name, channel)
+    assert w.group_size == 40 and torch.equal(w.dequantize(torch.float32), dense)
