@@ -29,4 +29,4 @@ class KimiK25ForCausalLM(DeepseekV3ForCausalLM):
     checkpoint_prefix = TEXT_PREFIX
     unused_checkpoint_prefixes = VISION_PREFIXES
     #: what the server says when a request holds an image (dynamoe.serve)
-    text_only_reason = "its vision tower is not loaded: dynamoe serves the Kimi-K2.5 text model only"
+    text_only_reason = "its vision tower is not loaded (dynamoe serves the Kimi-K2.5 text model only)"
