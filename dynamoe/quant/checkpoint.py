@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 #: ``dynamoe quantize --format`` choices
-FORMATS = ("fp8", "fp8-ue8m0", "mxfp4", "nvfp4-modelopt", "nvfp4-ct")
+FORMATS = ("fp8", "fp8-ue8m0", "mxfp4", "nvfp4-modelopt", "nvfp4-ct", "int4-ct")
 DEFAULT_FP8_BLOCK = (128, 128)
 CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
 CT_INT_PACKED_FORMAT = "pack-quantized"
