@@ -1,7 +1,7 @@
 """Decode-shaped MoE expert compute with packed weights against bf16, on CPU.
 
 The same MoE layer (E=64 SwiGLU experts, k=8, D=1024, F=512) with bf16 experts and with FP8
-(blockwise), MXFP4 and NVFP4 experts (dynamoe.quant.QuantizedExperts), at T = 1, 2, 4, 8 tokens.
+(blockwise), MXFP4, NVFP4 and INT4 (group 32) experts (dynamoe.quant.QuantizedExperts), at T = 1, 2, 4, 8 tokens.
 Every round draws fresh tokens, so the active experts -- and their weights -- change (cold reads);
 the methods run interleaved, after warm-up, and the medians are reported with the bytes of expert
 weights each step reads (distinct active experts x their packed size).
@@ -25,7 +25,7 @@ from dynamoe.moe import ExpertConfig, GateConfig, MoEConfig, MoELayer  # noqa: E
 from dynamoe.ops import cpu_kernels  # noqa: E402
 
 E, K, D, F = 64, 8, 1024, 512
-FORMATS = ["fp8_block", "mxfp4", "nvfp4"]
+FORMATS = ["fp8_block", "mxfp4", "nvfp4", "int4"]
 
 
 def build():

@@ -1,6 +1,6 @@
 """The ``dynamoe`` command line.
 
-``dynamoe quantize --input DIR --output DIR --format {fp8,fp8-ue8m0,mxfp4,nvfp4-modelopt,nvfp4-ct}
+``dynamoe quantize --input DIR --output DIR --format {fp8,fp8-ue8m0,mxfp4,nvfp4-modelopt,nvfp4-ct,int4-ct}
 [--exclude REGEX ...]`` converts a bf16/fp32 Hugging Face checkpoint folder into a quantized one,
 tensor by tensor (memory: about one tensor), in the on-disk layouts of :mod:`dynamoe.quant.checkpoint`.
 NVFP4 output is weight-only (no ``input_scale``: that needs calibration data).

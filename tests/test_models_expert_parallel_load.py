@@ -50,7 +50,7 @@ def checkpoints(tmp_path_factory):
     dirs = {"qwen3": save_tiny(qwen3(), root / "qwen3"), "gpt_oss": save_tiny(gpt_oss(), root / "gpt_oss"),
             "qwen3_e3": save_tiny(qwen3(num_experts=3), root / "qwen3_e3")}
     for src, fmt, name in (("qwen3", "mxfp4", "qwen3_mxfp4"), ("gpt_oss", "mxfp4", "gpt_oss_mxfp4"),
-                           ("qwen3", "nvfp4-modelopt", "qwen3_nvfp4")):
+                           ("qwen3", "nvfp4-modelopt", "qwen3_nvfp4"), ("qwen3", "int4-ct", "qwen3_int4")):
         dirs[name] = str(root / name)
         quantize_checkpoint(dirs[src], dirs[name], fmt, log=lambda *a: None)
     fp8_src = save_tiny(qwen3(moe_intermediate=128), root / "qwen3_f128")   # F = one FP8 block: packed experts
@@ -113,7 +113,7 @@ def _experts_of(model):
 def ep_worker(rank, world, dirs):
     torch.set_num_threads(1)
     group = dist.group.WORLD
-    for name in ("qwen3", "gpt_oss", "qwen3_mxfp4", "gpt_oss_mxfp4", "qwen3_nvfp4", "qwen3_fp8"):
+    for name in ("qwen3", "gpt_oss", "qwen3_mxfp4", "gpt_oss_mxfp4", "qwen3_nvfp4", "qwen3_fp8", "qwen3_int4"):
         ref = dm.load(dirs[name], progress=False)
         ep = dm.load(dirs[name], progress=False, group=group)
         E = ref.config.num_experts
@@ -184,7 +184,7 @@ def test_replicated_tokens_split_over_ranks(checkpoints):
     run_ranks(2, split_worker, checkpoints, timeout=300)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block", "int4"])
 def test_packed_experts_take_source_blocks(fmt):
     """What the expert-parallel exchange hands a rank's L packed experts: W source blocks of L groups
     (group g -> expert g % L), equal to each block computed on its own, with and without autograd."""

@@ -221,6 +221,7 @@ QUANT_CASES = [
     ("qwen3_moe", "mxfp4", 32, QuantizedExperts),
     ("qwen3_moe", "nvfp4-modelopt", 32, QuantizedExperts),
     ("qwen3_moe", "nvfp4-ct", 32, QuantizedExperts),
+    ("qwen3_moe", "int4-ct", 32, QuantizedExperts),     # compressed-tensors pack-quantized INT4, experts only
     ("gpt_oss", "mxfp4", None, QuantizedExperts),
     ("gpt_oss", "fp8", None, None),                       # GPT-OSS fp8: attention packed, fused experts dense
 ]
@@ -239,7 +240,7 @@ def test_quantized_matches_dequantized(tmp_path, family, fmt, moe_intermediate, 
     else:
         assert not isinstance(experts, QuantizedExperts)
     n_linear = sum(isinstance(m, QuantizedLinear) for m in model.modules())
-    assert n_linear == (0 if fmt == "mxfp4" else 8 if family == "gpt_oss" else 8)
+    assert n_linear == (0 if fmt in ("mxfp4", "int4-ct") else 8 if family == "gpt_oss" else 8)
     ref_dir = _dequantized_copy(qdir, dense, tmp_path / "ref")
     ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     got, want = _logits(model), _logits(ref)

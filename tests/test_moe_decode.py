@@ -129,15 +129,15 @@ def test_kernel_checks_its_arguments():
 
 # ------------------------------------------------------------------------------------ packed experts
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4", "int4"])
 @pytest.mark.parametrize("act,T,k", [("silu", 1, 2), ("gpt_oss", 3, 3), ("silu", 16, 4)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_experts_match_the_general_path(monkeypatch, fmt, act, T, k, dtype):
-    """Blockwise FP8, MXFP4 and NVFP4 GLU experts (dynamoe.quant.quantize_experts_) through the packed
+    """Blockwise FP8, MXFP4, NVFP4 and INT4 GLU experts (dynamoe.quant.quantize_experts_) through the packed
     decode kernel give what the layer's general path (dequantize or packed GEMVs per expert) gives."""
     from dynamoe.quant import quantize_experts_
 
-    kw = {"block": (32, 32)} if fmt == "fp8_block" else {}
+    kw = {"block": (32, 32)} if fmt == "fp8_block" else {"group_size": 16} if fmt == "int4" else {}
     layer = _layer(E=6, k=k, D=64, Fh=64, act=act, bias=act == "gpt_oss", dtype=dtype)
     quantize_experts_(layer, fmt, **kw)
     assert type(layer.experts).__name__ == "QuantizedExperts"

@@ -19,7 +19,9 @@ needs_bf16 = pytest.mark.skipif(kernels is None or not kernels.has_avx512_bf16()
 
 # (model dim, hidden size, options) per format: row lengths that end in a partial 128-weight step
 # (FP4: 224 = 128 + 96, 96; FP8: 200 = 6 x 32 + 8 with 64-column scale blocks, 72 = 2 x 32 + 8)
-SHAPES = {"mxfp4": (224, 96, {}), "nvfp4": (224, 48, {}), "fp8_block": (200, 72, {"block": (32, 64)})}
+# INT4: groups of 64 (two 32-element kernel groups each; 224 and 96 end in a partial group)
+SHAPES = {"mxfp4": (224, 96, {}), "nvfp4": (224, 48, {}), "fp8_block": (200, 72, {"block": (32, 64)}),
+          "int4": (224, 96, {"group_size": 64})}
 
 
 def _experts(fmt, act="silu", bias=False, E=6, seed=0):
@@ -160,6 +162,8 @@ def test_fp8_bf16_kernel_is_the_one_that_runs():
     ("fp8_block", (300, 272), {}), ("fp8_block", (33, 200), {"block": (8, 32)}),
     ("fp8_block", (5, 200), {"block": (4, 40)}),                                    # b1 % 32 != 0: the fp32 kernel
     ("fp8_block", (33, 256), {"scale_fmt": "ue8m0"}),
+    ("int4", (40, 256), {}), ("int4", (17, 80), {}), ("int4", (9, 352), {"group_size": 16}),   # 80: partial group
+    ("int4", (5, 160), {"group_size": 160, "scale_dtype": torch.float16}), ("int4", (6, 96), {"group_size": 48}),
 ])
 @pytest.mark.parametrize("T", [1, 3, 9, 16])  # 9: a chunk of 8 tokens, then one
 def test_gemv_bf16_x_matches_dequantize_then_matmul(fmt, shape, options, T):
@@ -178,9 +182,11 @@ def test_gemv_ops_take_bf16_x(T):
     """The ops themselves with bf16 x (the bf16 kernels, or widening to fp32 where those are not built)."""
     x = torch.randn(T, 352).bfloat16()
     w = torch.randn(24, 352)
-    for fmt, options in (("fp8_block", {"block": (8, 64)}), ("mxfp4", {}), ("nvfp4", {})):
+    for fmt, options in (("fp8_block", {"block": (8, 64)}), ("mxfp4", {}), ("nvfp4", {}), ("int4", {})):
         q = quant.quantize(w, fmt, **options)
-        if fmt == "mxfp4":
+        if fmt == "int4":
+            y = kernels.int4_gemv(x, q.weight_packed.view(torch.uint8), q.weight_scale, 32)
+        elif fmt == "mxfp4":
             y = kernels.mxfp4_gemv(x, q.blocks, q.scales)
         elif fmt == "nvfp4":
             y = kernels.nvfp4_gemv(x, q.weight, q.weight_scale.view(torch.uint8), float(q.weight_scale_2))
@@ -196,7 +202,7 @@ def test_nan_scales_propagate_with_bf16_x():
     w = torch.randn(4, 352)
     w[1, 3] = float("nan")
     x = torch.randn(2, 352).bfloat16()
-    for fmt, options in (("fp8_block", {"block": (1, 32)}), ("mxfp4", {}), ("nvfp4", {})):
+    for fmt, options in (("fp8_block", {"block": (1, 32)}), ("mxfp4", {}), ("nvfp4", {}), ("int4", {})):
         q = quant.quantize(w, fmt, **options)
         y = packed_gemv(x, q)
         assert torch.isnan(y[:, 1]).all() and not torch.isnan(y[:, [0, 2, 3]]).any(), fmt
@@ -214,6 +220,8 @@ def test_fused_nan_expert_propagates(fmt):
         ex.w1.scales[2, 0, 0] = 255
     elif fmt == "nvfp4":
         ex.w1.weight_scale.view(torch.uint8)[2, 0, 0] = 0x7F
+    elif fmt == "int4":
+        ex.w1.weight_scale[2, 0, 0] = float("nan")
     else:
         ex.w1.weight_scale_inv[2, 0, 0] = float("nan")
     x = torch.randn(4, D).bfloat16()

@@ -12,13 +12,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dynamoe.cli import main
-from dynamoe.quant import BlockFP8Weight, MXFP4Weight, NVFP4Weight, QuantizedWeight, quantize
+from dynamoe.quant import BlockFP8Weight, INT4Weight, MXFP4Weight, NVFP4Weight, QuantizedWeight, quantize
 from dynamoe.quant.checkpoint import (QuantConfig, concat_out, deinterleave_gate_up, parse_quant_config,
                                       quant_config_from_dir, read_weight, stack_experts)
 from dynamoe.quant.checkpoint_files import CheckpointTensors
 from dynamoe.quant.checkpoint_writer import write_quantized
 
-FORMATS = ["fp8", "fp8-ue8m0", "mxfp4", "nvfp4-modelopt", "nvfp4-ct"]
+FORMATS = ["fp8", "fp8-ue8m0", "mxfp4", "nvfp4-modelopt", "nvfp4-ct", "int4-ct"]
 H, I, E, L, V = 64, 128, 4, 2, 96  # hidden, moe intermediate, experts, layers, vocab
 HEADS, KV, HD = 4, 2, 16
 
@@ -137,6 +137,10 @@ def assert_close_to_original(q, w):
         b0, b1 = q.block
         s = q.scales().repeat_interleave(b0, -2).repeat_interleave(b1, -1)[..., : w.shape[-2], : w.shape[-1]]
         assert (err <= w.abs() * 2 ** -4 + s * 2 ** -9 + 1e-12).all()
+    elif isinstance(q, INT4Weight):     # the nearest of 16 levels of a bf16 scale = group amax / 7.5
+        step = q.weight_scale.float().repeat_interleave(q.group_size, -1)[..., : w.shape[-1]]
+        assert (err <= 0.56 * step).all()
+        assert (err.norm() / w.norm()) < 0.15
     elif isinstance(q, MXFP4Weight):    # amax / 2^e in [4, 8): every element within 2 * 2^e
         step = torch.exp2(q.scales.float() - 127).repeat_interleave(32, -1)
         assert (err <= 2 * step + 1e-12).all()
@@ -184,7 +188,7 @@ def test_unknown_quant_method_is_rejected(qc, match):
 
 # ---------------------------------------------------------------- the CLI, every format, Qwen3-MoE-like
 def expected_targets(fmt, names):
-    if fmt == "mxfp4":
+    if fmt in ("mxfp4", "int4-ct"):
         return {n for n in names if ".mlp.experts." in n}
     return {n for n in names if n.startswith("model.layers.") and "_proj.weight" in n}
 
@@ -205,7 +209,8 @@ def test_quantize_qwen3_moe(ckpts, tmp_path, fmt):
         else:   # router, norms, embeddings, lm_head (and non-expert Linears for MXFP4) stay as they were
             assert isinstance(got, torch.Tensor) and got.dtype == w.dtype and torch.equal(got, w), name
     companions = {"fp8": ["", "_scale_inv"], "fp8-ue8m0": ["", "_scale_inv"], "mxfp4": ["_blocks", "_scales"],
-                  "nvfp4-modelopt": ["", "_scale", "_scale_2"], "nvfp4-ct": ["_packed", "_scale", "_global_scale"]}[fmt]
+                  "nvfp4-modelopt": ["", "_scale", "_scale_2"], "nvfp4-ct": ["_packed", "_scale", "_global_scale"],
+                  "int4-ct": ["_packed", "_scale", "_shape"]}[fmt]
     expected_names = {n for n in orig if n not in targets} | {n + c for n in targets for c in companions}
     assert on_disk == expected_names
     assert not any(n.endswith("input_scale") for n in on_disk)   # weight-only: nothing invented
@@ -229,6 +234,13 @@ def test_quantize_qwen3_moe(ckpts, tmp_path, fmt):
         assert qc["quant_method"] == "mxfp4"
         assert {router, "lm_head", "model.layers.1.self_attn.o_proj"} <= set(qc["modules_to_not_convert"])
         assert out["model.layers.0.mlp.experts.2.down_proj.weight_blocks"].shape == (H, I // 32, 16)
+    elif fmt == "int4-ct":
+        assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+        weights = qc["config_groups"]["group_0"]["weights"]
+        assert (weights["num_bits"], weights["type"], weights["symmetric"], weights["group_size"]) == (4, "int", True, 32)
+        assert {router, "lm_head", "model.layers.1.self_attn.o_proj"} <= set(qc["ignore"])
+        assert out["model.layers.0.mlp.experts.2.down_proj.weight_packed"].shape == (H, -(-I // 8))
+        assert out["model.layers.0.mlp.experts.2.down_proj.weight_shape"].tolist() == [H, I]
     elif fmt == "nvfp4-modelopt":
         hf = json.load(open(tmp_path / "out" / "hf_quant_config.json"))
         assert hf["quantization"]["quant_algo"] == "NVFP4" and hf["quantization"]["group_size"] == 16
@@ -311,6 +323,10 @@ def test_quantize_gpt_oss(ckpts, tmp_path, fmt):
         assert torch.equal(read_weight(out, p + name, qcfg), orig[p + name]), name
     gate_up = read_weight(out, p + "mlp.experts.gate_up_proj", qcfg)
     q = read_weight(out, p + "self_attn.q_proj.weight", qcfg)
+    if fmt == "int4-ct":   # experts only, and no public INT4 layout of fused 3D experts: nothing quantized
+        assert torch.equal(gate_up, orig[p + "mlp.experts.gate_up_proj"]) and torch.equal(q, orig[p + "self_attn.q_proj.weight"])
+        assert {p + "mlp.experts.gate_up_proj", p + "mlp.router"} <= set(qcfg.exclude)
+        return
     if fmt != "mxfp4":
         # FP8 / NVFP4: the Linears; the fused 3D experts stay dense (stored in->out, as they were)
         assert torch.equal(gate_up, orig[p + "mlp.experts.gate_up_proj"])

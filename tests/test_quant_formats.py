@@ -135,7 +135,7 @@ def test_nvfp4_compressed_tensors_global_scale_is_the_reciprocal():
 
 
 # ---------------------------------------------------------------- shared behaviour
-@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4", "int4"])
 def test_expert_indexing_memory_and_dtypes(fmt):
     w = torch.randn(4, 64, 128, dtype=torch.bfloat16)
     q = quantize(w, fmt)
@@ -143,7 +143,7 @@ def test_expert_indexing_memory_and_dtypes(fmt):
     for e in (0, 3, -1):
         torch.testing.assert_close(q[e].dequantize(torch.float32), full[e])
     assert q[1].shape == (64, 128) and len(q) == 4
-    bits = {"fp8_block": 8 + 32 / (128 * 128), "mxfp4": 4 + 8 / 32, "nvfp4": 4 + 8 / 16}[fmt]
+    bits = {"fp8_block": 8 + 32 / (128 * 128), "mxfp4": 4 + 8 / 32, "nvfp4": 4 + 8 / 16, "int4": 4 + 16 / 32}[fmt]
     assert q.bits_per_weight == pytest.approx(bits, rel=0.01)
     assert q.dequantize().dtype == torch.bfloat16
     with pytest.raises(IndexError):
@@ -157,6 +157,6 @@ def test_group_alignment_errors(fmt, shape):
     with pytest.raises(ValueError, match="divisible"):
         quantize(torch.randn(*shape), fmt)
     with pytest.raises(ValueError, match="format"):
-        quantize(torch.randn(4, 64), "int4")
+        quantize(torch.randn(4, 64), "int3")
     with pytest.raises(ValueError, match="floating-point"):
         quantize(torch.ones(4, 64, dtype=torch.long), fmt)

@@ -21,6 +21,11 @@ def reference(x, w):
     ("nvfp4", (40, 256), {}), ("nvfp4", (9, 48), {}),                  # 48: tail of 8 bytes after one step
     ("fp8_block", (300, 272), {}), ("fp8_block", (5, 200), {"block": (4, 40)}),  # partial blocks; b1 % 16 != 0
     ("fp8_block", (33, 256), {"scale_fmt": "ue8m0"}),
+    ("int4", (40, 256), {}), ("int4", (17, 96), {}), ("int4", (11, 80), {}),          # 80: a partial last group
+    ("int4", (9, 48), {"group_size": 16}), ("int4", (7, 256), {"group_size": 128, "scale_dtype": torch.float32}),
+    ("int4", (6, 96), {"group_size": 48, "scale_dtype": torch.float16}),               # 48: kernel groups of 16
+    ("int4", (5, 1056), {}), ("int4", (3, 544), {"group_size": 16, "scale_dtype": torch.float16}),  # 16 scales at once
+    ("int4", (4, 96), {"scale_dtype": torch.float32}),
 ])
 @pytest.mark.parametrize("T", [1, 3, 8, 9, 16])
 def test_packed_gemv_matches_dequantize_then_matmul(fmt, shape, options, T):
@@ -36,7 +41,7 @@ def test_nan_blocks_propagate_and_limits():
     w = torch.randn(4, 256)
     w[1, 3] = float("nan")
     x = torch.randn(2, 256)
-    for fmt, options in (("fp8_block", {"block": (1, 128)}), ("mxfp4", {}), ("nvfp4", {})):
+    for fmt, options in (("fp8_block", {"block": (1, 128)}), ("mxfp4", {}), ("nvfp4", {}), ("int4", {})):
         q = quant.quantize(w, fmt, **options)
         y = packed_gemv(x, q)
         assert torch.isnan(y[:, 1]).all() and not torch.isnan(y[:, [0, 2, 3]]).any(), fmt
@@ -49,7 +54,7 @@ def test_nan_blocks_propagate_and_limits():
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4", "int4"])
 def test_decode_through_linear_and_experts_uses_kernels_with_same_results(fmt, monkeypatch):
     torch.manual_seed(0)
     lin = torch.nn.Linear(128, 64)

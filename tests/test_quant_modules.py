@@ -11,7 +11,7 @@ from dynamoe.moe import ExpertConfig, GateConfig, MoEConfig, MoELayer
 from dynamoe.ops import grouped_mm_reference
 from dynamoe.quant import QuantizedExperts, QuantizedLinear, QuantizedWeight
 
-FORMATS = ["fp8_block", "mxfp4", "nvfp4"]
+FORMATS = ["fp8_block", "mxfp4", "nvfp4", "int4"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

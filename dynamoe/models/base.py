@@ -85,6 +85,12 @@ class CausalLM(nn.Module):
 
     #: (ours, theirs) substring renames from our state-dict names to the checkpoint's; first match wins
     checkpoint_renames: tuple = ()
+    #: extension point: a prefix every checkpoint name of the model carries (a vision-language wrapper's
+    #: text model: Kimi-K2.5's ``language_model.``), put before the renamed name
+    checkpoint_prefix: str = ""
+    #: extension point: checkpoint name prefixes of parts the model does not have (a wrapper's vision tower):
+    #: the loader skips those tensors and says so once, by prefix
+    unused_checkpoint_prefixes: tuple = ()
     #: how the routed experts are stored on disk (dynamoe.models.weights.PerExpert / FusedInterleaved)
     expert_layout = None
     #: whether the routed experts have biases (GPT-OSS)
@@ -220,8 +226,9 @@ class CausalLM(nn.Module):
 
     # ---- checkpoint names -------------------------------------------------------------------------
     def checkpoint_name(self, name: str) -> str:
-        """Our parameter name -> the checkpoint's (first matching rename of ``checkpoint_renames``)."""
+        """Our parameter name -> the checkpoint's (first matching rename of ``checkpoint_renames``, after
+        ``checkpoint_prefix``)."""
         for ours, theirs in self.checkpoint_renames:
             if ours in name:
-                return name.replace(ours, theirs, 1)
-        return name
+                return self.checkpoint_prefix + name.replace(ours, theirs, 1)
+        return self.checkpoint_prefix + name

@@ -23,7 +23,8 @@ from typing import Any, Optional
 
 from .unsupported import refusal
 
-__all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope"]
+__all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
+           "TEXT_WRAPPERS", "unwrap_text_config"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # 'indexed_attention': DeepSeek-V3.2 / GLM-5 MLA with the sparse-attention indexer (full causal otherwise)
@@ -31,6 +32,13 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "indexed_attention")
 MLP_LAYER_TYPES = ("dense", "sparse")
 INDEXER_TYPES = ("full", "shared")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+#: vision-language checkpoints whose config.json nests the text model under ``text_config`` (dynamoe loads
+#: the text model only): outer model_type -> the text model types it may hold
+TEXT_WRAPPERS = {"kimi_k25": ("deepseek_v3", "kimi_k2")}
+#: outer fields of such a wrapper that describe the whole checkpoint: where given they override the text
+#: config's (``quantization_config`` may sit at either level, see :func:`unwrap_text_config`)
+_WRAPPER_FIELDS = ("architectures", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
 
 # What transformers' config classes (5.x, configuration_<family>.py) fill in when config.json leaves a
 # field out. "fields": plain config.json fields, read as if the file had them; "num_experts" /
@@ -434,16 +442,18 @@ class ModelConfig:
     # ---- parsing ------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        """Parse an HF config.json dict; ValueError naming the field for bad or missing values."""
+        """Parse an HF config.json dict; ValueError naming the field for bad or missing values. A
+        vision-language wrapper (:data:`TEXT_WRAPPERS`) parses as its text model, see :func:`unwrap_text_config`."""
         if not isinstance(d, dict):
             raise ValueError(f"config must be a dict (config.json's contents), got {type(d).__name__}")
+        d = unwrap_text_config(d)
         model_type = _str(d, "model_type", None)
         if not model_type:
             raise ValueError("config field 'model_type' is required but missing")
         reason = refusal(model_type)  # before any field: a wrapper or hybrid would fail on one for the wrong reason
         if reason is not None:
             raise ValueError(f"{model_type}: {reason} (model_type {model_type!r} is not supported)")
-        fam = _FAMILY_DEFAULTS.get(model_type, {})
+        fam = _FAMILY_DEFAULTS.get(d.get("text_model_type") or model_type, {})
         nested = {}
         for sub, names in fam.get("nested", {}).items():  # DBRX's attn_config / ffn_config, read as top-level fields
             inner = d.get(sub) or {}
@@ -592,3 +602,33 @@ class ModelConfig:
         """F of the routed experts: ``moe_intermediate_size`` (Qwen3, DeepSeek, GLM) or ``intermediate_size``
         (Mixtral, GPT-OSS, which have no dense layers)."""
         return self.moe_intermediate_size or self.intermediate_size
+
+
+def unwrap_text_config(d: dict) -> dict:
+    """A vision-language wrapper's config.json (outer ``model_type`` in :data:`TEXT_WRAPPERS`, e.g. Kimi-K2.5's
+    ``kimi_k25`` around a DeepSeek-V3 text model) as one flat dict of its text model: the ``text_config``
+    fields, overridden by the outer fields of ``_WRAPPER_FIELDS`` that are given (architectures, token ids,
+    ``tie_word_embeddings``), ``quantization_config`` from whichever level has it (ValueError if both do and
+    differ), ``model_type`` the outer one and ``text_model_type`` the inner one (whose family defaults
+    apply); ``vision_config`` is kept for reference. Any other dict comes back as it is."""
+    outer_type = d.get("model_type")
+    if outer_type not in TEXT_WRAPPERS:
+        return d
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise _err("text_config", text, f"a dict (the text model's config, which a {outer_type!r} config nests)")
+    inner_type = text.get("model_type", TEXT_WRAPPERS[outer_type][0])
+    if inner_type not in TEXT_WRAPPERS[outer_type]:
+        raise _err("text_config.model_type", inner_type, f"one of {list(TEXT_WRAPPERS[outer_type])} (a {outer_type!r} "
+                   f"checkpoint's text model)")
+    flat = {**text, **{k: d[k] for k in _WRAPPER_FIELDS if d.get(k) is not None}}
+    outer_q, inner_q = d.get("quantization_config"), text.get("quantization_config")
+    if outer_q is not None and inner_q is not None and outer_q != inner_q:
+        raise ValueError("config fields 'quantization_config' and 'text_config.quantization_config' are both given and "
+                         "differ: which one describes the tensors is ambiguous")
+    if outer_q is not None or inner_q is not None:
+        flat["quantization_config"] = outer_q if outer_q is not None else inner_q
+    flat["model_type"], flat["text_model_type"] = outer_type, inner_type
+    if "vision_config" in d:
+        flat["vision_config"] = d["vision_config"]
+    return flat

@@ -14,8 +14,8 @@ skips them. Blockwise-FP8 checkpoints load every Linear of the layers packed (Qu
 weight absorption dequantizes ``kv_b_proj`` once per layer on first use.
 
 Kimi-K2 (and K2-Thinking) checkpoints say ``model_type: kimi_k2`` with architecture
-``DeepseekV3ForCausalLM``: the same model. (Kimi-K2.5, ``kimi_k25``, is a vision-language model whose
-``text_config`` is this architecture; it is not registered here.)
+``DeepseekV3ForCausalLM``: the same model. (Kimi-K2.5 / K2.6, ``kimi_k25``, is a vision-language model
+whose ``text_config`` is this architecture: :mod:`dynamoe.models.kimi_k25` loads its text model.)
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
 import sys
@@ -46,6 +47,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 # buffers the model derives itself (never in a checkpoint)
 _DERIVED_BUFFERS = ("_num_global_experts",)
+log = logging.getLogger(__name__)
 
 
 def _check_folder(path: str) -> None:
@@ -228,6 +230,11 @@ def _other_ranks_expert(name: str, partial: dict) -> bool:
 
 
 def _ignorable(name: str, config: ModelConfig, model: CausalLM) -> bool:
+    prefix = model.checkpoint_prefix
+    if prefix:
+        if not name.startswith(prefix):
+            return False
+        name = name[len(prefix):]
     if name.endswith("rotary_emb.inv_freq"):
         return True
     # a family's tensors plain decoding does not use (K-EXAONE's multi-token-prediction "mtp.*")
@@ -237,6 +244,20 @@ def _ignorable(name: str, config: ModelConfig, model: CausalLM) -> bool:
         return True
     m = re.match(r"model\.layers\.(\d+)\.", name)  # multi-token-prediction layers (DeepSeek): unused here
     return bool(m) and int(m.group(1)) >= config.num_hidden_layers
+
+
+def _unused_parts(model: CausalLM, names, family: str) -> set:
+    """The checkpoint tensors under the model's ``unused_checkpoint_prefixes`` (a vision-language wrapper's
+    vision tower), logged once with their count per prefix."""
+    prefixes = tuple(model.unused_checkpoint_prefixes)
+    if not prefixes:
+        return set()
+    unused = {n for n in names if n.startswith(prefixes)}
+    if unused:
+        counts = ", ".join(f"{p}* ({sum(n.startswith(p) for n in unused)} tensors)" for p in prefixes
+                           if any(n.startswith(p) for n in unused))
+        log.info("%s: not loading %d tensors the text model does not use: %s", family, len(unused), counts)
+    return unused
 
 
 def _world_size(group) -> int:
@@ -281,7 +302,9 @@ def load(path, dtype: Union[torch.dtype, str] = torch.float32, device=None, prog
     try:
         filler = _Filler(model, tensors, qcfg, dtype, device)
         filler.run(progress)
-        unexpected = sorted(n for n in files if n not in tensors.read and not _ignorable(n, config, model)
+        unused = _unused_parts(model, files, family_for(config))
+        unexpected = sorted(n for n in files if n not in tensors.read and n not in unused
+                            and not _ignorable(n, config, model)
                             and not _other_ranks_expert(n, filler.partial_experts))
     finally:
         files.close()

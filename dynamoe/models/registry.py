@@ -92,3 +92,4 @@ register("granitemoe", "dynamoe.models.granitemoe:GraniteMoeForCausalLM", ("Gran
 register("granitemoeshared", "dynamoe.models.granitemoe:GraniteMoeForCausalLM", ("GraniteMoeSharedForCausalLM",))
 register("hunyuan_v1_moe", "dynamoe.models.hunyuan_v1_moe:HunYuanMoEV1ForCausalLM", ("HunYuanMoEV1ForCausalLM",))
 register("glm_moe_dsa", "dynamoe.models.glm_moe_dsa:GlmMoeDsaForCausalLM", ("GlmMoeDsaForCausalLM",))
+register("kimi_k25", "dynamoe.models.kimi_k25:KimiK25ForCausalLM", ("KimiK25ForConditionalGeneration",))

@@ -72,8 +72,6 @@ UNSUPPORTED: dict[str, str] = {
     "inkling_text": _text_of("inkling", "short-convolution layers and multi-token prediction"),
     "jamba": "Jamba mixes Mamba layers with attention: state-space layers are not supported yet",
     "jetmoe": "JetMoE is not implemented yet: mixture-of-attention-heads (MoA) experts in attention",
-    "kimi_k25": "a vision-language wrapper (Kimi-K2.5) whose text_config is DeepSeek-V3; not supported yet "
-                "(work in progress with its INT4 compressed-tensors weights)",
     "kimi_linear": "Kimi-Linear mixes Kimi Delta Attention (linear attention) with MLA: linear-attention "
                    "layers are not supported yet",
     "kolibri1": "Kolibri-1 is not implemented yet: sliding/full attention layer pattern of its own",

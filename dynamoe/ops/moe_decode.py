@@ -167,7 +167,7 @@ def ffn_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tup
     return out, load, max_load
 
 
-PACKED_FORMATS = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2}
+PACKED_FORMATS = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2, "int4": 3}  # keep in sync with csrc/moe_decode_packed.cpp
 
 
 def _packed_fields(w) -> tuple[Tensor, Tensor, Tensor, int, int]:
@@ -177,12 +177,14 @@ def _packed_fields(w) -> tuple[Tensor, Tensor, Tensor, int, int]:
         return w.weight.view(torch.uint8), w.scales().contiguous(), torch.empty(0), w.block[0], w.block[1]
     if fmt == "mxfp4":
         return w.blocks, w.scales, torch.empty(0), 1, 1
+    if fmt == "int4":  # the int32 words as their bytes (the FP4 nibble order); block0 = the group size
+        return w.weight_packed.view(torch.uint8), w.weight_scale, torch.empty(0), w.group_size, 1
     return (w.weight, w.weight_scale.view(torch.uint8), w.weight_scale_2.float().reshape(-1).contiguous(), 1, 1)
 
 
 def packed_glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tuple[Tensor, Tensor, int] | None:
     """:func:`glu_decode` for packed experts (dynamoe.quant.QuantizedExperts of kind 'glu' in blockwise
-    FP8, MXFP4 or NVFP4, no activation quantization): the packed bytes are decoded in registers. bf16
+    FP8, MXFP4, NVFP4 or INT4, no activation quantization): the packed bytes are decoded in registers. bf16
     activations (where the kernels have AVX512-BF16) stay bf16: the weights are decoded into bf16 and
     multiplied with bf16 dot products, fp32 accumulation, the GLU output rounded to bf16 before the down
     projection (as bf16 experts do); other activations run in fp32 inside the kernel. The output comes
@@ -197,6 +199,10 @@ def packed_glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts)
         return None
     if w1.format == "fp8_block" and tuple(w1.block) != tuple(w2.block):
         return None
+    if w1.format == "int4" and (w1.group_size != w2.group_size or not all(
+            w.shape[-1] % 16 == 0 and w.group_size % 16 == 0 and w.weight_packed.is_contiguous()
+            and w.weight_scale.is_contiguous() for w in (w1, w2))):
+        return None  # the kernel's INT4 rows take whole groups of 16 elements (dynamoe.quant.matmul.int4_kernel_applies)
     k = cpu_kernels.load()
     if k is None:
         return None

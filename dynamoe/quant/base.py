@@ -23,7 +23,7 @@ def check_float_weight(w: Tensor, name: str = "w") -> None:
 
 
 class QuantizedWeight:
-    """Base of BlockFP8Weight, MXFP4Weight, NVFP4Weight (dataclasses of tensors + a shape)."""
+    """Base of BlockFP8Weight, MXFP4Weight, NVFP4Weight, INT4Weight (dataclasses of tensors + a shape)."""
 
     format: str = ""
     shape: tuple

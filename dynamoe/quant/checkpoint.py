@@ -21,6 +21,10 @@ NVFP4 (ModelOpt)       ``X.weight`` packed uint8 [out, in/2] + ``X.weight_scale`
                        [out, in/16] + ``X.weight_scale_2`` fp32 scalar (+ ``X.input_scale``).
 NVFP4 (compressed-     ``X.weight_packed`` + ``X.weight_scale`` + ``X.weight_global_scale`` fp32 [1],
 tensors)               which is **1 / weight_scale_2** (on every weight, MoE experts included).
+INT4 (compressed-      ``X.weight_packed`` int32 [out, ceil(in/8)] (8 values per word, q + 8, first
+tensors                element lowest) + ``X.weight_scale`` bf16/fp16 [out, ceil(in/group)] +
+``pack-quantized``)    ``X.weight_shape`` [2]; symmetric only (Kimi-K2.5 / K2-Thinking experts, group
+                       32; see :mod:`dynamoe.quant.int4`).
 =====================  =========================================================================
 
 The writers (``checkpoint_writer.write_quantized``, used by ``dynamoe quantize``) produce weight-only NVFP4: the
@@ -45,6 +49,7 @@ from torch import Tensor
 
 from .base import QuantizedWeight
 from .fp8_block import BlockFP8Weight
+from .int4 import SCALE_DTYPES as INT4_SCALE_DTYPES, INT4Weight
 from .mxfp4 import MX_GROUP, MXFP4Weight
 from .nvfp4 import NV_GROUP, NVFP4Weight
 
@@ -54,12 +59,14 @@ __all__ = [
 ]
 
 #: ``dynamoe quantize --format`` choices
-FORMATS = ("fp8", "fp8-ue8m0", "mxfp4", "nvfp4-modelopt", "nvfp4-ct")
+FORMATS = ("fp8", "fp8-ue8m0", "mxfp4", "nvfp4-modelopt", "nvfp4-ct", "int4-ct")
 DEFAULT_FP8_BLOCK = (128, 128)
 CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
+CT_INT_PACKED_FORMAT = "pack-quantized"
 WEIGHT_ONLY_NOTE = ("weight-only NVFP4 export (dynamoe quantize): no input_scale is stored, because activation "
                     "scales need calibration data")
-_SUPPORTED_METHODS = ("fp8 (blockwise, weight_block_size)", "mxfp4", f"compressed-tensors ({CT_NVFP4_FORMAT})",
+_SUPPORTED_METHODS = ("fp8 (blockwise, weight_block_size)", "mxfp4",
+                      f"compressed-tensors ({CT_NVFP4_FORMAT}; {CT_INT_PACKED_FORMAT} with symmetric 4-bit int weights)",
                       "modelopt (quant_algo NVFP4)")
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
@@ -69,7 +76,7 @@ _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 class QuantConfig:
     """A checkpoint's quantization, parsed once.
 
-    ``kind`` names the on-disk layout: 'fp8', 'mxfp4', 'nvfp4-modelopt' or 'nvfp4-ct'.
+    ``kind`` names the on-disk layout: 'fp8', 'mxfp4', 'nvfp4-modelopt', 'nvfp4-ct' or 'int4-ct'.
     ``exclude`` is what the config says stays dense (``modules_to_not_convert`` / ``ignore`` /
     ``exclude_modules``; names or patterns, informational: :func:`read_weight` goes by the tensors
     actually present).
@@ -80,7 +87,7 @@ class QuantConfig:
     block: Optional[tuple] = None          # FP8 weight_block_size
     scale_fmt: str = "fp32"                # FP8: 'fp32' or 'ue8m0' (what the config announces)
     activation_scheme: Optional[str] = None
-    group_size: Optional[int] = None       # 32 for MXFP4, 16 for NVFP4
+    group_size: Optional[int] = None       # 32 for MXFP4, 16 for NVFP4; INT4: the scheme's (None: per channel)
     exclude: tuple = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -134,10 +141,14 @@ def parse_quant_config(quantization_config: Optional[Mapping], hf_quant_config: 
         return QuantConfig("mxfp4", "mxfp4", group_size=MX_GROUP, exclude=tuple(qc.get("modules_to_not_convert") or ()),
                            raw=qc)
     if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
         formats = {qc["format"]} if qc.get("format") else set()
-        for group in (qc.get("config_groups") or {}).values():
+        for group in groups.values():
             if group.get("format"):
                 formats.add(group["format"])
+        if formats == {CT_INT_PACKED_FORMAT}:
+            return _parse_ct_int4(groups, qc)
+        for group in groups.values():
             weights = group.get("weights") or {}
             if weights and (weights.get("num_bits") != 4 or weights.get("type") != "float"
                             or int(weights.get("group_size") or NV_GROUP) != NV_GROUP):
@@ -150,8 +161,53 @@ def parse_quant_config(quantization_config: Optional[Mapping], hf_quant_config: 
     raise _unsupported("quant_method", method)
 
 
+def _parse_ct_int4(groups: Mapping, qc: dict) -> QuantConfig:
+    """compressed-tensors ``pack-quantized``: every config group's weights must be symmetric 4-bit ints with
+    a ``group`` (group_size) or ``channel`` strategy, and no activation quantization (W4A16); all groups
+    share one group size."""
+    sizes = set()
+    where = "compressed-tensors pack-quantized"
+    for gname, group in groups.items():
+        weights = group.get("weights")
+        at = f"quantization_config.config_groups.{gname}.weights"
+        if not weights:
+            raise ValueError(f"{where}: {at} is missing (the scheme of the packed weights)")
+        if weights.get("num_bits") != 4:
+            raise ValueError(f"{where}: {at}.num_bits is {weights.get('num_bits')!r}; supported: 4 (INT4 W4A16)")
+        if weights.get("type", "int") != "int":
+            raise ValueError(f"{where}: {at}.type is {weights.get('type')!r}; supported: 'int'")
+        if weights.get("symmetric", True) is not True:
+            raise ValueError(f"{where}: {at}.symmetric is {weights.get('symmetric')!r}: asymmetric INT4 (weight_zero_point "
+                             f"tensors) is not supported; supported: symmetric: true")
+        if weights.get("actorder") not in (None, False):
+            raise ValueError(f"{where}: {at}.actorder is {weights.get('actorder')!r}: activation reordering "
+                             f"(weight_g_idx) is not supported; supported: actorder null")
+        if weights.get("dynamic") not in (None, False):
+            raise ValueError(f"{where}: {at}.dynamic is {weights.get('dynamic')!r}; supported: false (static weight scales)")
+        strategy = weights.get("strategy", "group")
+        if strategy == "group":
+            size = weights.get("group_size")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"{where}: {at}.group_size is {size!r}; the group strategy needs a positive int")
+            sizes.add(size)
+        elif strategy == "channel":
+            sizes.add(None)
+        else:
+            raise ValueError(f"{where}: {at}.strategy is {strategy!r}; supported: 'group', 'channel'")
+        if group.get("input_activations"):
+            raise ValueError(f"{where}: quantization_config.config_groups.{gname}.input_activations is set: activation "
+                             f"quantization is not supported; supported: W4A16 (input_activations null)")
+    if not sizes:
+        raise ValueError(f"{where}: quantization_config.config_groups is empty (no weights scheme)")
+    if len(sizes) > 1:
+        raise ValueError(f"{where}: config groups with different group sizes {sorted(sizes, key=str)} are not supported")
+    return QuantConfig("int4-ct", "compressed-tensors", group_size=sizes.pop(), exclude=tuple(qc.get("ignore") or ()),
+                       raw=qc)
+
+
 def quant_config_from_dir(path) -> Optional[QuantConfig]:
-    """Parse a Hugging Face folder's ``config.json`` (``quantization_config``) and ModelOpt's
+    """Parse a Hugging Face folder's ``config.json`` (``quantization_config``, at the top or, in a
+    vision-language wrapper such as Kimi-K2.5's, under ``text_config``) and ModelOpt's
     ``hf_quant_config.json``. None for a dense (bf16/fp32) checkpoint; ValueError for a method we
     cannot load, naming it and the supported ones."""
     path = os.fspath(path)
@@ -165,7 +221,14 @@ def quant_config_from_dir(path) -> Optional[QuantConfig]:
     if os.path.exists(hf_path):
         with open(hf_path) as f:
             hf = json.load(f)
-    return parse_quant_config(config.get("quantization_config"), hf)
+    qc = config.get("quantization_config")
+    text = config.get("text_config")
+    if isinstance(text, dict) and text.get("quantization_config") is not None:
+        if qc is not None and qc != text["quantization_config"]:
+            raise ValueError(f"{cfg_path}: 'quantization_config' and 'text_config.quantization_config' are both given "
+                             f"and differ: which one describes the tensors is ambiguous")
+        qc = text["quantization_config"]
+    return parse_quant_config(qc, hf)
 
 
 # ============================================================================ reading
@@ -308,7 +371,40 @@ def _read_nvfp4_ct(tensors: Mapping, name: str, qcfg):
     return NVFP4Weight(packed, scale.view(torch.float8_e4m3fn), 1.0 / glob, shape, input_scale)
 
 
-_READERS = {"fp8": _read_fp8, "mxfp4": _read_mxfp4, "nvfp4-modelopt": _read_nvfp4_modelopt, "nvfp4-ct": _read_nvfp4_ct}
+def _read_int4_ct(tensors: Mapping, name: str, qcfg):
+    packed_name, scale_name = name + "_packed", name + "_scale"
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    shape_name = base + ".weight_shape" if name.endswith(".weight") else name + "_shape"
+    zp_name, gidx_name = name + "_zero_point", name + "_g_idx"
+    if packed_name not in tensors:
+        if name in tensors:
+            return tensors[name]
+        if scale_name in tensors:
+            raise ValueError(f"missing tensor {packed_name!r} (companion of {scale_name!r})")
+        raise _not_found(tensors, name, qcfg)
+    for extra, what in ((zp_name, "asymmetric INT4 (zero points)"), (gidx_name, "activation reordering (g_idx)")):
+        if extra in tensors:
+            raise ValueError(f"tensor {extra!r}: {what} is not supported; supported: symmetric INT4 without g_idx")
+    packed = tensors[packed_name]
+    scale = _need(tensors, scale_name, name)
+    stored = _need(tensors, shape_name, name)
+    _check_dtype(packed_name, packed, (torch.int32,))
+    _check_dtype(scale_name, scale, INT4_SCALE_DTYPES)
+    if packed.dim() < 2:
+        raise ValueError(f"tensor {packed_name!r}: an INT4 weight needs [..., out, ceil(in/8)], found shape {_shape(packed)}")
+    dims = tuple(int(v) for v in stored.reshape(-1).tolist())
+    if len(dims) != 2 or dims[0] != packed.shape[-2] or -(-dims[1] // 8) != packed.shape[-1]:
+        raise ValueError(f"tensor {shape_name!r}: expected (out={packed.shape[-2]}, in) with ceil(in/8)="
+                         f"{packed.shape[-1]} (from {packed_name!r} {_shape(packed)}), found {dims}")
+    shape = (*packed.shape[:-2], *dims)
+    group = qcfg.group_size or dims[1]   # None: the channel strategy, one group per row
+    _check_shape(scale_name, scale, (*shape[:-1], -(-dims[1] // group)),
+                 f" (scales of the {shape} weight, group_size {group})")
+    return INT4Weight(packed, scale, shape, group)
+
+
+_READERS = {"fp8": _read_fp8, "mxfp4": _read_mxfp4, "nvfp4-modelopt": _read_nvfp4_modelopt, "nvfp4-ct": _read_nvfp4_ct,
+            "int4-ct": _read_int4_ct}
 
 
 def read_weight(tensors: Mapping[str, Tensor], name: str, qcfg: Optional[QuantConfig]) -> "Tensor | QuantizedWeight":
@@ -383,7 +479,7 @@ def concat_out(weights: Iterable[QuantizedWeight]) -> QuantizedWeight:
 
     * FP8: every part but the last must have ``out`` divisible by the block's rows (the scale grid
       starts a block at row 0); otherwise ValueError.
-    * MXFP4: per-row scales, always exact.
+    * MXFP4, INT4: per-row scales, always exact.
     * NVFP4: the parts must share ``weight_scale_2`` (and ``input_scale``), as ModelOpt / llm-compressor
       export fused gate/up and q/k/v; if they differ this raises ValueError rather than requantizing
       (requantizing would re-round every group scale). Quantize such groups with a shared global scale
@@ -424,12 +520,15 @@ def concat_out(weights: Iterable[QuantizedWeight]) -> QuantizedWeight:
         return dataclasses.replace(first, shape=shape, weight=torch.cat([w.weight for w in weights], -2),
                                    weight_scale=torch.cat([w.weight_scale for w in weights], -2),
                                    input_scale=_combined_input_scale(weights, same, "concat_out"))
+    if isinstance(first, INT4Weight):  # per-row scales: always exact
+        return dataclasses.replace(first, shape=shape, weight_packed=torch.cat([w.weight_packed for w in weights], -2),
+                                   weight_scale=torch.cat([w.weight_scale for w in weights], -2))
     raise ValueError(f"concat_out does not know the format {type(first).__name__}")
 
 
 def deinterleave_gate_up(w: QuantizedWeight) -> QuantizedWeight:
     """GPT-OSS's interleaved gate/up rows (gate = rows 0::2, up = rows 1::2 of the out->in weight)
-    reordered to gate-then-up. Exact for MXFP4 and NVFP4 (per-row scales); FP8 blocks span rows, so
+    reordered to gate-then-up. Exact for MXFP4, NVFP4 and INT4 (per-row scales); FP8 blocks span rows, so
     FP8 raises ValueError."""
     rows = w.shape[-2]
     if rows % 2:
@@ -440,4 +539,7 @@ def deinterleave_gate_up(w: QuantizedWeight) -> QuantizedWeight:
     if isinstance(w, NVFP4Weight):
         return dataclasses.replace(w, weight=w.weight.index_select(-2, order),
                                    weight_scale=w.weight_scale.view(torch.uint8).index_select(-2, order).view(torch.float8_e4m3fn))
+    if isinstance(w, INT4Weight):
+        return dataclasses.replace(w, weight_packed=w.weight_packed.index_select(-2, order),
+                                   weight_scale=w.weight_scale.index_select(-2, order))
     raise ValueError(f"deinterleave_gate_up: rows of a {type(w).__name__} cannot be reordered without requantizing")

@@ -6,13 +6,15 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from .fp8_block import BlockFP8Weight
+from .int4 import INT4_DEFAULT_GROUP, INT4Weight
 from .mxfp4 import MX_GROUP, MXFP4Weight
 from .nvfp4 import NV_GROUP, NVFP4Weight
 
-from .checkpoint import CT_NVFP4_FORMAT, DEFAULT_FP8_BLOCK, FORMATS, WEIGHT_ONLY_NOTE, _E8M0  # noqa: F401
+from .checkpoint import CT_INT_PACKED_FORMAT, CT_NVFP4_FORMAT, DEFAULT_FP8_BLOCK, FORMATS, WEIGHT_ONLY_NOTE, _E8M0  # noqa: F401
 
 __all__ = ["is_quant_target", "fusion_group", "write_quantized", "quant_config_entries"]
 
@@ -48,6 +50,9 @@ def is_quant_target(name: str, tensor: Tensor, fmt: str, exclude: Iterable = ())
       NVFP4 layout for them: use mxfp4).
     * MXFP4: only the routed experts (GPT-OSS fused ``experts.gate_up_proj`` / ``down_proj``, other
       families' ``experts.{e}.*.weight``).
+    * INT4 (``int4-ct``, symmetric, group 32, bf16 scales): only the per-expert 2D routed experts
+      (``experts.{e}.*.weight``), as the Kimi-K2.5 / K2-Thinking releases; GPT-OSS's fused 3D experts
+      stay dense (no public INT4 layout for them).
 
     ``exclude`` holds regexes searched in the tensor name. Shapes the format cannot take (MXFP4 needs
     in % 32, NVFP4 in % 16) stay dense.
@@ -65,6 +70,8 @@ def is_quant_target(name: str, tensor: Tensor, fmt: str, exclude: Iterable = ())
         else:
             return False
         return in_features % MX_GROUP == 0
+    if fmt == "int4-ct":
+        return tensor.dim() == 2 and bool(_ROUTED_2D.search(name))
     if tensor.dim() != 2 or not name.endswith(".weight") or _is_router_norm_or_embedding(name):
         return False
     return fmt.startswith("fp8") or tensor.shape[-1] % NV_GROUP == 0
@@ -91,6 +98,11 @@ def _quantize_one(name: str, t: Tensor, fmt: str, block: tuple, global_amax) -> 
         fused = t.dim() == 3
         q = MXFP4Weight.quantize(t.transpose(-1, -2) if fused else t)   # GPT-OSS stores in->out
         return {name + "_blocks": q.blocks, name + "_scales": q.scales}
+    if fmt == "int4-ct":
+        q = INT4Weight.quantize(t, group_size=INT4_DEFAULT_GROUP)
+        base = name[: -len(".weight")]
+        return {base + ".weight_packed": q.weight_packed, base + ".weight_scale": q.weight_scale,
+                base + ".weight_shape": torch.tensor(list(t.shape), dtype=torch.int32)}
     amax = None if global_amax is None else global_amax.get(name)
     q = NVFP4Weight.quantize(t, global_amax=amax)
     if fmt == "nvfp4-modelopt":
@@ -136,6 +148,13 @@ def quant_config_entries(fmt: str, not_converted: Iterable[str] = (), block: tup
         return qc, None
     if fmt == "mxfp4":
         return {"quant_method": "mxfp4", "modules_to_not_convert": skip}, None
+    if fmt == "int4-ct":
+        scheme = {"targets": ["Linear"], "format": CT_INT_PACKED_FORMAT, "input_activations": None,
+                  "output_activations": None,
+                  "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                              "group_size": INT4_DEFAULT_GROUP, "dynamic": False, "actorder": None, "observer": "minmax"}}
+        return {"quant_method": "compressed-tensors", "format": CT_INT_PACKED_FORMAT, "quantization_status": "compressed",
+                "config_groups": {"group_0": scheme}, "ignore": skip, "kv_cache_scheme": None}, None
     if fmt == "nvfp4-modelopt":
         quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": NV_GROUP, "exclude_modules": skip,
                  "comment": WEIGHT_ONLY_NOTE}

@@ -19,10 +19,11 @@ from ..ops.triton import FLOAT_DTYPES, use_triton
 from .base import QuantizedWeight
 from .codecs import E4M3_MAX, e4m3_decode, e4m3_encode
 from .fp8_block import BlockFP8Weight
+from .int4 import INT4Weight
 from .mxfp4 import MXFP4Weight
 from .nvfp4 import NVFP4Weight
 
-__all__ = ["ACT_QUANT", "fp8_activation_quant", "packed_gemv", "quantized_linear", "quantized_grouped_mm"]
+__all__ = ["ACT_QUANT", "fp8_activation_quant", "packed_gemv", "int4_kernel_applies", "quantized_linear", "quantized_grouped_mm"]
 
 ACT_QUANT = (None, "fp8")
 
@@ -60,7 +61,17 @@ def packed_gemv(x_TI: Tensor, w: QuantizedWeight) -> Tensor | None:
         return k.nvfp4_gemv(x, w.weight, w.weight_scale.view(torch.uint8), float(w.weight_scale_2))
     if isinstance(w, BlockFP8Weight):
         return k.fp8_block_gemv(x, w.weight.view(torch.uint8), w.scales().contiguous(), w.block[0], w.block[1])
+    if isinstance(w, INT4Weight) and int4_kernel_applies(w):
+        return k.int4_gemv(x, w.weight_packed.view(torch.uint8), w.weight_scale, w.group_size)
     return None
+
+
+def int4_kernel_applies(w: INT4Weight) -> bool:
+    """Whether the CPU kernels take this INT4 weight: in_features and group_size multiples of 16 (whole
+    kernel groups of 16 or 32 elements), contiguous packed words and scales. Other shapes run the
+    dequantize-then-matmul path (same results)."""
+    return (w.shape[-1] % 16 == 0 and w.group_size % 16 == 0 and w.weight_packed.is_contiguous()
+            and w.weight_scale.is_contiguous())
 
 
 def _no_grad(*ts: Tensor | None) -> bool:

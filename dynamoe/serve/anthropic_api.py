@@ -176,8 +176,9 @@ def _blocks_text(content, where: str, images_ok: bool = False, drop_billing: boo
     return "\n".join(out)
 
 
-def anthropic_messages(system, messages: list[dict]) -> list[dict]:
-    """Anthropic ``system`` + ``messages`` -> the chat template's messages (see the module docstring).
+def anthropic_messages(system, messages: list[dict], images: str | None = None) -> list[dict]:
+    """Anthropic ``system`` + ``messages`` -> the chat template's messages (see the module docstring);
+    ``images``: the error an image block of a message gets (:attr:`ServerState.no_images`).
     A ``system`` message inside ``messages`` stays at its place (:meth:`ServerState.render_chat` folds it
     into the leading system prompt when the template cannot render it there)."""
     out: list[dict] = []
@@ -211,7 +212,8 @@ def anthropic_messages(system, messages: list[dict]) -> list[dict]:
             kind = _kind(b, at)
             allowed = _USER_BLOCKS if role == "user" else _ASSISTANT_BLOCKS
             if kind not in allowed:
-                hint = "; this model reads text only" if kind in ("image", "document") else ""
+                hint = ("" if kind not in ("image", "document") else
+                        f"; {images}" if images and kind == "image" else "; this model reads text only")
                 raise _bad(f"{at}.type", f"{kind!r} blocks are not supported in {'an' if role == 'assistant' else 'a'} "
                                          f"{role} message{hint}; "
                                          f"allowed: {', '.join(allowed)}")
@@ -356,7 +358,7 @@ def _output_config(output_config: dict | None) -> tuple[str | None, str | None]:
 
 async def _render(st: ServerState, body: _Base) -> tuple[str, list[int], list[dict] | None, bool]:
     """(prompt text, its token ids, the tools offered, whether thinking text is omitted from the answer)."""
-    messages = anthropic_messages(body.system, body.messages)
+    messages = anthropic_messages(body.system, body.messages, images=st.no_images)
     tools = anthropic_tools(body.tools, body.tool_choice, _loaded_tools(body.messages))
     enable_thinking, omit_thinking = _thinking(body.thinking)
     effort, instruction = _output_config(body.output_config)

@@ -136,6 +136,16 @@ class ServerState:
     def model_name(self) -> str:
         return self.config.model_name
 
+    @property
+    def no_images(self) -> str:
+        """What a request holding an image is told, naming the served model: dynamoe's models read text
+        (a vision-language checkpoint such as Kimi-K2.5 is served without its vision tower, which its model
+        class says in ``text_only_reason``)."""
+        model = self.engine.model
+        kind = getattr(getattr(model, "config", None), "model_type", None)
+        reason = getattr(model, "text_only_reason", None) or "dynamoe serves it as a text model"
+        return f"images are not supported by the model {self.model_name!r}{f' ({kind})' if kind else ''}: {reason}"
+
     def check_model(self, name: str | None) -> None:
         """OpenAI routes: only the served model (or no name) is accepted."""
         if name is not None and name != self.model_name:

@@ -1,4 +1,4 @@
-// A decode step's routed GLU experts with packed weights (blockwise FP8, MXFP4, NVFP4) in one call, as
+// A decode step's routed GLU experts with packed weights (blockwise FP8, MXFP4, NVFP4, INT4) in one call, as
 // moe_decode.cpp does for bf16/fp32: tokens grouped by expert (each expert's packed bytes read once for
 // all its tokens), gate_up rows in one parallel region, the activation in fp32, down rows in a second
 // region, the weighted sum per token in fp32. Biases and out are fp32; x is fp32, or bf16 with bf16_acts:
@@ -11,6 +11,8 @@
 //   0 FP8:   a = e4m3 bytes [E, O, I], b = fp32 scales [E, ceil(O/blk0), ceil(I/blk1)]
 //   1 MXFP4: a = blocks [E, O, I/32, 16], b = e8m0 scales [E, O, I/32]
 //   2 NVFP4: a = packed [E, O, I/2], b = e4m3 scales [E, O, I/16], c = fp32 global scales [E]
+//   3 INT4:  a = the int32 words as bytes [E, O, I/2], b = fp32 / bf16 / fp16 scales [E, O, ceil(I/group)],
+//            blk0 = group (a multiple of 16, as I) -- compressed-tensors pack-quantized (dynamoe/quant/int4.py)
 #include <torch/extension.h>
 #include "decode_ops.h"
 #include <ATen/Parallel.h>
@@ -32,7 +34,16 @@ struct Packed {
   const uint8_t* b8 = nullptr;     // MXFP4 / NVFP4 scales
   const float* bf = nullptr;       // FP8 scales
   const float* global = nullptr;   // NVFP4
+  const uint8_t* sw = nullptr;     // INT4 scales (words of `words`, ScaleWords)
+  int words = kScaleF32;
 };
+
+int int4_scale_words(const torch::Tensor& s, const char* name) {
+  if (s.scalar_type() == torch::kFloat32) return kScaleF32;
+  if (s.scalar_type() == torch::kBFloat16) return kScaleBF16;
+  TORCH_CHECK(s.scalar_type() == torch::kHalf, name, ": INT4 scales must be float32, bfloat16 or float16, got ", s.scalar_type());
+  return kScaleF16;
+}
 
 Packed packed_weight(int64_t fmt, const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c, int64_t blk0,
                      int64_t blk1, const char* name) {
@@ -53,9 +64,19 @@ Packed packed_weight(int64_t fmt, const torch::Tensor& a, const torch::Tensor& b
                 b.size(2) == a.size(2) && b.element_size() == 1, name, ": MXFP4 needs blocks [E, O, I/32, 16], scales [E, O, I/32]");
     w.I = a.size(2) * 32;
     w.b8 = static_cast<const uint8_t*>(b.data_ptr());
+  } else if (fmt == 3) {
+    TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && b.size(0) == w.E && b.size(1) == w.O, name,
+                ": INT4 needs packed bytes [E, O, I/2], scales [E, O, ceil(I/group)]");
+    w.I = a.size(2) * 2;
+    w.blk0 = blk0;
+    TORCH_CHECK(blk0 >= 16 && blk0 % 16 == 0 && w.I % 16 == 0, name, ": INT4 kernels need group_size and in_features "
+                "divisible by 16, got group_size ", blk0, ", in_features ", w.I);
+    TORCH_CHECK(b.size(2) == (w.I + blk0 - 1) / blk0, name, ": INT4 scales must be [E, O, ceil(I/", blk0, ")]");
+    w.words = int4_scale_words(b, name);
+    w.sw = static_cast<const uint8_t*>(b.data_ptr());
   } else {
     TORCH_CHECK(fmt == 2 && a.dim() == 3 && b.dim() == 3 && b.element_size() == 1 && b.size(0) == w.E && b.size(1) == w.O,
-                name, ": format must be 0 (FP8), 1 (MXFP4) or 2 (NVFP4); NVFP4 needs packed [E, O, I/2], scales [E, O, I/16]");
+                name, ": format must be 0 (FP8), 1 (MXFP4), 2 (NVFP4) or 3 (INT4); NVFP4 needs packed [E, O, I/2], scales [E, O, I/16]");
     w.I = a.size(2) * 2;
     TORCH_CHECK(w.I % 16 == 0 && b.size(2) == w.I / 16, name, ": NVFP4 scales must be [E, O, I/16]");
     TORCH_CHECK(c.numel() == w.E && c.scalar_type() == torch::kFloat && c.is_contiguous(), name,
@@ -110,10 +131,15 @@ void rows(const Packed& w, int64_t e, int64_t o0, int64_t o1, const Acts& a, int
     }
     return;
   }
-  const int64_t G = w.fmt == 1 ? I / 32 : I / 16;
+  // kernel groups of 32 elements (16 bytes: MXFP4, INT4 with group % 32 == 0) or 16 (8 bytes: NVFP4, other INT4)
+  const int64_t kg = w.fmt == 1 ? 32 : w.fmt == 3 ? int4_kernel_group(w.blk0) : 16;
+  const int64_t G = (I + kg - 1) / kg;
   // the bf16 kernels read whole 64-byte steps of scales (4 or 8 groups): zeros past the row's groups
   const int64_t steps = (h + kFp4StepBytes - 1) / kFp4StepBytes;
-  std::vector<float> gs(std::max(G, steps * (w.fmt == 1 ? 4 : 8)), 0.f);
+  std::vector<float> gs(std::max(G, steps * (kFp4StepElems / kg)), 0.f);
+  const int64_t Gs = w.fmt == 3 ? (I + w.blk0 - 1) / w.blk0 : G;  // scales per row on disk
+  const int64_t srow_bytes = w.fmt == 3 ? Gs * (w.words == kScaleF32 ? 4 : 2) : G;
+  const uint8_t* scales = w.fmt == 3 ? w.sw : w.b8;
   float e4m3[256];
   if (w.fmt == 2)
     for (int v = 0; v < 256; ++v) e4m3[v] = tab.e4m3[v] * w.global[e];
@@ -122,11 +148,15 @@ void rows(const Packed& w, int64_t e, int64_t o0, int64_t o1, const Acts& a, int
   const int64_t ahead = prefetch_ahead_rows(h);
   if (o0 == 0) prefetch_first_rows(w.a + e * w.O * h, 0, w.O, h, ahead);  // an expert's first rows
   for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* srow = w.b8 + (e * w.O + o) * G;
+    const uint8_t* srow = scales + (e * w.O + o) * srow_bytes;
     const uint8_t* prow = w.a + (e * w.O + o) * h;
     prefetch_row(w.a + e * w.O * h, o, w.O, h, ahead);  // the packed bytes of the row `ahead` rows on
-    prefetch_row(w.b8 + e * w.O * G, o, w.O, G, ahead);  // and its scales
-    if (w.fmt == 1) {
+    prefetch_row(scales + e * w.O * srow_bytes, o, w.O, srow_bytes, ahead);  // and its scales
+    if (w.fmt == 3) {
+      int4_row_scales(srow, w.words, G, w.blk0 / kg, gs.data());
+      if (kg == 32) fp4_row_tokens<16, Int4Codec>(prow, h, Tg, xq, xqf, a.qs, xe, xo, gs.data(), out + o, out_stride);
+      else fp4_row_tokens<8, Int4Codec>(prow, h, Tg, xq, xqf, a.qs, xe, xo, gs.data(), out + o, out_stride);
+    } else if (w.fmt == 1) {
       e8m0_row_scales(srow, G, tab.e8m0, gs.data());
       fp4_row_tokens<16>(prow, h, Tg, xq, xqf, a.qs, xe, xo, gs.data(), out + o, out_stride);
     } else {

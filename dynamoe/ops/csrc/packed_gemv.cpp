@@ -1,5 +1,5 @@
 // Fused dequantize-and-multiply for decode-sized batches on CPU: y[t, o] = sum_i x[t, i] * W[o, i]
-// with W packed as MXFP4, NVFP4 or blockwise FP8. Each weight byte is read once, decoded in
+// with W packed as MXFP4, NVFP4, INT4 (compressed-tensors pack-quantized) or blockwise FP8. Each weight byte is read once, decoded in
 // registers and used for all T tokens; no dequantized copy of the weight is ever written.
 // AVX-512 path (permute-based e2m1 lookup, arithmetic e4m3 decode) with a portable scalar fallback.
 #include <torch/extension.h>
@@ -44,6 +44,17 @@ void fp4_layouts(const torch::Tensor& x, std::vector<uint16_t>& xq, std::vector<
     xqf.resize(T * S);
     fp4_f32_acts(bf16_words(x), T, I, I, xqf.data());
   }
+}
+
+// the ScaleWords code of an INT4 weight_scale tensor
+int scale_words(const torch::Tensor& s) {
+  switch (s.scalar_type()) {
+    case torch::kFloat32: return kScaleF32;
+    case torch::kBFloat16: return kScaleBF16;
+    case torch::kHalf: return kScaleF16;
+    default: TORCH_CHECK(false, "INT4 scales must be float32, bfloat16 or float16, got ", s.scalar_type());
+  }
+  return 0;
 }
 
 // fp32 activations for the fp32 kernels (bf16 widened exactly)
@@ -116,6 +127,50 @@ torch::Tensor nvfp4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
       nvfp4_row_scales(sp + o * G, G, static_cast<float>(global_scale), e4m3, gs.data());
       fp4_row_tokens<8>(pp + o * h, h, T, bf16 ? xq.data() : nullptr, xqf.data(), xs, xe.data(), xo.data(),
                           gs.data(), yp + o, O);
+    }
+  });
+  return y;
+}
+
+// INT4: packed = the int32 words [O, I/8] as bytes [O, I/2] (the FP4 nibble layout), scale [O, ceil(I/group)]
+// fp32 / bf16 / fp16; group and I multiples of 16. The 4-bit row kernels with the INT4 table.
+torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t group) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+              "packed must be contiguous uint8 [O, I/2] (the int32 words as bytes)");
+  const int64_t O = packed.size(0), I = packed.size(1) * 2, T = x.size(0), h = I / 2;
+  TORCH_CHECK(group >= 16 && group % 16 == 0 && I % 16 == 0, "INT4 kernels need group_size and in_features divisible by 16, "
+              "got group_size ", group, ", in_features ", I);
+  const int64_t G = (I + group - 1) / group;
+  TORCH_CHECK(scale.sizes() == torch::IntArrayRef({O, G}) && scale.is_contiguous(), "scale must be contiguous [O, ", G, "]");
+  const int words = scale_words(scale);
+  check_x(x, I);
+  const bool bf16 = bf16_kernels(x);
+  std::vector<float> xe, xo, xqf;
+  std::vector<uint16_t> xq;
+  if (bf16) fp4_layouts(x, xq, xqf);
+  else split_even_odd(as_fp32(x).data_ptr<float>(), T, I, xe, xo);
+  auto y = torch::empty({T, O}, x.options().dtype(torch::kFloat32));
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const uint8_t* sp = static_cast<const uint8_t*>(scale.data_ptr());
+  const int64_t srow_bytes = G * scale.element_size();
+  float* yp = y.data_ptr<float>();
+  const int64_t kg = int4_kernel_group(group), n = (I + kg - 1) / kg, rep = group / kg;
+  const int64_t steps = (h + kFp4StepBytes - 1) / kFp4StepBytes, per_step = kFp4StepElems / kg;
+  const int64_t xs = fp4_bf16_stride(I);
+  const int64_t ahead = prefetch_ahead_rows(h);
+  at::parallel_for(0, O, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> gs(std::max(n, per_step * steps), 0.f);  // zeros past the row's groups (bf16 kernel steps)
+    prefetch_first_rows(pp, begin, O, h, ahead);
+    for (int64_t o = begin; o < end; ++o) {
+      prefetch_row(pp, o, O, h, ahead);
+      prefetch_row(sp, o, O, srow_bytes, ahead);
+      int4_row_scales(sp + o * srow_bytes, words, n, rep, gs.data());
+      if (kg == 32)
+        fp4_row_tokens<16, Int4Codec>(pp + o * h, h, T, bf16 ? xq.data() : nullptr, xqf.data(), xs, xe.data(), xo.data(),
+                                      gs.data(), yp + o, O);
+      else
+        fp4_row_tokens<8, Int4Codec>(pp + o * h, h, T, bf16 ? xq.data() : nullptr, xqf.data(), xs, xe.data(), xo.data(),
+                                     gs.data(), yp + o, O);
     }
   });
   return y;
@@ -207,7 +262,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_ffn_decode_out", &moe_ffn_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "a decode step's routed FFN experts in Tutel's layout (T <= 16 rows, bf16 or fp32): out [T, O], load [E]");
   m.def("packed_moe_glu_decode_out", &packed_moe_glu_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "a decode step's routed GLU experts with packed weights (0 FP8, 1 MXFP4, 2 NVFP4; T <= 16; fp32 out; x fp32, "
+        "a decode step's routed GLU experts with packed weights (0 FP8, 1 MXFP4, 2 NVFP4, 3 INT4; T <= 16; fp32 out; x fp32, "
         "or bf16 with bf16_acts: AVX512-BF16 dot products where compiled in, h rounded to bf16)");
   m.def("rope_out", &rope_out, pybind11::call_guard<pybind11::gil_scoped_release>(), "rotary embedding of x [B, H, T, d] (bf16 or fp32) with cos/sin [B, T, R/2] into out");
   m.def("rms_norm_out", &rms_norm_out, pybind11::call_guard<pybind11::gil_scoped_release>(), "RMSNorm of x [N, dim] (bf16 or fp32) into out, fp32 statistics");
@@ -221,6 +276,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y [T, O] fp32 = x [T, I] (fp32 or bf16) @ W^T, W MXFP4 (blocks [O, I/32, 16], e8m0 scales [O, I/32])");
   m.def("nvfp4_gemv", &nvfp4_gemv, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "y [T, O] fp32 = x [T, I] (fp32 or bf16) @ W^T, W NVFP4 (packed [O, I/2], e4m3 scales [O, I/16], global)");
+  m.def("int4_gemv", &int4_gemv, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "y [T, O] fp32 = x [T, I] (fp32 or bf16) @ W^T, W INT4 (packed words as bytes [O, I/2], scales [O, ceil(I/group)] "
+        "fp32/bf16/fp16, group)");
   m.def("fp8_block_gemv", &fp8_block_gemv, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "y [T, O] fp32 = x [T, I] (fp32 or bf16) @ W^T, W blockwise FP8 (e4m3 [O, I], fp32 scales)");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 path was compiled in");

@@ -1,5 +1,7 @@
-// The packed-weight row kernels (MXFP4, NVFP4, blockwise FP8) shared by the GEMVs (packed_gemv.cpp)
+// The packed-weight row kernels (MXFP4, NVFP4, INT4, blockwise FP8) shared by the GEMVs (packed_gemv.cpp)
 // and the fused MoE decode (moe_decode_packed.cpp): one output row for TT tokens, decoded in registers.
+// MXFP4, NVFP4 and INT4 are one family of 4-bit row kernels: two elements per byte, low nibble = even
+// element, one scale per group of bytes; they differ only in the table of a nibble's 16 values (Codec).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -20,7 +22,26 @@
 #endif
 
 namespace dynamoe::packed {
-inline constexpr float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+// The 4-bit element codecs: `values` by nibble, `bf16` the same values' bf16 bit patterns (all exact), twice
+// (the 32-word table of vpermw, which ignores bit 4 of the index: see Fp4Bf16Decoder).
+struct E2M1Codec {  // MXFP4, NVFP4
+  static constexpr float values[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  static constexpr uint16_t bf16[32] = {
+      0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,   // 0, .5, 1, 1.5, 2, 3, 4, 6
+      0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,   // and their negatives
+      0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+      0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+};
+// compressed-tensors pack-quantized INT4 (dynamoe/quant/int4.py): nibble n holds q = n - 8. Its int32 words
+// are little-endian, so as bytes they have the FP4 layout (byte j = elements 2j, 2j + 1).
+struct Int4Codec {
+  static constexpr float values[16] = {-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
+  static constexpr uint16_t bf16[32] = {
+      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,   // -8 .. -1
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,   // 0 .. 7
+      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+};
 
 inline float e4m3_value(uint8_t b) {
   const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
@@ -97,17 +118,17 @@ inline void split_even_odd(const float* x, int64_t T, int64_t I, std::vector<flo
     }
 }
 
-// One output row of an FP4 weight for TT tokens (a compile-time count, so the accumulators live in
+// One output row of a 4-bit weight for TT tokens (a compile-time count, so the accumulators live in
 // registers): `packed` holds I/2 bytes, `gscale[g]` is the scale of group g, a group spanning
-// `bytes_per_group` bytes (16 for MXFP4's 32 elements, 8 for NVFP4's 16).
-template <int TT, int kBytesPerGroup>
+// `bytes_per_group` bytes (16 for MXFP4's 32 elements, 8 for NVFP4's 16; INT4 either, see int4_row_scales).
+template <int TT, int kBytesPerGroup, class Codec = E2M1Codec>
 void fp4_row(const uint8_t* packed, int64_t h, const float* xe, const float* xo, int64_t x_stride,
              const float* gscale, float* out, int64_t out_stride) {
   float acc_s[TT];
   for (int t = 0; t < TT; ++t) acc_s[t] = 0.f;
   int64_t j = 0;
 #if defined(__AVX512F__)
-  const __m512 lut = _mm512_loadu_ps(kE2M1);
+  const __m512 lut = _mm512_loadu_ps(Codec::values);
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi32(15);
@@ -131,7 +152,7 @@ void fp4_row(const uint8_t* packed, int64_t h, const float* xe, const float* xo,
 #endif
   for (; j < h; ++j) {
     const float s = gscale[j / kBytesPerGroup];
-    const float lo = kE2M1[packed[j] & 15] * s, hi = kE2M1[packed[j] >> 4] * s;
+    const float lo = Codec::values[packed[j] & 15] * s, hi = Codec::values[packed[j] >> 4] * s;
     for (int t = 0; t < TT; ++t) acc_s[t] += lo * xe[t * x_stride + j] + hi * xo[t * x_stride + j];
   }
   for (int t = 0; t < TT; ++t) out[t * out_stride] = acc_s[t];
@@ -205,6 +226,55 @@ inline void e8m0_row_scales(const uint8_t* srow, int64_t G, const float* e8m0, f
   }
 #endif
   for (; g < G; ++g) gs[g] = e8m0[srow[g]];
+}
+
+// fp16 bits -> fp32 (exact; subnormals, infinities and NaN kept)
+inline float fp16_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 31, m = h & 0x3FFu;
+  if (e == 0) {
+    const float v = std::ldexp(static_cast<float>(m), -24);
+    return sign ? -v : v;
+  }
+  const uint32_t u = sign | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// INT4 scales: the words of a checkpoint's weight_scale row (codes shared with dynamoe/quant/int4.py's dtypes)
+enum ScaleWords : int { kScaleF32 = 0, kScaleBF16 = 1, kScaleF16 = 2 };
+// The 4-bit kernels' group for an INT4 group size (a multiple of 16): 32 elements (16 bytes) when it divides
+// the group, else 16 (8 bytes); a checkpoint group is then `group / kernel group` kernel groups.
+inline int64_t int4_kernel_group(int64_t group) { return group % 32 == 0 ? 32 : 16; }
+// The fp32 scales of one INT4 row for the 4-bit kernels: n kernel groups, kernel group k taking the
+// checkpoint scale srow[k / rep]; srow holds fp32, bf16 or fp16 words (ScaleWords). rep == 1 (the
+// checkpoint group is the kernel group: Kimi's 32) converts 16 words at a time.
+inline void int4_row_scales(const void* srow, int words, int64_t n, int64_t rep, float* gs) {
+  const uint16_t* s16 = static_cast<const uint16_t*>(srow);
+  const float* s32 = static_cast<const float*>(srow);
+  if (rep == 1) {
+    if (words == kScaleF32) {
+      std::memcpy(gs, s32, n * sizeof(float));
+      return;
+    }
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    for (; k + 16 <= n; k += 16) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16 + k));
+      _mm512_storeu_ps(gs + k, words == kScaleBF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16))
+                                                   : _mm512_cvtph_ps(w));
+    }
+#endif
+    if (words == kScaleBF16)
+      for (; k < n; ++k) gs[k] = bf16_float(s16[k]);
+    else
+      for (; k < n; ++k) gs[k] = fp16_float(s16[k]);
+    return;
+  }
+  for (int64_t g = 0, k = 0; k < n; ++g) {  // each checkpoint scale spans rep kernel groups
+    const float v = words == kScaleF32 ? s32[g] : words == kScaleBF16 ? bf16_float(s16[g]) : fp16_float(s16[g]);
+    for (int64_t r = 0; r < rep && k < n; ++r) gs[k++] = v;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -288,17 +358,11 @@ inline void fp8_f32_acts(const uint16_t* x, int64_t T, int64_t I, int64_t xs, fl
 }
 
 #if defined(DYNAMOE_PACKED_BF16)
-// 64 packed FP4 bytes -> four vectors of 32 bf16 words (the order above)
+// 64 packed 4-bit bytes -> four vectors of 32 bf16 words (the order above), values from Codec's table
+template <class Codec = E2M1Codec>
 struct Fp4Bf16Decoder {
   __m512i tab;
-  Fp4Bf16Decoder() {
-    alignas(64) static constexpr uint16_t bits[32] = {
-        0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,   // 0, .5, 1, 1.5, 2, 3, 4, 6
-        0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,   // and their negatives
-        0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-        0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
-    tab = _mm512_load_si512(bits);
-  }
+  Fp4Bf16Decoder() { tab = _mm512_loadu_si512(Codec::bf16); }
   void operator()(__m512i b, __m512i v[4]) const {
     v[0] = _mm512_permutexvar_epi16(b, tab);
     v[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), tab);
@@ -315,11 +379,11 @@ inline __m512 dp_bf16(__m512 acc, __m512i w, const uint16_t* x) {
 // `xq` the activations in the FP4 step order (fp4_bf16_acts; row stride x_stride), `gs` the fp32 group
 // scales zero-padded to whole steps (4 per step for MXFP4, 8 for NVFP4). A partial last step is read
 // with a masked load: its missing bytes are zero weights, against zero activations and scales.
-template <int TT, int kBytesPerGroup>
+template <int TT, int kBytesPerGroup, class Codec = E2M1Codec>
 void fp4_row_bf16(const uint8_t* packed, int64_t h, const uint16_t* xq, int64_t x_stride, const float* gs,
                   float* out, int64_t out_stride) {
   static_assert(kBytesPerGroup == 16 || kBytesPerGroup == 8, "MXFP4 (16 bytes) or NVFP4 (8 bytes) groups");
-  const Fp4Bf16Decoder decode;
+  const Fp4Bf16Decoder<Codec> decode;
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
   // fp32 lane i takes the scale of group i / 4 of the step (MXFP4) or i / 2 (NVFP4)
@@ -374,11 +438,11 @@ void fp8_row_bf16(const uint8_t* row, int64_t I, const uint16_t* xq, int64_t x_s
 
 // fp4_row_bf16 for TT >= 2 tokens: the decoded words widened to fp32, fp32 FMAs against `xf`
 // (fp4_f32_acts; row stride x_stride)
-template <int TT, int kBytesPerGroup>
+template <int TT, int kBytesPerGroup, class Codec = E2M1Codec>
 void fp4_row_wide(const uint8_t* packed, int64_t h, const float* xf, int64_t x_stride, const float* gs, float* out,
                   int64_t out_stride) {
   static_assert(kBytesPerGroup == 16 || kBytesPerGroup == 8, "MXFP4 (16 bytes) or NVFP4 (8 bytes) groups");
-  const Fp4Bf16Decoder decode;
+  const Fp4Bf16Decoder<Codec> decode;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
@@ -445,11 +509,11 @@ void fp8_row_wide(const uint8_t* row, int64_t I, const float* xf, int64_t x_stri
 
 // The bf16-activation rows for TT tokens: the dot-product kernels for one token, the widened ones for more.
 // q / xf: the two layouts of the same activations (same row stride xs).
-template <int TT, int kBytesPerGroup>
+template <int TT, int kBytesPerGroup, class Codec = E2M1Codec>
 void fp4_row_acts(const uint8_t* packed, int64_t h, const uint16_t* q, const float* xf, int64_t xs, const float* gs,
                   float* out, int64_t out_stride) {
-  if constexpr (TT == 1) fp4_row_bf16<1, kBytesPerGroup>(packed, h, q, xs, gs, out, out_stride);
-  else fp4_row_wide<TT, kBytesPerGroup>(packed, h, xf, xs, gs, out, out_stride);
+  if constexpr (TT == 1) fp4_row_bf16<1, kBytesPerGroup, Codec>(packed, h, q, xs, gs, out, out_stride);
+  else fp4_row_wide<TT, kBytesPerGroup, Codec>(packed, h, xf, xs, gs, out, out_stride);
 }
 template <int TT>
 void fp8_row_acts(const uint8_t* row, int64_t I, const uint16_t* q, const float* xf, int64_t xs, const float* srow,
@@ -459,21 +523,21 @@ void fp8_row_acts(const uint8_t* row, int64_t I, const uint16_t* q, const float*
 }
 #endif  // DYNAMOE_PACKED_BF16
 
-// One FP4 output row for T tokens (chunks of at most 8): the bf16-activation kernels when `q` is given
+// One 4-bit output row for T tokens (chunks of at most 8): the bf16-activation kernels when `q` is given
 // (q / qf: its two layouts, row stride qs), else the fp32 ones on the even/odd split (xe / xo, row stride h).
-template <int kBytesPerGroup>
+template <int kBytesPerGroup, class Codec = E2M1Codec>
 void fp4_row_tokens(const uint8_t* packed, int64_t h, int64_t T, const uint16_t* q, const float* qf, int64_t qs,
                     const float* xe, const float* xo, const float* gs, float* out, int64_t out_stride) {
 #if defined(DYNAMOE_PACKED_BF16)
   if (q) {
     dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
-      fp4_row_acts<TT, kBytesPerGroup>(packed, h, q + t0 * qs, qf + t0 * qs, qs, gs, out + t0 * out_stride, out_stride);
+      fp4_row_acts<TT, kBytesPerGroup, Codec>(packed, h, q + t0 * qs, qf + t0 * qs, qs, gs, out + t0 * out_stride, out_stride);
     });
     return;
   }
 #endif
   dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
-    fp4_row<TT, kBytesPerGroup>(packed, h, xe + t0 * h, xo + t0 * h, h, gs, out + t0 * out_stride, out_stride);
+    fp4_row<TT, kBytesPerGroup, Codec>(packed, h, xe + t0 * h, xo + t0 * h, h, gs, out + t0 * out_stride, out_stride);
   });
 }
 }  // namespace dynamoe::packed
