@@ -183,7 +183,7 @@ def test_unknown_family(qwen3_dir, tmp_path):
     cfg = json.load(open(os.path.join(path, "config.json")))
     cfg["model_type"], cfg["architectures"] = "llama4_moe", ["Llama4ForCausalLM"]
     json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
-    with pytest.raises(ValueError, match=r"unsupported model_type 'llama4_moe'.*gpt_oss, kimi_k2, mixtral, qwen3_moe"):
+    with pytest.raises(ValueError, match=r"unsupported model_type 'llama4_moe'.*gpt_oss, kimi_k2, mixtral, .*qwen3_moe"):
         dm.load(path, progress=False)
 
 

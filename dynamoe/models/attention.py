@@ -260,13 +260,14 @@ class Attention(nn.Module):
         kernel does not apply (q/k/v not fused, a norm that is not RMSNorm, weights not bf16/fp32 of one
         dtype on the CPU). The sinks are an fp32 copy where the parameter is not fp32 already."""
         qkv = self._qkv
-        if qkv is None or type(norm) is not RMSNorm or not self._still_fused(qkv):
+        if qkv is None or type(norm) is not RMSNorm or norm.zero_centered or not self._still_fused(qkv):
             return None
         # (plain dict lookups: this runs for every layer and step, where nn.Module.__getattr__ adds up)
         mods, params = self._modules, self._parameters
         o, qn, kn, sinks = mods.get("o_proj"), mods.get("q_norm"), mods.get("k_norm"), params.get("sinks")
         dt = qkv[0].dtype
-        if dt not in _DECODE_DTYPES or qkv[0].device.type != "cpu" or not isinstance(o, nn.Linear):
+        if (dt not in _DECODE_DTYPES or qkv[0].device.type != "cpu" or not isinstance(o, nn.Linear)
+                or (qn is not None and qn.zero_centered)):
             return None
         norm_w, o_w = norm._parameters["weight"], o._parameters["weight"]
         if o_w.dtype != dt or norm_w.dtype != dt or (qn is not None and qn._parameters["weight"].dtype != dt):

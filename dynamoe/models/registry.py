@@ -73,3 +73,6 @@ register("deepseek_v3", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM", ("De
 register("glm4_moe", "dynamoe.models.glm4_moe:Glm4MoeForCausalLM", ("Glm4MoeForCausalLM",))
 register("deepseek_v32", "dynamoe.models.deepseek_v32:DeepseekV32ForCausalLM", ("DeepseekV32ForCausalLM",))
 register("glm_moe_dsa", "dynamoe.models.glm_moe_dsa:GlmMoeDsaForCausalLM", ("GlmMoeDsaForCausalLM",))
+register("qwen3_next", "dynamoe.models.qwen3_next:Qwen3NextForCausalLM", ("Qwen3NextForCausalLM",))
+register("qwen3_5_moe", "dynamoe.models.qwen3_next:Qwen3_5MoeForCausalLM",
+         ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"), aliases=("qwen3_5_moe_text",))
