@@ -29,6 +29,12 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, shared_
              eos_token_id=None)
 
 
+# transformers' own fp32 logits differ from its fp64 ones by up to ~3e-4 on these models at the logit scale
+# (~12) that N(0, 0.2) weights give: a smaller lm_head (logits ~3, hidden states as random as ever) keeps
+# an absolute 1e-4 a test of the model rather than of fp32 rounding
+SCALES = {"lm_head": 0.05}
+
+
 def _ids(rows=2, tokens=24, seed=0):
     return torch.randint(0, VOCAB, (rows, tokens), generator=torch.Generator().manual_seed(seed))
 
@@ -39,7 +45,7 @@ def pair(tmp_path_factory):
     cfg = transformers.Qwen3NextConfig(**SIZES, intermediate_size=96, mlp_only_layers=[2])
     torch.manual_seed(0)
     hf = transformers.Qwen3NextForCausalLM(cfg).eval()
-    randomize_(hf, seed=1)
+    randomize_(hf, seed=1, scales=SCALES)
     path = save_tiny(hf, tmp_path_factory.mktemp("qwen3_next"))
     return hf, dm.load(path, progress=False), path
 
@@ -241,3 +247,50 @@ def test_mtp_tensors_load_into_a_module(pair, tmp_path):
     with pytest.raises(ValueError, match="mtp_num_hidden_layers"):
         dm.load(tmp_path, progress=False)
 
+
+
+# ------------------------------------------------------------------------------ Qwen3.5-MoE (text)
+def _qwen3_5(kind):
+    text = {k: v for k, v in SIZES.items() if k != "layer_types"}  # from full_attention_interval: 3 linear, 1 full
+    if kind == "text":
+        return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=16)
+    return transformers.Qwen3_5MoeForConditionalGeneration(transformers.Qwen3_5MoeConfig(text_config=text,
+                                                                                         vision_config=vision))
+
+
+@pytest.fixture(scope="module", params=["text", "multimodal"])
+def pair35(request, tmp_path_factory):
+    """Qwen3_5MoeForCausalLM (model_type qwen3_5_moe_text, names model.layers.*) and the multimodal
+    Qwen3_5MoeForConditionalGeneration (qwen3_5_moe with a text_config, names model.language_model.*, a
+    vision tower under model.visual.*)."""
+    torch.manual_seed(0)
+    hf = _qwen3_5(request.param).eval()
+    randomize_(hf, seed=1, scales=SCALES)
+    path = save_tiny(hf, tmp_path_factory.mktemp(f"qwen3_5_{request.param}"))
+    return request.param, hf, dm.load(path, progress=False)
+
+
+def test_qwen3_5_structure(pair35):
+    kind, _, ours = pair35
+    assert type(ours).__name__ == "Qwen3_5MoeForCausalLM" and type(ours).recurrent_state is True
+    assert ours.config.text_config_nested == (kind == "multimodal")
+    assert [type(layer.mixer) for layer in ours.model.layers] == [GatedDeltaNet] * 3 + [GatedAttention]
+    assert all(layer.linear_attn.projection == "split" for layer in ours.model.layers[:3])
+    assert all(type(layer.mlp) is SharedExpertMoeBlock and layer.mlp.moe.config.gates[0].normalize
+               for layer in ours.model.layers)
+
+
+def test_qwen3_5_logits_match_transformers(pair35):
+    _, hf, ours = pair35
+    check_logits(hf, ours, _ids())
+
+
+def test_qwen3_5_greedy_matches_generate(pair35):
+    _, hf, ours = pair35
+    check_greedy(hf, ours, _ids(seed=1), new_tokens=32)
+
+
+def test_qwen3_5_cached_decode_equals_recompute(pair35):
+    check_cached_decode(pair35[2], _ids(seed=2), prefill=9)

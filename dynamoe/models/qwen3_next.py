@@ -228,6 +228,6 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 
     def checkpoint_name(self, name: str) -> str:
         name = super().checkpoint_name(name)
-        if self.config.raw.get("text_config_nested") and name.startswith("model."):
+        if self.config.text_config_nested and name.startswith("model."):
             return "model.language_model." + name[len("model."):]
         return name
