@@ -119,6 +119,13 @@ def test_structure(pair):
     assert not hasattr(ours, "mtp")  # transformers saves no MTP tensors
     # the cache sizing counts only the full-attention layers' keys and values
     assert ours.config.kv_elements_per_position() == 2 * 2 * 2 * 16
+    with torch.no_grad():
+        cache = ours.new_cache(3, 8)
+        ours(_ids(rows=1, tokens=2), cache=cache)
+    sizes = {name: sum(layer[name][0].numel() for layer in cache.layers if name in layer)
+             for name in ("conv_state", "recurrent_state")}
+    assert ours.config.state_elements_per_sequence() == sizes == {"conv_state": 2 * 80 * 3,
+                                                                  "recurrent_state": 2 * 4 * 8 * 12}
 
 
 def test_logits_match_transformers(pair):
@@ -294,3 +301,25 @@ def test_qwen3_5_greedy_matches_generate(pair35):
 
 def test_qwen3_5_cached_decode_equals_recompute(pair35):
     check_cached_decode(pair35[2], _ids(seed=2), prefill=9)
+
+
+def test_bf16_tracks_transformers_bf16(pair):
+    """bf16 weights: the recurrent state stays fp32 (the conv window in the cache's dtype), cached decode
+    runs, and the logits are no further from the fp32 ones than transformers' own bf16 logits are (these
+    random layers amplify rounding: both are ~1 off at logit scale 3)."""
+    import copy
+
+    hf, ours32, path = pair
+    ours = dm.load(path, dtype="bfloat16", progress=False)
+    ids = _ids(seed=2)
+    with torch.no_grad():
+        ref32, hf16 = hf(ids).logits, copy.deepcopy(hf).to(torch.bfloat16)(ids).logits.float()
+        full = ours(ids)
+        cache = ours.new_cache(2, 32)
+        steps = [ours(ids[:, :9], cache=cache)] + [ours(ids[:, t:t + 1], cache=cache) for t in range(9, 24)]
+    assert full.dtype == torch.bfloat16
+    assert cache.layers[0]["recurrent_state"].dtype == torch.float32
+    assert cache.layers[0]["conv_state"].dtype == torch.bfloat16
+    ours_err, hf_err = (full.float() - ref32).abs().max(), (hf16 - ref32).abs().max()
+    assert ours_err <= 1.5 * hf_err, (ours_err, hf_err)
+    assert (torch.cat(steps, 1).float() - ref32).abs().max() <= 1.5 * hf_err

@@ -364,6 +364,17 @@ class ModelConfig:
         linear = sum(t == "linear_attention" for t in self.layer_types)
         return per_layer * (self.num_hidden_layers - linear)
 
+    def state_elements_per_sequence(self) -> dict[str, int]:
+        """Fixed-size cache elements one sequence takes over all linear-attention layers, whatever its
+        length: ``conv_state`` (the conv window, in the cache's dtype) and ``recurrent_state`` (fp32);
+        zeros for models without such layers."""
+        linear = sum(t == "linear_attention" for t in self.layer_types)
+        if not linear:
+            return {"conv_state": 0, "recurrent_state": 0}
+        key, value = self.linear_num_key_heads * self.linear_key_head_dim, self.linear_num_value_heads * self.linear_value_head_dim
+        return {"conv_state": linear * (2 * key + value) * (self.linear_conv_kernel_dim - 1),
+                "recurrent_state": linear * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim}
+
     def is_moe_layer(self, i: int) -> bool:
         """Qwen3-MoE's rule (mlp_only_layers, decoder_sparse_step), DeepSeek's first_k_dense_replace, or
         ``mlp_layer_types`` when the config lists them (DeepSeek-V3.2 / GLM-5)."""
