@@ -165,6 +165,20 @@ def test_chunked_prefill_equals_one_pass(pair):
         torch.testing.assert_close(ours(ids[:, 28:], cache=three), ours(ids[:, 28:], cache=one), atol=1e-4, rtol=0)
 
 
+def test_chunk_length_does_not_change_the_logits(pair):
+    """The model's prefill crosses chunk boundaries of the delta rule (chunks of 5 over 24 tokens) and
+    gives the logits of one chunk."""
+    import copy
+
+    ours = copy.deepcopy(pair[1])
+    for layer in ours.model.layers:
+        if hasattr(layer, "linear_attn"):
+            layer.linear_attn.chunk_size = 5
+    ids = _ids(seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), pair[1](ids), atol=1e-4, rtol=0)
+
+
 def test_rows_at_different_lengths(pair):
     check_ragged_batch(pair[1])
 
@@ -323,3 +337,22 @@ def test_bf16_tracks_transformers_bf16(pair):
     ours_err, hf_err = (full.float() - ref32).abs().max(), (hf16 - ref32).abs().max()
     assert ours_err <= 1.5 * hf_err, (ours_err, hf_err)
     assert (torch.cat(steps, 1).float() - ref32).abs().max() <= 1.5 * hf_err
+
+
+def test_truncated_slot_is_an_error(pair):
+    """Continuing a slot from any position but the one its state reached (KVCache.truncate, as prefix
+    reuse does) is a clear error, not a silently wrong state; position 0 starts afresh."""
+    ours = pair[1]
+    ids = _ids(rows=1, tokens=12, seed=10)
+    with torch.no_grad():
+        cache = ours.new_cache(2, 32)
+        ours(ids, cache=cache)
+        cache.truncate(0, 5)
+        with pytest.raises(ValueError, match="reached position 12, but its row starts at position 5"):
+            ours(ids[:, 5:], cache=cache)
+        ours(ids[:, :1], cache=cache, slots=torch.tensor([1]))
+        cache.lengths[1] = 3  # a slot moved by hand: the same
+        with pytest.raises(ValueError, match="slot 1 .* reached position 1, but its row starts at position 3"):
+            ours(ids[:, :1], cache=cache, slots=torch.tensor([1]))
+        cache.truncate(0, 0)
+        torch.testing.assert_close(ours(ids, cache=cache), ours(ids), atol=1e-4, rtol=0)

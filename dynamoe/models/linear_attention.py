@@ -21,7 +21,10 @@ With a :class:`~dynamoe.models.cache.KVCache`, each layer keeps per slot its con
 (``cache.buffer(layer, "conv_state", C, W)``) and its recurrent state (``"recurrent_state"``, fp32
 [H, k, v]); both are read as zero for a row whose first position is 0 (a new sequence: the buffers
 are never assumed zeroed) and continue exactly across chunked prefill and decode. A slot's state
-summarises its whole prefix, so it cannot be truncated back to a shorter one (no prefix reuse).
+summarises its whole prefix, so it cannot be truncated back to a shorter one (no prefix reuse): a layer
+built with ``checks_position`` (the model's first linear-attention layer) also keeps the position each
+slot's state has reached (``"state_position"``) and raises a ValueError when a row continues a slot
+from any other position.
 """
 from __future__ import annotations
 
@@ -145,7 +148,7 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel: int, layer_idx: int, norm_eps: float = 1e-6, projection: str = "qkvz",
-                 activation: str = "silu", chunk_size: int = 64, dtype=None):
+                 activation: str = "silu", chunk_size: int = 64, checks_position: bool = False, dtype=None):
         super().__init__()
         if projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {list(PROJECTIONS)}, got {projection!r}")
@@ -158,6 +161,7 @@ class GatedDeltaNet(nn.Module):
         if conv_kernel < 1:
             raise ValueError(f"config field 'linear_conv_kernel_dim' must be >= 1, got {conv_kernel}")
         self.layer_idx, self.projection, self.chunk_size = layer_idx, projection, chunk_size
+        self.checks_position = checks_position
         self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim = num_k_heads, num_v_heads, head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -197,6 +201,19 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         return qkv, z.reshape(B, T, H, dv), b.reshape(B, T, H), a.reshape(B, T, H)
 
+    def _check_position(self, cache: KVCache, slots: Tensor, start_B: Tensor, fresh_B: Tensor, T: int) -> None:
+        """A row that does not start a sequence must continue its slot's state where it stopped (one
+        host sync per forward, in one layer)."""
+        reached = cache.buffer(self.layer_idx, "state_position", dtype=torch.long)
+        at_B = reached[slots]
+        bad = ~fresh_B & (at_B != start_B)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"slot {int(slots[b])} holds a recurrent state that has reached position {int(at_B[b])}, "
+                             f"but its row starts at position {int(start_B[b])}: a model with recurrent state cannot "
+                             "continue a truncated slot (no prefix reuse); start the sequence again at position 0")
+        reached[slots] = start_B + T
+
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:
         B, T, _ = x_BTD.shape
@@ -209,6 +226,8 @@ class GatedDeltaNet(nn.Module):
             fresh_B = positions_BT[:, 0] == 0  # a new sequence: whatever the slot held before is not its state
             conv_buf = cache.buffer(self.layer_idx, "conv_state", self.conv_dim, self.conv_kernel - 1)
             state_buf = cache.buffer(self.layer_idx, "recurrent_state", H, dk, dv, dtype=torch.float32)
+            if self.checks_position:
+                self._check_position(cache, slots, positions_BT[:, 0], fresh_B, T)
             conv_state = conv_buf[slots].masked_fill(fresh_B[:, None, None], 0)
             state = state_buf[slots].masked_fill(fresh_B[:, None, None, None], 0)
         weight = self.conv1d.weight.squeeze(1)

@@ -124,7 +124,8 @@ class HybridDecoderLayer(nn.Module):
 
     @property
     def mixer(self) -> nn.Module:
-        return self._modules.get("linear_attn") or self._modules["self_attn"]
+        mixer = self._modules.get("linear_attn")
+        return self._modules["self_attn"] if mixer is None else mixer
 
     def forward(self, h_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:
@@ -185,7 +186,8 @@ class Qwen3NextForCausalLM(CausalLM):
             mixer = GatedDeltaNet(D, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                   cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, i, eps,
                                   projection=self.linear_projection, activation=cfg.hidden_act,
-                                  chunk_size=self.chunk_size, dtype=dtype)
+                                  chunk_size=self.chunk_size, checks_position=i == cfg.layer_types.index(kind),
+                                  dtype=dtype)
         elif kind == "full_attention":
             mixer = GatedAttention(D, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, i, rotary,
                                    bias=cfg.attention_bias, norm_eps=eps, dtype=dtype)
