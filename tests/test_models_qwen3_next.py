@@ -356,3 +356,20 @@ def test_truncated_slot_is_an_error(pair):
             ours(ids[:, :1], cache=cache, slots=torch.tensor([1]))
         cache.truncate(0, 0)
         torch.testing.assert_close(ours(ids, cache=cache), ours(ids), atol=1e-4, rtol=0)
+
+
+def test_engine_generates_each_requests_own_continuation(pair):
+    """dynamoe's engine (prefix reuse off, as this model needs: recurrent_state) with 2 slots for 3
+    requests: chunked prefill, decoding rows at different positions together and a slot reused by the
+    third request give each request the greedy continuation it gets alone."""
+    from dynamoe.engine import GenerationEngine
+    from dynamoe.engine.sampling import SamplingParams
+    from models_util import greedy
+
+    ours = pair[1]
+    prompts = [_ids(rows=1, tokens=n, seed=20 + n)[0].tolist() for n in (7, 13, 4)]
+    engine = GenerationEngine(ours, None, max_seq_len=64, max_batch=2, prefill_chunk=5, prefix_caching=False)
+    requests = [engine.add_request(p, SamplingParams(temperature=0.0), max_tokens=8, ignore_eos=True) for p in prompts]
+    engine.run_until_done(requests)
+    for p, r in zip(prompts, requests):
+        assert r.output_ids == greedy(ours, torch.tensor([p]), 8)[0, len(p):].tolist()
