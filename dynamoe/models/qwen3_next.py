@@ -155,7 +155,8 @@ class Qwen3NextForCausalLM(CausalLM):
 
     #: the model keeps per-sequence recurrent state (the linear-attention layers' conv window and delta-rule
     #: state), so a cache slot cannot be truncated back to a shorter prefix: the engine must not reuse
-    #: prefixes for it (``KVCache.truncate`` would leave a state that summarises the longer sequence)
+    #: prefixes for it (``KVCache.truncate`` would leave a state that summarises the longer sequence;
+    #: continuing such a slot raises a ValueError, see dynamoe.models.linear_attention)
     recurrent_state = True
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".mlp.gate."), (".mlp.moe.", ".mlp."))
     expert_layout = PerExpert("gate_proj", "up_proj", "down_proj")
@@ -214,7 +215,6 @@ class Qwen3NextForCausalLM(CausalLM):
                                     moe=True)
                   for j in range(count)]
         self.mtp = MultiTokenPredictor(layers, cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-
 
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
