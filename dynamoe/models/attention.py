@@ -255,14 +255,15 @@ class Attention(nn.Module):
         kernel does not apply (q/k/v not fused, a norm that is not RMSNorm, weights not bf16/fp32 of one
         dtype on the CPU). The sinks are an fp32 copy where the parameter is not fp32 already."""
         qkv = self._qkv
-        if (qkv is None or type(norm) is not RMSNorm or self.qk_norm_all or self.clip_qkv is not None
+        if (qkv is None or type(norm) is not RMSNorm or norm.zero_centered or self.qk_norm_all or self.clip_qkv is not None
                 or self.qk_norm_after_rope or not self.use_rope or not self._still_fused(qkv)):
-            return None  # (the kernel norms q/k per head before RoPE, always rotates and does not clamp)
+            return None  # (the kernel norms q/k per head before RoPE, always rotates does not clamp, and reads the norm weight as the scale)
         # (plain dict lookups: this runs for every layer and step, where nn.Module.__getattr__ adds up)
         mods, params = self._modules, self._parameters
         o, qn, kn, sinks = mods.get("o_proj"), mods.get("q_norm"), mods.get("k_norm"), params.get("sinks")
         dt = qkv[0].dtype
-        if dt not in _DECODE_DTYPES or qkv[0].device.type != "cpu" or not isinstance(o, nn.Linear):
+        if (dt not in _DECODE_DTYPES or qkv[0].device.type != "cpu" or not isinstance(o, nn.Linear)
+                or (qn is not None and qn.zero_centered)):
             return None
         norm_w, o_w = norm._parameters["weight"], o._parameters["weight"]
         if o_w.dtype != dt or norm_w.dtype != dt or (qn is not None and qn._parameters["weight"].dtype != dt):

@@ -10,6 +10,10 @@ The expert count is read from ``num_experts`` / ``num_local_experts`` / ``n_rout
 V3.2 indexer) are parsed here too, so a family module reads typed values, never the raw dict; the raw
 dict stays on ``ModelConfig.raw`` for anything a later family needs before it gets a typed field.
 
+Qwen3.5-MoE's multimodal config nests the text model under ``text_config``: it is parsed as the model
+(``text_config_nested`` records that the text weights sit under ``model.language_model.``), with the
+top level's ``tie_word_embeddings``, token ids and ``quantization_config`` where the text config has none.
+
 Family defaults that transformers applies in its config classes (``rms_norm_eps``, expert counts and
 top-k, ``max_position_embeddings``, GPT-OSS's YaRN, ``swiglu_limit`` and alternating sliding layers,
 per-family ``rope_theta``, ...) live in ``_FAMILY_DEFAULTS`` below, so a config.json that omits them
@@ -27,8 +31,9 @@ __all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_
            "TEXT_WRAPPERS", "unwrap_text_config"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-# 'indexed_attention': DeepSeek-V3.2 / GLM-5 MLA with the sparse-attention indexer (full causal otherwise)
-LAYER_TYPES = ("full_attention", "sliding_attention", "indexed_attention")
+# 'indexed_attention': DeepSeek-V3.2 / GLM-5 MLA with the sparse-attention indexer (full causal otherwise);
+# 'linear_attention': Qwen3-Next / Qwen3.5 Gated DeltaNet (a recurrent state per sequence, no KV cache)
+LAYER_TYPES = ("full_attention", "sliding_attention", "indexed_attention", "linear_attention")
 MLP_LAYER_TYPES = ("dense", "sparse")
 INDEXER_TYPES = ("full", "shared")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -53,7 +58,20 @@ _DEEPSEEK = {  # DeepseekV3Config's structural defaults (MLA ranks and dims, rou
 # MLA: transformers' head_dim defaults to qk_rope_head_dim (the attention head size is qk_nope + qk_rope); keys
 # and values have as many heads as the queries, so num_key_value_heads keeps its default (the query heads)
 _MLA = {"num_experts": 256, "num_experts_per_tok": 8, "head_dim_is_rope": True}
+# Qwen3NextConfig / Qwen3_5MoeTextConfig: Gated DeltaNet sizes, shared expert, RoPE on a quarter of each head,
+# layer_types from full_attention_interval (4: every 4th layer full attention, the others linear)
+_HYBRID_FIELDS = {"num_key_value_heads": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 256,
+                  "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                  "linear_num_key_heads": 16, "linear_num_value_heads": 32, "moe_intermediate_size": 512,
+                  "shared_expert_intermediate_size": 512}
+_QWEN3_5_MOE = {"partial_rotary_factor": 0.25, "full_attention_interval": 4, "num_experts": 256,
+                "num_experts_per_tok": 8, "fields": _HYBRID_FIELDS}
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_next": {"partial_rotary_factor": 0.25, "full_attention_interval": 4, "num_experts": 512,
+                   "num_experts_per_tok": 10,
+                   "fields": {**_HYBRID_FIELDS, "intermediate_size": 5632, "norm_topk_prob": True}},
+    "qwen3_5_moe": _QWEN3_5_MOE,
+    "qwen3_5_moe_text": _QWEN3_5_MOE,
     "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8,
                   # Qwen3MoeConfig drops sliding_window unless use_sliding_window
                   "fields": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
@@ -161,6 +179,25 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                             "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                             "num_nextn_predict_layers": 1}},
 }
+
+
+_LINEAR_ATTENTION_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                            "linear_num_key_heads", "linear_num_value_heads")
+# what a nested text_config takes from the top level of the config when it has no value of its own
+_TOP_LEVEL_FALLBACKS = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "quantization_config")
+
+
+def _unnest_text_config(d: dict) -> dict:
+    """Qwen3.5-MoE's multimodal config.json -> its text model's, under the top level's model_type."""
+    text = d["text_config"]
+    if not isinstance(text, dict):
+        raise _err("text_config", text, "a dict")
+    out = dict(text)
+    for name in _TOP_LEVEL_FALLBACKS:
+        if d.get(name) is not None and (name == "tie_word_embeddings" or out.get(name) is None):
+            out[name] = d[name]   # (the multimodal model ties by the top level's flag)
+    out["model_type"], out["architectures"] = d["model_type"], d.get("architectures") or ()
+    return out
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -370,7 +407,8 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: Optional[int] = None
-    #: Qwen2-MoE (and GraniteMoE-Shared's ``shared_intermediate_size``): the hidden size of the one shared expert
+    #: Qwen2-MoE, Qwen3-Next / Qwen3.5 (and GraniteMoE-Shared's ``shared_intermediate_size``): the hidden size of
+    #: the one shared expert
     shared_expert_intermediate_size: Optional[int] = None
     norm_topk_prob: bool = False
     mlp_only_layers: tuple = ()
@@ -407,6 +445,14 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: Optional[float] = None
     logits_scaling: float = 1.0
+    # Qwen3-Next / Qwen3.5: Gated DeltaNet ('linear_attention' layers) and the sigmoid-gated shared expert
+    linear_conv_kernel_dim: Optional[int] = None
+    linear_key_head_dim: Optional[int] = None
+    linear_value_head_dim: Optional[int] = None
+    linear_num_key_heads: Optional[int] = None
+    linear_num_value_heads: Optional[int] = None
+    #: the config.json nested this model under ``text_config`` (Qwen3.5-MoE's multimodal checkpoint)
+    text_config_nested: bool = False
     # tokens
     bos_token_id: Optional[int] = None
     eos_token_id: tuple = ()
@@ -426,7 +472,20 @@ class ModelConfig:
             per_layer = self.kv_lora_rank + (self.qk_rope_head_dim or 0) + (self.index_head_dim or 0)
         else:
             per_layer = 2 * self.num_key_value_heads * self.head_dim
-        return per_layer * self.num_hidden_layers
+        # linear-attention layers keep a fixed-size state per sequence instead (see linear_attention.py)
+        linear = sum(t == "linear_attention" for t in self.layer_types)
+        return per_layer * (self.num_hidden_layers - linear)
+
+    def state_elements_per_sequence(self) -> dict[str, int]:
+        """Fixed-size cache elements one sequence takes over all linear-attention layers, whatever its
+        length: ``conv_state`` (the conv window, in the cache's dtype) and ``recurrent_state`` (fp32);
+        zeros for models without such layers."""
+        linear = sum(t == "linear_attention" for t in self.layer_types)
+        if not linear:
+            return {"conv_state": 0, "recurrent_state": 0}
+        key, value = self.linear_num_key_heads * self.linear_key_head_dim, self.linear_num_value_heads * self.linear_value_head_dim
+        return {"conv_state": linear * (2 * key + value) * (self.linear_conv_kernel_dim - 1),
+                "recurrent_state": linear * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim}
 
     def is_moe_layer(self, i: int) -> bool:
         """Qwen3-MoE's rule (mlp_only_layers, decoder_sparse_step), DeepSeek's first_k_dense_replace, or
@@ -453,6 +512,9 @@ class ModelConfig:
         reason = refusal(model_type)  # before any field: a wrapper or hybrid would fail on one for the wrong reason
         if reason is not None:
             raise ValueError(f"{model_type}: {reason} (model_type {model_type!r} is not supported)")
+        text_nested = model_type == "qwen3_5_moe" and d.get("text_config") is not None
+        if text_nested:
+            d = _unnest_text_config(d)
         fam = _FAMILY_DEFAULTS.get(d.get("text_model_type") or model_type, {})
         nested = {}
         for sub, names in fam.get("nested", {}).items():  # DBRX's attn_config / ffn_config, read as top-level fields
@@ -506,6 +568,9 @@ class ModelConfig:
                     or any(t not in LAYER_TYPES for t in layer_types)):
                 raise _err("layer_types", layer_types, f"a list of {layers} entries from {list(LAYER_TYPES)}")
             layer_types = tuple(layer_types)
+        elif fam.get("full_attention_interval"):  # Qwen3-Next / Qwen3.5: every n-th layer full, the others linear
+            n = _int(d, "full_attention_interval", fam["full_attention_interval"])
+            layer_types = tuple("full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(layers))
         elif fam.get("alternating_layers"):  # GPT-OSS: even layers sliding, odd layers full
             layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
         elif fam.get("exaone_windows"):  # every pattern-th layer global (transformers derives no other pattern)
@@ -530,6 +595,14 @@ class ModelConfig:
             sliding = None  # as Qwen3MoeConfig: no window unless use_sliding_window
         if "sliding_attention" in layer_types and sliding is None:
             raise ValueError("config field 'sliding_window' is required when layer_types has 'sliding_attention'")
+        linear_sizes = {name: _int(d, name) for name in _LINEAR_ATTENTION_FIELDS}
+        if "linear_attention" in layer_types:
+            for name, v in linear_sizes.items():
+                if v is None:
+                    raise ValueError(f"config field {name!r} is required when layer_types has 'linear_attention'")
+            if linear_sizes["linear_num_value_heads"] % linear_sizes["linear_num_key_heads"]:
+                raise _err("linear_num_value_heads", linear_sizes["linear_num_value_heads"],
+                           f"a multiple of linear_num_key_heads={linear_sizes['linear_num_key_heads']}")
 
         mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("first_layer_dense"):
@@ -590,6 +663,8 @@ class ModelConfig:
             index_topk=_int(d, "index_topk"), index_head_dim=_int(d, "index_head_dim"),
             index_n_heads=_int(d, "index_n_heads"), indexer_types=indexer_types, mlp_layer_types=mlp_types,
             num_nextn_predict_layers=_int(d, "num_nextn_predict_layers", 0, minimum=0),
+            **linear_sizes,
+            text_config_nested=text_nested,
             bos_token_id=_int(d, "bos_token_id", minimum=0), eos_token_id=eos,
             pad_token_id=_int(d, "pad_token_id", minimum=0), quantization_config=quant, raw=dict(d),
         )

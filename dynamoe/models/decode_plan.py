@@ -86,7 +86,8 @@ def _fuse(layer, h_BD: Tensor) -> _FusedLayer | None:
         return None
     attn, block, norm2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     decode_args = getattr(attn, "decode_args", None)
-    if decode_args is None or not isinstance(block, SparseMoeBlock) or type(norm2) is not RMSNorm:
+    if (decode_args is None or not isinstance(block, SparseMoeBlock) or type(norm2) is not RMSNorm
+            or norm2.zero_centered):
         return None
     if type(block).decode_block is not SparseMoeBlock.decode_block:
         return None

@@ -8,7 +8,11 @@ ModelOpt NVFP4 via ``hf_quant_config.json``) keep their packed weights packed: r
 :class:`~dynamoe.quant.QuantizedExperts`, quantized Linears :class:`~dynamoe.quant.QuantizedLinear`.
 
 Every checkpoint tensor must be used and every parameter found: a missing, unexpected or
-mis-shaped tensor is a ValueError naming the tensor (and the expected and found shapes).
+mis-shaped tensor is a ValueError naming the tensor (and the expected and found shapes). Two family
+hooks: ``model.adapt_to_checkpoint(names)`` (called on the meta-device model with the checkpoint's
+tensor names before any is read: e.g. Qwen3-Next builds its ``mtp`` module when there are ``mtp.*``
+tensors) and ``ignored_checkpoint_prefixes`` (tensors the family knowingly does not use, such as a
+multimodal checkpoint's vision tower for a text model: named in the family's docstring, never guessed).
 
 Expert parallelism (``group`` of W ranks): every MoE block keeps E/W routed experts -- rank r the
 global experts [r*E/W, (r+1)*E/W), as the MoE layer's all-to-all expects -- and reads only theirs
@@ -292,19 +296,28 @@ def load(path, dtype: Union[torch.dtype, str] = torch.float32, device=None, prog
                          f"expert parallelism gives every rank num_experts / world size experts")
     qcfg = quant_config_from_dir(path)
     builder = builder_for(config)
-    with torch.device("meta"):
-        model = builder(config, dtype=dtype)
-        if world > 1:
-            for _, block in model.moe_layers():
-                block.expert_parallel_(group)
     files = CheckpointTensors(path)
+    try:
+        with torch.device("meta"):
+            model = builder(config, dtype=dtype)
+            adapt = getattr(model, "adapt_to_checkpoint", None)
+            if adapt is not None:  # e.g. modules for optional tensors (Qwen3-Next's mtp.*) when the checkpoint has them
+                adapt(list(files))
+            if world > 1:
+                for _, block in model.moe_layers():
+                    block.expert_parallel_(group)
+    except BaseException:
+        files.close()
+        raise
     tensors = _Recording(files)
+    ignored = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
     try:
         filler = _Filler(model, tensors, qcfg, dtype, device)
         filler.run(progress)
         unused = _unused_parts(model, files, family_for(config))
         unexpected = sorted(n for n in files if n not in tensors.read and n not in unused
                             and not _ignorable(n, config, model)
+                            and not (ignored and n.startswith(ignored))
                             and not _other_ranks_expert(n, filler.partial_experts))
     finally:
         files.close()

@@ -179,7 +179,7 @@ class SparseMoeBlock(nn.Module):
     def decode_block(self, h_BTD: Tensor, norm: nn.Module) -> Tensor | None:
         """``h + self(norm(h))`` for a decode step in one kernel call (MoELayer.decode_block), or None
         where that does not apply (then the caller runs norm, block and residual one after another)."""
-        if type(norm) is not RMSNorm:
+        if type(norm) is not RMSNorm or norm.zero_centered:  # the kernel reads the weight as the scale
             return None
         h_TD = h_BTD.reshape(-1, self.hidden_size)
         fused = self._modules["moe"].decode_block(h_TD, norm._parameters["weight"], norm.eps, norm.weight_in_fp32)

@@ -93,3 +93,6 @@ register("granitemoeshared", "dynamoe.models.granitemoe:GraniteMoeForCausalLM", 
 register("hunyuan_v1_moe", "dynamoe.models.hunyuan_v1_moe:HunYuanMoEV1ForCausalLM", ("HunYuanMoEV1ForCausalLM",))
 register("glm_moe_dsa", "dynamoe.models.glm_moe_dsa:GlmMoeDsaForCausalLM", ("GlmMoeDsaForCausalLM",))
 register("kimi_k25", "dynamoe.models.kimi_k25:KimiK25ForCausalLM", ("KimiK25ForConditionalGeneration",))
+register("qwen3_next", "dynamoe.models.qwen3_next:Qwen3NextForCausalLM", ("Qwen3NextForCausalLM",))
+register("qwen3_5_moe", "dynamoe.models.qwen3_next:Qwen3_5MoeForCausalLM",
+         ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"), aliases=("qwen3_5_moe_text",))

@@ -102,10 +102,6 @@ UNSUPPORTED: dict[str, str] = {
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
     "phimoe": "Phi-3.5-MoE is not implemented yet: SparseMixer top-2 routing, LayerNorm with biases, an lm_head "
               "bias and longrope RoPE",
-    "qwen3_5_moe": "a vision-language wrapper (Qwen3.5-MoE) whose text model mixes Gated DeltaNet linear "
-                   "attention with gated full attention; not supported yet (work in progress)",
-    "qwen3_5_moe_text": "Gated DeltaNet linear attention is not supported yet (work in progress)",
-    "qwen3_next": "Gated DeltaNet linear attention is not supported yet (work in progress)",
     "qwen3_omni_moe": _OMNI,
     "qwen3_omni_moe_talker_text": "the speech talker of Qwen3-Omni, not a text causal LM",
     "qwen3_omni_moe_text": _text_of("qwen3_omni_moe", "multimodal RoPE (mrope sections)"),
