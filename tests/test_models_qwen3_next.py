@@ -187,7 +187,12 @@ def _junk_(cache, slot=None):
     """Fill the buffers (of one slot, or all) with large values: a fresh sequence must never read them."""
     for layer in cache.layers:
         for t in layer.values():
-            (t if slot is None else t[slot]).fill_(1e3)
+            if slot is None:
+                t.fill_(1e3)
+            elif any(t is p for p in cache._paged):   # a paged KV tensor [K, blocks, block_size, d]: the slot's blocks
+                t[:, cache.blocks(slot)] = 1e3
+            else:                                     # per-slot state [slots, ...]
+                t[slot].fill_(1e3)
 
 
 def test_rows_at_different_positions_in_one_chunk(pair):
