@@ -102,6 +102,19 @@ def test_speculation_respects_max_tokens_stop_strings_and_the_pool(model):
         plain, _ = _run(model, [prompt], [GREEDY], n)
         spec, _ = _run(CycleLM(), [prompt], [GREEDY], n, speculative_tokens=6)
         assert spec == _run(CycleLM(), [prompt], [GREEDY], n)[0] and len(spec[0]) == n
+    # a stop token inside an accepted draft ends the request there, as without drafts
+    cyc = CycleLM()
+    out = {}
+    for k in (0, 6):
+        e = GenerationEngine(cyc, max_seq_len=256, max_batch=1, block_size=4, speculative_tokens=k)
+        free = e.add_request(prompt, GREEDY, 40, ignore_eos=True)
+        e.run_until_done()
+        stop = free.output_ids[20]
+        r = e.add_request(prompt, GREEDY, 40, stop_token_ids=[stop])
+        e.run_until_done()
+        out[k] = (r.output_ids, r.finish_reason, r.stop_reason)
+        e.cache.pool.check()
+    assert out[6] == out[0] and out[0][1] == "stop" and out[0][0][-1] == out[0][2]
     # a small pool: drafts never take more positions than it has; preemption still gives the same tokens
     prompts = [base * 3, _ids(6, 7) * 3, base * 2]
     for m in (model, CycleLM()):
