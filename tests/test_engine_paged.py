@@ -207,8 +207,13 @@ def test_chunk_cost_fit_and_the_tokens_within_a_time():
     assert a == pytest.approx(0.020, rel=0.05) and b == pytest.approx(0.001, rel=0.05)
     assert c.tokens_within(0.050, 100) in (29, 30)
     assert c.tokens_within(0.010, 100) in (19, 20)   # the fixed part alone is over: tokens worth as much
+    from dynamoe.engine.budget import GROWTH_FLOOR
+
     mean = c._m[0]
-    assert c.tokens_within(1.0, 1000) == int(2 * mean) + 1   # no jump past the sizes seen
+    assert c.tokens_within(1.0, 1000) == max(int(2 * mean) + 1, GROWTH_FLOOR)   # no jump past the sizes seen
+    for _ in range(40):
+        c.observe(300, 0.020 + 0.001 * 300)
+    assert c.tokens_within(1.0, 1000) == int(2 * c._m[0]) + 1 > GROWTH_FLOOR
 
 
 def test_the_prefill_budget_follows_the_measured_speeds(model):

@@ -9,12 +9,15 @@ largest ``n`` within a time. Where even one token costs more than the target (th
 over it: a long context on a slow machine), stalls cannot be kept within it by chunk size; then the chunk
 is sized so that its own tokens cost as much as the fixed part (``n = a / b``): at most twice the least
 possible stall, for a useful amount of progress. The fit is trusted only near the chunk sizes it saw: an
-answer is at most twice their (weighted) mean plus one, so the budget grows step by step, never by a jump
-a noisy fit suggests.
+answer is at most twice their (weighted) mean plus one (or :data:`GROWTH_FLOOR`), so the budget grows step
+by step, never by a jump a noisy fit suggests.
 """
 from __future__ import annotations
 
 __all__ = ["ChunkCost"]
+
+#: a chunk the fit may always ask for, whatever sizes it saw (short prompts alone would hold it down)
+GROWTH_FLOOR = 128
 
 
 class ChunkCost:
@@ -51,4 +54,4 @@ class ChunkCost:
             return None
         a, b = ab
         n = (seconds - a) / b if seconds > a + b else a / b
-        return max(1, min(cap, int(n), int(2 * self._m[0]) + 1))
+        return max(1, min(cap, int(n), max(int(2 * self._m[0]) + 1, GROWTH_FLOOR)))
