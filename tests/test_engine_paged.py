@@ -300,10 +300,44 @@ def test_real_model_from_a_small_pool_equals_alone(tmp_path, kind):
     engine = GenerationEngine(model, max_seq_len=128, max_batch=3, kv_cache_blocks=10, block_size=8, token_budget=16)
     reqs = [engine.add_request(p, GREEDY, 20, ignore_eos=True) for p in prompts]
     engine.run_until_done()
-    assert engine.totals["preempted"] > 0
+    # MLA: the pool runs out, requests are preempted; sliding windows (12) on every layer: each sequence gives
+    # back its blocks out of the window and all three fit
+    assert engine.cache.window == (12 if kind == "window" else None)
+    assert (engine.totals["preempted"] > 0) == (kind == "mla")
     for p, r in zip(prompts, reqs):
         alone = GenerationEngine(model, max_seq_len=128, max_batch=1, prefix_caching=False)
         a = alone.add_request(p, GREEDY, 20, ignore_eos=True)
         alone.run_until_done()
         assert r.output_ids == a.output_ids
     engine.cache.pool.check()
+
+
+def test_sliding_window_sequences_longer_than_the_pool(tmp_path):
+    """Every layer windowed: a sequence holds only its window's blocks (and a chunk's), so one far longer than
+    the whole pool runs, with the tokens of an engine that keeps everything."""
+    from dynamoe.models import load
+
+    torch.set_num_threads(1)
+    model = load(_tiny_checkpoint(tmp_path, "window"), progress=False)
+    prompt = _ids(50, 150, 96)
+    small = GenerationEngine(model, max_seq_len=256, max_batch=2, kv_cache_blocks=8, block_size=8)
+    assert small.capacity == 256 and small.cache.num_blocks * 8 == 64
+    peak = 0
+    r = small.add_request(prompt, GREEDY, 60, ignore_eos=True)
+    other = small.add_request(_ids(51, 20, 96), GREEDY, 40, ignore_eos=True)
+    while not (r.finished and other.finished):
+        small.step()
+        peak = max(peak, small.cache_stats()["blocks_used"])
+    assert peak <= 8 and small.totals["preempted"] == 0
+    for req in (r, other):
+        big = GenerationEngine(model, max_seq_len=256, max_batch=1, prefix_caching=False)
+        ref = big.add_request(req.prompt_ids, GREEDY, len(req.output_ids), ignore_eos=True)
+        big.run_until_done()
+        assert req.output_ids == ref.output_ids
+    small.cache.pool.check()
+    with pytest.raises(ValueError, match="given back"):
+        c = model.new_cache(1, 64, block_size=4)
+        c.check_room(torch.tensor([0]), 40)
+        c.advance(torch.tensor([0]), 40)
+        assert c.trim(0) == (40 - 12 + 1) // 4
+        c.truncate(0, 8)

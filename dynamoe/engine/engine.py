@@ -139,7 +139,15 @@ class GenerationEngine:
         self.cache = model.new_cache(max_batch, max_seq_len, dtype=cache_dtype, device=self.device,
                                      block_size=block_size, num_blocks=kv_cache_blocks)
         #: positions one sequence can hold: max_seq_len, or fewer when the whole pool is smaller
-        self.capacity = min(max_seq_len, self.cache.num_blocks * self.cache.block_size)
+        pool_tokens = self.cache.num_blocks * self.cache.block_size
+        window, bs = getattr(self.cache, "window", None), self.cache.block_size
+        self._chunk_cap = None
+        if window is not None and pool_tokens >= window + 3 * bs:
+            # a sequence holds its window's blocks and one chunk's: any length fits, in chunks the pool holds
+            self.capacity = max_seq_len
+            self._chunk_cap = pool_tokens - window - 2 * bs
+        else:
+            self.capacity = min(max_seq_len, pool_tokens)
         recurrent = bool(getattr(model, "recurrent_state", False))
         if recurrent and prefix_caching:
             log.info("prefix caching is off: the model keeps per-sequence recurrent state, which cannot be "
@@ -378,6 +386,7 @@ class GenerationEngine:
             logits = self._forward(ready, ids, keep=K + 1)
             self._verify(ready, ids, logits, events)
         self._prefix.register(ready)
+        self._trim(ready)
         dt = time.perf_counter() - t0
         self.totals["decode_s"] += dt
         self._decode_s = _average(self._decode_s, dt)
@@ -460,7 +469,7 @@ class GenerationEngine:
         """Prefill chunks, oldest request first, within the step's token budget: ``token_budget`` minus the
         rows just decoded while others decode (so that a long prompt never stalls them), else up to
         ``prefill_chunk`` tokens per request. Chunks of equal length run as one batch."""
-        limit = self.prefill_chunk or self.max_seq_len
+        limit = min(self.prefill_chunk or self.max_seq_len, self._chunk_cap or self.max_seq_len)
         budget = self._prefill_budget(decoded) if decoded else None
         with self._lock:
             todo = sorted((r for r in self._running if not r._decoding and not r._cancel), key=lambda r: r._order)
@@ -492,6 +501,7 @@ class GenerationEngine:
                 rows = torch.tensor([group.index(r) for r in done], device=logits.device)
                 self._sample_and_emit(done, logits[rows, -1], events)
             self._prefix.register(group)
+            self._trim(group)
             dt = time.perf_counter() - t0
             self.totals["prefill_s"] += dt
             if decoded:
@@ -501,6 +511,13 @@ class GenerationEngine:
                 if not r._preempted:
                     self.totals["prompt_tokens"] += len(r.prompt_ids)
                     self.totals["cached_tokens"] += r.stats.cached_tokens
+
+    def _trim(self, reqs: list[Request]) -> None:
+        """Give back the blocks out of the window of every layer (sliding-window models)."""
+        if getattr(self.cache, "window", None) is not None:
+            for r in reqs:
+                if r.slot is not None:
+                    self.cache.trim(r.slot)
 
     def _release(self, r: Request) -> None:
         """Free ``r``'s slot and give its blocks back (caller holds ``_lock``); its full blocks stay cached

@@ -140,9 +140,20 @@ class CausalLM(nn.Module):
     def new_cache(self, num_slots: int, max_seq_len: int, dtype: Optional[torch.dtype] = None, device=None, *,
                   block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None) -> KVCache:
         """An empty KV cache for this model (defaults: the model's dtype and device; enough blocks for every
-        slot to reach ``max_seq_len``)."""
+        slot to reach ``max_seq_len``). When every layer is sliding-window attention, the cache knows the
+        widest window and gives back the blocks out of it (:meth:`KVCache.trim`)."""
         return KVCache(num_slots, max_seq_len, self.config.num_hidden_layers, dtype or self.dtype,
-                       self.device if device is None else device, block_size=block_size, num_blocks=num_blocks)
+                       self.device if device is None else device, block_size=block_size, num_blocks=num_blocks,
+                       window=self.attention_window())
+
+    def attention_window(self) -> int | None:
+        """The widest sliding window when every layer's attention has one (no layer reads further back), else None."""
+        from .attention import Attention
+
+        wins = [getattr(layer, "self_attn", None) for layer in self.model.layers]
+        if not wins or not all(type(a) is Attention and a.sliding_window for a in wins):
+            return None
+        return max(a.sliding_window for a in wins)
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 logits_to_keep: int = 0) -> Tensor:

@@ -19,6 +19,10 @@ Storage, per attention layer, by name (allocated on first use):
   linear-attention layer's recurrent state), whatever its length.
 
 The model advances ``lengths`` once per forward, after all layers.
+
+A cache whose every layer attends only to its last ``window`` positions (sliding-window attention on
+all layers) gives back, on :meth:`KVCache.trim`, the blocks no later query can see: a long sequence then
+holds about ``window`` positions of blocks, not all of its length.
 """
 from __future__ import annotations
 
@@ -45,7 +49,8 @@ class KVCache:
     ``block_size`` positions (default: enough blocks for every slot to fill up)."""
 
     def __init__(self, num_slots: int, max_seq_len: int, num_layers: int, dtype: torch.dtype = torch.float32,
-                 device=None, *, block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None):
+                 device=None, *, block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
+                 window: int | None = None):
         for name, v in (("num_slots", num_slots), ("max_seq_len", max_seq_len), ("num_layers", num_layers),
                         ("block_size", block_size)):
             _positive_int(name, v)
@@ -53,6 +58,9 @@ class KVCache:
         self.blocks_per_seq = -(-max_seq_len // block_size)
         self.num_blocks = _positive_int("num_blocks", num_slots * self.blocks_per_seq if num_blocks is None
                                         else num_blocks)
+        if window is not None:
+            _positive_int("window", window)
+        self.window = window
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.pool = BlockPool(self.num_blocks)
@@ -62,6 +70,7 @@ class KVCache:
         self._paged: list[Tensor] = []        # the kv_pool tensors of every layer
         self._blocks: list[list[int]] = [[] for _ in range(num_slots)]   # the tables, as lists
         self._consecutive = [0] * num_slots   # leading blocks of each table that are b0, b0+1, ...
+        self._dropped = [0] * num_slots       # leading blocks given back by trim (out of every layer's window)
         self._mirror = False                  # tables set by set_blocks (a follower rank): never allocate
 
     # --- storage ------------------------------------------------------------------------------------
@@ -226,14 +235,33 @@ class KVCache:
             raise ValueError(f"length must be in [0, {int(self.lengths[slot])}], got {length}")
         keep = -(-length // self.block_size)
         have = self._blocks[slot]
+        dropped = self._dropped[slot]
+        if 0 < keep < dropped:
+            raise ValueError(f"slot {slot}: cannot keep {length} positions, its first {dropped * self.block_size} "
+                             f"were given back (out of the window)")
         if len(have) > keep:
             if not self._mirror:
-                self.pool.release(have[keep:])
+                self.pool.release(have[max(keep, dropped):])
             del have[keep:]
             self._consecutive[slot] = min(self._consecutive[slot], keep)
+            self._dropped[slot] = min(dropped, keep)
         if length % self.block_size and not self._mirror and self.pool.shared(have[-1]):
             self._own_last_block(slot)
         self.lengths[slot] = length
+
+    def trim(self, slot: int) -> int:
+        """Give back ``slot``'s blocks that no later query can see (every position before ``length - window +
+        1``; a cache with a ``window`` only); returns how many. Reads of the slot gather from then on."""
+        if self.window is None or self._mirror:
+            return 0
+        dead = max(0, (int(self.lengths[slot]) - self.window + 1) // self.block_size)
+        d0 = self._dropped[slot]
+        if dead <= d0:
+            return 0
+        self.pool.release(self._blocks[slot][d0:dead])
+        self._dropped[slot] = dead
+        self._consecutive[slot] = 0
+        return dead - d0
 
     def _own_last_block(self, slot: int) -> None:
         """Make the partly kept last block of ``slot`` its own before it writes there: a block only it holds
