@@ -88,8 +88,9 @@ class CausalLM(nn.Module):
     #: extension point: a prefix every checkpoint name of the model carries (a vision-language wrapper's
     #: text model: Kimi-K2.5's ``language_model.``), put before the renamed name
     checkpoint_prefix: str = ""
-    #: extension point: checkpoint name prefixes of parts the model does not have (a wrapper's vision tower):
-    #: the loader skips those tensors and says so once, by prefix
+    #: extension point: checkpoint name prefixes of parts the model does not load (a wrapper's vision tower,
+    #: multi-token-prediction layers plain decoding does not run): the loader skips those tensors and says so
+    #: once, by prefix
     unused_checkpoint_prefixes: tuple = ()
     #: how the routed experts are stored on disk (dynamoe.models.weights.PerExpert / FusedInterleaved)
     expert_layout = None

@@ -8,7 +8,7 @@ renormalised, ``routed_scaling_factor``, and ``num_shared_experts`` shared exper
 Checkpoint: as DeepSeek-V3's feed-forward names except the selection bias, saved as
 ``mlp.e_score_correction_bias`` [E]; attention ``q_proj``/``k_proj``/``v_proj``/``o_proj``,
 ``q_norm``/``k_norm``. Multi-token-prediction tensors (``mtp.*``) are skipped by the loader
-(``checkpoint_ignored``).
+(``unused_checkpoint_prefixes``).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class ExaoneMoeForCausalLM(CausalLM):
                           *DEEPSEEK_RENAMES)
     expert_layout = PerExpert("gate_proj", "up_proj", "down_proj")
     #: checkpoint names (regexes from the start) the loader skips: multi-token prediction, unused by plain decoding
-    checkpoint_ignored = (r"mtp\.",)
+    unused_checkpoint_prefixes = ("mtp.",)
 
     def build_layer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype) -> DecoderLayer:
         D, eps = cfg.hidden_size, cfg.rms_norm_eps

@@ -11,8 +11,9 @@ Every checkpoint tensor must be used and every parameter found: a missing, unexp
 mis-shaped tensor is a ValueError naming the tensor (and the expected and found shapes). Two family
 hooks: ``model.adapt_to_checkpoint(names)`` (called on the meta-device model with the checkpoint's
 tensor names before any is read: e.g. Qwen3-Next builds its ``mtp`` module when there are ``mtp.*``
-tensors) and ``ignored_checkpoint_prefixes`` (tensors the family knowingly does not use, such as a
-multimodal checkpoint's vision tower for a text model: named in the family's docstring, never guessed).
+tensors) and ``unused_checkpoint_prefixes`` (tensors the family knowingly does not load, such as a
+multimodal checkpoint's vision tower for a text model: named in the family's docstring, never guessed,
+logged once by prefix).
 
 Expert parallelism (``group`` of W ranks): every MoE block keeps E/W routed experts -- rank r the
 global experts [r*E/W, (r+1)*E/W), as the MoE layer's all-to-all expects -- and reads only theirs
@@ -241,9 +242,6 @@ def _ignorable(name: str, config: ModelConfig, model: CausalLM) -> bool:
         name = name[len(prefix):]
     if name.endswith("rotary_emb.inv_freq"):
         return True
-    # a family's tensors plain decoding does not use (K-EXAONE's multi-token-prediction "mtp.*")
-    if any(re.match(p, name) for p in getattr(type(model), "checkpoint_ignored", ())):
-        return True
     if config.tie_word_embeddings and name == "lm_head.weight":
         return True
     m = re.match(r"model\.layers\.(\d+)\.", name)  # multi-token-prediction layers (DeepSeek): unused here
@@ -310,14 +308,12 @@ def load(path, dtype: Union[torch.dtype, str] = torch.float32, device=None, prog
         files.close()
         raise
     tensors = _Recording(files)
-    ignored = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
     try:
         filler = _Filler(model, tensors, qcfg, dtype, device)
         filler.run(progress)
         unused = _unused_parts(model, files, family_for(config))
         unexpected = sorted(n for n in files if n not in tensors.read and n not in unused
                             and not _ignorable(n, config, model)
-                            and not (ignored and n.startswith(ignored))
                             and not _other_ranks_expert(n, filler.partial_experts))
     finally:
         files.close()

@@ -14,7 +14,7 @@ renormalisation, ``in_proj_qkvz`` / ``in_proj_ba`` the linear-attention projecti
 head). Qwen3.5-MoE: every layer MoE, always renormalised, ``in_proj_qkv`` / ``in_proj_z`` /
 ``in_proj_b`` / ``in_proj_a``; its multimodal checkpoints keep the text model under
 ``model.language_model.`` and the vision tower under ``model.visual.`` (text only here: the vision
-tensors are left unread and named as such, see :attr:`Qwen3_5MoeForCausalLM.ignored_checkpoint_prefixes`).
+tensors are left unread and named as such, see :attr:`Qwen3_5MoeForCausalLM.unused_checkpoint_prefixes`).
 For text, Qwen3.5's multimodal RoPE (``mrope_section``) is plain RoPE: its three position grids are equal.
 
 Checkpoint: ``model.layers.{i}.linear_attn.{conv1d.weight [C, 1, K], in_proj_*, dt_bias, A_log,
@@ -223,7 +223,7 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 
     linear_projection = "split"
     #: checkpoint tensors of the multimodal model that the text model does not use (the vision tower)
-    ignored_checkpoint_prefixes = ("model.visual.",)
+    unused_checkpoint_prefixes = ("model.visual.",)
 
     def normalize_topk(self, cfg: ModelConfig) -> bool:
         return True
