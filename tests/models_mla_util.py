@@ -10,7 +10,7 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from models_util import VOCAB, randomize_, save_tiny
+from models_util import VOCAB, ids, randomize_, save_tiny  # noqa: F401 (ids: for the MLA tests)
 
 # YaRN with both mscale corrections (cos/sin scaled by m(mscale)/m(mscale_all_dim), softmax by m(all)^2)
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -22,10 +22,6 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermed
 MLA = dict(q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
 # 4 groups of 2 experts, the best 2 groups eligible: often not where the plain top-2 would go
 GROUPS = dict(n_group=4, topk_group=2)
-
-
-def ids(rows=2, tokens=24, seed=0):
-    return torch.randint(0, VOCAB, (rows, tokens), generator=torch.Generator().manual_seed(seed))
 
 
 def randomize_deepseek_(hf, seed: int) -> None:

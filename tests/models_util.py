@@ -20,6 +20,11 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def ids(rows=2, tokens=24, seed=0) -> torch.Tensor:
+    """Random token ids [rows, tokens] of the tiny models' vocabulary, seeded."""
+    return torch.randint(0, VOCAB, (rows, tokens), generator=torch.Generator().manual_seed(seed))
+
+
 def randomize_(model: torch.nn.Module, seed: int, std: float = 0.2, scales: dict | None = None) -> None:
     """Non-trivial random weights (transformers' init is near zero): N(0, std) everywhere, norms
     around 1, ``scales`` = {substring: std} for parameters whose name contains the substring."""

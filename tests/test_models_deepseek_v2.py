@@ -9,7 +9,7 @@ from models_util import one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, check_cached_decode, check_greedy, check_logits, check_ragged_batch, randomize_, save_tiny
 from models_mla_util import MLA, YARN, check_absorption, ids, moe_inputs
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency: missing is a broken install, which must fail, not skip
 
 import dynamoe.models as dm  # noqa: E402
 from dynamoe.models.deepseek_v2 import DeepseekV2ForCausalLM  # noqa: E402

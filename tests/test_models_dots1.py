@@ -7,7 +7,7 @@ from models_util import one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, check_cached_decode, check_greedy, check_logits, check_ragged_batch
 from models_mla_util import check_group_routing_differs, ids, make_pair
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency: missing is a broken install, which must fail, not skip
 
 import dynamoe.models as dm  # noqa: E402
 from dynamoe.models.dots1 import Dots1ForCausalLM  # noqa: E402

@@ -7,8 +7,9 @@ import torch
 from models_util import one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, check_cached_decode, check_greedy, check_logits, check_ragged_batch, randomize_, save_tiny
 from models_mla_util import moe_inputs
+from models_util import ids as _ids
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency: missing is a broken install, which must fail, not skip
 
 import dynamoe.models as dm  # noqa: E402
 from dynamoe.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM  # noqa: E402
@@ -38,10 +39,6 @@ def pair(request, tmp_path_factory):
     randomize_(hf, seed=1, scales={"e_score_correction_bias": 0.05})  # (a parameter in transformers' model)
     path = save_tiny(hf, tmp_path_factory.mktemp(f"ernie_{request.param}"))
     return request.param, hf, dm.load(path, progress=False)
-
-
-def _ids(rows=2, tokens=24, seed=0):
-    return torch.randint(0, VOCAB, (rows, tokens), generator=torch.Generator().manual_seed(seed))
 
 
 def test_structure(pair):

@@ -6,8 +6,9 @@ import torch
 
 from models_util import one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, check_cached_decode, check_greedy, check_logits, check_ragged_batch, randomize_, save_tiny
+from models_util import ids as _ids
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency: missing is a broken install, which must fail, not skip
 
 import dynamoe.models as dm  # noqa: E402
 from dynamoe.models.flex_olmo import FlexOlmoForCausalLM, PostNormDecoderLayer  # noqa: E402
@@ -33,10 +34,6 @@ def pair(request, tmp_path_factory):
     randomize_(hf, seed=1)
     path = save_tiny(hf, tmp_path_factory.mktemp(f"flex_olmo_{request.param}"))
     return request.param, hf, dm.load(path, progress=False)
-
-
-def _ids(rows=2, tokens=24, seed=0):
-    return torch.randint(0, VOCAB, (rows, tokens), generator=torch.Generator().manual_seed(seed))
 
 
 def test_structure(pair):

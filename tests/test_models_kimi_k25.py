@@ -18,7 +18,7 @@ from models_util import one_thread  # noqa: F401 (autouse fixture)
 from models_util import check_greedy, check_logits, greedy
 from models_mla_util import BASE, GROUPS, MLA, ids, make_pair
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency: missing is a broken install, which must fail, not skip
 
 import dynamoe.models as dm  # noqa: E402
 from dynamoe.models.config import ModelConfig  # noqa: E402

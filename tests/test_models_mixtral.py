@@ -5,6 +5,7 @@ import torch
 
 from models_util import one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, check_cached_decode, check_greedy, check_logits, check_ragged_batch, randomize_, save_tiny
+from models_util import ids as _ids
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,10 +22,6 @@ def pair(tmp_path_factory):
     hf = transformers.MixtralForCausalLM(cfg).eval()
     randomize_(hf, seed=2)
     return hf, dm.load(save_tiny(hf, tmp_path_factory.mktemp("mixtral")), progress=False)
-
-
-def _ids(rows=2, tokens=24, seed=0):
-    return torch.randint(0, VOCAB, (rows, tokens), generator=torch.Generator().manual_seed(seed))
 
 
 def test_config_and_structure(pair):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency: missing is a broken install, which must fail, not skip
 
 import dynamoe.models as dm  # noqa: E402
 from dynamoe.models.registry import is_registered, supported_families  # noqa: E402

@@ -5,6 +5,7 @@ import torch
 
 from models_util import one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, check_cached_decode, check_greedy, check_logits, check_ragged_batch, randomize_, save_tiny
+from models_util import ids as _ids
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,10 +35,6 @@ def pair(request, tmp_path_factory):
     randomize_(hf, seed=1)
     path = save_tiny(hf, tmp_path_factory.mktemp(f"qwen3_{request.param}"))
     return request.param, hf, dm.load(path, progress=False)
-
-
-def _ids(rows=2, tokens=24, seed=0):
-    return torch.randint(0, VOCAB, (rows, tokens), generator=torch.Generator().manual_seed(seed))
 
 
 def test_structure(pair):

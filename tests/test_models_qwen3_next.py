@@ -12,8 +12,9 @@ from safetensors.torch import load_file, save_file
 from models_util import one_thread  # noqa: F401 (autouse fixture)
 from models_util import (VOCAB, check_cached_decode, check_greedy, check_logits, check_ragged_batch, randomize_,
                          save_tiny)
+from models_util import ids as _ids
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency: missing is a broken install, which must fail, not skip
 
 import dynamoe.models as dm  # noqa: E402
 from dynamoe.models.linear_attention import (GatedDeltaNet, causal_conv1d, gated_delta_rule_chunked,  # noqa: E402
@@ -33,10 +34,6 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, shared_
 # (~12) that N(0, 0.2) weights give: a smaller lm_head (logits ~3, hidden states as random as ever) keeps
 # an absolute 1e-4 a test of the model rather than of fp32 rounding
 SCALES = {"lm_head": 0.05}
-
-
-def _ids(rows=2, tokens=24, seed=0):
-    return torch.randint(0, VOCAB, (rows, tokens), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module")

@@ -409,6 +409,8 @@ class GenerationEngine:
         penalties, whose next choice depends on the previous one beyond the logits), all cut to what every
         row has room for."""
         k = self.speculative_tokens
+        if not k:
+            return [[] for _ in reqs]
         out = []
         room = min((self.capacity - r.num_tokens for r in reqs), default=0)
         k = min(k, room)
@@ -430,7 +432,8 @@ class GenerationEngine:
         tokens fed and accepted."""
         K = len(ids[0]) - 1
         spec = [i for i, r in enumerate(reqs) if r._ngram is not None and r.params.greedy]
-        plain = [i for i in range(len(reqs)) if i not in set(spec)]
+        speculating = set(spec)
+        plain = [i for i in range(len(reqs)) if i not in speculating]
         if plain:
             self._sample_and_emit([reqs[i] for i in plain], logits[plain, 0], events)
         accepted = [0] * len(reqs)
