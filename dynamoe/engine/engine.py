@@ -453,15 +453,8 @@ class GenerationEngine:
                     self.totals["spec_drafted"] += K
                     self.totals["spec_accepted"] += a
                     for t in range(a + 1):
-                        if r.state == FINISHED or r._cancel:
+                        if not self._emit(r, row[t], lps[j * (K + 1) + t], now, events):
                             break
-                        if r.stats.first_token is None:
-                            r.stats.first_token = now
-                        ev = self._accept(r, row[t], lps[j * (K + 1) + t])
-                        events.append(ev)
-                        self._publish(r, ev)
-                        if ev.finish_reason is not None:
-                            self._finish(r, ev.finish_reason, publish=False)
         with self._lock:
             for i, r in enumerate(reqs):
                 r._computed += 1 + accepted[i]
@@ -576,50 +569,22 @@ class GenerationEngine:
         now = time.perf_counter()
         with self._lock:
             for r, tok, lp in zip(reqs, tokens, lps):
-                if r.state == FINISHED or r._cancel:
-                    continue   # cancelled while the forward ran: drop the token
-                if r.stats.first_token is None:
-                    r.stats.first_token = now
-                ev = self._accept(r, tok, lp)
-                events.append(ev)
-                self._publish(r, ev)
-                if ev.finish_reason is not None:
-                    self._finish(r, ev.finish_reason, publish=False)
+                self._emit(r, tok, lp, now, events)   # (cancelled while the forward ran: dropped)
 
-    def _accept(self, r: Request, tok: int, lp: TokenLogprob | None) -> TokenEvent:
-        """Append token ``tok`` to ``r``; the event it makes (text delta, finish reason)."""
-        r.output_ids.append(tok)
-        r.stats.output_tokens += 1
+    def _emit(self, r: Request, tok: int, lp: TokenLogprob | None, now: float, events: list[TokenEvent]) -> bool:
+        """Give ``r`` its next token (caller holds ``_lock``): the event goes to its queue and ``events``, and a
+        finished request is ended. False when it was cancelled or finished meanwhile (the token is dropped)."""
+        if r.state == FINISHED or r._cancel:
+            return False
+        if r.stats.first_token is None:
+            r.stats.first_token = now
+        ev = r.accept(tok, lp)
         self.totals["output_tokens"] += 1
-        if lp is not None:
-            r.logprobs.append(lp)
-        if r._seen_V is not None:
-            r._seen_V[tok] = True
-        if r._counts_V is not None:
-            r._counts_V[tok] += 1
-        finish = stop = None
-        if tok in r.stop_token_ids:
-            finish, stop = "stop", tok
-            text = r._stop.push(r._decoder.flush())[0] + r._stop.flush() if r._decoder is not None else ""
-        else:
-            text = ""
-            if r._decoder is not None:
-                text, matched = r._stop.push(r._decoder.push(tok))
-                if matched is not None:
-                    finish, stop = "stop", matched
-            if finish is None and len(r.output_ids) >= r.max_tokens:
-                finish = "context" if r.context_limited else "length"
-                if r._decoder is not None:
-                    more, matched = r._stop.push(r._decoder.flush())
-                    text += more
-                    if matched is not None:
-                        finish, stop = "stop", matched
-                    else:
-                        text += r._stop.flush()
-        r.text += text
-        if finish is not None:
-            r.stop_reason = stop
-        return TokenEvent(r.id, tok, text, finish, lp, stop)
+        events.append(ev)
+        self._publish(r, ev)
+        if ev.finish_reason is not None:
+            self._finish(r, ev.finish_reason, publish=False)
+        return True
 
     def _publish(self, r: Request, ev: TokenEvent) -> None:
         r._queue.put(ev)

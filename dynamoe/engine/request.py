@@ -131,6 +131,41 @@ class Request:
             return self.output_ids[start - P:end - P]
         return self.prompt_ids[start:] + self.output_ids[:end - P]
 
+    def accept(self, tok: int, lp: TokenLogprob | None) -> TokenEvent:
+        """Append token ``tok`` (the engine calls this under its lock); the event it makes: the text delta
+        (after stop strings and held-back characters) and the finish reason, if it ends the request."""
+        self.output_ids.append(tok)
+        self.stats.output_tokens += 1
+        if lp is not None:
+            self.logprobs.append(lp)
+        if self._seen_V is not None:
+            self._seen_V[tok] = True
+        if self._counts_V is not None:
+            self._counts_V[tok] += 1
+        finish = stop = None
+        if tok in self.stop_token_ids:
+            finish, stop = "stop", tok
+            text = self._stop.push(self._decoder.flush())[0] + self._stop.flush() if self._decoder is not None else ""
+        else:
+            text = ""
+            if self._decoder is not None:
+                text, matched = self._stop.push(self._decoder.push(tok))
+                if matched is not None:
+                    finish, stop = "stop", matched
+            if finish is None and len(self.output_ids) >= self.max_tokens:
+                finish = "context" if self.context_limited else "length"
+                if self._decoder is not None:
+                    more, matched = self._stop.push(self._decoder.flush())
+                    text += more
+                    if matched is not None:
+                        finish, stop = "stop", matched
+                    else:
+                        text += self._stop.flush()
+        self.text += text
+        if finish is not None:
+            self.stop_reason = stop
+        return TokenEvent(self.id, tok, text, finish, lp, stop)
+
     @property
     def finished(self) -> bool:
         return self._done.is_set()
