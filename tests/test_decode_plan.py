@@ -1,7 +1,7 @@
 """Decode steps through a DecodePlan (dynamoe.models.decode_plan: the fused kernel calls of every layer
-back to back, their arguments worked out once) against the layer-by-layer path of a twin model: the
+back to back, their weights worked out once) against the layer-by-layer path of a twin model: the
 same logits, routing statistics and KV cache, bit for bit -- in steady state, after each kind of change
-that makes a plan stale, and where a kernel refuses mid-plan."""
+that makes a plan stale, and where a kernel fails mid-plan."""
 import copy
 
 import pytest
@@ -89,8 +89,9 @@ def test_plan_steps_equal_layer_by_layer(folder, dtype, monkeypatch):
         _same(a, b, rows)
     assert built == [True] and len(ran) == 8  # built once, for the first step (twin: never)
     plan = model.__dict__["_plan"][1]
-    kinds = [type(e).__name__ for e in plan.entries]
-    assert kinds == (["_FusedLayer", "DecoderLayer", "_FusedLayer"] if "qwen3" in folder else ["_FusedLayer"] * 3)
+    assert [e.fused for e in plan.entries] == ([True, False, True] if "qwen3" in folder else [True] * 3)
+    if "qwen3" in folder:
+        assert "layers 1 run as modules: GatedMLP MLP has no fused kernel" in plan.describe()
 
 
 def test_a_stale_plan_is_rebuilt(folder, monkeypatch):
@@ -119,7 +120,7 @@ def test_a_stale_plan_is_rebuilt(folder, monkeypatch):
     # fp32 copies of bf16 parameters (GPT-OSS's sinks and router biases)
     sd = {k: v + 0.01 if v.is_floating_point() else v for k, v in twin.state_dict().items()}
     assert both(lambda m: m.load_state_dict(sd)) == (1 if "gpt_oss" in folder else 0)
-    # a module replaced (the registration hooks)
+    # a module replaced
     norm = RMSNorm(64, eps=1e-6, dtype=dtype)
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.3)
@@ -130,7 +131,8 @@ def test_a_stale_plan_is_rebuilt(folder, monkeypatch):
     def swap_q(m):
         m.model.layers[0].self_attn.q_proj.weight.data = new_q.clone()
     assert both(swap_q) == 1
-    assert type(model.__dict__["_plan"][1].entries[0]).__name__ == "DecoderLayer"
+    entry = model.__dict__["_plan"][1].entries[0]
+    assert not entry.fused and "no longer view the fused buffer" in entry.reason
     if "gpt_oss" in folder:  # a bf16 parameter of which the plan holds an fp32 copy, changed in place
         def sinks(m):
             with torch.no_grad():
@@ -141,8 +143,8 @@ def test_a_stale_plan_is_rebuilt(folder, monkeypatch):
     # conversion, but layer 0's, unfused before)
     assert both(lambda m: m.float()) == 1
     _same(_Run(model, torch.float32), _Run(twin, torch.float32))
-    kinds = [type(e).__name__ for e in model.__dict__["_plan"][1].entries]
-    assert kinds == (["DecoderLayer"] * 2 + ["_FusedLayer"] if "qwen3" in folder else ["DecoderLayer"] + ["_FusedLayer"] * 2)
+    fused = [e.fused for e in model.__dict__["_plan"][1].entries]
+    assert fused == ([False, False, True] if "qwen3" in folder else [False, True, True])
 
 
 def test_copies_and_conversions_stay_fused(folder):
@@ -158,11 +160,10 @@ def test_copies_and_conversions_stay_fused(folder):
     assert attn._qkv[0].dtype == torch.float32 and attn._still_fused(attn._qkv)
 
 
-def test_a_kernel_refusing_midway_falls_back(folder):
-    """An expert weight given the same values in a non-contiguous layout (nothing a plan watches): the
-    fused MoE call refuses after the first layer's attention wrote its cache rows; the step reruns
-    layer by layer (that layer's MoE on the general path), with the same result, and the plan stays
-    off until something changes."""
+def test_a_relaid_weight_rebuilds_the_plan_without_that_kernel(folder):
+    """An expert weight given the same values in a non-contiguous layout (``p.data = ...``): the plan is
+    rebuilt, that layer's MoE block runs on the general path (the kernel takes contiguous weights), with
+    the same results."""
     dtype = torch.bfloat16
     model, twin = _pair(folder, dtype)
     a, b = _Run(model, dtype), _Run(twin, dtype)
@@ -171,8 +172,32 @@ def test_a_kernel_refusing_midway_falls_back(folder):
         experts = m.model.layers[0].mlp.moe.experts
         experts.down_proj.data = experts.down_proj.data.transpose(1, 2).contiguous().transpose(1, 2)
     _same(a, b)
-    assert model.__dict__["_plan"][1] is None
+    entry = model.__dict__["_plan"][1].entries[0]
+    assert not entry.fused and "not contiguous" in entry.reason
     _same(a, b)
+
+
+def test_a_kernel_failing_midway_falls_back_and_says_so(folder, monkeypatch, caplog):
+    """A fused run that raises (something no check foresaw): the step reruns layer by layer with the same
+    result, a warning says what failed, and the plan stays off until the model changes."""
+    from dynamoe.models import decode_plan
+
+    dtype = torch.bfloat16
+    model, twin = _pair(folder, dtype)
+    a, b = _Run(model, dtype), _Run(twin, dtype)
+    _same(a, b)
+    calls = []
+
+    def failing(self, *args):
+        calls.append(1)
+        raise RuntimeError("a kernel refused")
+    monkeypatch.setattr(decode_plan._FusedRun, "run", failing)
+    with caplog.at_level("WARNING", logger="dynamoe.models.base"):
+        _same(a, b)
+        _same(a, b)
+    assert calls == [1]
+    assert "decode plan" in caplog.text and "a kernel refused" in caplog.text
+    assert model.__dict__["_plan"][1] is None
 
 
 def test_no_plan_where_it_does_not_apply(folder, monkeypatch):

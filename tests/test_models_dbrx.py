@@ -55,7 +55,7 @@ def test_structure(pair):
     for i, layer in enumerate(ours.model.layers):
         a = layer.self_attn
         assert isinstance(a, DbrxAttention) and a.clip_qkv == (1.5 if name == "clip" else 8.0)
-        assert a.decode_args(layer.input_layernorm) is None
+        assert a.decode_fused(layer.input_layernorm, torch.float32).weights is None  # Wqkv, clipping, LayerNorm
         assert layer.mlp.moe.config.gates[0].normalize == (name == "clip")
         w1 = hf.model.layers[i].ffn.experts.mlp.w1 if hasattr(hf, "model") else hf.transformer.blocks[i].ffn.experts.mlp.w1
         torch.testing.assert_close(layer.mlp.moe.experts.gate_up_proj[1, :32], w1.view(8, 32, 64)[1])

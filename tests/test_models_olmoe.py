@@ -47,7 +47,7 @@ def test_structure(pair):
         assert a.qk_norm_all and tuple(a.q_norm.weight.shape) == (64,) and tuple(a.k_norm.weight.shape) == (32,)
         assert a.clip_qkv == (1.5 if name == "clip" else None)
         assert (a.o_proj.bias is not None) == (name != "clip")
-        assert a.decode_args(layer.input_layernorm) is None  # the fused kernel norms per head: not used here
+        assert "all heads" in a.decode_fused(layer.input_layernorm, torch.float32).extra  # the kernel norms per head
 
 
 def test_logits_match_transformers(pair):

@@ -1,14 +1,16 @@
-"""A decode step's MoE sub-block in one kernel call (MoELayer.decode_block, moe_decode.glu_block_decode:
-RMSNorm + router + GLU experts + residual) against the same pieces called one after another -- bit for
-bit, statistics included -- and the decoder layer taking it only where it is that computation."""
+"""A decode step's MoE sub-block in one kernel call (MoELayer.decode_fused with a norm, then
+moe_decode.moe_decode_with: RMSNorm + router + GLU experts + residual) against the same pieces called one
+after another -- bit for bit, statistics included --, the refusals with their reasons, and the decoder
+layer taking it only where it is that computation."""
 import pytest
 import torch
 
 from dynamoe.models.moe_block import BiasedRouter
 from dynamoe.models.norms import RMSNorm
 from dynamoe.moe import ExpertConfig, GateConfig, MoEConfig, MoELayer
-from dynamoe.moe.gates import renormalizes
+from dynamoe.models.moe_block import SparseMoeBlock
 from dynamoe.ops import cpu_kernels, moe_decode
+from dynamoe.ops.fused import RMSNormSpec
 from spying import record_calls
 
 kernels = cpu_kernels.load()
@@ -40,6 +42,22 @@ def _norm(dtype, weight_in_fp32=False):
     return n
 
 
+def _fused(layer, h, norm_w, eps=1e-5, fp32=False):
+    """The layer's fused block for h with that norm: its Fused (weights None and the reason where refused)."""
+    return layer.decode_fused(h, norm=RMSNormSpec(norm_w, eps, fp32))
+
+
+def _block(layer, h, norm_w, eps=1e-5, fp32=False):
+    """(h + layer(norm(h)), stats) through the fused kernel, or the reason it refuses (a str)."""
+    if not layer._decode_ready(h):
+        return "not a decode step"
+    f = _fused(layer, h, norm_w, eps, fp32)
+    if f.weights is None:
+        return f.extra
+    out, load, max_load = moe_decode.moe_decode_with(f.extra, f.weights, h)
+    return out, layer.decode_done(load, max_load)
+
+
 def _one_by_one(layer, norm, h):
     with torch.inference_mode():
         y = layer(norm(h))
@@ -69,17 +87,8 @@ def test_block_equals_norm_layer_residual(monkeypatch, name, T, dtype):
     layer = _layer(gate, dtype=dtype, glu="gpt_oss" if gpt_oss else "silu", bias=gpt_oss)
     norm = _norm(dtype, weight_in_fp32=gpt_oss)
     h = (torch.randn(T, D) * 3).to(dtype)
-    used = record_calls(monkeypatch, moe_decode, "glu_block_with")
     with torch.inference_mode():
-        got = layer.decode_block(h, norm.weight, norm.eps, norm.weight_in_fp32)
-    assert used == [True]
-    out, stats = got
-    with torch.inference_mode():  # the functional form: the same call
-        gcfg = layer.config.gates[0]
-        alone = moe_decode.glu_block_decode(h, norm.weight, norm.eps, norm.weight_in_fp32, layer.gates[0], gcfg.type,
-                                            gcfg.k, renormalizes(gcfg, gcfg.k, layer.config.normalize_gate),
-                                            gcfg.route_scale, gcfg.n_group, gcfg.topk_group, layer.experts)
-    assert torch.equal(alone[0], out) and torch.equal(alone[1], stats.load)
+        out, stats = _block(layer, h, norm.weight, norm.eps, norm.weight_in_fp32)
     want, want_stats = _one_by_one(layer, norm, h)
     assert out.dtype == dtype and out.shape == (T, D)
     assert torch.equal(out, want)  # the same kernels and roundings, in the same order
@@ -92,30 +101,59 @@ def test_block_declines_what_it_does_not_compute():
     gate = GATES["softmax-renorm"]
     h = torch.randn(2, D).bfloat16()
     norm = _norm(torch.bfloat16)
-    args = (norm.weight, norm.eps)
+    w = norm.weight
     with torch.inference_mode():
-        assert _layer(gate(), shared=1).decode_block(h, *args) is None  # shared experts
-        assert _layer(gate(), check_finite=True).decode_block(h, *args) is None  # the general path names NaNs
-        assert _layer(gate(), aux_loss="switch").decode_block(h, *args) is None
-        assert _layer(GateConfig(type="top", k=2, capacity_factor=1.0, fp32_gate=True)).decode_block(h, *args) is None
-        assert _layer(GateConfig(type="top", k=2, capacity_factor=0.0)).decode_block(h, *args) is None  # bf16 logits
+        assert "shared experts" in _block(_layer(gate(), shared=1), h, w)
+        assert "check_finite" in _block(_layer(gate(), check_finite=True), h, w)  # the general path names NaNs
+        assert "auxiliary losses" in _block(_layer(gate(), aux_loss="switch"), h, w)
+        assert "capacity_factor=1" in _block(_layer(GateConfig(type="top", k=2, capacity_factor=1.0, fp32_gate=True)), h, w)
+        assert "router" in _block(_layer(GateConfig(type="top", k=2, capacity_factor=0.0)), h, w)  # bf16 logits
         layer = _layer(gate())
         layer.result_func = lambda y: y * 2
-        assert layer.decode_block(h, *args) is None
+        assert "result_func" in _block(layer, h, w)
         layer = _layer(gate())
-        assert layer.decode_block(torch.randn(17, D).bfloat16(), *args) is None  # not a decode batch
-        assert layer.decode_block(h.float(), *args) is None  # input in another dtype than the experts
-        assert layer.decode_block(h, norm.weight.float(), norm.eps) is None  # norm weight in another dtype
-        assert layer.decode_block(torch.randn(D, 2).bfloat16().t(), *args) is None  # not contiguous
+        assert _block(layer, torch.randn(17, D).bfloat16(), w) == "not a decode step"
+        assert "differs from the experts" in _block(layer, h.float(), w)  # input in another dtype than the experts
+        assert "norm weight" in _block(layer, h, w.float())  # norm weight in another dtype
         ffn = MoELayer(MoEConfig(model_dim=D, gates=[gate()], dtype=torch.bfloat16, aux_loss="none", check_finite=False,
                                  experts=ExpertConfig(type="ffn", num_experts_per_device=8, hidden_size_per_expert=16))).eval()
-        assert ffn.decode_block(h, *args) is None
-        assert layer.decode_block(h, *args) is not None
+        out, stats = _block(ffn, h, w)  # Tutel's FFN experts: the same block kernel with the FFN experts kernel
+        want, want_stats = _one_by_one(ffn, norm, h)
+        assert torch.equal(out, want) and torch.equal(stats.load, want_stats.load)
+        assert isinstance(_block(layer, h, w), tuple)
     with torch.no_grad():
         layer.train()
-        assert layer.decode_block(h, *args) is None
+        assert _block(layer, h, w) == "not a decode step"
     layer.eval()
-    assert layer.decode_block(h, *args) is None  # autograd on
+    assert _block(layer, h, w) == "not a decode step"  # autograd on
+
+
+def test_fused_block_is_cached_while_current():
+    """The block's Fused is built once and reused; a routing switch changed in place, a parameter replaced or
+    given new data, and an in-place update of a tensor the struct holds a copy of each make it stale."""
+    layer = _layer(GATES["gpt-oss"](), glu="gpt_oss", bias=True)
+    block = SparseMoeBlock.__new__(SparseMoeBlock)
+    torch.nn.Module.__init__(block)
+    block.moe, block.hidden_size = layer, D
+    norm = _norm(torch.bfloat16)
+    h = torch.randn(2, D).bfloat16()
+    with torch.inference_mode():
+        f = block.decode_fused(h, norm)
+        assert f.weights is not None and block.decode_fused(h, norm) is f
+        layer.config.gates[0].k = 1
+        f2 = block.decode_fused(h, norm)
+        assert f2 is not f and f2.weights.top_k == 1
+    with torch.no_grad():
+        norm.weight = torch.nn.Parameter(norm.weight.detach().clone())
+        f3 = block.decode_fused(h, norm)
+        assert f3 is not f2
+        layer.experts.down_proj.data = layer.experts.down_proj.data.clone()
+        f4 = block.decode_fused(h, norm)
+        assert f4 is not f3
+        layer.gates[0].bias.add_(1.0)  # bf16: the struct holds an fp32 copy
+        f5 = block.decode_fused(h, norm)
+        assert f5 is not f4 and torch.equal(f5.weights.gate_bias, layer.gates[0].bias.float())
+        assert block.decode_fused(h, norm) is f5
 
 
 def _tiny_qwen3(tmp_path, dtype):
@@ -147,11 +185,11 @@ def test_decoder_layers_take_the_block_at_decode(monkeypatch, tmp_path, dtype):
             steps = [model(torch.tensor([[4], [9]]), cache=cache, slots=torch.tensor([1, 0])) for _ in range(3)]
         return torch.cat(steps, 1), [s.load.clone() for s in model.moe_stats()]
 
-    used = record_calls(monkeypatch, moe_decode, "glu_block_with")
+    used = record_calls(monkeypatch, moe_decode, "moe_decode_with")
     fast, fast_stats = run()
-    assert used == [True] * 6  # 3 steps x 2 MoE layers
+    assert used == [True] * 10  # 2 MoE layers x (2 short prefills through the layer's own decode path + 3 steps)
     with monkeypatch.context() as m:
-        m.setattr(moe_decode, "glu_block_args", lambda *a, **kw: None)
+        m.setattr(SparseMoeBlock, "decode_block", lambda *a, **kw: None)
         slow, slow_stats = run()
     assert torch.equal(fast, slow)
     assert all(torch.equal(a, b) for a, b in zip(fast_stats, slow_stats))

@@ -53,7 +53,15 @@ def _reference(layer, x_TD):
 
 
 def _spy(monkeypatch):
-    return record_calls(monkeypatch, moe_decode, "glu_decode")
+    """Calls of the layer's own decode path (router + experts in one kernel call)."""
+    return record_calls(monkeypatch, moe_decode, "moe_decode_with")
+
+
+def _general(monkeypatch):
+    """The general path from here on: routing in torch, the experts on the general path too."""
+    monkeypatch.setattr(MoELayer, "_decode_step", lambda *a, **kw: None)
+    for name in ("glu_decode", "packed_glu_decode", "ffn_decode"):
+        monkeypatch.setattr(moe_decode, name, lambda *a, **kw: None)
 
 
 @needs_kernel
@@ -84,7 +92,7 @@ def test_shared_experts_and_general_path_agree(monkeypatch):
     with torch.inference_mode():
         fused = layer(x)
     assert used == [True]
-    monkeypatch.setattr(moe_decode, "glu_decode", lambda *a, **kw: None)
+    _general(monkeypatch)
     with torch.inference_mode():
         general = layer(x)
     torch.testing.assert_close(fused.float(), general.float(), atol=3e-2 * general.abs().max().item(), rtol=3e-2)
@@ -94,7 +102,8 @@ def test_shared_experts_and_general_path_agree(monkeypatch):
 
 @needs_kernel
 def test_not_used_where_it_is_not_the_same_computation(monkeypatch):
-    used = _spy(monkeypatch)
+    fast = _spy(monkeypatch)
+    used = record_calls(monkeypatch, moe_decode, "glu_decode")  # the experts kernel after torch's routing
     x = torch.randn(2, 64).bfloat16()
     layer = _layer()
     layer(x)  # autograd on: the experts' gradients need the general path
@@ -106,6 +115,7 @@ def test_not_used_where_it_is_not_the_same_computation(monkeypatch):
     layer.bfloat16().train()
     with torch.no_grad():
         layer(x)  # training mode
+    assert fast == []  # none of these is the layer's own decode path
     assert used == [False, True, False]  # autograd and fp16 weights: the kernel declined
 
 
@@ -142,14 +152,12 @@ def test_packed_experts_match_the_general_path(monkeypatch, fmt, act, T, k, dtyp
     quantize_experts_(layer, fmt, **kw)
     assert type(layer.experts).__name__ == "QuantizedExperts"
     x = torch.randn(T, 64).to(dtype)
-    used = []
-    real = moe_decode.packed_glu_decode
-    monkeypatch.setattr(moe_decode, "packed_glu_decode", lambda *a: used.append(1) or real(*a))
+    used = _spy(monkeypatch)
     with torch.inference_mode():
         fused = layer(x)
-        monkeypatch.setattr(moe_decode, "packed_glu_decode", lambda *a: None)
+        _general(monkeypatch)
         general = layer(x)
-    assert used == [1] and fused.dtype == dtype and fused.shape == (T, 64)
+    assert used == [True] and fused.dtype == dtype and fused.shape == (T, 64)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(fused.float(), general.float(), atol=tol * general.abs().max().item(), rtol=tol)
     assert torch.equal(fused.routing_stats.load, general.routing_stats.load)
@@ -163,7 +171,7 @@ def test_packed_experts_match_the_general_path(monkeypatch, fmt, act, T, k, dtyp
 def test_ffn_experts_match_per_expert_loop(monkeypatch, act, T, k, bias, dtype):
     """Tutel-layout FFN experts (fc1 [E, F, D], fc2 [E, F, O], biases; output_dim != model_dim) through
     the decode kernel against a per-token, per-expert loop in fp32."""
-    used = record_calls(monkeypatch, moe_decode, "ffn_decode")
+    used = _spy(monkeypatch)
     torch.manual_seed(1)
     cfg = MoEConfig(model_dim=64, gates=[GateConfig(type="top", k=k, capacity_factor=0.0, fp32_gate=True)],
                     experts=ExpertConfig(type="ffn", num_experts_per_device=6, hidden_size_per_expert=300,

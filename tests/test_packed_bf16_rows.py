@@ -47,8 +47,8 @@ def _call(ex, x, ids, w, bf16_acts):
     bias2 = None if ex.b2 is None else ex.b2.float().contiguous()
     out = torch.empty(x.size(0), ex.w2.shape[1])
     load = torch.empty(ex.w1.shape[0], dtype=torch.long)
-    kernels.packed_moe_glu_decode_out(moe_decode.PACKED_FORMATS[ex.format], x, ids, w, a1, b1, c1, a2, b2, c2, blk0, blk1,
-                                      bias1, bias2, moe_decode.ACT_CODES[ex.glu_kind], float(ex.alpha), float(ex.limit),
+    kernels.packed_moe_glu_decode_out(int(kernels.WeightFormat.__members__[ex.format]), x, ids, w, a1, b1, c1, a2, b2, c2, blk0, blk1,
+                                      bias1, bias2, int(kernels.Activation.__members__[ex.glu_kind]), float(ex.alpha), float(ex.limit),
                                       out, load, bf16_acts)
     return out, load
 

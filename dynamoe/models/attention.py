@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import cpu_kernels, linear
+from ..ops.fused import MAX_ROWS, Fused, Holds, Unfusable, slot, struct
+from ..ops.stacked_linears import stack_linears_, still_stacked
 from .cache import KVCache
 from .norms import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
@@ -181,24 +183,10 @@ class Attention(nn.Module):
         parameter a view of its rows, so that inference runs one matmul (one GEMV at decode) instead
         of three. Names, shapes and the state dict are unchanged. Only for plain linears whose
         parameters need no gradient (a loaded model); True when fused."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if not all(isinstance(p, nn.Linear) and type(p.weight) is nn.Parameter for p in projs):
+        qkv = stack_linears_([self.q_proj, self.k_proj, self.v_proj])
+        if qkv is None:
             return False
-        ws, bs = [p.weight for p in projs], [p.bias for p in projs]
-        if (len({(w.dtype, w.device) for w in ws}) != 1 or any(w.requires_grad for w in ws)
-                or (any(b is None for b in bs) and not all(b is None for b in bs))):
-            return False
-        with torch.no_grad():
-            weight = torch.cat([w.detach() for w in ws])
-            bias = None if bs[0] is None else torch.cat([b.detach() for b in bs])
-            row = 0
-            for p in projs:
-                n = p.weight.size(0)
-                p.weight = nn.Parameter(weight[row:row + n], requires_grad=False)
-                if bias is not None:
-                    p.bias = nn.Parameter(bias[row:row + n], requires_grad=False)
-                row += n
-        object.__setattr__(self, "_qkv", (weight, bias))
+        object.__setattr__(self, "_qkv", qkv)
         return True
 
     def _apply(self, fn, recurse=True):
@@ -231,80 +219,105 @@ class Attention(nn.Module):
         return self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
 
     def _still_fused(self, qkv) -> bool:
-        weight, bias = qkv
-        row_bytes = weight.stride(0) * weight.element_size()
-        ptr, row = weight.data_ptr(), 0
-        for name in ("q_proj", "k_proj", "v_proj"):  # (the modules' dicts: this runs on every decode step)
-            params = self._modules[name]._parameters
-            w, b = params.get("weight"), params.get("bias")
-            if w is None or w.data_ptr() != ptr + row * row_bytes or (bias is not None and (
-                    b is None or b.data_ptr() != bias.data_ptr() + row * bias.element_size())):
-                return False
-            row += w.size(0)
-        return True
+        m = self._modules
+        return still_stacked((m["q_proj"], m["k_proj"], m["v_proj"]), qkv)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"sliding_window={self.sliding_window}, sinks={self.sinks is not None}"
                 + (", qk_norm=all" if self.qk_norm_all else "") + (f", clip_qkv={self.clip_qkv}" if self.clip_qkv else ""))
 
-    def decode_args(self, norm: nn.Module) -> tuple | None:
-        """What a fused decode step of this block reads besides the step's own tensors -- (dtype, the
-        norm's weight/eps/fp32 flag, fused q/k/v weight and bias, q/k norm weights and eps, RoPE
-        interleaving, sliding window, fp32 sinks, scale, o_proj weight and bias) -- or None where the
-        kernel does not apply (q/k/v not fused, a norm that is not RMSNorm, weights not bf16/fp32 of one
-        dtype on the CPU). The sinks are an fp32 copy where the parameter is not fp32 already."""
-        qkv = self._qkv
-        if (qkv is None or type(norm) is not RMSNorm or norm.zero_centered or self.qk_norm_all or self.clip_qkv is not None
-                or self.qk_norm_after_rope or not self.use_rope or not self._still_fused(qkv)):
-            return None  # (the kernel norms q/k per head before RoPE, always rotates does not clamp, and reads the norm weight as the scale)
-        # (plain dict lookups: this runs for every layer and step, where nn.Module.__getattr__ adds up)
-        mods, params = self._modules, self._parameters
-        o, qn, kn, sinks = mods.get("o_proj"), mods.get("q_norm"), mods.get("k_norm"), params.get("sinks")
-        dt = qkv[0].dtype
-        if (dt not in _DECODE_DTYPES or qkv[0].device.type != "cpu" or not isinstance(o, nn.Linear)
-                or (qn is not None and qn.zero_centered)):
-            return None
-        norm_w, o_w = norm._parameters["weight"], o._parameters["weight"]
-        if o_w.dtype != dt or norm_w.dtype != dt or (qn is not None and qn._parameters["weight"].dtype != dt):
-            return None
-        return (dt, norm_w, norm.eps, norm.weight_in_fp32, qkv[0], qkv[1],
-                None if qn is None else qn._parameters["weight"], None if kn is None else kn._parameters["weight"],
-                1e-6 if qn is None else qn.eps, self.rope_interleaved, self.sliding_window or 0,
-                None if sinks is None else sinks.float().contiguous(), self.scale, o_w, o._parameters["bias"])
+    def decode_fused(self, norm: nn.Module, dtype: torch.dtype) -> Fused:
+        """The fused decode kernel's weights (``kernels.AttentionWeights``: ``norm``'s weight, eps and fp32
+        flag, the fused q/k/v weight and bias, q/k norm weights and eps, RoPE interleaving, sliding window,
+        fp32 sinks, scale, o_proj weight and bias) for steps of ``dtype`` in this module's state, as a
+        :class:`~dynamoe.ops.fused.Fused` (cached while current): ``weights`` None and ``extra`` the reason
+        where the kernel does not apply, else ``extra`` is the kernels module."""
+        cache = slot(self)
+        fused = cache.get((norm, dtype))
+        if fused is not None:
+            return fused
+        holds = Holds()
+        try:
+            kernels = cpu_kernels.load()
+            if kernels is None:
+                raise Unfusable("the CPU kernels are not available")
+            fused = Fused(self._decode_weights(kernels, holds, norm, dtype), holds, kernels)
+        except Unfusable as exc:
+            fused = Fused(None, holds, str(exc))
+        return cache.put((norm, dtype), fused)
 
-    def decode_with(self, kernels, args: tuple, h_BD: Tensor, rows: tuple, cache: KVCache, slots: Tensor) -> Tensor:
-        """The kernel call of :meth:`decode_step` with ``args`` from :meth:`decode_args` (h [B, D]
-        contiguous of their dtype, ``rows`` = the rotary embedding's ``decode_rows``, slots int64)."""
+    def _decode_weights(self, kernels, holds: Holds, norm: nn.Module, dtype: torch.dtype):
+        """The kernel's ``AttentionWeights``; raises Unfusable with the reason where it does not apply.
+        (The kernel norms q/k per head before RoPE, always rotates, does not clamp, and reads the norm
+        weight as the scale.) Families whose attention differs override this to say so."""
+        qkv = holds.attr(self, "_qkv")
+        if qkv is None:
+            raise Unfusable("q/k/v projections are not fused into one buffer (Attention.fuse_qkv_)")
+        if type(norm) is not RMSNorm or holds.attr(norm, "zero_centered"):
+            raise Unfusable(f"the input norm is a {type(norm).__name__} (the kernel takes RMSNorm with its weight as the scale)")
+        for name, why in (("qk_norm_all", "q/k norms over all heads"), ("clip_qkv", "q/k/v clipping"),
+                          ("qk_norm_after_rope", "q/k norms after RoPE")):
+            if holds.attr(self, name):
+                raise Unfusable(why)
+        if not holds.attr(self, "use_rope"):
+            raise Unfusable("a layer without RoPE (NoPE)")
+        if not self._still_fused(qkv):
+            raise Unfusable("q/k/v parameters no longer view the fused buffer")
+        for name in ("q_proj", "k_proj", "v_proj"):  # views of the fused buffer: p.data = ... moves them
+            m = holds.module(self, name)
+            for t in (holds.param(m, "weight"), holds.param(m, "bias")):
+                if t is not None:
+                    holds.pointer(t)
+        o, qn, kn = holds.module(self, "o_proj"), holds.module(self, "q_norm"), holds.module(self, "k_norm")
+        sinks = holds.param(self, "sinks")
+        dt = qkv[0].dtype
+        if dt != dtype or dt not in _DECODE_DTYPES or qkv[0].device.type != "cpu":
+            raise Unfusable(f"weights of {dt} on {qkv[0].device.type} for steps of {dtype} (the kernel takes one of "
+                            "bf16/fp32 on the CPU)")
+        if not isinstance(o, nn.Linear) or (qn is not None and qn.zero_centered):
+            raise Unfusable("o_proj is not a plain linear or the q/k norms are zero-centred")
+        norm_w, o_w, o_b = holds.param(norm, "weight"), holds.param(o, "weight"), holds.param(o, "bias")
+        qn_w = None if qn is None else holds.param(qn, "weight")
+        kn_w = None if kn is None else holds.param(kn, "weight")
+        if o_w.dtype != dt or norm_w.dtype != dt or (qn_w is not None and qn_w.dtype != dt):
+            raise Unfusable("the norm, q/k norm and o_proj weights are not all of the projections' dtype")
+        return struct(kernels.AttentionWeights, holds, norm_w=norm_w, norm_eps=float(holds.attr(norm, "eps")),
+                      norm_fp32=bool(holds.attr(norm, "weight_in_fp32")), w_qkv=qkv[0], b_qkv=qkv[1], q_norm=qn_w,
+                      k_norm=kn_w, qk_eps=1e-6 if qn is None else float(holds.attr(qn, "eps")),
+                      interleaved=bool(holds.attr(self, "rope_interleaved")),
+                      window=int(holds.attr(self, "sliding_window") or 0), sinks=holds.fp32(sinks),
+                      scale=float(holds.attr(self, "scale")), w_o=o_w, b_o=o_b)
+
+    def decode_with(self, fused: Fused, h_BD: Tensor, rows: tuple, cache: KVCache, slots: Tensor) -> Tensor:
+        """The kernel call of :meth:`decode_step` with ``fused`` from :meth:`decode_fused` (h [B, D]
+        contiguous of its dtype, ``rows`` = the rotary embedding's ``decode_rows``, slots int64)."""
         K, d = self.num_kv_heads, self.head_dim
         out = torch.empty_like(h_BD)
-        kernels.attn_decode_out(h_BD, *args[1:9], rows[0], rows[1], args[9], cache.kv_pool(self.layer_idx, "k", K, d),
-                                cache.kv_pool(self.layer_idx, "v", K, d), cache.block_tables, slots, rows[2],
-                                *args[10:], out)
+        fused.extra.attn_decode_out(h_BD, fused.weights, rows[0], rows[1], cache.kv_pool(self.layer_idx, "k", K, d),
+                                    cache.kv_pool(self.layer_idx, "v", K, d), cache.block_tables, slots, rows[2], out)
         return out
 
     def decode_step(self, h_BTD: Tensor, norm: nn.Module, positions_BT: Tensor, cache: KVCache, slots: Tensor,
                     kv_len: int | None = None) -> Tensor | None:
-        """``h + self(norm(h), ...)`` for a decode step (T = 1 new token for each of B <= 16 sequences in
-        distinct slots) in one kernel call (csrc/attn_decode.cpp: norm, fused q/k/v GEMV, q/k norms,
+        """``h + self(norm(h), ...)`` for a decode step (T = 1 new token for each of B <= MAX_ROWS sequences
+        in distinct slots) in one kernel call (csrc/attn_decode.cpp: norm, fused q/k/v GEMV, q/k norms,
         RoPE, cache write, attention over each row's keys 0..position with window and sinks, o_proj,
-        residual); None where it does not apply (autograd, not CPU, dtypes other than bf16/fp32 or mixed,
-        q/k/v not fused, a norm that is not RMSNorm) and the caller runs the op-by-op path. ``kv_len``
-        is not needed: each row sees exactly its keys 0..position, as the op-by-op path's mask allows."""
+        residual); None where it does not apply (autograd, not CPU, see :meth:`decode_fused`) and the
+        caller runs the op-by-op path. ``kv_len`` is not needed: each row sees exactly its keys
+        0..position, as the op-by-op path's mask allows."""
         if slots is None or torch.is_grad_enabled():
             return None
-        args = self.decode_args(norm)
         B, dt = h_BTD.size(0), h_BTD.dtype
-        if (args is None or args[0] != dt or h_BTD.device.type != "cpu" or h_BTD.size(1) != 1 or not 1 <= B <= 16
-                or slots.numel() != B or slots.device.type != "cpu" or positions_BT.device.type != "cpu"
-                or cache.dtype != dt):
+        if (h_BTD.device.type != "cpu" or h_BTD.size(1) != 1 or not 1 <= B <= MAX_ROWS or slots.numel() != B
+                or slots.device.type != "cpu" or positions_BT.device.type != "cpu" or cache.dtype != dt):
             return None
-        k = cpu_kernels.load()
-        if k is None:
+        fused = self.decode_fused(norm, dt)
+        if fused.weights is None:
             return None
         h = h_BTD.view(B, -1) if h_BTD.is_contiguous() else h_BTD.reshape(B, -1).contiguous()
         slots = slots if slots.dtype == torch.long and slots.is_contiguous() else slots.to(torch.long).contiguous()
-        return self.decode_with(k, args, h, self.rotary.decode_rows(positions_BT, dt), cache, slots).view(h_BTD.shape)
+        return self.decode_with(fused, h, self.rotary.decode_rows(positions_BT, dt), cache, slots).view(h_BTD.shape)
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:

@@ -11,17 +11,21 @@ most tensors load by name; a sparse block's router and experts live in a dynamoe
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
+from ..ops.fused import MAX_ROWS
 from .cache import DEFAULT_BLOCK_SIZE, KVCache
 from .config import ModelConfig
-from .decode_plan import DecodePlan, invalidate_plans
+from .decode_plan import DecodePlan
 from .moe_block import SparseMoeBlock
 from .rope import RotaryEmbedding
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CausalLM", "DecoderLayer", "DecoderStack", "MoELayerStats"]
 
@@ -38,7 +42,7 @@ class DecoderLayer(nn.Module):
     def forward(self, h_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:
         fused = None
-        if cache is not None and h_BTD.size(1) == 1 and h_BTD.size(0) <= 16 and not torch.is_grad_enabled():
+        if cache is not None and h_BTD.size(1) == 1 and h_BTD.size(0) <= MAX_ROWS and not torch.is_grad_enabled():
             step = getattr(self.self_attn, "decode_step", None)  # one kernel call for the attention block
             fused = None if step is None else step(h_BTD, self.input_layernorm, positions_BT, cache, slots, kv_len)
         if fused is not None:
@@ -187,8 +191,10 @@ class CausalLM(nn.Module):
         if plan is not None:
             try:
                 h = plan.run(h.view(B, -1), positions, cache, slots, kv_len).view(B, 1, -1)
-            except RuntimeError:  # something the plan's checks do not see changed: the layer path decides
-                self.__dict__["_plan"] = (plan.key, None)
+            except RuntimeError as exc:  # a kernel refused what the plan's checks did not see: the layer path decides
+                log.warning("dynamoe: the decode plan of %s failed (%s); this state decodes layer by layer",
+                            type(self).__name__, exc)
+                self.__dict__["_plan"] = (plan.key, None, plan)
                 plan = None
         if plan is None:
             for layer in self.model.layers:
@@ -204,14 +210,15 @@ class CausalLM(nn.Module):
         """The :class:`~dynamoe.models.decode_plan.DecodePlan` for this decode step, or None (the layers
         run one by one): inference on the CPU, 1..16 rows, int64 slots, no autocast."""
         B = h_BTD.size(0)
-        if (not self.use_decode_plan or not 1 <= B <= 16 or torch.is_grad_enabled() or h_BTD.device.type != "cpu"
+        if (not self.use_decode_plan or not 1 <= B <= MAX_ROWS or torch.is_grad_enabled() or h_BTD.device.type != "cpu"
                 or slots.dtype != torch.long or slots.device.type != "cpu" or torch.is_autocast_enabled("cpu")):
             return None
         h = h_BTD.view(B, -1)
         key = DecodePlan.key_for(h, cache)
-        cached = self.__dict__.get("_plan")
-        if cached is None or cached[0] != key or (cached[1] is not None and not cached[1].current()):
-            cached = (key, DecodePlan.build(self, h, cache))
+        cached = self.__dict__.get("_plan")  # (key, plan or None, what decided it: a plan, or None)
+        if cached is None or cached[0] != key or (cached[2] is not None and not cached[2].current()):
+            plan = DecodePlan.build(self, h, cache)
+            cached = (key, plan if plan is not None and plan.useful else None, plan)
             self.__dict__["_plan"] = cached  # (not a module attribute: no registration, no state dict)
         return cached[1]
 
@@ -221,7 +228,7 @@ class CausalLM(nn.Module):
         return state
 
     def _apply(self, fn, recurse=True):
-        invalidate_plans()  # .to(), .float(), ...: the parameters' data may move
+        self.__dict__.pop("_plan", None)  # .to(), .float(), ...: the parameters' data may move
         return super()._apply(fn, recurse)
 
     def moe_layers(self) -> list[tuple[int, SparseMoeBlock]]:

@@ -1,127 +1,90 @@
-"""A decode step's decoder layers as fused kernel calls back to back, their arguments worked out once.
+"""A decode step's decoder layers as fused kernel calls back to back, their weights worked out once.
 
-On the CPU a decode step through a decoder layer is two kernel calls (:meth:`Attention.decode_step`:
-norm, q/k/v, RoPE, cache write, attention, o_proj and residual; :meth:`MoELayer.decode_block`: norm,
-router, experts and residual). Finding out which weights they take and whether they apply at all
-costs about 0.1 ms of Python per layer and step -- a tenth of a 0.5B-parameter model's step, more once
-the weights streaming through have evicted the interpreter's own data from the caches. A
-:class:`DecodePlan` does that once and hands each run of consecutive fused layers to a C++
-``DecodeStack`` (csrc/decode_stack.cpp) that holds their arguments -- the parameters themselves, so
-in-place updates such as ``load_state_dict`` reach it -- and runs the whole run in one call. Layers the
-fused calls do not cover (dense MLPs, MLA, shared experts, packed experts, expert parallelism) run as
-modules between the runs.
+On the CPU a decode step through a decoder layer is two kernel calls: the attention block
+(:meth:`Attention.decode_step`: norm, q/k/v, RoPE, cache write, attention, o_proj and residual) and the
+MoE block (:meth:`SparseMoeBlock.decode_block`: norm, router, routed experts in any weight format and
+residual). Each sub-block's kernel reads a bound weight struct that its module builds and caches
+(``decode_fused``, a :class:`~dynamoe.ops.fused.Fused` that knows what its decision read and when it is
+stale). A :class:`DecodePlan` lays the model's layers out once: each run of consecutive layers whose two
+sub-blocks both have a kernel goes to one C++ ``DecodeStack`` (csrc/decode_stack.cpp) that holds their
+structs -- the parameters themselves, so in-place updates such as ``load_state_dict`` reach it -- and
+runs the whole run in one call; the other layers run as modules between the runs, and why is logged
+once per plan (:meth:`DecodePlan.describe`).
 
-A plan is rebuilt when it may be stale: a module, parameter or buffer was (re)assigned anywhere in
-the process (torch's global registration hooks), the model was converted (``CausalLM._apply``:
-``.to()``, ``.float()``...), a layer's fused q/k/v weight no longer backs q/k/v_proj, the source of an
-fp32 copy it holds (attention sinks, router biases) changed, or an MoE layer's routing configuration
-or training flag changed (:meth:`MoELayer.decode_key`). The results are those of the layer-by-layer
-path, bit for bit (tests/test_decode_plan.py).
+There are no process-wide hooks: a plan is current while every layer it holds is still where it was
+(the model's layer list, each layer's sub-modules) and every sub-block's Fused -- fused or not -- is
+current; ``CausalLM`` drops it on conversion (``.to()``...). The layer-by-layer path runs the same
+kernels with the same structs, so the results are the same bit for bit (tests/test_decode_plan.py).
 """
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
 from torch import Tensor
-from torch.nn.modules import module as _torch_module
 
-from ..ops import cpu_kernels
-from .norms import RMSNorm
+from ..ops.fused import MAX_ROWS, Fused, Holds
 
-__all__ = ["DecodePlan", "invalidate_plans"]
+__all__ = ["DecodePlan"]
 
-_generation = 0
+log = logging.getLogger(__name__)
 
 
-def invalidate_plans(*_args) -> None:
-    """Make every :class:`DecodePlan` stale (they are rebuilt on their next step)."""
-    global _generation
-    _generation += 1
+class _Layer:
+    """One decoder layer in a plan: its sub-blocks' Fused (None for a layer the plan cannot look into)."""
 
+    __slots__ = ("layer", "attn", "block", "attn_fused", "moe_fused", "holds", "reason")
 
-# any (re)assignment of a module, parameter or buffer anywhere: plans may hold the old one
-_torch_module.register_module_module_registration_hook(invalidate_plans)
-_torch_module.register_module_parameter_registration_hook(invalidate_plans)
-_torch_module.register_module_buffer_registration_hook(invalidate_plans)
+    def __init__(self, layer, h_BD: Tensor):
+        from .base import DecoderLayer
+        from .moe_block import SparseMoeBlock
 
+        holds = Holds()
+        self.layer, self.attn_fused, self.moe_fused, self.reason = layer, None, None, None
+        self.attn = holds.module(layer, "self_attn")
+        self.block = holds.module(layer, "mlp")
+        norm1, norm2 = holds.module(layer, "input_layernorm"), holds.module(layer, "post_attention_layernorm")
+        self.holds = Fused(None, holds)
+        if type(layer).forward is not DecoderLayer.forward:
+            self.reason = f"{type(layer).__name__} has its own forward"
+        elif not hasattr(self.attn, "decode_fused"):
+            self.reason = f"{type(self.attn).__name__} attention has no fused kernel"
+        elif not isinstance(self.block, SparseMoeBlock):
+            self.reason = f"{type(self.block).__name__} MLP has no fused kernel"
+        else:
+            self.attn_fused = self.attn.decode_fused(norm1, h_BD.dtype)
+            self.moe_fused = self.block.decode_fused(h_BD, norm2)
+            self.reason = (None if self.fused else "attention: " + self.attn_fused.extra
+                           if self.attn_fused.weights is None else "MoE block: " + self.moe_fused.extra)
 
-def _source(t: Tensor | None):
-    """(tensor, version, data_ptr) of a tensor whose fp32 copy a plan holds; None when there is no
-    copy (absent or already fp32) -- False when its changes cannot be tracked (an inference tensor)."""
-    if t is None or t.dtype == torch.float32:
-        return None
-    try:
-        return t, t._version, t.data_ptr()
-    except RuntimeError:  # inference tensors have no version counter
-        return False
-
-
-class _FusedLayer:
-    __slots__ = ("attn", "attn_args", "qkv", "block", "moe", "moe_args", "moe_key", "sources", "ptrs")
-
-    def __init__(self, attn, attn_args, block, moe_args, sources):
-        self.attn, self.attn_args, self.qkv = attn, attn_args, attn._qkv
-        self.block, self.moe, self.moe_args = block, block.moe, moe_args
-        self.moe_key = self.moe.decode_key()
-        self.sources = sources
-        # q/k/v_proj's parameters are views of the fused weight the plan holds (Attention._still_fused, checked
-        # when built); a new .data (not seen by the registration hooks) moves them
-        self.ptrs = tuple((t, t.data_ptr()) for name in ("q_proj", "k_proj", "v_proj")
-                          for t in attn._modules[name]._parameters.values() if t is not None)
+    @property
+    def fused(self) -> bool:
+        return (self.attn_fused is not None and self.attn_fused.weights is not None
+                and self.moe_fused.weights is not None)
 
     def current(self) -> bool:
-        if self.attn._qkv is not self.qkv or self.moe.decode_key() != self.moe_key:
-            return False
-        return (all(t.data_ptr() == p for t, p in self.ptrs)
-                and all(t._version == v and t.data_ptr() == p for t, v, p in self.sources))
-
-
-def _fuse(layer, h_BD: Tensor) -> _FusedLayer | None:
-    """The fused calls of one decoder layer for steps like ``h_BD``, or None (the layer runs as a module)."""
-    from .base import DecoderLayer
-    from .moe_block import SparseMoeBlock
-
-    if type(layer).forward is not DecoderLayer.forward:
-        return None
-    attn, block, norm2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-    decode_args = getattr(attn, "decode_args", None)
-    if (decode_args is None or not isinstance(block, SparseMoeBlock) or type(norm2) is not RMSNorm
-            or norm2.zero_centered):
-        return None
-    if type(block).decode_block is not SparseMoeBlock.decode_block:
-        return None
-    a = decode_args(layer.input_layernorm)
-    if a is None or a[0] != h_BD.dtype:
-        return None
-    m = block.moe.decode_block_args(h_BD, norm2._parameters["weight"], norm2.eps, norm2.weight_in_fp32)
-    if m is None:
-        return None
-    gate = block.moe.gates[0]
-    lin = gate.fp32_linear()
-    sources = [_source(attn._parameters.get("sinks")), _source(lin[1] if lin else None),
-               _source(getattr(gate, "e_score_correction_bias", None))]
-    if any(s is False for s in sources):
-        return None
-    return _FusedLayer(attn, a, block, m, tuple(s for s in sources if s))
+        return self.holds.current() and (self.attn_fused is None or (self.attn_fused.current()
+                                                                    and self.moe_fused.current()))
 
 
 class _FusedRun:
-    """Consecutive fused layers (the same rotary embedding and expert count) as one C++ DecodeStack."""
+    """Consecutive fused layers (the same rotary embedding, KV shape and expert count) as one DecodeStack."""
 
-    def __init__(self, kernels, layers: list[_FusedLayer]):
+    def __init__(self, layers: list[_Layer]):
+        kernels = layers[0].attn_fused.extra
         self.layers, self.stack = layers, kernels.DecodeStack()
         for e in layers:
-            self.stack.add_layer(*e.attn_args[1:], *e.moe_args)
+            self.stack.add_layer(e.attn_fused.weights, e.moe_fused.weights)
         a = layers[0].attn
         self.rotary, self.kv_shape = a.rotary, (a.num_kv_heads, a.head_dim)
-        self.experts = layers[0].moe_args[12].size(0)
+        self.experts = layers[0].moe_fused.weights.num_experts
         self._cache = self._buffers = None
 
     @staticmethod
-    def joins(run: list[_FusedLayer], e: _FusedLayer) -> bool:
+    def joins(run: list[_Layer], e: _Layer) -> bool:
         a, b = run[-1], e
-        return (a.attn.rotary is b.attn.rotary and a.moe_args[12].size(0) == b.moe_args[12].size(0)
+        return (a.attn.rotary is b.attn.rotary and a.moe_fused.weights.num_experts == b.moe_fused.weights.num_experts
                 and (a.attn.num_kv_heads, a.attn.head_dim) == (b.attn.num_kv_heads, b.attn.head_dim))
 
     def _caches(self, cache) -> tuple[list, list]:
@@ -139,52 +102,85 @@ class _FusedRun:
         loads = torch.empty(len(self.layers), self.experts, dtype=torch.long)
         out = torch.empty_like(h_BD)
         max_loads = self.stack.run(h_BD, cos, sin, slots, pos, k, v, cache.block_tables, loads, out)
-        for i, e in enumerate(self.layers):  # what MoELayer.decode_block_with / SparseMoeBlock.decode_block record
-            e.block.__dict__["last_stats"] = e.moe.decode_done(loads[i], max_loads[i])
+        for i, e in enumerate(self.layers):  # what SparseMoeBlock.decode_block records
+            e.block.__dict__["last_stats"] = e.block.moe.decode_done(loads[i], max_loads[i])
         return out
 
 
 class DecodePlan:
-    """The decoder layers of ``model`` for decode steps of 1..16 rows of dtype ``h_BD.dtype`` into a
+    """The decoder layers of ``model`` for decode steps of 1..MAX_ROWS rows of dtype ``h_BD.dtype`` into a
     cache of that dtype on the CPU (see the module docstring); build with :meth:`build`."""
 
-    def __init__(self, key: tuple, entries: list, kernels):
+    def __init__(self, model, key: tuple, entries: list[_Layer]):
         self.key, self.entries = key, entries
+        holds = Holds()
+        layers = holds.module(model.model, "layers")
+        holds.value(lambda: len(layers))
+        for i in range(len(layers)):
+            holds.module(layers, str(i))
+        self._model = Fused(None, holds)
         self.steps = []  # runs of fused layers (one C++ call each) and layers that run as modules
         for e in entries:
-            if type(e) is not _FusedLayer:
-                self.steps.append(e)
+            if not e.fused:
+                self.steps.append(e.layer)
             elif self.steps and type(self.steps[-1]) is list and _FusedRun.joins(self.steps[-1], e):
                 self.steps[-1].append(e)
             else:
                 self.steps.append([e])
-        self.steps = [_FusedRun(kernels, s) if type(s) is list else s for s in self.steps]
+        self.steps = [_FusedRun(s) if type(s) is list else s for s in self.steps]
 
     @staticmethod
     def key_for(h_BD: Tensor, cache) -> tuple:
-        return _generation, h_BD.dtype, cache.dtype
+        return h_BD.dtype, cache.dtype
 
     @classmethod
     def build(cls, model, h_BD: Tensor, cache) -> DecodePlan | None:
-        """A plan, or None where no layer has the fused calls (then nothing is gained) or the CPU
-        kernels are unavailable."""
-        kernels = cpu_kernels.load()
-        if kernels is None or cache.dtype != h_BD.dtype:
+        """The plan (:attr:`useful` when a layer is fused; else the layers run one by one), or None where the
+        cache's dtype is not the steps' (the kernels write it in theirs). Layers that run as modules are logged."""
+        if cache.dtype != h_BD.dtype:
             return None
-        entries = [_fuse(layer, h_BD) or layer for layer in model.model.layers]
-        if not any(isinstance(e, _FusedLayer) for e in entries):
-            return None
-        return cls(cls.key_for(h_BD, cache), entries, kernels)
+        plan = cls(model, cls.key_for(h_BD, cache), [_Layer(layer, h_BD) for layer in model.model.layers])
+        if any(not e.fused for e in plan.entries):
+            log.info("dynamoe: decode plan for %s (%s steps): %s", type(model).__name__, h_BD.dtype, plan.describe())
+        return plan
+
+    @property
+    def useful(self) -> bool:
+        """Whether any layer runs fused (else the plan only watches for the model to change)."""
+        return any(e.fused for e in self.entries)
+
+    def describe(self) -> str:
+        """Which layers run fused and, for the others, why not (one line per distinct reason)."""
+        fused = [i for i, e in enumerate(self.entries) if e.fused]
+        why: dict[str, list[int]] = {}
+        for i, e in enumerate(self.entries):
+            if not e.fused:
+                why.setdefault(e.reason, []).append(i)
+        parts = [f"{len(fused)} of {len(self.entries)} layers fused"]
+        parts += [f"layers {_spans(idx)} run as modules: {reason}" for reason, idx in why.items()]
+        return "; ".join(parts)
 
     def current(self) -> bool:
-        return all(e.current() for e in self.entries if type(e) is _FusedLayer)
+        return self._model.current() and all(e.current() for e in self.entries)
 
     def run(self, h_BD: Tensor, positions_BT: Tensor, cache, slots: Tensor, kv_len: int) -> Tensor:
         """h [B, D] after every layer; slots int64 [B] on the CPU, positions [B, 1]."""
         B = h_BD.size(0)
+        if not 1 <= B <= MAX_ROWS:
+            raise ValueError(f"a decode plan takes 1..{MAX_ROWS} rows, got {B}")
         for s in self.steps:
             if type(s) is _FusedRun:
                 h_BD = s.run(h_BD, positions_BT, cache, slots)
             else:
                 h_BD = s(h_BD.view(B, 1, -1), positions_BT, cache, slots, kv_len).reshape(B, -1)
         return h_BD
+
+
+def _spans(idx: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [None]):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)

@@ -25,6 +25,8 @@ from torch import Tensor, nn
 
 from ..moe import ExpertConfig, GateConfig, MoEConfig, MoELayer
 from ..ops.activations import GLU_KINDS, glu_activation
+from ..ops.fused import Fused, Holds, RMSNormSpec, slot
+from ..ops import moe_decode
 from .config import ModelConfig
 from .norms import RMSNorm
 
@@ -176,17 +178,37 @@ class SparseMoeBlock(nn.Module):
         self.last_stats = y.routing_stats
         return y
 
+    def decode_fused(self, h_TD: Tensor, norm: nn.Module) -> Fused:
+        """The fused kernel of ``h + self(norm(h))`` for decode steps like ``h_TD`` [T, D]
+        (MoELayer.decode_fused with the norm and the residual), cached while current; its ``weights`` is
+        None (and ``extra`` the reason) where it does not apply."""
+        cache = slot(self)
+        fused = cache.get((norm, h_TD.dtype))
+        if fused is not None:
+            return fused
+        holds = Holds()
+        moe = holds.module(self, "moe")
+        if type(norm) is not RMSNorm or holds.attr(norm, "zero_centered"):
+            fused = Fused(None, holds, f"the norm before the experts is a {type(norm).__name__} (the kernel takes "
+                                       "RMSNorm with its weight as the scale)")
+        else:
+            spec = RMSNormSpec(holds.param(norm, "weight"), holds.attr(norm, "eps"), holds.attr(norm, "weight_in_fp32"))
+            fused = moe.decode_fused(h_TD, holds, spec)
+        return cache.put((norm, h_TD.dtype), fused)
+
     def decode_block(self, h_BTD: Tensor, norm: nn.Module) -> Tensor | None:
-        """``h + self(norm(h))`` for a decode step in one kernel call (MoELayer.decode_block), or None
-        where that does not apply (then the caller runs norm, block and residual one after another)."""
-        if type(norm) is not RMSNorm or norm.zero_centered:  # the kernel reads the weight as the scale
-            return None
+        """``h + self(norm(h))`` for a decode step in one kernel call (:meth:`decode_fused`), or None where
+        that does not apply (then the caller runs norm, block and residual one after another)."""
         h_TD = h_BTD.reshape(-1, self.hidden_size)
-        fused = self._modules["moe"].decode_block(h_TD, norm._parameters["weight"], norm.eps, norm.weight_in_fp32)
-        if fused is None:
+        moe = self._modules["moe"]
+        if not moe._decode_ready(h_TD):
             return None
-        self.__dict__["last_stats"] = fused[1]  # a plain attribute, without nn.Module.__setattr__'s checks
-        return fused[0].view(h_BTD.shape)
+        fused = self.decode_fused(h_TD, norm)
+        if fused.weights is None:
+            return None
+        out, load, max_load = moe_decode.moe_decode_with(fused.extra, fused.weights, h_TD.contiguous())
+        self.__dict__["last_stats"] = moe.decode_done(load, max_load)  # a plain attribute, without nn.Module.__setattr__'s checks
+        return out.view(h_BTD.shape)
 
     #: set by :meth:`replicated_tokens_`: every rank runs this block on the same tokens
     replicated_tokens = False

@@ -35,6 +35,7 @@ import re
 import torch
 from torch import Tensor, nn
 
+from ..ops.fused import Unfusable
 from .attention import Attention, attend, cached_length, write_kv
 from .base import CausalLM
 from .cache import KVCache
@@ -62,11 +63,8 @@ class GatedAttention(Attention):
         self.q_norm = RMSNorm(head_dim, norm_eps, zero_centered=True, dtype=dtype)
         self.k_norm = RMSNorm(head_dim, norm_eps, zero_centered=True, dtype=dtype)
 
-    def decode_args(self, norm: nn.Module) -> None:
-        return None
-
-    def decode_step(self, *args, **kwargs) -> None:
-        return None
+    def _decode_weights(self, kernels, holds, norm, dtype):
+        raise Unfusable("gated attention (the fused kernel has no output gate)")
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:

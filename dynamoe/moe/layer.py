@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..ops import cpu_kernels, moe_decode
+from ..ops.fused import MAX_ROWS, Fused, Holds, RMSNormSpec, Unfusable, slot
 from ..ops.routing import check_top_k
 from ..ops.scratch import scratch
 from . import losses
@@ -304,7 +305,7 @@ class MoELayer(nn.Module):
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             routing = route(self.gates[gate_index], gcfg, x_TD, E, k, cfg.normalize_gate, self.training,
                             need_scores=cfg.aux_loss != "none" or cfg.batch_prioritized_routing or cfg.device_loss_groups > 0)
-            fused = self._fused_decode(x_TD, routing, cf) if T <= moe_decode.MAX_TOKENS else None
+            fused = self._fused_decode(x_TD, routing, cf) if T <= MAX_ROWS else None
             if fused is None:
                 priority = routing.scores_TE.max(dim=1).values if cfg.batch_prioritized_routing else None
                 plan = build_plan(routing.ids_TK, routing.weights_TK, E, cf, priority, alignment=alignment,
@@ -359,22 +360,10 @@ class MoELayer(nn.Module):
         return None
 
     def _decode_ready(self, x_TD: Tensor) -> bool:
-        """Whether a decode step of ``x_TD`` [T, D] may skip the general path: inference with the
-        configured switches, one process, a dropless gate, no auxiliary losses, input already in the
-        experts' dtype, 1..16 tokens on CPU (the kernels then decide on the weights)."""
-        cfg = self.config
-        gcfg = cfg.gates[0]
-        if (x_TD.device.type != "cpu" or self.world_size > 1 or self.sharded_count > 1
-                or gcfg.capacity_factor != 0 or cfg.aux_loss != "none" or cfg.z_loss_coef or cfg.device_loss_groups
-                or cfg.batch_prioritized_routing or torch.is_autocast_enabled("cpu")
-                or not 1 <= x_TD.size(0) <= moe_decode.MAX_TOKENS):
-            return False
-        # the general path casts x to the experts' first parameter (packed experts may have none); their
-        # own parameters first (a dict lookup), the generator over submodules only if there are none
-        p = next((q for q in self.experts._parameters.values() if q is not None), None)
-        if p is None:
-            p = next(self.experts.parameters(), None)
-        return p is None or not p.is_floating_point() or p.dtype == x_TD.dtype
+        """Whether a decode step of ``x_TD`` [T, D] may skip the general path as far as the input goes:
+        1..MAX_ROWS rows on CPU, no autocast, inference (the configuration is :meth:`decode_fused`'s)."""
+        return (x_TD.device.type == "cpu" and 1 <= x_TD.size(0) <= MAX_ROWS and not torch.is_grad_enabled()
+                and not self.training and not torch.is_autocast_enabled("cpu"))
 
     def _decode_stats(self, load_E: Tensor, max_load: int) -> RoutingStats:
         e = self.experts  # (hasattr on the module itself would go through nn.Module.__getattr__ when absent)
@@ -383,78 +372,88 @@ class MoELayer(nn.Module):
                             capacity_factor=0.0, layout="ragged" if ragged else "padded", losses={})
 
     def _decode_step(self, input) -> Tensor | None:
-        """The whole layer for a decode step in two kernel calls (router, then experts; see
-        dynamoe.ops.moe_decode), skipping the general path's per-call checks and plan (where
-        :meth:`_decode_ready`, and the gate's logits are an fp32 linear). None otherwise."""
+        """The whole layer for a decode step in one kernel call (router and experts: csrc/moe_block_decode.cpp)
+        with the weights of :meth:`decode_fused`, skipping the general path's per-call checks and plan; shared
+        experts are added after it. None where that does not apply."""
         if not isinstance(input, Tensor) or input.dim() < 2 or input.size(-1) != self.model_dim:
             return None
         x_TD = input.reshape(-1, self.model_dim)
         if not self._decode_ready(x_TD):
             return None
+        cache = slot(self)
+        fused = cache.get(x_TD.dtype) or cache.put(x_TD.dtype, self.decode_fused(x_TD))
+        if fused.weights is None:
+            return None
         cfg = self.config
         if cfg.check_finite and not bool(torch.isfinite(x_TD.sum())):
             return None  # the general path names the problem
-        gcfg = cfg.gates[0]
-        k = gcfg.k
-        routed = moe_decode.route_decode(x_TD, self.gates[0], gcfg.type, k, renormalizes(gcfg, k, cfg.normalize_gate),
-                                         gcfg.route_scale, gcfg.n_group, gcfg.topk_group)
-        if routed is None:
-            return None
-        fused = self._decode_experts(x_TD, *routed)
-        if fused is None:
-            return None
-        y_TO, load_E, max_load = fused
+        y_TO, load_E, max_load = moe_decode.moe_decode_with(fused.extra, fused.weights, x_TD.contiguous())
         if self.shared_experts is not None:
             y_TO = y_TO + self.shared_experts(x_TD)
-        return self._finish(y_TO, list(input.shape[:-1]) + [y_TO.size(-1)], input.dtype, _NO_AUX_LOSS,
+        return self._finish(y_TO, list(input.shape[:-1]) + [y_TO.size(-1)], input.dtype, _no_aux_loss(),
                             self._decode_stats(load_E, max_load))
 
-    def decode_block_args(self, h_TD: Tensor, norm_weight: Tensor, norm_eps: float,
-                          norm_weight_in_fp32: bool = False) -> tuple | None:
-        """The kernel arguments of :meth:`decode_block` for steps like ``h_TD`` [T, D]
-        (dynamoe.ops.moe_decode.glu_block_args), or None where it does not apply."""
-        mods, cfg = self._modules, self.config  # (dict lookups: this runs for every layer and step)
-        experts = mods["experts"]
-        if (type(experts) is not GLUExperts or mods.get("shared_experts") is not None or self.result_func is not None
-                or cfg.check_finite or h_TD.dim() != 2 or h_TD.size(1) != self.model_dim or not h_TD.is_contiguous()
-                or torch.is_grad_enabled() or self.training or not self._decode_ready(h_TD)):
-            return None
+    def decode_fused(self, h_TD: Tensor, holds: Holds | None = None, norm: RMSNormSpec | None = None) -> Fused:
+        """The fused decode kernel's weights (``kernels.MoEWeights``, dynamoe.ops.moe_decode.moe_weights) for
+        steps like ``h_TD`` [T, D] in this layer's state -- with ``norm`` first and the residual added when
+        given (a decoder layer's MoE sub-block: no shared experts or ``result_func`` then) -- as a
+        :class:`~dynamoe.ops.fused.Fused` holding what the decision read (``holds``, added to). Its
+        ``weights`` is None and ``extra`` the reason where the kernel does not apply; else ``extra`` is the
+        kernels module."""
+        holds = Holds() if holds is None else holds
+        try:
+            kernels = cpu_kernels.load()
+            if kernels is None:
+                raise Unfusable("the CPU kernels are not available")
+            return Fused(self._decode_weights(kernels, holds, h_TD, norm), holds, kernels)
+        except Unfusable as exc:
+            return Fused(None, holds, str(exc))
+
+    def _decode_weights(self, kernels, holds: Holds, h_TD: Tensor, norm: RMSNormSpec | None):
+        key = holds.value(self.decode_key)
+        cfg = holds.attr(self, "config")
         gcfg = cfg.gates[0]
+        if self.world_size > 1 or self.sharded_count > 1:
+            raise Unfusable("experts are spread over several processes")
+        if key[-1]:
+            raise Unfusable("training mode")
+        if gcfg.capacity_factor != 0:
+            raise Unfusable(f"capacity_factor={gcfg.capacity_factor:g} (the kernel is dropless: 0)")
+        if cfg.aux_loss != "none" or cfg.z_loss_coef or cfg.device_loss_groups or cfg.batch_prioritized_routing:
+            raise Unfusable("auxiliary losses or batch-prioritized routing are configured")
+        experts = holds.module(self, "experts")
+        kind = ("glu" if type(experts) is GLUExperts else "ffn" if type(experts) is FFNExperts
+                else "packed" if type(experts).__name__ == "QuantizedExperts" else None)  # (dynamoe.quant imports this package)
+        if kind is None:
+            raise Unfusable(f"{type(experts).__name__} experts have no kernel")
+        p = next((q for q in experts._parameters.values() if q is not None), None)
+        if p is not None and p.is_floating_point() and p.dtype != h_TD.dtype:
+            raise Unfusable(f"input {h_TD.dtype} differs from the experts' {p.dtype}")
+        if norm is not None:
+            if holds.module(self, "shared_experts") is not None:
+                raise Unfusable("shared experts run beside the fused block")
+            if holds.attr(self, "result_func") is not None:
+                raise Unfusable("a result_func is set")
+            if cfg.check_finite:
+                raise Unfusable("check_finite is on (a serving model turns it off)")
+        gate = holds.module(self._modules["gates"], "0")
         k = gcfg.k
-        return moe_decode.glu_block_args(h_TD, norm_weight, norm_eps, norm_weight_in_fp32, mods["gates"][0], gcfg.type,
-                                         k, renormalizes(gcfg, k, cfg.normalize_gate), gcfg.route_scale,
-                                         gcfg.n_group, gcfg.topk_group, experts)
+        return moe_decode.moe_weights(kernels, holds, h_TD, gate, gcfg.type, k, renormalizes(gcfg, k, cfg.normalize_gate),
+                                      gcfg.route_scale, gcfg.n_group, gcfg.topk_group, kind, experts, norm)
 
     def decode_key(self) -> tuple:
-        """What :meth:`decode_block_args` depends on besides modules, parameters and the step's input: a
-        cached set of arguments (dynamoe.models.decode_plan) is stale when this changes."""
+        """The configuration :meth:`decode_fused` decides on, by value (a config changed in place makes a
+        :class:`~dynamoe.ops.fused.Fused` of it stale); the training flag last."""
         cfg = self.config
         gates = tuple(tuple(getattr(g, f.name) for f in dataclasses.fields(g)) for g in cfg.gates)  # every field
         return (gates, cfg.normalize_gate, cfg.aux_loss, cfg.z_loss_coef, cfg.device_loss_groups,
-                cfg.batch_prioritized_routing, cfg.check_finite, self.training, self.result_func is None,
-                getattr(self._modules["gates"][0], "fp32_gate", None))
-
-    def decode_block_with(self, kernels, args: tuple, h_TD: Tensor) -> tuple[Tensor, RoutingStats]:
-        """:meth:`decode_block`'s kernel call with ``args`` from :meth:`decode_block_args`."""
-        out, load_E, max_load = moe_decode.glu_block_with(kernels, args, h_TD)
-        return out, self.decode_done(load_E, max_load)
+                cfg.batch_prioritized_routing, cfg.check_finite, self.result_func is None,
+                getattr(self._modules["gates"][0], "fp32_gate", None), self.training)
 
     def decode_done(self, load_E: Tensor, max_load: int) -> RoutingStats:
         """Record a fused decode step of this layer (no auxiliary loss) and return its statistics."""
-        self.__dict__["l_aux"] = _NO_AUX_LOSS  # a plain attribute (nn.Module.__setattr__ costs microseconds)
+        self.__dict__["l_aux"] = _no_aux_loss()  # a plain attribute (nn.Module.__setattr__ costs microseconds)
         return self._decode_stats(load_E, max_load)
-
-    def decode_block(self, h_TD: Tensor, norm_weight: Tensor, norm_eps: float,
-                     norm_weight_in_fp32: bool = False) -> tuple[Tensor, RoutingStats] | None:
-        """``(h + self(rms_norm(h)), stats)`` for a decode step of a decoder layer's MoE sub-block in one
-        kernel call (dynamoe.ops.moe_decode.glu_block_decode: the RMSNorm with ``norm_weight`` /
-        ``norm_eps`` -- weight applied after (default) or before the cast back, as
-        dynamoe.models.RMSNorm --, the router, the GLU experts and the residual), the same numbers as
-        norm, layer and addition one after another. For GLU experts without shared experts or
-        ``result_func``, where :meth:`_decode_ready`, with ``check_finite`` off; None otherwise."""
-        args = self.decode_block_args(h_TD, norm_weight, norm_eps, norm_weight_in_fp32)
-        k = None if args is None else cpu_kernels.load()
-        return None if k is None else self.decode_block_with(k, args, h_TD)
 
     def _check_input(self, input: Tensor, reserve_dims: int):
         if not isinstance(input, Tensor):
@@ -660,9 +659,10 @@ class MoELayer(nn.Module):
         return self.result_func(y) if self.result_func is not None else y
 
 
-#: the auxiliary loss of a fast decode step (no loss is configured there): one shared, never-modified
-#: CPU zero instead of a new tensor per layer and step
-_NO_AUX_LOSS = torch.zeros(())
+def _no_aux_loss() -> Tensor:
+    """The auxiliary loss of a fused decode step (no loss is configured there): a fresh zero, so that
+    nothing a caller does to one step's ``l_aux`` reaches another's."""
+    return torch.zeros(())
 
 
 def _initialized() -> bool:

@@ -34,7 +34,9 @@ CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 SOURCES = ("packed_gemv.cpp", "bf16_gemv.cpp", "f32_gemv.cpp", "moe_decode.cpp", "moe_decode_packed.cpp", "rms_norm.cpp", "rope.cpp",
            "router_decode.cpp", "attn_decode.cpp", "moe_block_decode.cpp", "decode_stack.cpp")
 
-MAX_ROWS = 16  # the kernel keeps one accumulator per row in registers
+#: the most rows one fused decode call takes (one accumulator per row in registers); the built module's
+#: own MAX_ROWS (csrc/decode_weights.h) must agree -- load() checks
+MAX_ROWS = 16
 _lock = threading.Lock()
 _state: dict = {}
 log = logging.getLogger(__name__)
@@ -198,6 +200,8 @@ def load():
                         extra_cflags=[*CFLAGS, "-march=native"],
                         extra_ldflags=["-fopenmp"], verbose=False,
                     )
+                if getattr(module, "MAX_ROWS", MAX_ROWS) != MAX_ROWS:
+                    raise RuntimeError(f"the kernels' MAX_ROWS {module.MAX_ROWS} differs from cpu_kernels.MAX_ROWS {MAX_ROWS}")
                 if building:
                     root = os.path.dirname(cpp_extension._get_build_directory(name, verbose=False))
                     for folder in prune_stale_builds(name, root):

@@ -18,12 +18,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import cpu_kernels
+from .fused import MAX_ROWS, Holds, RMSNormSpec, Unfusable, struct
 
-__all__ = ["route_decode", "glu_decode", "glu_block_decode", "glu_block_args", "glu_block_with", "ffn_decode",
-           "packed_glu_decode", "MAX_TOKENS", "ACT_CODES"]
+__all__ = ["route_decode", "glu_decode", "ffn_decode", "packed_glu_decode", "moe_weights", "moe_decode_with"]
 
-MAX_TOKENS = 16  # decode batches; a group of more than 8 tokens runs as row chunks of 8
-ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "gpt_oss": 4}
+#: FFN activations (Tutel's experts hold the function) by their kernels.Activation name
+_FFN_ACTS = {F.relu: "relu", F.gelu: "gelu", F.silu: "silu"}
+
+
+def _code(kernels, name: str) -> int:
+    """The kernels' int code of activation ``name`` (csrc/decode_weights.h's Activation)."""
+    return int(kernels.Activation.__members__[name])
 
 
 DTYPES = (torch.bfloat16, torch.float32)
@@ -36,7 +41,7 @@ def _usable(t: Tensor | None, dtype: torch.dtype) -> bool:
 def _router_args(x_TD: Tensor, gate, gate_type: str, top_k: int, n_group: int, topk_group: int):
     """(W, bias, selection bias, kind) of the router kernel, or None where it does not apply."""
     fp32_linear = getattr(gate, "fp32_linear", None)
-    if (fp32_linear is None or not 1 <= x_TD.size(0) <= MAX_TOKENS
+    if (fp32_linear is None or not 1 <= x_TD.size(0) <= MAX_ROWS
             or x_TD.device.type != "cpu" or x_TD.dtype not in DTYPES or torch.is_grad_enabled()):
         return None
     lin = fp32_linear()
@@ -53,8 +58,11 @@ def _router_args(x_TD: Tensor, gate, gate_type: str, top_k: int, n_group: int, t
                                    or getattr(gate, "e_score_correction_bias", None) is not None):
         return None  # group-limited or biased softmax (DeepSeek-V2, ERNIE-4.5): the kernel's softmax router has neither
     sel = getattr(gate, "e_score_correction_bias", None) if gate_type == "sigmoid" else None
-    return (w, None if b is None else b.float().contiguous(), None if sel is None else sel.float().contiguous(),
-            1 if gate_type == "sigmoid" else 0)
+    return w, b, sel, gate_type == "sigmoid"
+
+
+def _f32(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.float().contiguous()
 
 
 def route_decode(x_TD: Tensor, gate, gate_type: str, top_k: int, renormalize: bool, scale: float = 1.0,
@@ -72,29 +80,31 @@ def route_decode(x_TD: Tensor, gate, gate_type: str, top_k: int, renormalize: bo
     T = x_TD.size(0)
     ids = torch.empty(T, top_k, dtype=torch.long)
     weights = torch.empty(T, top_k, dtype=torch.float32)
-    k.route_decode_out(x_TD.contiguous(), *args, bool(renormalize), float(scale), int(n_group), int(topk_group),
-                       ids, weights)
+    w, b, sel, sigmoid = args
+    kind = k.RouterKind.sigmoid if sigmoid else k.RouterKind.softmax
+    k.route_decode_out(x_TD.contiguous(), w, _f32(b), _f32(sel), int(kind), bool(renormalize), float(scale),
+                       int(n_group), int(topk_group), ids, weights)
     return ids, weights
 
 
-def _glu_args(x_TD: Tensor, experts):
+def _glu_args(kernels, x_TD: Tensor, experts):
     """(gate_up, down, gate_up bias, down bias, act, alpha, limit) of the GLU experts kernel, or None."""
-    if (not 1 <= x_TD.size(0) <= MAX_TOKENS or x_TD.device.type != "cpu" or x_TD.dtype not in DTYPES
-            or torch.is_grad_enabled() or experts.activation not in ACT_CODES):
+    if (not 1 <= x_TD.size(0) <= MAX_ROWS or x_TD.device.type != "cpu" or x_TD.dtype not in DTYPES
+            or torch.is_grad_enabled() or experts.activation not in kernels.Activation.__members__):
         return None
     ws = (experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias, experts.down_proj_bias)
     if not all(_usable(t, x_TD.dtype) for t in ws):
         return None
-    return (*ws, ACT_CODES[experts.activation], float(experts.alpha), float(experts.limit))
+    return (*ws, _code(kernels, experts.activation), float(experts.alpha), float(experts.limit))
 
 
 def glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tuple[Tensor, Tensor, int] | None:
     """(y [T, O] in x's dtype, load [E] int64, max load) for GLU ``experts`` (``gate_up_proj`` [E, 2F, D],
     ``down_proj`` [E, O, F], optional biases, ``activation``/``alpha``/``limit``), or None when the
     kernel does not apply (see the module docstring)."""
-    args = _glu_args(x_TD, experts)
-    k = None if args is None else cpu_kernels.load()
-    if k is None:
+    k = cpu_kernels.load()
+    args = None if k is None else _glu_args(k, x_TD, experts)
+    if args is None:
         return None
     x = x_TD if x_TD.is_contiguous() else x_TD.contiguous()
     out = x.new_empty(x.size(0), args[1].size(1))
@@ -104,53 +114,98 @@ def glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tup
     return out, load, max_load
 
 
-def glu_block_args(h_TD: Tensor, norm_weight: Tensor, norm_eps: float, norm_weight_in_fp32: bool, gate,
-                   gate_type: str, top_k: int, renormalize: bool, scale: float, n_group: int, topk_group: int,
-                   experts) -> tuple | None:
-    """Everything :func:`glu_block_decode`'s kernel call reads besides h, out and load, in its order
-    (the router's bias and selection bias as fp32 copies where they are not fp32 already), for steps
-    like ``h_TD``; None where it does not apply."""
-    if (norm_weight.dtype != h_TD.dtype or not norm_weight.is_contiguous() or norm_weight.device.type != "cpu"
-            or norm_weight.numel() != h_TD.size(-1)):
-        return None
+def _expert_fields(kernels, holds: Holds, h_TD: Tensor, kind: str, experts) -> dict:
+    """The routed experts' part of a ``kernels.MoEWeights``: ``kind`` 'glu' / 'ffn' (dense GLUExperts /
+    FFNExperts) or 'packed' (dynamoe.quant.QuantizedExperts of GLU kind)."""
+    for d in (experts._parameters, experts._buffers):  # every tensor the experts hold: reassigning one is a change
+        holds.refs.extend((d, k, v) for k, v in d.items())
+    dt = h_TD.dtype
+    if kind == "glu":
+        act = holds.attr(experts, "activation")
+        if act not in kernels.Activation.__members__:
+            raise Unfusable(f"GLU activation {act!r} has no kernel")
+        ws = [experts._parameters.get(n) for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")]
+        if not all(_usable(t, dt) for t in ws):
+            raise Unfusable(f"expert weights are not contiguous {dt} CPU tensors")
+        return dict(kind=kernels.ExpertKind.glu, format=kernels.WeightFormat.dense, act=kernels.Activation.__members__[act],
+                    alpha=float(holds.attr(experts, "alpha")), limit=float(holds.attr(experts, "limit")),
+                    w1=ws[0], w2=ws[1], b1=ws[2], b2=ws[3])
+    if kind == "ffn":
+        act = _FFN_ACTS.get(holds.attr(experts, "activation_fn"))
+        if act is None:
+            raise Unfusable("FFN activation other than ReLU, GELU or SiLU")
+        ws = [experts._parameters.get(n) for n in ("batched_fc1_w", "batched_fc2_w", "batched_fc1_bias", "batched_fc2_bias")]
+        if not all(_usable(t, dt) for t in ws):
+            raise Unfusable(f"expert weights are not contiguous {dt} CPU tensors")
+        return dict(kind=kernels.ExpertKind.ffn, format=kernels.WeightFormat.dense, act=kernels.Activation.__members__[act],
+                    w1=ws[0], w2=ws[1], b1=ws[2], b2=ws[3])
+    reason = _packed_refusal(kernels, experts, h_TD)
+    if reason:
+        raise Unfusable(reason)
+    for t in experts._buffers.values():  # the struct holds tensors derived from them (scales, views)
+        holds.derived(t)
+    w1, w2 = experts.w1, experts.w2
+    a1, b1, c1, blk0, blk1 = _packed_fields(w1)
+    a2, b2, c2, _, _ = _packed_fields(w2)
+    return dict(kind=kernels.ExpertKind.glu, format=kernels.WeightFormat.__members__[w1.format],
+                act=kernels.Activation.__members__[holds.attr(experts, "glu_kind")],
+                alpha=float(holds.attr(experts, "alpha")), limit=float(holds.attr(experts, "limit")),
+                w1=a1, w1b=b1, w1c=c1, w2=a2, w2b=b2, w2c=c2, blk0=int(blk0), blk1=int(blk1),
+                b1=holds.fp32(experts.b1), b2=holds.fp32(experts.b2),
+                bf16_acts=bool(dt == torch.bfloat16 and kernels.has_avx512_bf16()))
+
+
+def moe_weights(kernels, holds: Holds, h_TD: Tensor, gate, gate_type: str, top_k: int, renormalize: bool,
+                scale: float, n_group: int, topk_group: int, kind: str, experts, norm: RMSNormSpec | None = None):
+    """A ``kernels.MoEWeights`` for decode steps like ``h_TD`` [T, D] through the router ``gate`` (one that
+    offers ``fp32_linear()``) and ``experts`` of ``kind`` ('glu', 'ffn', 'packed'), with ``norm`` first and
+    the residual added when given (a decoder layer's MoE sub-block); what it read goes into ``holds``.
+    Raises :class:`~dynamoe.ops.fused.Unfusable` with the reason where the kernel does not apply."""
+    dt = h_TD.dtype
+    if not 1 <= h_TD.size(0) <= MAX_ROWS or h_TD.device.type != "cpu" or dt not in DTYPES:
+        raise Unfusable(f"{h_TD.size(0)} rows of {dt} on {h_TD.device.type} (the kernels take 1..{MAX_ROWS} rows "
+                        "of bf16 or fp32 on the CPU)")
     rargs = _router_args(h_TD, gate, gate_type, top_k, n_group, topk_group)
-    gargs = None if rargs is None else _glu_args(h_TD, experts)
-    if gargs is None or gargs[1].size(1) != h_TD.size(1) or rargs[0].size(1) != h_TD.size(1):
-        return None
-    return (norm_weight, float(norm_eps), bool(norm_weight_in_fp32), *rargs, bool(renormalize), float(scale),
-            int(n_group), int(topk_group), int(top_k), *gargs)
+    if rargs is None:
+        raise Unfusable(f"router ({gate_type}, {type(gate).__name__}) has no kernel: logits must be an fp32 "
+                        "linear, softmax top-k without groups or selection bias, or DeepSeek's sigmoid routing")
+    w, b, sel, router = rargs
+    for m in (gate, *gate.children()):
+        holds.refs.extend((m._parameters, k, v) for k, v in m._parameters.items())
+        holds.refs.extend((m._buffers, k, v) for k, v in m._buffers.items())
+    fields = _expert_fields(kernels, holds, h_TD, kind, experts)
+    out_dim = fields["w2"].size(1) if kind != "ffn" else fields["w2"].size(2)
+    if w.size(1) != h_TD.size(1):
+        raise Unfusable(f"router input dim {w.size(1)} is not the model dim {h_TD.size(1)}")
+    if norm is not None:
+        nw = norm.weight
+        if nw.dtype != dt or not nw.is_contiguous() or nw.device.type != "cpu" or nw.numel() != h_TD.size(-1):
+            raise Unfusable(f"the norm weight is not a contiguous {dt} [D] CPU tensor")
+        if out_dim != h_TD.size(1):
+            raise Unfusable(f"the experts' output dim {out_dim} is not the model dim (no residual)")
+        fields.update(norm_w=nw, norm_eps=float(norm.eps), norm_fp32=bool(norm.weight_in_fp32), residual=True)
+    return struct(kernels.MoEWeights, holds, gate_w=w, gate_bias=holds.fp32(b), sel_bias=holds.fp32(sel),
+                  router=kernels.RouterKind.sigmoid if router else kernels.RouterKind.softmax,
+                  renormalize=bool(renormalize), route_scale=float(scale), n_group=int(n_group),
+                  topk_group=int(topk_group), top_k=int(top_k), **fields)
 
 
-def glu_block_with(kernels, args: tuple, h_TD: Tensor) -> tuple[Tensor, Tensor, int]:
-    """The kernel call of :func:`glu_block_decode` with ``args`` from :func:`glu_block_args` (h [T, D]
-    contiguous): (h + y, load [E] int64, max load)."""
-    out = torch.empty_like(h_TD)
-    load = torch.empty(args[12].size(0), dtype=torch.long)
-    return out, load, kernels.moe_block_glu_decode_out(h_TD, *args, out, load)
-
-
-def glu_block_decode(h_TD: Tensor, norm_weight: Tensor, norm_eps: float, norm_weight_in_fp32: bool, gate,
-                     gate_type: str, top_k: int, renormalize: bool, scale: float, n_group: int, topk_group: int,
-                     experts) -> tuple[Tensor, Tensor, int] | None:
-    """(h + y [T, D], load [E] int64, max load): a decode step's whole MoE sub-block in one kernel call
-    (csrc/moe_block_decode.cpp) -- RMSNorm of the residual stream ``h`` (see dynamoe.models.norms),
-    :func:`route_decode`, :func:`glu_decode`, and the residual added, with the same roundings as those
-    calls one after another. None where one of them would not apply, or the experts' output is not
-    [T, D], or the norm weight is not contiguous of h's dtype."""
-    if not h_TD.is_contiguous():
-        return None
-    args = glu_block_args(h_TD, norm_weight, norm_eps, norm_weight_in_fp32, gate, gate_type, top_k, renormalize, scale,
-                          n_group, topk_group, experts)
-    k = None if args is None else cpu_kernels.load()
-    return None if k is None else glu_block_with(k, args, h_TD)
+def moe_decode_with(kernels, weights, h_TD: Tensor) -> tuple[Tensor, Tensor, int]:
+    """(y [T, O] -- h + y with the norm and residual --, load [E] int64, max load): one call of the MoE
+    kernel (csrc/moe_block_decode.cpp) with ``weights`` from :func:`moe_weights`, h [T, D] contiguous."""
+    O = h_TD.size(1) if weights.residual else (weights.w2.size(2) if weights.kind == kernels.ExpertKind.ffn
+                                               else weights.w2.size(1))
+    out = h_TD.new_empty(h_TD.size(0), O)
+    load = torch.empty(weights.num_experts, dtype=torch.long)
+    return out, load, kernels.moe_decode_out(h_TD, weights, out, load)
 
 
 def ffn_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tuple[Tensor, Tensor, int] | None:
     """:func:`glu_decode` for FFN experts in Tutel's layout (``batched_fc1_w`` [E, F, D], ``batched_fc2_w``
     [E, F, O], optional biases; ReLU, GELU or SiLU): fc1 as GEMVs, fc2 as row-scaled sums of its rows."""
     T = x_TD.size(0)
-    act = {F.relu: 3, F.gelu: 1, F.silu: 0}.get(experts.activation_fn)
-    if (act is None or not 1 <= T <= MAX_TOKENS or x_TD.device.type != "cpu" or x_TD.dtype not in DTYPES
+    act = _FFN_ACTS.get(experts.activation_fn)
+    if (act is None or not 1 <= T <= MAX_ROWS or x_TD.device.type != "cpu" or x_TD.dtype not in DTYPES
             or torch.is_grad_enabled()):
         return None
     w1, w2, b1, b2 = experts.batched_fc1_w, experts.batched_fc2_w, experts.batched_fc1_bias, experts.batched_fc2_bias
@@ -159,6 +214,7 @@ def ffn_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tup
     k = cpu_kernels.load()
     if k is None:
         return None
+    act = _code(k, act)
     x = x_TD if x_TD.is_contiguous() else x_TD.contiguous()
     out = x.new_empty(T, w2.size(2))
     load = torch.empty(w1.size(0), dtype=torch.long)
@@ -167,7 +223,8 @@ def ffn_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tup
     return out, load, max_load
 
 
-PACKED_FORMATS = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2, "int4": 3}  # keep in sync with csrc/moe_decode_packed.cpp
+#: the packed formats the kernels decode (csrc/decode_weights.h's WeightFormat but dense)
+PACKED_FORMATS = ("fp8_block", "mxfp4", "nvfp4", "int4")
 
 
 def _packed_fields(w) -> tuple[Tensor, Tensor, Tensor, int, int]:
@@ -182,6 +239,30 @@ def _packed_fields(w) -> tuple[Tensor, Tensor, Tensor, int, int]:
     return (w.weight, w.weight_scale.view(torch.uint8), w.weight_scale_2.float().reshape(-1).contiguous(), 1, 1)
 
 
+def _packed_refusal(kernels, experts, x_TD: Tensor) -> str | None:
+    """Why the packed GLU experts kernel does not apply to ``experts`` for steps like ``x_TD`` (None: it does)."""
+    T = x_TD.size(0)
+    if not 1 <= T <= MAX_ROWS or x_TD.device.type != "cpu" or not x_TD.is_floating_point() or x_TD.dtype == torch.float64:
+        return f"{T} rows of {x_TD.dtype} on {x_TD.device.type}"
+    if torch.is_grad_enabled():
+        return "autograd is on"
+    acts = kernels.Activation.__members__
+    if getattr(experts, "kind", None) != "glu" or experts.glu_kind not in acts:
+        return f"packed {getattr(experts, 'kind', None)} experts (the kernel takes GLU experts with {', '.join(acts)})"
+    if getattr(experts, "act_quant", None) is not None:
+        return f"activation quantization {experts.act_quant!r}"
+    w1, w2 = experts.w1, experts.w2
+    if w1.format not in PACKED_FORMATS or w2.format != w1.format or w1.device.type != "cpu":
+        return f"packed formats {w1.format}/{w2.format} on {w1.device.type}"
+    if w1.format == "fp8_block" and tuple(w1.block) != tuple(w2.block):
+        return "FP8 block sizes differ between the projections"
+    if w1.format == "int4" and (w1.group_size != w2.group_size or not all(
+            w.shape[-1] % 16 == 0 and w.group_size % 16 == 0 and w.weight_packed.is_contiguous()
+            and w.weight_scale.is_contiguous() for w in (w1, w2))):
+        return "INT4 groups not whole multiples of 16 elements"  # (dynamoe.quant.matmul.int4_kernel_applies)
+    return None
+
+
 def packed_glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tuple[Tensor, Tensor, int] | None:
     """:func:`glu_decode` for packed experts (dynamoe.quant.QuantizedExperts of kind 'glu' in blockwise
     FP8, MXFP4, NVFP4 or INT4, no activation quantization): the packed bytes are decoded in registers. bf16
@@ -190,22 +271,10 @@ def packed_glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts)
     projection (as bf16 experts do); other activations run in fp32 inside the kernel. The output comes
     back in x's dtype. None where it does not apply."""
     T = x_TD.size(0)
-    if (not 1 <= T <= MAX_TOKENS or x_TD.device.type != "cpu" or not x_TD.is_floating_point()
-            or x_TD.dtype == torch.float64 or torch.is_grad_enabled() or getattr(experts, "kind", None) != "glu"
-            or getattr(experts, "act_quant", None) is not None or experts.glu_kind not in ACT_CODES):
+    k = cpu_kernels.load()
+    if k is None or _packed_refusal(k, experts, x_TD) is not None:
         return None
     w1, w2 = experts.w1, experts.w2
-    if w1.format not in PACKED_FORMATS or w2.format != w1.format or w1.device.type != "cpu":
-        return None
-    if w1.format == "fp8_block" and tuple(w1.block) != tuple(w2.block):
-        return None
-    if w1.format == "int4" and (w1.group_size != w2.group_size or not all(
-            w.shape[-1] % 16 == 0 and w.group_size % 16 == 0 and w.weight_packed.is_contiguous()
-            and w.weight_scale.is_contiguous() for w in (w1, w2))):
-        return None  # the kernel's INT4 rows take whole groups of 16 elements (dynamoe.quant.matmul.int4_kernel_applies)
-    k = cpu_kernels.load()
-    if k is None:
-        return None
     a1, b1, c1, blk0, blk1 = _packed_fields(w1)
     a2, b2, c2, _, _ = _packed_fields(w2)
     bias1 = None if experts.b1 is None else experts.b1.float().contiguous()
@@ -214,8 +283,8 @@ def packed_glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts)
     x = x_TD.contiguous() if bf16_acts else x_TD.float().contiguous()
     out = torch.empty(T, w2.shape[1], dtype=torch.float32)
     load = torch.empty(w1.shape[0], dtype=torch.long)
-    max_load = k.packed_moe_glu_decode_out(PACKED_FORMATS[w1.format], x, ids_TK.to(torch.long).contiguous(),
+    max_load = k.packed_moe_glu_decode_out(int(k.WeightFormat.__members__[w1.format]), x, ids_TK.to(torch.long).contiguous(),
                                            weights_TK.to(torch.float32).contiguous(), a1, b1, c1, a2, b2, c2, blk0,
-                                           blk1, bias1, bias2, ACT_CODES[experts.glu_kind], float(experts.alpha),
+                                           blk1, bias1, bias2, _code(k, experts.glu_kind), float(experts.alpha),
                                            float(experts.limit), out, load, bf16_acts)
     return out.to(x_TD.dtype), load, max_load

@@ -1,5 +1,5 @@
 // A decode step (one new token for each of B <= 16 sequences) through a decoder layer's attention block
-// in one call (CPU, bf16 or fp32). Per row b:
+// in one call (CPU, bf16 or fp32), reading the layer's AttentionWeights (decode_weights.h). Per row b:
 //   x = RMSNorm(h_b); q, k, v = x W_qkv^T (+ b); q/k RMSNorm per head (optional); RoPE on q and k at
 //   position pos_b; k, v written into the paged cache at (slot_b, pos_b) -- block table[slot_b][pos_b / bs],
 //   offset pos_b % bs; per query head, softmax(q k_j^T *
@@ -111,7 +111,8 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
                  const c10::optional<torch::Tensor>& sinks, double scale, const torch::Tensor& w_o,
                  const c10::optional<torch::Tensor>& b_o, torch::Tensor& out) {
   const c10::ScalarType dt = h.scalar_type();
-  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= 16, "h must be [B, D] with 1 <= B <= 16");
+  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= dynamoe::kMaxRows,
+              "h must be [B, D] with 1 <= B <= ", dynamoe::kMaxRows);
   const int64_t B = h.size(0), D = h.size(1);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
               v_cache.is_contiguous() && k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
@@ -194,24 +195,22 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
 }
 }  // namespace
 
-void attn_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32, torch::Tensor w_qkv,
-                     c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
-                     c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor cos, torch::Tensor sin,
-                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
-                     torch::Tensor slots,
-                     torch::Tensor positions, int64_t window, c10::optional<torch::Tensor> sinks, double scale,
-                     torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor out) {
+void attn_decode_out(torch::Tensor h, const dynamoe::AttentionWeights& w, torch::Tensor cos, torch::Tensor sin,
+                     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slots,
+                     torch::Tensor positions, torch::Tensor out) {
   TORCH_CHECK(h.is_contiguous() && h.device().is_cpu(), "h must be a contiguous CPU tensor [B, D]");
+  TORCH_CHECK(w.norm_w.defined() && w.w_qkv.defined() && w.w_o.defined(),
+              "AttentionWeights needs norm_w, w_qkv and w_o");
   switch (h.scalar_type()) {
     case torch::kBFloat16:
-      attn_decode<c10::BFloat16>(h, norm_w, norm_eps, norm_weight_fp32, w_qkv, b_qkv, q_norm, k_norm, qk_eps, cos, sin,
-                                 interleaved, k_cache, v_cache, block_table, slots, positions, window, sinks, scale, w_o, b_o,
-                                 out);
+      attn_decode<c10::BFloat16>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.w_qkv, w.b_qkv, w.q_norm, w.k_norm, w.qk_eps,
+                                 cos, sin, w.interleaved, k_cache, v_cache, block_table, slots, positions, w.window,
+                                 w.sinks, w.scale, w.w_o, w.b_o, out);
       break;
     case torch::kFloat:
-      attn_decode<float>(h, norm_w, norm_eps, norm_weight_fp32, w_qkv, b_qkv, q_norm, k_norm, qk_eps, cos, sin,
-                         interleaved, k_cache, v_cache, block_table, slots, positions, window, sinks, scale, w_o, b_o,
-                                 out);
+      attn_decode<float>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.w_qkv, w.b_qkv, w.q_norm, w.k_norm, w.qk_eps, cos, sin,
+                         w.interleaved, k_cache, v_cache, block_table, slots, positions, w.window, w.sinks, w.scale,
+                         w.w_o, w.b_o, out);
       break;
     default:
       TORCH_CHECK(false, "h must be bf16 or fp32, got ", h.scalar_type());

@@ -3,6 +3,7 @@
 #pragma once
 #include <torch/extension.h>
 #include <cstdint>
+#include "decode_weights.h"
 
 // bf16_gemv.cpp
 void bf16_gemv_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, torch::Tensor out);
@@ -32,20 +33,13 @@ void route_decode_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Ten
                       c10::optional<torch::Tensor> sel_bias, int64_t kind, bool renormalize, double scale,
                       int64_t n_group, int64_t topk_group, torch::Tensor ids, torch::Tensor weights);
 
-void attn_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32, torch::Tensor w_qkv,
-                     c10::optional<torch::Tensor> b_qkv, c10::optional<torch::Tensor> q_norm,
-                     c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor cos, torch::Tensor sin,
-                     bool interleaved, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
-                     torch::Tensor slots, torch::Tensor positions, int64_t window, c10::optional<torch::Tensor> sinks, double scale,
-                     torch::Tensor w_o, c10::optional<torch::Tensor> b_o, torch::Tensor out);
+// attn_decode.cpp: h [B, D] -> out = h + attention block (see decode_weights.h)
+void attn_decode_out(torch::Tensor h, const dynamoe::AttentionWeights& w, torch::Tensor cos, torch::Tensor sin,
+                     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slots,
+                     torch::Tensor positions, torch::Tensor out);
 
-int64_t moe_block_glu_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32,
-                                 torch::Tensor gate_w, c10::optional<torch::Tensor> gate_bias,
-                                 c10::optional<torch::Tensor> sel_bias, int64_t kind, bool renormalize, double scale,
-                                 int64_t n_group, int64_t topk_group, int64_t top_k, torch::Tensor w_gate_up,
-                                 torch::Tensor w_down, c10::optional<torch::Tensor> b_gate_up,
-                                 c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
-                                 torch::Tensor out, torch::Tensor load);
+// moe_block_decode.cpp: h [T, D] -> out [T, O] = (h +) experts(route(norm(h))); load [E] filled; the max load
+int64_t moe_decode_out(torch::Tensor h, const dynamoe::MoEWeights& w, torch::Tensor out, torch::Tensor load);
 
 // decode_stack.cpp: the DecodeStack class
 void register_decode_stack(pybind11::module& m);

@@ -1,6 +1,7 @@
 // A decode step's (token, expert) pairs grouped by expert, shared by the fused decode kernels
 // (moe_decode.cpp, moe_decode_packed.cpp): each expert's weights are then read once for all its tokens.
 #pragma once
+#include "decode_weights.h"
 #include <torch/extension.h>
 #include <algorithm>
 #include <cmath>
@@ -8,7 +9,7 @@
 #include <vector>
 
 namespace dynamoe {
-constexpr int64_t kDecodeMaxTokens = 16;
+constexpr int64_t kDecodeMaxTokens = kMaxRows;  // (decode_weights.h)
 
 struct DecodePairs {
   std::vector<int64_t> groups;       // (expert, first pair, pairs) per chosen expert, in order of first use
@@ -78,13 +79,13 @@ void combine_pairs(const DecodePairs& d, const y_t* y, int64_t T, int64_t O, out
   for (int64_t i = 0; i < T * O; ++i) out[i] = static_cast<out_t>(acc[i]);
 }
 
-// the expert activations (codes as dynamoe.ops.moe_decode.ACT_CODES): the gate part of a GLU, or an FFN's
+// the expert activations (decode_weights.h's Activation): the gate part of a GLU, or an FFN's
 inline float act_gate(float g, int64_t kind, float alpha, float limit) {
   switch (kind) {
-    case 0: return g / (1.f + std::exp(-g));
-    case 1: return 0.5f * g * (1.f + std::erf(g * 0.70710678118654752f));
-    case 2: return 0.5f * g * (1.f + std::tanh(0.79788456080286536f * (g + 0.044715f * g * g * g)));
-    case 3: return g > 0.f ? g : 0.f;
+    case kSilu: return g / (1.f + std::exp(-g));
+    case kGelu: return 0.5f * g * (1.f + std::erf(g * 0.70710678118654752f));
+    case kGeluTanh: return 0.5f * g * (1.f + std::tanh(0.79788456080286536f * (g + 0.044715f * g * g * g)));
+    case kRelu: return g > 0.f ? g : 0.f;
     default: {  // gpt_oss: gate clamped above at limit, then gate * sigmoid(alpha * gate)
       const float c = std::min(g, limit);
       return c / (1.f + std::exp(-alpha * c));
@@ -94,7 +95,7 @@ inline float act_gate(float g, int64_t kind, float alpha, float limit) {
 
 // one GLU output: act(gate) * up (gpt_oss: up clamped to +-limit, plus one)
 inline float glu_value(float g, float u, int64_t kind, float alpha, float limit) {
-  if (kind == 4) u = std::min(std::max(u, -limit), limit) + 1.f;
+  if (kind == kGptOss) u = std::min(std::max(u, -limit), limit) + 1.f;
   return act_gate(g, kind, alpha, limit) * u;
 }
 }  // namespace dynamoe

@@ -1,64 +1,35 @@
-// Consecutive decoder layers of a decode step in one call (CPU, B <= 16 rows, bf16 or fp32): per layer
-// the attention block (attn_decode_out) and the MoE block (moe_block_glu_decode_out), the same functions
-// with the same arguments as the layer-by-layer path, so the same numbers. A DecodeStack holds each
-// layer's weights and settings (added once by dynamoe.models.decode_plan); a step passes only what changes
-// from step to step. Between layers nothing returns to Python: at ~0.1 ms of interpreter work per layer
-// (more once the weights streaming through have evicted the interpreter's own data from the caches) that
-// was a tenth of a small model's step. Registered in packed_gemv.cpp's module.
+// Consecutive decoder layers of a decode step in one call (CPU, 1..kMaxRows rows, bf16 or fp32): per layer
+// the attention block (attn_decode_out) and the MoE block (moe_decode_out), the same functions with the
+// same weights as the layer-by-layer path, so the same numbers. A DecodeStack holds each layer's
+// AttentionWeights and MoEWeights (decode_weights.h; added once by dynamoe.models.decode_plan); a step
+// passes only what changes from step to step. Between layers nothing returns to Python: at ~0.1 ms of
+// interpreter work per layer (more once the weights streaming through have evicted the interpreter's own
+// data from the caches) that was a tenth of a small model's step.
+// Also binds the weight structs, the enums and the row limit of decode_weights.h, and the two block ops.
 #include <torch/extension.h>
 #include <cstdint>
 #include <vector>
 #include "decode_ops.h"
 
 namespace {
-using OptTensor = c10::optional<torch::Tensor>;
+using dynamoe::AttentionWeights;
+using dynamoe::MoEWeights;
 
 struct Layer {
-  // attention block (attn_decode_out's arguments but the step's)
-  torch::Tensor attn_norm_w;
-  double attn_eps;
-  bool attn_norm_fp32;
-  torch::Tensor w_qkv;
-  OptTensor b_qkv, q_norm, k_norm;
-  double qk_eps;
-  bool interleaved;
-  int64_t window;
-  OptTensor sinks;
-  double scale;
-  torch::Tensor w_o;
-  OptTensor b_o;
-  // MoE block (moe_block_glu_decode_out's arguments but h, out and load)
-  torch::Tensor moe_norm_w;
-  double moe_eps;
-  bool moe_norm_fp32;
-  torch::Tensor gate_w;
-  OptTensor gate_bias, sel_bias;
-  int64_t kind;
-  bool renormalize;
-  double route_scale;
-  int64_t n_group, topk_group, top_k;
-  torch::Tensor w_gate_up, w_down;
-  OptTensor b_gate_up, b_down;
-  int64_t act;
-  double alpha, limit;
+  AttentionWeights attn;
+  MoEWeights moe;
 };
 
 class DecodeStack {
  public:
-  void add_layer(torch::Tensor attn_norm_w, double attn_eps, bool attn_norm_fp32, torch::Tensor w_qkv, OptTensor b_qkv,
-                 OptTensor q_norm, OptTensor k_norm, double qk_eps, bool interleaved, int64_t window, OptTensor sinks,
-                 double scale, torch::Tensor w_o, OptTensor b_o, torch::Tensor moe_norm_w, double moe_eps,
-                 bool moe_norm_fp32, torch::Tensor gate_w, OptTensor gate_bias, OptTensor sel_bias, int64_t kind,
-                 bool renormalize, double route_scale, int64_t n_group, int64_t topk_group, int64_t top_k,
-                 torch::Tensor w_gate_up, torch::Tensor w_down, OptTensor b_gate_up, OptTensor b_down, int64_t act,
-                 double alpha, double limit) {
-    TORCH_CHECK(w_gate_up.dim() == 3, "w_gate_up must be [E, 2F, D]");
-    TORCH_CHECK(layers_.empty() || w_gate_up.size(0) == layers_.front().w_gate_up.size(0),
+  void add_layer(const AttentionWeights& attn, const MoEWeights& moe) {
+    TORCH_CHECK(attn.norm_w.defined() && attn.w_qkv.defined() && attn.w_o.defined(),
+                "AttentionWeights needs norm_w, w_qkv and w_o");
+    TORCH_CHECK(moe.gate_w.defined() && moe.w1.defined() && moe.w2.defined(), "MoEWeights needs gate_w, w1 and w2");
+    TORCH_CHECK(moe.residual && moe.norm_w.has_value(), "a DecodeStack layer's MoEWeights has its norm and residual");
+    TORCH_CHECK(layers_.empty() || moe.num_experts() == layers_.front().moe.num_experts(),
                 "every layer of a DecodeStack must have the same number of experts");
-    layers_.push_back(Layer{attn_norm_w, attn_eps, attn_norm_fp32, w_qkv, b_qkv, q_norm, k_norm, qk_eps, interleaved,
-                            window, sinks, scale, w_o, b_o, moe_norm_w, moe_eps, moe_norm_fp32, gate_w, gate_bias,
-                            sel_bias, kind, renormalize, route_scale, n_group, topk_group, top_k, w_gate_up, w_down,
-                            b_gate_up, b_down, act, alpha, limit});
+    layers_.push_back(Layer{attn, moe});
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
@@ -74,9 +45,9 @@ class DecodeStack {
     TORCH_CHECK(N > 0, "the DecodeStack has no layers");
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == N && static_cast<int64_t>(v_caches.size()) == N,
                 "k_caches and v_caches must hold one tensor per layer (", N, ")");
-    TORCH_CHECK(loads.dim() == 2 && loads.size(0) == N && loads.size(1) == layers_.front().w_gate_up.size(0) &&
-                loads.scalar_type() == torch::kLong && loads.is_contiguous(),
-                "loads must be contiguous int64 [", N, ", ", layers_.front().w_gate_up.size(0), "]");
+    const int64_t E = layers_.front().moe.num_experts();
+    TORCH_CHECK(loads.dim() == 2 && loads.size(0) == N && loads.size(1) == E && loads.scalar_type() == torch::kLong &&
+                loads.is_contiguous(), "loads must be contiguous int64 [", N, ", ", E, "]");
     TORCH_CHECK(out.sizes() == h.sizes() && out.scalar_type() == h.scalar_type() && out.is_contiguous() &&
                 !out.is_same(h), "out must be a contiguous [B, D] tensor of h's dtype, not h itself");
     std::vector<int64_t> max_loads(N);
@@ -84,14 +55,10 @@ class DecodeStack {
     torch::Tensor ping[2] = {torch::empty_like(h), torch::empty_like(h)};
     for (int64_t i = 0; i < N; ++i) {
       const Layer& l = layers_[i];
-      attn_decode_out(x, l.attn_norm_w, l.attn_eps, l.attn_norm_fp32, l.w_qkv, l.b_qkv, l.q_norm, l.k_norm, l.qk_eps,
-                      cos, sin, l.interleaved, k_caches[i], v_caches[i], block_table, slots, positions, l.window,
-                      l.sinks, l.scale, l.w_o, l.b_o, a);
+      attn_decode_out(x, l.attn, cos, sin, k_caches[i], v_caches[i], block_table, slots, positions, a);
       torch::Tensor y = i == N - 1 ? out : ping[i % 2];
-      max_loads[i] = moe_block_glu_decode_out(a, l.moe_norm_w, l.moe_eps, l.moe_norm_fp32, l.gate_w, l.gate_bias,
-                                              l.sel_bias, l.kind, l.renormalize, l.route_scale, l.n_group,
-                                              l.topk_group, l.top_k, l.w_gate_up, l.w_down, l.b_gate_up, l.b_down,
-                                              l.act, l.alpha, l.limit, y, loads[i]);
+      torch::Tensor load = loads[i];
+      max_loads[i] = moe_decode_out(a, l.moe, y, load);
       x = y;
     }
     return max_loads;
@@ -100,14 +67,68 @@ class DecodeStack {
  private:
   std::vector<Layer> layers_;
 };
+
+template <typename T>
+void bind_attention(pybind11::class_<T>& c) {
+  c.def(pybind11::init<>())
+      .def_readwrite("norm_w", &T::norm_w).def_readwrite("norm_eps", &T::norm_eps)
+      .def_readwrite("norm_fp32", &T::norm_fp32).def_readwrite("w_qkv", &T::w_qkv).def_readwrite("b_qkv", &T::b_qkv)
+      .def_readwrite("q_norm", &T::q_norm).def_readwrite("k_norm", &T::k_norm).def_readwrite("qk_eps", &T::qk_eps)
+      .def_readwrite("interleaved", &T::interleaved).def_readwrite("window", &T::window)
+      .def_readwrite("sinks", &T::sinks).def_readwrite("scale", &T::scale).def_readwrite("w_o", &T::w_o)
+      .def_readwrite("b_o", &T::b_o);
+}
+
+template <typename T>
+void bind_moe(pybind11::class_<T>& c) {
+  c.def(pybind11::init<>())
+      .def_readwrite("norm_w", &T::norm_w).def_readwrite("norm_eps", &T::norm_eps)
+      .def_readwrite("norm_fp32", &T::norm_fp32).def_readwrite("residual", &T::residual)
+      .def_readwrite("gate_w", &T::gate_w).def_readwrite("gate_bias", &T::gate_bias)
+      .def_readwrite("sel_bias", &T::sel_bias).def_readwrite("router", &T::router)
+      .def_readwrite("renormalize", &T::renormalize).def_readwrite("route_scale", &T::route_scale)
+      .def_readwrite("n_group", &T::n_group).def_readwrite("topk_group", &T::topk_group)
+      .def_readwrite("top_k", &T::top_k).def_readwrite("kind", &T::kind).def_readwrite("format", &T::format)
+      .def_readwrite("act", &T::act).def_readwrite("alpha", &T::alpha).def_readwrite("limit", &T::limit)
+      .def_readwrite("w1", &T::w1).def_readwrite("w2", &T::w2).def_readwrite("b1", &T::b1).def_readwrite("b2", &T::b2)
+      .def_readwrite("w1b", &T::w1b).def_readwrite("w1c", &T::w1c).def_readwrite("w2b", &T::w2b)
+      .def_readwrite("w2c", &T::w2c).def_readwrite("blk0", &T::blk0).def_readwrite("blk1", &T::blk1)
+      .def_readwrite("bf16_acts", &T::bf16_acts).def_property_readonly("num_experts", &T::num_experts);
+}
 }  // namespace
 
 void register_decode_stack(pybind11::module& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack",
-                                "consecutive decoder layers (fused attention + GLU MoE blocks) of a decode step in one "
-                                "call: add_layer(attention args..., MoE args...) once, run(...) per step")
-      .def(pybind11::init<>())
-      .def("add_layer", &DecodeStack::add_layer)
+  namespace py = pybind11;
+  m.attr("MAX_ROWS") = py::int_(dynamoe::kMaxRows);
+  py::enum_<dynamoe::Activation>(m, "Activation", "expert activations (the gate part of a GLU, or an FFN's)")
+      .value("silu", dynamoe::kSilu).value("gelu", dynamoe::kGelu).value("gelu_tanh", dynamoe::kGeluTanh)
+      .value("relu", dynamoe::kRelu).value("gpt_oss", dynamoe::kGptOss);
+  py::enum_<dynamoe::RouterKind>(m, "RouterKind", "softmax top-k, or DeepSeek's sigmoid group-limited top-k")
+      .value("softmax", dynamoe::kSoftmaxTopK).value("sigmoid", dynamoe::kSigmoidGroupTopK);
+  py::enum_<dynamoe::WeightFormat>(m, "WeightFormat", "how expert weights are stored")
+      .value("fp8_block", dynamoe::kFp8Block).value("mxfp4", dynamoe::kMxfp4).value("nvfp4", dynamoe::kNvfp4)
+      .value("int4", dynamoe::kInt4).value("dense", dynamoe::kDense);
+  py::enum_<dynamoe::ExpertKind>(m, "ExpertKind", "GLU or Tutel's FFN experts")
+      .value("glu", dynamoe::kGlu).value("ffn", dynamoe::kFfn);
+  py::class_<AttentionWeights> attn(m, "AttentionWeights", "what a fused attention block reads (decode_weights.h)");
+  bind_attention(attn);
+  py::class_<MoEWeights> moe(m, "MoEWeights", "what a fused MoE layer / block reads (decode_weights.h)");
+  bind_moe(moe);
+  m.def("attn_decode_out", &attn_decode_out, py::call_guard<py::gil_scoped_release>(),
+        "a decode step of B <= MAX_ROWS sequences through an attention block: out = h + o_proj(attention(RoPE(qk-norm("
+        "qkv(norm(h)))))) with k/v written into the paged cache [K, blocks, block_size, d] at (slots, positions) "
+        "through block_table [slots, blocks per slot]",
+        py::arg("h"), py::arg("weights"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_table"), py::arg("slots"), py::arg("positions"), py::arg("out"));
+  m.def("moe_decode_out", &moe_decode_out, py::call_guard<py::gil_scoped_release>(),
+        "a decode step of T <= MAX_ROWS rows through an MoE layer: out = [h +] experts(route([RMSNorm](h))); "
+        "load [E] filled; returns the max load",
+        py::arg("h"), py::arg("weights"), py::arg("out"), py::arg("load"));
+  py::class_<DecodeStack>(m, "DecodeStack",
+                          "consecutive decoder layers (fused attention + MoE blocks) of a decode step in one call: "
+                          "add_layer(AttentionWeights, MoEWeights) once, run(...) per step")
+      .def(py::init<>())
+      .def("add_layer", &DecodeStack::add_layer, py::arg("attention"), py::arg("moe"))
       .def("__len__", &DecodeStack::size)
-      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,8 +1,10 @@
-// A decode step's whole MoE sub-block in one call (CPU, T <= 16 rows, bf16 or fp32): the residual
-// stream h [T, D] -> out = h + experts(route(norm(h))), i.e. the post-attention RMSNorm, the router
-// (route_decode_out) and the routed GLU experts (moe_glu_decode_out) with the residual added -- the same
+// A decode step through an MoE layer in one call (CPU, 1..kMaxRows rows, bf16 or fp32), reading its
+// MoEWeights (decode_weights.h): the optional RMSNorm before the router (a decoder layer's post-attention
+// norm), the router (route_decode_out), the routed experts -- GLU or FFN in bf16/fp32
+// (moe_glu_decode_out / moe_ffn_decode_out) or GLU with packed FP8/MXFP4/NVFP4/INT4 weights
+// (packed_moe_glu_decode_out, fp32 out rounded to h's dtype) -- and the optional residual. The same
 // functions, in the same order and with the same roundings as the per-op calls, without returning to
-// Python between them. Registered in packed_gemv.cpp's module.
+// Python between them. Registered in decode_stack.cpp.
 #include <torch/extension.h>
 #include <cstdint>
 #include "decode_ops.h"
@@ -12,32 +14,50 @@ template <typename scalar_t>
 void add_rows(const scalar_t* a, const scalar_t* b, int64_t n, scalar_t* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<scalar_t>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
 }
+
+// y [T, O] of h's dtype = the routed experts of x for the router's (ids, weights)
+int64_t experts(const dynamoe::MoEWeights& w, const torch::Tensor& x, const torch::Tensor& ids,
+                const torch::Tensor& weights, torch::Tensor& y, torch::Tensor& load) {
+  if (w.format == dynamoe::kDense) {
+    if (w.kind == dynamoe::kGlu)
+      return moe_glu_decode_out(x, ids, weights, w.w1, w.w2, w.b1, w.b2, w.act, w.alpha, w.limit, y, load);
+    return moe_ffn_decode_out(x, ids, weights, w.w1, w.w2, w.b1, w.b2, w.act, y, load);
+  }
+  TORCH_CHECK(w.kind == dynamoe::kGlu, "packed expert weights are GLU experts only");
+  auto xin = w.bf16_acts ? x : x.to(torch::kFloat).contiguous();
+  auto y32 = y.scalar_type() == torch::kFloat ? y : torch::empty(y.sizes(), y.options().dtype(torch::kFloat));
+  const int64_t max_load = packed_moe_glu_decode_out(w.format, xin, ids, weights, w.w1, w.w1b, w.w1c, w.w2, w.w2b,
+                                                     w.w2c, w.blk0, w.blk1, w.b1, w.b2, w.act, w.alpha, w.limit, y32,
+                                                     load, w.bf16_acts);
+  if (!y32.is_same(y)) y.copy_(y32);
+  return max_load;
+}
 }  // namespace
 
-int64_t moe_block_glu_decode_out(torch::Tensor h, torch::Tensor norm_w, double norm_eps, bool norm_weight_fp32,
-                                 torch::Tensor gate_w, c10::optional<torch::Tensor> gate_bias,
-                                 c10::optional<torch::Tensor> sel_bias, int64_t kind, bool renormalize, double scale,
-                                 int64_t n_group, int64_t topk_group, int64_t top_k, torch::Tensor w_gate_up,
-                                 torch::Tensor w_down, c10::optional<torch::Tensor> b_gate_up,
-                                 c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
-                                 torch::Tensor out, torch::Tensor load) {
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.device().is_cpu() && h.size(0) >= 1 && h.size(0) <= 16 &&
-              (h.scalar_type() == torch::kBFloat16 || h.scalar_type() == torch::kFloat),
-              "h must be a contiguous bf16 or fp32 CPU tensor [T, D] with 1 <= T <= 16");
-  TORCH_CHECK(out.sizes() == h.sizes() && out.is_contiguous() && out.scalar_type() == h.scalar_type(),
-              "out must be contiguous [T, D] of h's dtype (the experts' output dim must equal D)");
-  const int64_t T = h.size(0), D = h.size(1);
-  auto x = torch::empty_like(h);
-  rms_norm_out(h, norm_w, norm_eps, norm_weight_fp32, x);
-  auto ids = torch::empty({T, top_k}, h.options().dtype(torch::kLong));
-  auto weights = torch::empty({T, top_k}, h.options().dtype(torch::kFloat));
-  route_decode_out(x, gate_w, gate_bias, sel_bias, kind, renormalize, scale, n_group, topk_group, ids, weights);
+int64_t moe_decode_out(torch::Tensor h, const dynamoe::MoEWeights& w, torch::Tensor out, torch::Tensor load) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.device().is_cpu() && h.size(0) >= 1 &&
+              h.size(0) <= dynamoe::kMaxRows && (h.scalar_type() == torch::kBFloat16 || h.scalar_type() == torch::kFloat),
+              "h must be a contiguous bf16 or fp32 CPU tensor [T, D] with 1 <= T <= ", dynamoe::kMaxRows);
+  TORCH_CHECK(w.gate_w.defined() && w.w1.defined() && w.w2.defined(), "MoEWeights needs gate_w, w1 and w2");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == h.size(0) && out.is_contiguous() && out.scalar_type() == h.scalar_type() &&
+              !out.is_same(h), "out must be a contiguous [T, O] tensor of h's dtype, not h itself");
+  TORCH_CHECK(!w.residual || out.sizes() == h.sizes(), "with the residual the experts' output dim must equal D");
+  const int64_t T = h.size(0);
+  torch::Tensor x = h;
+  if (w.norm_w.has_value()) {
+    x = torch::empty_like(h);
+    rms_norm_out(h, *w.norm_w, w.norm_eps, w.norm_fp32, x);
+  }
+  auto ids = torch::empty({T, w.top_k}, h.options().dtype(torch::kLong));
+  auto weights = torch::empty({T, w.top_k}, h.options().dtype(torch::kFloat));
+  route_decode_out(x, w.gate_w, w.gate_bias, w.sel_bias, w.router, w.renormalize, w.route_scale, w.n_group,
+                   w.topk_group, ids, weights);
+  if (!w.residual) return experts(w, x, ids, weights, out, load);
   auto y = torch::empty_like(h);
-  const int64_t max_load = moe_glu_decode_out(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, act, alpha, limit,
-                                              y, load);
+  const int64_t max_load = experts(w, x, ids, weights, y, load);
   if (h.scalar_type() == torch::kBFloat16)
-    add_rows(h.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), T * D, out.data_ptr<c10::BFloat16>());
+    add_rows(h.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), h.numel(), out.data_ptr<c10::BFloat16>());
   else
-    add_rows(h.data_ptr<float>(), y.data_ptr<float>(), T * D, out.data_ptr<float>());
+    add_rows(h.data_ptr<float>(), y.data_ptr<float>(), h.numel(), out.data_ptr<float>());
   return max_load;
 }

@@ -130,7 +130,8 @@ int64_t moe_ffn_decode(torch::Tensor x, torch::Tensor ids, torch::Tensor weights
               "w2 must be contiguous ", dtype, " [", E, ", ", F, ", O]");
   const int64_t O = w2.size(2);
   check_x_out(x, out, dtype, D, O);
-  TORCH_CHECK(act == 0 || act == 1 || act == 3, "act must be 0 (silu), 1 (gelu) or 3 (relu), got ", act);
+  TORCH_CHECK(act == dynamoe::kSilu || act == dynamoe::kGelu || act == dynamoe::kRelu,
+              "act must be Activation.silu, gelu or relu for FFN experts, got ", act);
   const scalar_t* bp1 = optional_bias<scalar_t>(b1, E, F, dtype, "b1");
   const scalar_t* bp2 = optional_bias<scalar_t>(b2, E, O, dtype, "b2");
   const int64_t T = x.size(0);

@@ -249,13 +249,6 @@ bool has_avx512_bf16() {
 // streaming while the engine thread is inside a kernel.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_stack(m);
-  m.def("moe_block_glu_decode_out", &moe_block_glu_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "a decode step's MoE sub-block: out = h + GLU experts(route(RMSNorm(h))) for T <= 16 rows (bf16 or fp32); "
-        "load [E] filled; returns the max load");
-  m.def("attn_decode_out", &attn_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "a decode step of B <= 16 sequences through an attention block: out = h + o_proj(attention(RoPE(qk-norm("
-        "qkv(norm(h)))))) with k/v written into the paged cache [K, blocks, block_size, d] at (slots, positions) "
-        "through block_table [slots, blocks per slot]");
   m.def("route_decode_out", &route_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "router of a decode step: fp32 logits of x [T, D] @ W^T (+ bias), softmax (0) or DeepSeek sigmoid-group (1) "
         "top-k into ids [T, K] int64 and weights [T, K] fp32");

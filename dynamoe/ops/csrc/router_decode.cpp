@@ -65,7 +65,8 @@ void route_decode_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Ten
   TORCH_CHECK(K >= 1 && K <= E, "K must be in [1, ", E, "], got ", K);
   TORCH_CHECK(weights.dim() == 2 && weights.size(0) == T && weights.size(1) == K &&
               weights.scalar_type() == torch::kFloat && weights.is_contiguous(), "weights must be contiguous fp32 [T, K]");
-  TORCH_CHECK(kind == 0 || kind == 1, "kind must be 0 (softmax) or 1 (sigmoid), got ", kind);
+  TORCH_CHECK(kind == dynamoe::kSoftmaxTopK || kind == dynamoe::kSigmoidGroupTopK,
+              "kind must be RouterKind.softmax (0) or RouterKind.sigmoid (1), got ", kind);
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == E && bias->scalar_type() == torch::kFloat && bias->is_contiguous(),
@@ -78,7 +79,7 @@ void route_decode_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Ten
                 sel_bias->is_contiguous(), "sel_bias must be contiguous fp32 [E]");
     sb = sel_bias->data_ptr<float>();
   }
-  const bool grouped = kind == 1 && n_group > 1 && topk_group < n_group;
+  const bool grouped = kind == dynamoe::kSigmoidGroupTopK && n_group > 1 && topk_group < n_group;
   if (grouped)
     TORCH_CHECK(E % n_group == 0 && topk_group >= 1 && topk_group * (E / n_group) >= K,
                 "n_group must divide E and topk_group groups must hold K experts");
@@ -97,7 +98,7 @@ void route_decode_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Ten
     const float* l = logits.data() + t * E;
     int64_t* it = ip + t * K;
     float* wt = wp + t * K;
-    if (kind == 0) {
+    if (kind == dynamoe::kSoftmaxTopK) {
       top_indices(l, E, K, it);
       const float mx = l[it[0]];
       float denom = 0.f;

@@ -1,0 +1,74 @@
+// What a decode step's fused sub-blocks read besides the step's own tensors, as named structs bound to
+// Python (dynamoe.models.decode_kernels builds them once per module state): the attention block
+// (AttentionWeights) and the MoE block (MoEWeights: norm, router, routed experts in any weight format).
+// The codes shared with Python -- activations, router kinds, weight formats, expert kinds -- and the row
+// limit are defined here once and bound as enums / a constant (decode_stack.cpp), so Python reads them
+// from the module instead of repeating them.
+#pragma once
+#include <torch/extension.h>
+#include <cstdint>
+
+namespace dynamoe {
+
+// the most rows (decode sequences or tokens) one fused call takes: one accumulator per row in registers
+constexpr int64_t kMaxRows = 16;
+
+// expert activations: the gate part of a GLU (act(gate) * up), or an FFN's activation
+enum Activation : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kRelu = 3, kGptOss = 4 };
+// routers: softmax top-k, or DeepSeek's sigmoid scores with selection bias and group-limited top-k
+enum RouterKind : int64_t { kSoftmaxTopK = 0, kSigmoidGroupTopK = 1 };
+// how expert weights are stored: packed formats (moe_decode_packed.cpp's codes), or plain bf16/fp32
+enum WeightFormat : int64_t { kFp8Block = 0, kMxfp4 = 1, kNvfp4 = 2, kInt4 = 3, kDense = 4 };
+// the experts' shape: GLU (gate_up [E, 2F, D], down [E, O, F]) or Tutel's FFN (fc1 [E, F, D], fc2 [E, F, O])
+enum ExpertKind : int64_t { kGlu = 0, kFfn = 1 };
+
+using OptTensor = c10::optional<torch::Tensor>;
+
+// h -> h + o_proj(attention(RoPE(qk-norm(qkv(RMSNorm(h)))))) (csrc/attn_decode.cpp)
+struct AttentionWeights {
+  torch::Tensor norm_w;          // [D] of h's dtype
+  double norm_eps = 1e-6;
+  bool norm_fp32 = false;        // the norm weight applied in fp32 before the cast back (dynamoe.models.RMSNorm)
+  torch::Tensor w_qkv;           // [(H + 2K) d, D]
+  OptTensor b_qkv;               // [(H + 2K) d]
+  OptTensor q_norm, k_norm;      // [d] per-head RMSNorm weights (together or neither)
+  double qk_eps = 1e-6;
+  bool interleaved = false;      // RoPE on (even, odd) pairs instead of halves
+  int64_t window = 0;            // sliding window (0: none)
+  OptTensor sinks;               // fp32 [H] per-head sink logits
+  double scale = 1.0;            // softmax scale
+  torch::Tensor w_o;             // [D, H d]
+  OptTensor b_o;                 // [D]
+};
+
+// [out =] [h +] experts(route(norm(h))): the MoE sub-block of a decoder layer (with the norm and the
+// residual) or the MoE layer alone (neither); csrc/moe_block_decode.cpp
+struct MoEWeights {
+  OptTensor norm_w;              // RMSNorm before the router (none: x = h)
+  double norm_eps = 1e-6;
+  bool norm_fp32 = false;
+  bool residual = false;         // out = h + y instead of y
+  // router: logits = x W^T (+ bias) in fp32
+  torch::Tensor gate_w;          // [E, D] of h's dtype or fp32
+  OptTensor gate_bias;           // fp32 [E]
+  OptTensor sel_bias;            // fp32 [E] selection-only bias (sigmoid routers)
+  RouterKind router = kSoftmaxTopK;
+  bool renormalize = true;
+  double route_scale = 1.0;
+  int64_t n_group = 1, topk_group = 1, top_k = 1;
+  // routed experts
+  ExpertKind kind = kGlu;
+  WeightFormat format = kDense;
+  Activation act = kSilu;
+  double alpha = 1.702, limit = 7.0;  // gpt_oss's GLU
+  // dense: w1 = gate_up / fc1, w2 = down / fc2 (h's dtype). Packed: the format's fields per projection
+  // (w1a/b/c, w2a/b/c as dynamoe.ops.moe_decode reads them) and its two block sizes
+  torch::Tensor w1, w2;
+  OptTensor b1, b2;              // dense: the weights' dtype; packed: fp32
+  torch::Tensor w1b, w1c, w2b, w2c;
+  int64_t blk0 = 1, blk1 = 1;
+  bool bf16_acts = false;        // packed with bf16 h: bf16 dot products (else the kernel runs in fp32)
+  int64_t num_experts() const { return w1.size(0); }
+};
+
+}  // namespace dynamoe
