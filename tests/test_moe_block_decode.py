@@ -103,7 +103,7 @@ def test_block_declines_what_it_does_not_compute():
     norm = _norm(torch.bfloat16)
     w = norm.weight
     with torch.inference_mode():
-        assert "shared experts" in _block(_layer(gate(), shared=1), h, w)
+        assert "not stacked" in _block(_layer(gate(), shared=1), h, w)  # shared experts that may train
         assert "check_finite" in _block(_layer(gate(), check_finite=True), h, w)  # the general path names NaNs
         assert "auxiliary losses" in _block(_layer(gate(), aux_loss="switch"), h, w)
         assert "capacity_factor=1" in _block(_layer(GateConfig(type="top", k=2, capacity_factor=1.0, fp32_gate=True)), h, w)
@@ -172,7 +172,7 @@ def _tiny_qwen3(tmp_path, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decoder_layers_take_the_block_at_decode(monkeypatch, tmp_path, dtype):
     """Batched decode steps (rows at different lengths) with the block kernel give the same logits and
-    statistics as with it off; layer 1 (a dense MLP) keeps its own path."""
+    statistics as with it off; layer 1 (a dense MLP) has its own block kernel."""
     model = _tiny_qwen3(tmp_path, dtype)
     model.use_decode_plan = False  # (the layer-by-layer path; tests/test_decode_plan.py compares the two)
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
@@ -187,10 +187,41 @@ def test_decoder_layers_take_the_block_at_decode(monkeypatch, tmp_path, dtype):
 
     used = record_calls(monkeypatch, moe_decode, "moe_decode_with")
     fast, fast_stats = run()
-    assert used == [True] * 10  # 2 MoE layers x (2 short prefills through the layer's own decode path + 3 steps)
+    # 2 MoE layers x (2 short prefills through the layer's own decode path + 3 steps), and layer 1's dense MLP
+    # block at the 3 steps
+    assert used == [True] * 13
     with monkeypatch.context() as m:
         m.setattr(SparseMoeBlock, "decode_block", lambda *a, **kw: None)
         slow, slow_stats = run()
     assert torch.equal(fast, slow)
     assert all(torch.equal(a, b) for a, b in zip(fast_stats, slow_stats))
     assert [i for i, _ in model.moe_layers()] == [0, 2]
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_shared_experts_run_in_the_kernel(monkeypatch, gated, dtype):
+    """Shared experts stacked (a loaded model's, or stack_linears_) run inside the MoE kernel -- with
+    Qwen2-MoE's sigmoid gate too: the block equals norm + the layer's own decode step + residual bit for
+    bit, and the general path (torch's shared experts) within rounding."""
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(model_dim=D, gates=[GATES["softmax-renorm"]()], dtype=dtype, aux_loss="none",
+                               check_finite=False,
+                               experts=ExpertConfig(type="glu", num_experts_per_device=8, hidden_size_per_expert=40,
+                                                    num_shared_experts=2, shared_gate=gated))).eval()
+    layer.requires_grad_(False)
+    assert layer.shared_experts.stack_linears_()
+    norm = _norm(dtype)
+    h = (torch.randn(5, D) * 3).to(dtype)
+    used = record_calls(monkeypatch, moe_decode, "moe_decode_with")
+    with torch.inference_mode():
+        out, stats = _block(layer, h, norm.weight)
+        want, want_stats = _one_by_one(layer, norm, h)
+    assert used == [True, True] and _fused(layer, h, norm.weight).after is None  # both in the kernel
+    assert torch.equal(out, want) and torch.equal(stats.load, want_stats.load)
+    monkeypatch.setattr(MoELayer, "_decode_step", lambda *a, **kw: None)
+    monkeypatch.setattr(moe_decode, "glu_decode", lambda *a, **kw: None)
+    with torch.inference_mode():
+        general = h + layer(norm(h))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), general.float(), atol=tol * general.abs().max().item(), rtol=tol)

@@ -41,18 +41,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:
+        decode = cache is not None and h_BTD.size(1) == 1 and h_BTD.size(0) <= MAX_ROWS and not torch.is_grad_enabled()
         fused = None
-        if cache is not None and h_BTD.size(1) == 1 and h_BTD.size(0) <= MAX_ROWS and not torch.is_grad_enabled():
+        if decode:
             step = getattr(self.self_attn, "decode_step", None)  # one kernel call for the attention block
             fused = None if step is None else step(h_BTD, self.input_layernorm, positions_BT, cache, slots, kv_len)
         if fused is not None:
-            block = getattr(self.mlp, "decode_block", None)  # and one for norm + MoE + residual
-            out = None if block is None else block(fused, self.post_attention_layernorm)
-            if out is not None:
-                return out
             h_BTD = fused
         else:
             h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), positions_BT, cache, slots, kv_len)
+        if decode:
+            block = getattr(self.mlp, "decode_block", None)  # and one for norm + MLP (+ experts) + residual
+            out = None if block is None else block(h_BTD, self.post_attention_layernorm)
+            if out is not None:
+                return out
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
 
 

@@ -38,7 +38,7 @@ class _Layer:
 
     def __init__(self, layer, h_BD: Tensor):
         from .base import DecoderLayer
-        from .moe_block import SparseMoeBlock
+        from .moe_block import GatedMLP, SparseMoeBlock
 
         holds = Holds()
         self.layer, self.attn_fused, self.moe_fused, self.reason = layer, None, None, None
@@ -50,7 +50,7 @@ class _Layer:
             self.reason = f"{type(layer).__name__} has its own forward"
         elif not hasattr(self.attn, "decode_fused"):
             self.reason = f"{type(self.attn).__name__} attention has no fused kernel"
-        elif not isinstance(self.block, SparseMoeBlock):
+        elif not isinstance(self.block, (SparseMoeBlock, GatedMLP)):
             self.reason = f"{type(self.block).__name__} MLP has no fused kernel"
         else:
             self.attn_fused = self.attn.decode_fused(norm1, h_BD.dtype)
@@ -78,13 +78,15 @@ class _FusedRun:
             self.stack.add_layer(e.attn_fused.weights, e.moe_fused.weights)
         a = layers[0].attn
         self.rotary, self.kv_shape = a.rotary, (a.num_kv_heads, a.head_dim)
-        self.experts = layers[0].moe_fused.weights.num_experts
+        self.experts = self.stack.experts  # the routed layers' (0: only dense layers)
         self._cache = self._buffers = None
 
     @staticmethod
     def joins(run: list[_Layer], e: _Layer) -> bool:
         a, b = run[-1], e
-        return (a.attn.rotary is b.attn.rotary and a.moe_fused.weights.num_experts == b.moe_fused.weights.num_experts
+        E = max(x.moe_fused.weights.num_experts for x in run)
+        Eb = b.moe_fused.weights.num_experts
+        return (a.attn.rotary is b.attn.rotary and (E == 0 or Eb == 0 or E == Eb)
                 and (a.attn.num_kv_heads, a.attn.head_dim) == (b.attn.num_kv_heads, b.attn.head_dim))
 
     def _caches(self, cache) -> tuple[list, list]:
@@ -103,7 +105,8 @@ class _FusedRun:
         out = torch.empty_like(h_BD)
         max_loads = self.stack.run(h_BD, cos, sin, slots, pos, k, v, cache.block_tables, loads, out)
         for i, e in enumerate(self.layers):  # what SparseMoeBlock.decode_block records
-            e.block.__dict__["last_stats"] = e.block.moe.decode_done(loads[i], max_loads[i])
+            if e.moe_fused.weights.routed:
+                e.block.__dict__["last_stats"] = e.block.moe.decode_done(loads[i], max_loads[i])
         return out
 
 

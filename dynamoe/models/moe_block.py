@@ -25,7 +25,9 @@ from torch import Tensor, nn
 
 from ..moe import ExpertConfig, GateConfig, MoEConfig, MoELayer
 from ..ops.activations import GLU_KINDS, glu_activation
-from ..ops.fused import Fused, Holds, RMSNormSpec, slot
+from ..ops import cpu_kernels
+from ..ops.fused import MAX_ROWS, Fused, Holds, RMSNormSpec, Unfusable, slot
+from ..ops.stacked_linears import StackedLinears
 from ..ops import moe_decode
 from .config import ModelConfig
 from .norms import RMSNorm
@@ -45,9 +47,20 @@ def glu_kind(hidden_act: str) -> str:
     return _HIDDEN_ACT[hidden_act]
 
 
-class GatedMLP(nn.Module):
+def _rms_spec(holds: Holds, norm: nn.Module) -> RMSNormSpec:
+    """The norm before a fused MLP kernel, recorded in ``holds``; Unfusable unless an RMSNorm that scales by its weight."""
+    if type(norm) is not RMSNorm or holds.attr(norm, "zero_centered"):
+        raise Unfusable(f"the norm before the MLP is a {type(norm).__name__} (the kernel takes RMSNorm with its "
+                        "weight as the scale)")
+    return RMSNormSpec(holds.param(norm, "weight"), holds.attr(norm, "eps"), holds.attr(norm, "weight_in_fp32"))
+
+
+class GatedMLP(StackedLinears, nn.Module):
     """down(act(gate(x)) * up(x)) with Hugging Face's names (``gate_proj``, ``up_proj``, ``down_proj``);
-    ``glu`` is a GLU kind of dynamoe.ops.activations ('silu' = SwiGLU)."""
+    ``glu`` is a GLU kind of dynamoe.ops.activations ('silu' = SwiGLU). At decode a dense layer's
+    ``h + mlp(norm(h))`` is one kernel call (:meth:`decode_block`) over gate and up stacked into one weight."""
+
+    stacked_names = ("gate_proj", "up_proj")
 
     def __init__(self, hidden_size: int, intermediate_size: int, glu: str = "silu", bias: bool = False, dtype=None):
         super().__init__()
@@ -60,6 +73,38 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(glu_activation(self.gate_proj(x), self.up_proj(x), self.glu))
+
+    def decode_fused(self, h_TD: Tensor, norm: nn.Module) -> Fused:
+        """The fused kernel of ``h + self(norm(h))`` for decode steps like ``h_TD`` [T, D] (a
+        ``kernels.MoEWeights`` without a router), cached while current; ``weights`` None and ``extra`` the
+        reason where it does not apply."""
+        cache = slot(self)
+        fused = cache.get((norm, h_TD.dtype))
+        if fused is not None:
+            return fused
+        holds = Holds()
+        try:
+            kernels = cpu_kernels.load()
+            if kernels is None:
+                raise Unfusable("the CPU kernels are not available")
+            spec = _rms_spec(holds, norm)
+            fields = moe_decode.glu_mlp_fields(kernels, holds, h_TD.dtype, self.stacked_for(holds),
+                                               holds.module(self, "down_proj"), holds.attr(self, "glu"))
+            fused = Fused(moe_decode.dense_mlp_weights(kernels, holds, h_TD, fields, spec), holds, kernels)
+        except Unfusable as exc:
+            fused = Fused(None, holds, str(exc))
+        return cache.put((norm, h_TD.dtype), fused)
+
+    def decode_block(self, h_BTD: Tensor, norm: nn.Module) -> Tensor | None:
+        """``h + self(norm(h))`` for a decode step in one kernel call (:meth:`decode_fused`), or None."""
+        h_TD = h_BTD.reshape(-1, h_BTD.size(-1))
+        if (torch.is_grad_enabled() or h_TD.device.type != "cpu" or not 1 <= h_TD.size(0) <= MAX_ROWS
+                or torch.is_autocast_enabled("cpu")):
+            return None
+        fused = self.decode_fused(h_TD, norm)
+        if fused.weights is None:
+            return None
+        return moe_decode.moe_decode_with(fused.extra, fused.weights, h_TD.contiguous())[0].view(h_BTD.shape)
 
 
 class BiasedRouter(nn.Module):
@@ -188,12 +233,10 @@ class SparseMoeBlock(nn.Module):
             return fused
         holds = Holds()
         moe = holds.module(self, "moe")
-        if type(norm) is not RMSNorm or holds.attr(norm, "zero_centered"):
-            fused = Fused(None, holds, f"the norm before the experts is a {type(norm).__name__} (the kernel takes "
-                                       "RMSNorm with its weight as the scale)")
-        else:
-            spec = RMSNormSpec(holds.param(norm, "weight"), holds.attr(norm, "eps"), holds.attr(norm, "weight_in_fp32"))
-            fused = moe.decode_fused(h_TD, holds, spec)
+        try:
+            fused = moe.decode_fused(h_TD, holds, _rms_spec(holds, norm))
+        except Unfusable as exc:
+            fused = Fused(None, holds, str(exc))
         return cache.put((norm, h_TD.dtype), fused)
 
     def decode_block(self, h_BTD: Tensor, norm: nn.Module) -> Tensor | None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.activations import activation, glu_activation
+from ..ops.stacked_linears import StackedLinears
 from ..ops.grouped_matmul import grouped_mm
 from ..ops.scratch import scratch
 from .config import ExpertConfig
@@ -257,7 +258,7 @@ class LlamaFFNExperts(nn.Module):
         return grouped_mm(h_NF, w3, counts, None, trans_w=False, row_scale=row_scale, out=out)
 
 
-class SharedExperts(nn.Module):
+class SharedExperts(StackedLinears, nn.Module):
     """Always-on dense expert(s) added to the routed output (DeepSeek's ``shared_experts``): one
     MLP whose hidden size is ``num_shared * F`` unless given. GLU uses HF's names
     (``gate_proj``, ``up_proj``, ``down_proj``); FFN uses ``fc1``/``fc2``. With ``shared_gate`` the
@@ -284,6 +285,8 @@ class SharedExperts(nn.Module):
             self.fc1 = nn.Linear(model_dim, hidden, bias=cfg.has_fc1_bias, **kw)
             self.fc2 = nn.Linear(hidden, out, bias=cfg.has_fc2_bias, **kw)
         self.gate = nn.Linear(model_dim, 1, bias=False, **kw) if cfg.shared_gate else None
+        # the decode kernel reads the gate and up projections as one [2S, D] weight (stack_linears_)
+        self.stacked_names = (("gate_up_proj",) if cfg.shared_fused_gate_up else ("gate_proj", "up_proj")) if self.is_glu else ()
 
     def forward(self, x_TD: Tensor) -> Tensor:
         if self.is_glu:

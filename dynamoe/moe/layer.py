@@ -372,9 +372,9 @@ class MoELayer(nn.Module):
                             capacity_factor=0.0, layout="ragged" if ragged else "padded", losses={})
 
     def _decode_step(self, input) -> Tensor | None:
-        """The whole layer for a decode step in one kernel call (router and experts: csrc/moe_block_decode.cpp)
-        with the weights of :meth:`decode_fused`, skipping the general path's per-call checks and plan; shared
-        experts are added after it. None where that does not apply."""
+        """The whole layer for a decode step in one kernel call (router, routed and shared experts:
+        csrc/moe_block_decode.cpp) with the weights of :meth:`decode_fused`, skipping the general path's
+        per-call checks and plan. None where that does not apply."""
         if not isinstance(input, Tensor) or input.dim() < 2 or input.size(-1) != self.model_dim:
             return None
         x_TD = input.reshape(-1, self.model_dim)
@@ -388,15 +388,15 @@ class MoELayer(nn.Module):
         if cfg.check_finite and not bool(torch.isfinite(x_TD.sum())):
             return None  # the general path names the problem
         y_TO, load_E, max_load = moe_decode.moe_decode_with(fused.extra, fused.weights, x_TD.contiguous())
-        if self.shared_experts is not None:
-            y_TO = y_TO + self.shared_experts(x_TD)
+        if fused.after is not None:  # shared experts the kernel cannot read (not stacked: parameters that train)
+            y_TO = y_TO + fused.after(x_TD)
         return self._finish(y_TO, list(input.shape[:-1]) + [y_TO.size(-1)], input.dtype, _no_aux_loss(),
                             self._decode_stats(load_E, max_load))
 
     def decode_fused(self, h_TD: Tensor, holds: Holds | None = None, norm: RMSNormSpec | None = None) -> Fused:
         """The fused decode kernel's weights (``kernels.MoEWeights``, dynamoe.ops.moe_decode.moe_weights) for
         steps like ``h_TD`` [T, D] in this layer's state -- with ``norm`` first and the residual added when
-        given (a decoder layer's MoE sub-block: no shared experts or ``result_func`` then) -- as a
+        given (a decoder layer's MoE sub-block: no ``result_func`` then) -- as a
         :class:`~dynamoe.ops.fused.Fused` holding what the decision read (``holds``, added to). Its
         ``weights`` is None and ``extra`` the reason where the kernel does not apply; else ``extra`` is the
         kernels module."""
@@ -405,7 +405,8 @@ class MoELayer(nn.Module):
             kernels = cpu_kernels.load()
             if kernels is None:
                 raise Unfusable("the CPU kernels are not available")
-            return Fused(self._decode_weights(kernels, holds, h_TD, norm), holds, kernels)
+            weights, after = self._decode_weights(kernels, holds, h_TD, norm)
+            return Fused(weights, holds, kernels, after)
         except Unfusable as exc:
             return Fused(None, holds, str(exc))
 
@@ -429,9 +430,18 @@ class MoELayer(nn.Module):
         p = next((q for q in experts._parameters.values() if q is not None), None)
         if p is not None and p.is_floating_point() and p.dtype != h_TD.dtype:
             raise Unfusable(f"input {h_TD.dtype} differs from the experts' {p.dtype}")
+        shared, after = holds.module(self, "shared_experts"), None
+        if shared is not None and norm is None and (not holds.attr(shared, "is_glu") or holds.attr(shared, "_stacked") is None
+                                                         or shared.stacked() is None):
+            shared, after = None, shared  # the layer alone: added after the kernel by the module itself
+        if shared is not None:
+            if not holds.attr(shared, "is_glu"):
+                raise Unfusable("FFN shared experts have no kernel")
+            shared = moe_decode.glu_mlp_fields(kernels, holds, h_TD.dtype, shared.stacked_for(holds),
+                                               holds.module(shared, "down_proj"), holds.attr(shared, "activation"),
+                                               holds.attr(shared, "alpha"), holds.attr(shared, "limit"),
+                                               holds.module(shared, "gate"))
         if norm is not None:
-            if holds.module(self, "shared_experts") is not None:
-                raise Unfusable("shared experts run beside the fused block")
             if holds.attr(self, "result_func") is not None:
                 raise Unfusable("a result_func is set")
             if cfg.check_finite:
@@ -439,7 +449,7 @@ class MoELayer(nn.Module):
         gate = holds.module(self._modules["gates"], "0")
         k = gcfg.k
         return moe_decode.moe_weights(kernels, holds, h_TD, gate, gcfg.type, k, renormalizes(gcfg, k, cfg.normalize_gate),
-                                      gcfg.route_scale, gcfg.n_group, gcfg.topk_group, kind, experts, norm)
+                                      gcfg.route_scale, gcfg.n_group, gcfg.topk_group, kind, experts, norm, shared), after
 
     def decode_key(self) -> tuple:
         """The configuration :meth:`decode_fused` decides on, by value (a config changed in place makes a

@@ -116,10 +116,12 @@ def _version(t: Tensor) -> int:
 class Fused:
     """A kernel's weight struct for one module state (see the module docstring)."""
 
-    __slots__ = ("weights", "refs", "tensors", "values", "extra")
+    __slots__ = ("weights", "refs", "tensors", "values", "extra", "after")
 
-    def __init__(self, weights, holds: Holds, extra=None) -> None:
-        self.weights, self.extra = weights, extra
+    def __init__(self, weights, holds: Holds, extra=None, after=None) -> None:
+        #: ``after``: a module whose output on the kernel's input is added to the kernel's output (a part
+        #: the kernel cannot read, e.g. shared experts that are not stacked), or None
+        self.weights, self.extra, self.after = weights, extra, after
         self.refs, self.tensors, self.values = tuple(holds.refs), tuple(holds.tensors), tuple(holds.values)
 
     def current(self) -> bool:

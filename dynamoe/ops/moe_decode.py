@@ -20,7 +20,8 @@ from torch import Tensor
 from . import cpu_kernels
 from .fused import MAX_ROWS, Holds, RMSNormSpec, Unfusable, struct
 
-__all__ = ["route_decode", "glu_decode", "ffn_decode", "packed_glu_decode", "moe_weights", "moe_decode_with"]
+__all__ = ["route_decode", "glu_decode", "ffn_decode", "packed_glu_decode", "moe_weights", "moe_decode_with",
+           "glu_mlp_fields", "dense_mlp_weights"]
 
 #: FFN activations (Tutel's experts hold the function) by their kernels.Activation name
 _FFN_ACTS = {F.relu: "relu", F.gelu: "gelu", F.silu: "silu"}
@@ -155,16 +156,57 @@ def _expert_fields(kernels, holds: Holds, h_TD: Tensor, kind: str, experts) -> d
                 bf16_acts=bool(dt == torch.bfloat16 and kernels.has_avx512_bf16()))
 
 
+def glu_mlp_fields(kernels, holds: Holds, dtype: torch.dtype, gate_up: tuple, down, act: str, alpha: float = 1.702,
+                   limit: float = 7.0, gate=None) -> dict:
+    """The shared-experts part of a ``kernels.MoEWeights`` for a dense GLU MLP: ``gate_up`` the stacked (weight
+    [2S, D], bias) of its gate and up projections (dynamoe.ops.stacked_linears), ``down`` its down linear,
+    ``gate`` an optional [1, D] linear whose sigmoid scales the output per token (Qwen2-MoE)."""
+    if act not in kernels.Activation.__members__:
+        raise Unfusable(f"GLU activation {act!r} has no kernel")
+    w1, b1 = gate_up
+    w2, b2 = holds.param(down, "weight"), holds.param(down, "bias")
+    g = None if gate is None else holds.param(gate, "weight")
+    if gate is not None and holds.param(gate, "bias") is not None:
+        raise Unfusable("the shared experts' gate has a bias")
+    if not all(_usable(t, dtype) for t in (w1, b1, w2, b2, g)) or w2.size(1) * 2 != w1.size(0):
+        raise Unfusable(f"the dense MLP's weights are not contiguous {dtype} CPU tensors of matching shapes")
+    return dict(shared_w1=w1.unsqueeze(0), shared_w2=w2.unsqueeze(0), shared_b1=None if b1 is None else b1.unsqueeze(0),
+                shared_b2=None if b2 is None else b2.unsqueeze(0), shared_gate=g,
+                shared_act=kernels.Activation.__members__[act], shared_alpha=float(alpha), shared_limit=float(limit))
+
+
+def dense_mlp_weights(kernels, holds: Holds, h_TD: Tensor, fields: dict, norm: RMSNormSpec):
+    """A ``kernels.MoEWeights`` without a router for a dense layer's ``h + mlp(norm(h))`` (``fields`` from
+    :func:`glu_mlp_fields`)."""
+    _check_rows(h_TD)
+    return struct(kernels.MoEWeights, holds, routed=False, **_norm_fields(h_TD, norm, fields["shared_w2"].size(1)),
+                  **fields)
+
+
+def _check_rows(h_TD: Tensor) -> None:
+    if not 1 <= h_TD.size(0) <= MAX_ROWS or h_TD.device.type != "cpu" or h_TD.dtype not in DTYPES:
+        raise Unfusable(f"{h_TD.size(0)} rows of {h_TD.dtype} on {h_TD.device.type} (the kernels take 1..{MAX_ROWS} "
+                        "rows of bf16 or fp32 on the CPU)")
+
+
+def _norm_fields(h_TD: Tensor, norm: RMSNormSpec, out_dim: int) -> dict:
+    nw = norm.weight
+    if nw.dtype != h_TD.dtype or not nw.is_contiguous() or nw.device.type != "cpu" or nw.numel() != h_TD.size(-1):
+        raise Unfusable(f"the norm weight is not a contiguous {h_TD.dtype} [D] CPU tensor")
+    if out_dim != h_TD.size(1):
+        raise Unfusable(f"the experts' output dim {out_dim} is not the model dim (no residual)")
+    return dict(norm_w=nw, norm_eps=float(norm.eps), norm_fp32=bool(norm.weight_in_fp32), residual=True)
+
+
 def moe_weights(kernels, holds: Holds, h_TD: Tensor, gate, gate_type: str, top_k: int, renormalize: bool,
-                scale: float, n_group: int, topk_group: int, kind: str, experts, norm: RMSNormSpec | None = None):
+                scale: float, n_group: int, topk_group: int, kind: str, experts, norm: RMSNormSpec | None = None,
+                shared: dict | None = None):
     """A ``kernels.MoEWeights`` for decode steps like ``h_TD`` [T, D] through the router ``gate`` (one that
     offers ``fp32_linear()``) and ``experts`` of ``kind`` ('glu', 'ffn', 'packed'), with ``norm`` first and
-    the residual added when given (a decoder layer's MoE sub-block); what it read goes into ``holds``.
+    the residual added when given (a decoder layer's MoE sub-block), and the shared experts' ``shared``
+    fields (:func:`glu_mlp_fields`) added to the routed output; what it read goes into ``holds``.
     Raises :class:`~dynamoe.ops.fused.Unfusable` with the reason where the kernel does not apply."""
-    dt = h_TD.dtype
-    if not 1 <= h_TD.size(0) <= MAX_ROWS or h_TD.device.type != "cpu" or dt not in DTYPES:
-        raise Unfusable(f"{h_TD.size(0)} rows of {dt} on {h_TD.device.type} (the kernels take 1..{MAX_ROWS} rows "
-                        "of bf16 or fp32 on the CPU)")
+    _check_rows(h_TD)
     rargs = _router_args(h_TD, gate, gate_type, top_k, n_group, topk_group)
     if rargs is None:
         raise Unfusable(f"router ({gate_type}, {type(gate).__name__}) has no kernel: logits must be an fp32 "
@@ -177,13 +219,12 @@ def moe_weights(kernels, holds: Holds, h_TD: Tensor, gate, gate_type: str, top_k
     out_dim = fields["w2"].size(1) if kind != "ffn" else fields["w2"].size(2)
     if w.size(1) != h_TD.size(1):
         raise Unfusable(f"router input dim {w.size(1)} is not the model dim {h_TD.size(1)}")
+    if shared is not None:
+        if shared["shared_w2"].size(1) != out_dim:
+            raise Unfusable(f"the shared experts' output dim {shared['shared_w2'].size(1)} is not the routed ones' {out_dim}")
+        fields.update(shared)
     if norm is not None:
-        nw = norm.weight
-        if nw.dtype != dt or not nw.is_contiguous() or nw.device.type != "cpu" or nw.numel() != h_TD.size(-1):
-            raise Unfusable(f"the norm weight is not a contiguous {dt} [D] CPU tensor")
-        if out_dim != h_TD.size(1):
-            raise Unfusable(f"the experts' output dim {out_dim} is not the model dim (no residual)")
-        fields.update(norm_w=nw, norm_eps=float(norm.eps), norm_fp32=bool(norm.weight_in_fp32), residual=True)
+        fields.update(_norm_fields(h_TD, norm, out_dim))
     return struct(kernels.MoEWeights, holds, gate_w=w, gate_bias=holds.fp32(b), sel_bias=holds.fp32(sel),
                   router=kernels.RouterKind.sigmoid if router else kernels.RouterKind.softmax,
                   renormalize=bool(renormalize), route_scale=float(scale), n_group=int(n_group),
@@ -193,8 +234,8 @@ def moe_weights(kernels, holds: Holds, h_TD: Tensor, gate, gate_type: str, top_k
 def moe_decode_with(kernels, weights, h_TD: Tensor) -> tuple[Tensor, Tensor, int]:
     """(y [T, O] -- h + y with the norm and residual --, load [E] int64, max load): one call of the MoE
     kernel (csrc/moe_block_decode.cpp) with ``weights`` from :func:`moe_weights`, h [T, D] contiguous."""
-    O = h_TD.size(1) if weights.residual else (weights.w2.size(2) if weights.kind == kernels.ExpertKind.ffn
-                                               else weights.w2.size(1))
+    O = (h_TD.size(1) if weights.residual else weights.shared_w2.size(1) if not weights.routed
+         else weights.w2.size(2) if weights.kind == kernels.ExpertKind.ffn else weights.w2.size(1))
     out = h_TD.new_empty(h_TD.size(0), O)
     load = torch.empty(weights.num_experts, dtype=torch.long)
     return out, load, kernels.moe_decode_out(h_TD, weights, out, load)

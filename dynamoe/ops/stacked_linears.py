@@ -80,6 +80,21 @@ class StackedLinears:
             return None
         return s
 
+    def stacked_for(self, holds) -> tuple[Tensor, Tensor | None]:
+        """:meth:`stacked` for a fused kernel: the sub-linears and their parameters recorded in ``holds``
+        (dynamoe.ops.fused.Holds); raises Unfusable when they are not stacked."""
+        from .fused import Unfusable
+
+        s = holds.attr(self, "_stacked")
+        if s is None or self.stacked() is None:
+            raise Unfusable(f"{' / '.join(self.stacked_names)} are not stacked into one weight (stack_linears_)")
+        for name in self.stacked_names:  # views of the stacked weight: p.data = ... moves them
+            m = holds.module(self, name)
+            for t in (holds.param(m, "weight"), holds.param(m, "bias")):
+                if t is not None:
+                    holds.pointer(t)
+        return s
+
     def _apply(self, fn, recurse=True):
         # the parameters get new data one by one: stacked before, stacked after
         was = self.stacked() is not None

@@ -25,18 +25,22 @@ class DecodeStack {
   void add_layer(const AttentionWeights& attn, const MoEWeights& moe) {
     TORCH_CHECK(attn.norm_w.defined() && attn.w_qkv.defined() && attn.w_o.defined(),
                 "AttentionWeights needs norm_w, w_qkv and w_o");
-    TORCH_CHECK(moe.gate_w.defined() && moe.w1.defined() && moe.w2.defined(), "MoEWeights needs gate_w, w1 and w2");
+    TORCH_CHECK(!moe.routed || (moe.gate_w.defined() && moe.w1.defined() && moe.w2.defined()),
+                "MoEWeights needs gate_w, w1 and w2 (or routed = false)");
+    TORCH_CHECK(moe.routed || moe.shared_w1.has_value(), "a dense layer's MoEWeights needs shared_w1 and shared_w2");
     TORCH_CHECK(moe.residual && moe.norm_w.has_value(), "a DecodeStack layer's MoEWeights has its norm and residual");
-    TORCH_CHECK(layers_.empty() || moe.num_experts() == layers_.front().moe.num_experts(),
-                "every layer of a DecodeStack must have the same number of experts");
+    TORCH_CHECK(!moe.routed || experts_ == 0 || moe.num_experts() == experts_,
+                "every routed layer of a DecodeStack must have the same number of experts");
+    if (moe.routed) experts_ = moe.num_experts();
     layers_.push_back(Layer{attn, moe});
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t experts() const { return experts_; }
 
   // h [B, D] -> out [B, D] through every layer; k_caches/v_caches: each layer's paged [K, blocks, block_size, d]
   // (one block_table [slots, blocks per slot] for all);
-  // loads [layers, E] int64 filled row by row; returns each layer's max load
+  // loads [layers, E] int64: the routed layers' rows filled; returns each layer's max load (0 for dense layers)
   std::vector<int64_t> run(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                            torch::Tensor positions, std::vector<torch::Tensor> k_caches,
                            std::vector<torch::Tensor> v_caches, torch::Tensor block_table, torch::Tensor loads,
@@ -45,7 +49,7 @@ class DecodeStack {
     TORCH_CHECK(N > 0, "the DecodeStack has no layers");
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == N && static_cast<int64_t>(v_caches.size()) == N,
                 "k_caches and v_caches must hold one tensor per layer (", N, ")");
-    const int64_t E = layers_.front().moe.num_experts();
+    const int64_t E = experts_;
     TORCH_CHECK(loads.dim() == 2 && loads.size(0) == N && loads.size(1) == E && loads.scalar_type() == torch::kLong &&
                 loads.is_contiguous(), "loads must be contiguous int64 [", N, ", ", E, "]");
     TORCH_CHECK(out.sizes() == h.sizes() && out.scalar_type() == h.scalar_type() && out.is_contiguous() &&
@@ -57,7 +61,7 @@ class DecodeStack {
       const Layer& l = layers_[i];
       attn_decode_out(x, l.attn, cos, sin, k_caches[i], v_caches[i], block_table, slots, positions, a);
       torch::Tensor y = i == N - 1 ? out : ping[i % 2];
-      torch::Tensor load = loads[i];
+      torch::Tensor load = l.moe.routed ? loads[i] : torch::Tensor();
       max_loads[i] = moe_decode_out(a, l.moe, y, load);
       x = y;
     }
@@ -66,6 +70,7 @@ class DecodeStack {
 
  private:
   std::vector<Layer> layers_;
+  int64_t experts_ = 0;  // the routed layers' expert count (0: none yet)
 };
 
 template <typename T>
@@ -93,7 +98,12 @@ void bind_moe(pybind11::class_<T>& c) {
       .def_readwrite("w1", &T::w1).def_readwrite("w2", &T::w2).def_readwrite("b1", &T::b1).def_readwrite("b2", &T::b2)
       .def_readwrite("w1b", &T::w1b).def_readwrite("w1c", &T::w1c).def_readwrite("w2b", &T::w2b)
       .def_readwrite("w2c", &T::w2c).def_readwrite("blk0", &T::blk0).def_readwrite("blk1", &T::blk1)
-      .def_readwrite("bf16_acts", &T::bf16_acts).def_property_readonly("num_experts", &T::num_experts);
+      .def_readwrite("bf16_acts", &T::bf16_acts).def_readwrite("shared_w1", &T::shared_w1)
+      .def_readwrite("shared_w2", &T::shared_w2).def_readwrite("shared_b1", &T::shared_b1)
+      .def_readwrite("shared_b2", &T::shared_b2).def_readwrite("shared_gate", &T::shared_gate)
+      .def_readwrite("shared_act", &T::shared_act).def_readwrite("shared_alpha", &T::shared_alpha)
+      .def_readwrite("shared_limit", &T::shared_limit).def_readwrite("routed", &T::routed)
+      .def_property_readonly("num_experts", &T::num_experts);
 }
 }  // namespace
 
@@ -130,5 +140,6 @@ void register_decode_stack(pybind11::module& m) {
       .def(py::init<>())
       .def("add_layer", &DecodeStack::add_layer, py::arg("attention"), py::arg("moe"))
       .def("__len__", &DecodeStack::size)
+      .def_property_readonly("experts", &DecodeStack::experts)
       .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>());
 }

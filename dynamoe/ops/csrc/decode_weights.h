@@ -41,8 +41,9 @@ struct AttentionWeights {
   OptTensor b_o;                 // [D]
 };
 
-// [out =] [h +] experts(route(norm(h))): the MoE sub-block of a decoder layer (with the norm and the
-// residual) or the MoE layer alone (neither); csrc/moe_block_decode.cpp
+// [out =] [h +] experts(route(norm(h))) [+ shared(norm(h))]: the MoE sub-block of a decoder layer (with
+// the norm and the residual) or the MoE layer alone (neither); with routed = false a dense MLP block
+// (the shared part alone); csrc/moe_block_decode.cpp
 struct MoEWeights {
   OptTensor norm_w;              // RMSNorm before the router (none: x = h)
   double norm_eps = 1e-6;
@@ -68,7 +69,15 @@ struct MoEWeights {
   torch::Tensor w1b, w1c, w2b, w2c;
   int64_t blk0 = 1, blk1 = 1;
   bool bf16_acts = false;        // packed with bf16 h: bf16 dot products (else the kernel runs in fp32)
-  int64_t num_experts() const { return w1.size(0); }
+  // shared experts: a dense GLU MLP on every token, added to the routed experts' output (DeepSeek,
+  // Qwen2-MoE, GLM); with routed = false, a dense layer's whole MLP. shared_w1 [1, 2S, D] (gate rows, then
+  // up rows) and shared_w2 [1, O, S] of h's dtype, biases [1, 2S] / [1, O]; shared_gate [1, D]: the output
+  // scaled per token by sigmoid(x . shared_gate), each step rounded to h's dtype (Qwen2-MoE)
+  OptTensor shared_w1, shared_w2, shared_b1, shared_b2, shared_gate;
+  Activation shared_act = kSilu;
+  double shared_alpha = 1.702, shared_limit = 7.0;
+  bool routed = true;            // false: no router or routed experts
+  int64_t num_experts() const { return routed && w1.defined() ? w1.size(0) : 0; }
 };
 
 }  // namespace dynamoe
