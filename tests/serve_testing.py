@@ -282,3 +282,21 @@ def scripted_server(tmp_path_factory) -> InProcessServer:
         _SHARED["scripted"] = srv = InProcessServer(engine, tok)
         atexit.register(srv.stop)
     return _SHARED["scripted"]
+
+
+def image_refusal(model, tmp_dir: str, model_name: str) -> str:
+    """The error message a served ``model`` gives a chat request holding an image part (asserting a 400)."""
+    from engine_testing import write_tokenizer_dir
+
+    from dynamoe.engine import GenerationEngine, Tokenizer
+
+    tok = Tokenizer.from_dir(write_tokenizer_dir(os.path.join(tmp_dir, "tok")))
+    srv = InProcessServer(GenerationEngine(model, tok, max_seq_len=64, max_batch=2), tok, model_name=model_name)
+    try:
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]})
+        assert r.status_code == 400, r.text
+        return r.json()["error"]["message"]
+    finally:
+        srv.stop()

@@ -49,18 +49,30 @@ FAMILIES = {
     "qwen3_next": ("Qwen3NextConfig", {}),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", {}),
     "qwen3_5_moe": ("Qwen3_5MoeConfig", {}),
+    # the text models of vision-language / omni wrappers (the wrapper configs nest them, see WRAPPED)
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", dict(moe_intermediate_size=32, num_attention_heads=16)),
+    "qwen3_vl_moe_text": ("Qwen3VLMoeTextConfig", dict(moe_intermediate_size=32, num_attention_heads=16)),
+    "glm4v_moe": ("Glm4vMoeConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    "glm4v_moe_text": ("Glm4vMoeTextConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerConfig", dict(moe_intermediate_size=32)),
+    "qwen3_omni_moe": ("Qwen3OmniMoeConfig", dict(moe_intermediate_size=32)),
 }
+# wrapper model_type -> the sub-config keys down to its text model's config
+WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
+           "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config")}
+QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
+              "qwen3_omni_moe"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
-                 "dots1"}
-MLA_FAMILIES = DEEPSEEK_LIKE - {"glm4_moe", "dots1"}
+                 "dots1", "glm4v_moe", "glm4v_moe_text"}
+MLA_FAMILIES = DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
 
 def _hf_moe_layers(hf, mt):
     """Which layers have routed experts, by each transformers modeling file's rule."""
     n = hf.num_hidden_layers
-    if mt in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
+    if mt in QWEN3_RULE:
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "flex_olmo",
@@ -148,8 +160,10 @@ FIELDS = {
     "pad_token_id": (lambda hf, mt: hf.pad_token_id, None, None),
     # Qwen3-MoE
     "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo",
-                                                                  "qwen3_next"}
+                                                                  "qwen3_next", "qwen3_omni_moe_thinker", "qwen3_omni_moe"}
                        | DEEPSEEK_LIKE),
+    # Qwen3-VL-MoE's router has no norm_topk_prob: it always renormalises
+    "norm_topk_prob_vl": (lambda hf, mt: True, lambda cfg: cfg.norm_topk_prob, {"qwen3_vl_moe", "qwen3_vl_moe_text"}),
     # GraniteMoE (a shared MLP only in granitemoeshared, and only when its size is > 0)
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared"})
        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
@@ -166,14 +180,15 @@ FIELDS = {
     "n_shared_experts_ernie": (lambda hf, mt: hf.moe_num_shared_experts, lambda cfg: cfg.n_shared_experts, {"ernie4_5_moe"}),
     # OLMoE
     "clip_qkv": (lambda hf, mt: hf.clip_qkv, None, {"olmoe"}),
-    "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, {"qwen3_moe", "qwen2_moe", "qwen3_next"}),
-    "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, {"qwen3_moe", "qwen2_moe", "qwen3_next"}),
+    "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, QWEN3_RULE),
+    "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, QWEN3_RULE),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None, HYBRID),
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, HYBRID)
        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                     "linear_num_value_heads")},
-    "intermediate_size": (lambda hf, mt: hf.intermediate_size, None, {"qwen3_next"}),
+    "intermediate_size": (lambda hf, mt: hf.intermediate_size, None, {"qwen3_next"} | set(WRAPPED) - {"qwen3_5_moe"}
+                          | {"qwen3_vl_moe_text", "glm4v_moe_text"}),
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -207,11 +222,17 @@ FIELDS = {
 def _compare(mt: str, d: dict):
     cls_name = FAMILIES[mt][0]
     fields = {k: v for k, v in d.items() if k != "model_type"}
-    if mt == "qwen3_5_moe":  # the multimodal config: its text model, as the ConditionalGeneration class reads it
-        d = {"model_type": mt, "text_config": fields}
-        top = getattr(transformers, cls_name).from_dict({"text_config": fields})
-        hf = top.text_config
-        hf.tie_word_embeddings = top.tie_word_embeddings
+    if mt in WRAPPED:  # the multimodal config: its text model, as the ConditionalGeneration class reads it
+        path = WRAPPED[mt]
+        nested = fields
+        for key in reversed(path):
+            nested = {key: nested}
+        d = {"model_type": mt, **nested}
+        parent = getattr(transformers, cls_name).from_dict(nested)
+        for key in path[:-1]:
+            parent = getattr(parent, key)
+        hf = getattr(parent, path[-1])
+        hf.tie_word_embeddings = parent.tie_word_embeddings  # (the level above the text model ties its lm_head)
     else:
         hf = getattr(transformers, cls_name).from_dict(fields)
     cfg = ModelConfig.from_dict(dict(d))
@@ -253,6 +274,11 @@ def test_omitted_fields_default_as_transformers(mt):
     ("qwen3_next", {"full_attention_interval": 2}),                      # every 2nd layer full attention
     ("qwen3_5_moe", {"full_attention_interval": 2, "partial_rotary_factor": 0.5}),  # inside text_config
     ("qwen3_next", {"layer_types": ["full_attention", "linear_attention"] * 2}),
+    # fields the wrappers' text models do not read: no window, always renormalised (Qwen3-VL), no q/k norm (GLM-4.5V)
+    ("qwen3_vl_moe", {"norm_topk_prob": False, "sliding_window": 64, "use_sliding_window": True}),
+    ("qwen3_omni_moe", {"sliding_window": 64, "use_sliding_window": True, "norm_topk_prob": False}),
+    ("glm4v_moe", {"use_qk_norm": True, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
+                                                            "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]}}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))
 def test_given_fields_derive_as_transformers(mt, extra):
     _compare(mt, {"model_type": mt, **SIZES, **FAMILIES[mt][1], **extra})

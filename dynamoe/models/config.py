@@ -10,9 +10,10 @@ The expert count is read from ``num_experts`` / ``num_local_experts`` / ``n_rout
 V3.2 indexer) are parsed here too, so a family module reads typed values, never the raw dict; the raw
 dict stays on ``ModelConfig.raw`` for anything a later family needs before it gets a typed field.
 
-Qwen3.5-MoE's multimodal config nests the text model under ``text_config``: it is parsed as the model
-(``text_config_nested`` records that the text weights sit under ``model.language_model.``), with the
-top level's ``tie_word_embeddings``, token ids and ``quantization_config`` where the text config has none.
+A multimodal wrapper's config (:data:`TEXT_WRAPPERS`: Kimi-K2.5, Qwen3.5-MoE, Qwen3-VL-MoE, GLM-4.5V,
+Qwen3-Omni, ...) nests its language model under ``text_config`` (Qwen3-Omni: ``thinker_config.text_config``):
+:func:`unwrap_text_config` flattens it, one path for every wrapper, and the result parses as the text model
+(``text_config_nested`` records that its weights sit where the wrapper keeps them).
 
 Family defaults that transformers applies in its config classes (``rms_norm_eps``, expert counts and
 top-k, ``max_position_embeddings``, GPT-OSS's YaRN, ``swiglu_limit`` and alternating sliding layers,
@@ -28,7 +29,7 @@ from typing import Any, Optional
 from .unsupported import refusal
 
 __all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
-           "TEXT_WRAPPERS", "unwrap_text_config"]
+           "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # 'indexed_attention': DeepSeek-V3.2 / GLM-5 MLA with the sparse-attention indexer (full causal otherwise);
@@ -38,12 +39,35 @@ MLP_LAYER_TYPES = ("dense", "sparse")
 INDEXER_TYPES = ("full", "shared")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
-#: vision-language checkpoints whose config.json nests the text model under ``text_config`` (dynamoe loads
-#: the text model only): outer model_type -> the text model types it may hold
-TEXT_WRAPPERS = {"kimi_k25": ("deepseek_v3", "kimi_k2")}
-#: outer fields of such a wrapper that describe the whole checkpoint: where given they override the text
-#: config's (``quantization_config`` may sit at either level, see :func:`unwrap_text_config`)
-_WRAPPER_FIELDS = ("architectures", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
+@dataclass(frozen=True)
+class TextWrapper:
+    """How a multimodal wrapper's config.json holds its language model (see :func:`unwrap_text_config`).
+
+    ``path``: the sub-config keys from the top level down to the text model's config; ``text_types``: the
+    text model types it may hold (the first is the default when that config names none); ``tie_default``:
+    the wrapper config class's ``tie_word_embeddings`` when the file omits it (the flag of the level right
+    above the text config ties the wrapper's lm_head in transformers); ``tie_from_text``: a text config's
+    own ``tie_word_embeddings: true`` ties too (GLM-4.5V's rule for configs saved before transformers 5)."""
+
+    path: tuple
+    text_types: tuple
+    tie_default: bool = False
+    tie_from_text: bool = False
+
+
+#: multimodal checkpoints whose config.json nests the text model (dynamoe loads the text model only):
+#: outer model_type -> where and what it is
+TEXT_WRAPPERS: dict[str, TextWrapper] = {
+    "kimi_k25": TextWrapper(("text_config",), ("deepseek_v3", "kimi_k2"), tie_default=True),
+    "qwen3_5_moe": TextWrapper(("text_config",), ("qwen3_5_moe_text",)),
+    "qwen3_vl_moe": TextWrapper(("text_config",), ("qwen3_vl_moe_text",)),
+    "glm4v_moe": TextWrapper(("text_config",), ("glm4v_moe_text",), tie_from_text=True),
+    "qwen3_omni_moe_thinker": TextWrapper(("text_config",), ("qwen3_omni_moe_text",)),
+    "qwen3_omni_moe": TextWrapper(("thinker_config", "text_config"), ("qwen3_omni_moe_text",)),
+}
+#: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
+#: generation config reads token ids: the wrapper's, else its text config's)
+_WRAPPER_FIELDS = ("architectures", "bos_token_id", "eos_token_id", "pad_token_id")
 
 # What transformers' config classes (5.x, configuration_<family>.py) fill in when config.json leaves a
 # field out. "fields": plain config.json fields, read as if the file had them; "num_experts" /
@@ -173,6 +197,26 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "granitemoeshared": {"num_experts": 8, "num_experts_per_tok": 2,
                          "fields": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1,
                                     "eos_token_id": 2, "attention_multiplier": 1.0}},
+    # Qwen3VLMoeTextConfig: its router always renormalises (no norm_topk_prob field: "ignored", the default
+    # says what the model does) and its attention never slides; the multimodal RoPE is plain RoPE for text
+    "qwen3_vl_moe_text": {"rope_theta": 500000.0, "num_experts": 60, "num_experts_per_tok": 4,
+                          "ignored": ("norm_topk_prob", "sliding_window", "use_sliding_window"),
+                          "fields": {"num_key_value_heads": 16, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+                                     "intermediate_size": 5632, "moe_intermediate_size": 1408,
+                                     "tie_word_embeddings": True, "norm_topk_prob": True}},
+    # Qwen3OmniMoeTextConfig (the thinker's text model): Qwen3-MoE's, attention that never slides
+    "qwen3_omni_moe_text": {"rope_theta": 1e6, "num_experts": 128, "num_experts_per_tok": 8,
+                            "ignored": ("sliding_window", "use_sliding_window"),
+                            "fields": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                                       "intermediate_size": 18944, "moe_intermediate_size": 768,
+                                       "norm_topk_prob": True}},
+    # Glm4vMoeTextConfig: GLM-4.5's decoder without q/k norms or multi-token prediction, half RoPE
+    "glm4v_moe_text": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
+                       "ignored": ("use_qk_norm", "num_nextn_predict_layers"),
+                       "fields": {"num_key_value_heads": 8, "max_position_embeddings": 65536, "rms_norm_eps": 1e-5,
+                                  "intermediate_size": 10944, "moe_intermediate_size": 1408, "attention_bias": True,
+                                  "n_shared_experts": 1, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                                  "first_k_dense_replace": 1, "norm_topk_prob": True}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -183,22 +227,6 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 
 _LINEAR_ATTENTION_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                             "linear_num_key_heads", "linear_num_value_heads")
-# what a nested text_config takes from the top level of the config when it has no value of its own
-_TOP_LEVEL_FALLBACKS = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "quantization_config")
-
-
-def _unnest_text_config(d: dict) -> dict:
-    """Qwen3.5-MoE's multimodal config.json -> its text model's, under the top level's model_type."""
-    text = d["text_config"]
-    if not isinstance(text, dict):
-        raise _err("text_config", text, "a dict")
-    out = dict(text)
-    for name in _TOP_LEVEL_FALLBACKS:
-        if d.get(name) is not None and (name == "tie_word_embeddings" or out.get(name) is None):
-            out[name] = d[name]   # (the multimodal model ties by the top level's flag)
-    out["model_type"], out["architectures"] = d["model_type"], d.get("architectures") or ()
-    return out
-
 
 # ------------------------------------------------------------------------------------------ checks
 def _err(name: str, value: Any, allowed: str) -> ValueError:
@@ -512,9 +540,7 @@ class ModelConfig:
         reason = refusal(model_type)  # before any field: a wrapper or hybrid would fail on one for the wrong reason
         if reason is not None:
             raise ValueError(f"{model_type}: {reason} (model_type {model_type!r} is not supported)")
-        text_nested = model_type == "qwen3_5_moe" and d.get("text_config") is not None
-        if text_nested:
-            d = _unnest_text_config(d)
+        text_nested = d.get("text_model_type") is not None
         fam = _FAMILY_DEFAULTS.get(d.get("text_model_type") or model_type, {})
         nested = {}
         for sub, names in fam.get("nested", {}).items():  # DBRX's attn_config / ffn_config, read as top-level fields
@@ -522,9 +548,11 @@ class ModelConfig:
             if not isinstance(inner, dict):
                 raise _err(sub, inner, "a dict")
             nested.update({ours: inner[theirs] for theirs, ours in names.items() if inner.get(theirs) is not None})
-        # the file's own (non-null) fields win over its nested ones, which win over the family's defaults
-        d = {**fam.get("fields", {}), **nested, **{k: v for k, v in d.items() if v is not None or k not in nested}}
-        d = {k: v for k, v in d.items() if k not in fam.get("ignored", ())}
+        # the file's own (non-null) fields win over its nested ones, which win over the family's defaults; fields
+        # the family's transformers class does not read ("ignored") are dropped from the file (the defaults stay)
+        ignored = fam.get("ignored", ())
+        d = {**fam.get("fields", {}), **nested,
+             **{k: v for k, v in d.items() if (v is not None or k not in nested) and k not in ignored}}
         for name in fam.get("per_layer_lists", ()):  # one value for every layer, or ValueError
             v = d.get(name)
             if isinstance(v, (list, tuple)):
@@ -680,29 +708,47 @@ class ModelConfig:
 
 
 def unwrap_text_config(d: dict) -> dict:
-    """A vision-language wrapper's config.json (outer ``model_type`` in :data:`TEXT_WRAPPERS`, e.g. Kimi-K2.5's
-    ``kimi_k25`` around a DeepSeek-V3 text model) as one flat dict of its text model: the ``text_config``
-    fields, overridden by the outer fields of ``_WRAPPER_FIELDS`` that are given (architectures, token ids,
-    ``tie_word_embeddings``), ``quantization_config`` from whichever level has it (ValueError if both do and
-    differ), ``model_type`` the outer one and ``text_model_type`` the inner one (whose family defaults
-    apply); ``vision_config`` is kept for reference. Any other dict comes back as it is."""
+    """A multimodal wrapper's config.json (outer ``model_type`` in :data:`TEXT_WRAPPERS`, e.g. Kimi-K2.5's
+    ``kimi_k25`` around a DeepSeek-V3 text model) as one flat dict of its text model, the one path every
+    wrapper takes: the text config's fields; ``architectures`` and token ids from the outermost level that
+    gives them; ``tie_word_embeddings`` from the level right above the text config (else the wrapper's
+    default, :class:`TextWrapper`); ``quantization_config`` from whichever level has it (ValueError if two
+    differ); ``model_type`` the outer one and ``text_model_type`` the inner one (whose family defaults
+    apply); ``vision_config`` kept for reference. Any other dict comes back as it is."""
     outer_type = d.get("model_type")
-    if outer_type not in TEXT_WRAPPERS:
+    spec = TEXT_WRAPPERS.get(outer_type)
+    if spec is None:
         return d
-    text = d.get("text_config")
-    if not isinstance(text, dict):
-        raise _err("text_config", text, f"a dict (the text model's config, which a {outer_type!r} config nests)")
-    inner_type = text.get("model_type", TEXT_WRAPPERS[outer_type][0])
-    if inner_type not in TEXT_WRAPPERS[outer_type]:
-        raise _err("text_config.model_type", inner_type, f"one of {list(TEXT_WRAPPERS[outer_type])} (a {outer_type!r} "
+    levels, where = [d], []
+    for key in spec.path:
+        where.append(key)
+        sub = levels[-1].get(key)
+        if not isinstance(sub, dict):
+            raise _err(".".join(where), sub, f"a dict (the text model's config, which a {outer_type!r} config nests)")
+        levels.append(sub)
+    text, parent, name = levels[-1], levels[-2], ".".join(where)
+    inner_type = text.get("model_type", spec.text_types[0])
+    if inner_type not in spec.text_types:
+        raise _err(f"{name}.model_type", inner_type, f"one of {list(spec.text_types)} (a {outer_type!r} "
                    f"checkpoint's text model)")
-    flat = {**text, **{k: d[k] for k in _WRAPPER_FIELDS if d.get(k) is not None}}
-    outer_q, inner_q = d.get("quantization_config"), text.get("quantization_config")
-    if outer_q is not None and inner_q is not None and outer_q != inner_q:
-        raise ValueError("config fields 'quantization_config' and 'text_config.quantization_config' are both given and "
-                         "differ: which one describes the tensors is ambiguous")
-    if outer_q is not None or inner_q is not None:
-        flat["quantization_config"] = outer_q if outer_q is not None else inner_q
+    flat = dict(text)
+    for key in _WRAPPER_FIELDS:
+        given = [level[key] for level in levels[:-1] if level.get(key) is not None]
+        if given:
+            flat[key] = given[0]
+    tie = parent.get("tie_word_embeddings")
+    tie = spec.tie_default if tie is None else tie
+    flat["tie_word_embeddings"] = tie or (spec.tie_from_text and text.get("tie_word_embeddings") is True)
+    quant = {}
+    for level, at in zip(levels, ["", *(".".join(where[:i + 1]) + "." for i in range(len(where)))]):
+        if level.get("quantization_config") is not None:
+            quant[at + "quantization_config"] = level["quantization_config"]
+    found = list(quant.values())
+    if any(q != found[0] for q in found[1:]):
+        raise ValueError(f"config fields {sorted(quant)} are all given and differ: which one describes the tensors "
+                         "is ambiguous")
+    if quant:
+        flat["quantization_config"] = next(iter(quant.values()))
     flat["model_type"], flat["text_model_type"] = outer_type, inner_type
     if "vision_config" in d:
         flat["vision_config"] = d["vision_config"]

@@ -14,7 +14,7 @@ renormalisation, ``in_proj_qkvz`` / ``in_proj_ba`` the linear-attention projecti
 head). Qwen3.5-MoE: every layer MoE, always renormalised, ``in_proj_qkv`` / ``in_proj_z`` /
 ``in_proj_b`` / ``in_proj_a``; its multimodal checkpoints keep the text model under
 ``model.language_model.`` and the vision tower under ``model.visual.`` (text only here: the vision
-tensors are left unread and named as such, see :attr:`Qwen3_5MoeForCausalLM.unused_checkpoint_prefixes`).
+tensors are left unread and named as such, see :mod:`dynamoe.models.wrapped`).
 For text, Qwen3.5's multimodal RoPE (``mrope_section``) is plain RoPE: its three position grids are equal.
 
 Checkpoint: ``model.layers.{i}.linear_attn.{conv1d.weight [C, 1, K], in_proj_*, dt_bias, A_log,
@@ -45,6 +45,7 @@ from .moe_block import GatedMLP, SparseMoeBlock, glu_kind
 from .norms import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
 from .weights import PerExpert
+from .wrapped import TextOfWrapper, WrapperLayout
 
 __all__ = ["Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "GatedAttention", "SharedExpertMoeBlock",
            "HybridDecoderLayer", "MultiTokenPredictor"]
@@ -215,19 +216,12 @@ class Qwen3NextForCausalLM(CausalLM):
         self.mtp = MultiTokenPredictor(layers, cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
 
-class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+class Qwen3_5MoeForCausalLM(TextOfWrapper, Qwen3NextForCausalLM):
     """Qwen3.5-MoE's text model (see the module docstring): split linear-attention projections, every
     layer MoE with renormalised top-k; a multimodal checkpoint's names carry ``model.language_model.``."""
 
     linear_projection = "split"
-    #: checkpoint tensors of the multimodal model that the text model does not use (the vision tower)
-    unused_checkpoint_prefixes = ("model.visual.",)
+    wrapper_layouts = {"qwen3_5_moe": WrapperLayout("model.language_model.", unused=("model.visual.",))}
 
     def normalize_topk(self, cfg: ModelConfig) -> bool:
         return True
-
-    def checkpoint_name(self, name: str) -> str:
-        name = super().checkpoint_name(name)
-        if self.config.text_config_nested and name.startswith("model."):
-            return "model.language_model." + name[len("model."):]
-        return name

@@ -96,3 +96,10 @@ register("kimi_k25", "dynamoe.models.kimi_k25:KimiK25ForCausalLM", ("KimiK25ForC
 register("qwen3_next", "dynamoe.models.qwen3_next:Qwen3NextForCausalLM", ("Qwen3NextForCausalLM",))
 register("qwen3_5_moe", "dynamoe.models.qwen3_next:Qwen3_5MoeForCausalLM",
          ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"), aliases=("qwen3_5_moe_text",))
+register("qwen3_vl_moe", "dynamoe.models.qwen3_vl_moe:Qwen3VLMoeForCausalLM", ("Qwen3VLMoeForConditionalGeneration",),
+         aliases=("qwen3_vl_moe_text",))
+register("glm4v_moe", "dynamoe.models.glm4v_moe:Glm4vMoeForCausalLM", ("Glm4vMoeForConditionalGeneration",),
+         aliases=("glm4v_moe_text",))
+register("qwen3_omni_moe", "dynamoe.models.qwen3_omni_moe:Qwen3OmniMoeForCausalLM",
+         ("Qwen3OmniMoeForConditionalGeneration", "Qwen3OmniMoeThinkerForConditionalGeneration"),
+         aliases=("qwen3_omni_moe_thinker", "qwen3_omni_moe_text"))

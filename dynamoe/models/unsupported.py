@@ -15,8 +15,9 @@ from __future__ import annotations
 
 __all__ = ["UNSUPPORTED", "refusal"]
 
-_VLM = "a multimodal (vision-language) wrapper around a language model in text_config; dynamoe loads text-only causal LMs"
-_OMNI = "a multimodal (audio / vision / speech) wrapper; dynamoe loads text-only causal LMs"
+_VLM = ("a multimodal (vision-language) wrapper around a language model in text_config whose text model dynamoe does "
+        "not load (see the entry of its text model type)")
+_OMNI = "a multimodal (audio / vision / speech) wrapper whose text model dynamoe does not load"
 
 
 def _text_of(wrapper: str, what: str) -> str:
@@ -48,12 +49,13 @@ UNSUPPORTED: dict[str, str] = {
     "dots3_note_text": _text_of("dots3_note", "MLA with bidirectional/sliding layer kinds"),
     "dots3_note_vision_encoder": "a vision encoder (part of dots3_note), not a causal LM",
     "ernie4_5_vl_moe": _VLM,
-    "ernie4_5_vl_moe_text": _text_of("ernie4_5_vl_moe", "separate text and vision expert groups"),
+    "ernie4_5_vl_moe_text": _text_of("ernie4_5_vl_moe", "each MoE layer holds separate text and vision expert groups "
+                                     "of different sizes with their own routers; text routes through the text group "
+                                     "alone, but the checkpoint keeps both groups in one expert list (and one selection "
+                                     "bias) that the loader would have to split"),
     "flint": "Flint is not implemented yet: attention sinks with sliding windows and an ungated shared expert",
     "gemma4": _VLM,
     "gemma4_text": _text_of("gemma4", "per-layer embeddings, sliding/global layers and MoE beside a dense MLP"),
-    "glm4v_moe": _VLM,
-    "glm4v_moe_text": _text_of("glm4v_moe", "multimodal RoPE (mrope sections)"),
     "glm5_next": _VLM,
     "glm5_next_text": _text_of("glm5_next", "MLA mixed with linear-attention / convolution layers"),
     "granitemoe_swa": "GraniteMoE-SWA is not implemented yet: sliding-window layers with attention sinks and "
@@ -80,8 +82,9 @@ UNSUPPORTED: dict[str, str] = {
                  "are not supported yet",
     "lfm2_moe": "LFM2-MoE mixes short-convolution layers with attention: convolution layers are not supported yet",
     "llama4": _VLM,
-    "llama4_text": "Llama-4's text model is not implemented yet: chunked attention with NoPE layers, "
-                   "L2 q/k norm, sigmoid top-1 router with a shared expert",
+    "llama4_text": "Llama-4's text model is not implemented yet: its router's sigmoid top-1 score scales the "
+                   "expert's input, not its output (the MoE layer has no such combine), beside chunked local "
+                   "attention with NoPE global layers (temperature-tuned), L2 q/k norm and interleaved MoE/dense layers",
     "longcat_flash": "LongCat-Flash is not implemented yet: two attention sublayers per layer (shortcut MoE) "
                      "and zero-computation experts",
     "mellum": "Mellum is not implemented yet: per-layer mlp_layer_types with its attention layer kinds",
@@ -100,14 +103,11 @@ UNSUPPORTED: dict[str, str] = {
     "nemotron_h_omni": _OMNI + " (its language model is Nemotron-H, a Mamba-2 hybrid)",
     "nllb-moe": "NLLB-MoE is an encoder-decoder translation model, not a decoder-only causal LM",
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
-    "phimoe": "Phi-3.5-MoE is not implemented yet: SparseMixer top-2 routing, LayerNorm with biases, an lm_head "
-              "bias and longrope RoPE",
-    "qwen3_omni_moe": _OMNI,
+    "phimoe": "Phi-3.5-MoE is not implemented yet: its SparseMixer router (at inference: the top expert, then the "
+              "best of the rest, each weighted by a softmax over only the experts within a relative margin of it; "
+              "not a softmax top-k, so the MoE layer needs a gate type of its own), longrope RoPE whose attention "
+              "scale switches with the batch's longest position, LayerNorm with biases and an lm_head bias",
     "qwen3_omni_moe_talker_text": "the speech talker of Qwen3-Omni, not a text causal LM",
-    "qwen3_omni_moe_text": _text_of("qwen3_omni_moe", "multimodal RoPE (mrope sections)"),
-    "qwen3_omni_moe_thinker": _OMNI,
-    "qwen3_vl_moe": _VLM,
-    "qwen3_vl_moe_text": _text_of("qwen3_vl_moe", "interleaved multimodal RoPE (mrope) and fused expert layout"),
     "qwen4_exp": _VLM,
     "qwen4_exp_text": _text_of("qwen4_exp", "its layer kinds"),
     "sarvam_mla": "Sarvam-105B is not implemented yet: MLA with Sarvam's routing and multi-token prediction",

@@ -11,6 +11,10 @@ rows), ``w2`` = down [E, D, F], optional biases b1 [E, 2F], b2 [E, D]. On disk:
   gate/up columns interleaved, ``experts.down_proj`` [E, F, D], biases ``gate_up_proj_bias`` [E, 2F]
   (interleaved), ``down_proj_bias`` [E, D]; MXFP4 checkpoints store the two weights out->in
   (``*_blocks`` / ``*_scales``).
+* :class:`FusedGateUp` -- Qwen3-VL-MoE: ``experts.gate_up_proj`` (gate columns, then up columns) and
+  ``experts.down_proj``, no ``.weight``: the released checkpoints store them in->out ([E, D, 2F] and
+  [E, F, D]), transformers 5's ``save_pretrained`` out->in ([E, 2F, D] and [E, D, F]); both load, and
+  where the shapes cannot tell (2F = D, or F = D) out->in is meant, as transformers reads it; dense only.
 * :class:`RowStacked` -- DBRX: ``experts.mlp.w1`` (gate), ``v1`` (up), ``w2`` (down, stored in->out), each
   [E*F, D], expert e's rows e*F..(e+1)*F-1; dense only.
 * :class:`Stacked` -- our own layout on disk, one 3D tensor per projection (GraniteMoE:
@@ -37,7 +41,7 @@ from torch import Tensor
 from ..quant.base import QuantizedWeight
 from ..quant.checkpoint import QuantConfig, concat_out, deinterleave_gate_up, read_weight, stack_experts
 
-__all__ = ["PerExpert", "FusedInterleaved", "Stacked", "RowStacked", "ExpertWeights", "ExpertRows", "read_experts", "check_shape"]
+__all__ = ["PerExpert", "FusedInterleaved", "FusedGateUp", "Stacked", "RowStacked", "ExpertWeights", "ExpertRows", "read_experts", "check_shape"]
 
 log = logging.getLogger(__name__)
 Weight = Union[Tensor, QuantizedWeight]
@@ -70,6 +74,15 @@ class Stacked:
 
     gate_up: str = "input_linear"
     down: str = "output_linear"
+
+
+@dataclass(frozen=True)
+class FusedGateUp:
+    """``{prefix}.{gate_up}`` and ``{prefix}.{down}`` (no ``.weight``), stacked by expert, in->out or
+    out->in (see the module docstring)."""
+
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
 
 
 @dataclass(frozen=True)
@@ -230,6 +243,22 @@ def _read_stacked(tensors: Mapping, qcfg, prefix: str, layout: Stacked, E: int, 
     return ExpertWeights(*out)
 
 
+def _read_fused_gate_up(tensors: Mapping, qcfg, prefix: str, layout: FusedGateUp, E: int, F_: int, D: int, dtype,
+                        device) -> ExpertWeights:
+    out = []
+    for name, ours in ((f"{prefix}.{layout.gate_up}", (E, 2 * F_, D)), (f"{prefix}.{layout.down}", (E, D, F_))):
+        t = read_weight(tensors, name, qcfg)
+        if isinstance(t, QuantizedWeight):
+            raise ValueError(f"tensor {name!r} is quantized: fused (Qwen3-VL-MoE-style) experts load dense only")
+        if tuple(t.shape) != ours:  # in->out, as released: [E, D, 2F] / [E, F, D]
+            if tuple(t.shape) != (E, ours[2], ours[1]):
+                raise ValueError(f"tensor {name!r}: expected shape {ours} (out->in) or {(E, ours[2], ours[1])} "
+                                 f"(in->out), found {tuple(t.shape)}")
+            t = t.transpose(1, 2)
+        out.append(t.to(dtype=dtype, device=device).contiguous())
+    return ExpertWeights(*out)
+
+
 def _read_row_stacked(tensors: Mapping, qcfg, prefix: str, layout: RowStacked, E: int, local: range, F_: int, D: int,
                       dtype, device) -> ExpertWeights:
     rows = slice(local.start * F_, local.stop * F_)
@@ -281,4 +310,11 @@ def read_experts(tensors: Mapping, qcfg: Optional[QuantConfig], prefix: str, lay
         if len(local) != E:
             tensors = ExpertRows(tensors, local, E)
         return _read_stacked(tensors, qcfg, prefix, layout, len(local), F_, D, dtype, device)
-    raise ValueError(f"unknown expert layout {layout!r}; expected PerExpert, FusedInterleaved, Stacked or RowStacked")
+    if isinstance(layout, FusedGateUp):
+        if bias:
+            raise ValueError("fused gate_up expert checkpoints with expert biases are not supported")
+        if len(local) != E:
+            tensors = ExpertRows(tensors, local, E)
+        return _read_fused_gate_up(tensors, qcfg, prefix, layout, len(local), F_, D, dtype, device)
+    raise ValueError(f"unknown expert layout {layout!r}; expected PerExpert, FusedInterleaved, FusedGateUp, Stacked or "
+                     "RowStacked")
