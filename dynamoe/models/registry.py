@@ -96,3 +96,6 @@ register("kimi_k25", "dynamoe.models.kimi_k25:KimiK25ForCausalLM", ("KimiK25ForC
 register("qwen3_next", "dynamoe.models.qwen3_next:Qwen3NextForCausalLM", ("Qwen3NextForCausalLM",))
 register("qwen3_5_moe", "dynamoe.models.qwen3_next:Qwen3_5MoeForCausalLM",
          ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"), aliases=("qwen3_5_moe_text",))
+register("kimi_linear", "dynamoe.models.kimi_linear:KimiLinearForCausalLM", ("KimiLinearForCausalLM",))
+register("mimo_v2_flash", "dynamoe.models.mimo_v2_flash:MiMoV2FlashForCausalLM", ("MiMoV2FlashForCausalLM",))
+register("mistral4", "dynamoe.models.mistral4:Mistral4ForCausalLM", ("Mistral4ForCausalLM",))

@@ -72,8 +72,6 @@ UNSUPPORTED: dict[str, str] = {
     "inkling_text": _text_of("inkling", "short-convolution layers and multi-token prediction"),
     "jamba": "Jamba mixes Mamba layers with attention: state-space layers are not supported yet",
     "jetmoe": "JetMoE is not implemented yet: mixture-of-attention-heads (MoA) experts in attention",
-    "kimi_linear": "Kimi-Linear mixes Kimi Delta Attention (linear attention) with MLA: linear-attention "
-                   "layers are not supported yet",
     "kolibri1": "Kolibri-1 is not implemented yet: sliding/full attention layer pattern of its own",
     "laguna": "Laguna is not implemented yet: softplus output gates on attention (gating) and its layer kinds",
     "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: linear-attention layers "
@@ -85,12 +83,10 @@ UNSUPPORTED: dict[str, str] = {
     "longcat_flash": "LongCat-Flash is not implemented yet: two attention sublayers per layer (shortcut MoE) "
                      "and zero-computation experts",
     "mellum": "Mellum is not implemented yet: per-layer mlp_layer_types with its attention layer kinds",
-    "mimo_v2_flash": "MiMo-V2-Flash is not implemented yet: hybrid sliding-window layers with attention sinks",
     "minimax": "MiniMax-Text-01 mixes lightning (linear) attention with softmax attention: linear-attention "
                "layers are not supported yet",
     "minimax_m3_vl": _VLM,
     "minimax_m3_vl_text": _text_of("minimax_m3_vl", "lightning (linear) attention layers"),
-    "mistral4": "Mistral-Small-4 is not implemented yet: MLA with Mistral's routing",
     "mistral_large4": _VLM,
     "mistral_large4_text": _text_of("mistral_large4", "MLA with Mistral's routing"),
     "muse_spark": _OMNI,
