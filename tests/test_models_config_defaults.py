@@ -54,6 +54,7 @@ FAMILIES = {
     "kimi_linear": ("KimiLinearConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
     "mimo_v2_flash": ("MiMoV2FlashConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
     "mistral4": ("Mistral4Config", dict(intermediate_size=96, moe_intermediate_size=32)),
+    "flint": ("FlintConfig", {}),
 }
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
@@ -69,7 +70,7 @@ GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 def _hf_moe_layers(hf, mt):
     """Which layers have routed experts, by each transformers modeling file's rule."""
     n = hf.num_hidden_layers
-    if mt in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
+    if mt in ("qwen3_moe", "qwen2_moe", "qwen3_next", "flint"):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "flex_olmo",
@@ -88,7 +89,7 @@ def _hf_windows(hf, mt):
     n = hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral"):
         return [hf.sliding_window] * n
-    if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash"):
+    if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -162,14 +163,14 @@ FIELDS = {
     "pad_token_id": (lambda hf, mt: hf.pad_token_id, None, None),
     # Qwen3-MoE
     "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo",
-                                                                  "qwen3_next"}
+                                                                  "qwen3_next", "flint"}
                        | DEEPSEEK_ROUTING),
     # GraniteMoE (a shared MLP only in granitemoeshared, and only when its size is > 0)
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared"})
        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
-    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt in {"qwen2_moe"} | HYBRID
+    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt in {"qwen2_moe", "flint"} | HYBRID
                                         else hf.shared_intermediate_size or None, None,
-                                        {"qwen2_moe", "granitemoeshared"} | HYBRID),
+                                        {"qwen2_moe", "granitemoeshared", "flint"} | HYBRID),
     # K-EXAONE: DeepSeek routing, shared experts under their own name
     # (keys of their own: the DeepSeek entries above keep theirs)
     **{f"{name}_exaone": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
@@ -180,10 +181,10 @@ FIELDS = {
     "n_shared_experts_ernie": (lambda hf, mt: hf.moe_num_shared_experts, lambda cfg: cfg.n_shared_experts, {"ernie4_5_moe"}),
     # OLMoE
     "clip_qkv": (lambda hf, mt: hf.clip_qkv, None, {"olmoe"}),
-    "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, {"qwen3_moe", "qwen2_moe", "qwen3_next"}),
-    "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, {"qwen3_moe", "qwen2_moe", "qwen3_next"}),
+    "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, {"qwen3_moe", "qwen2_moe", "qwen3_next", "flint"}),
+    "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, {"qwen3_moe", "qwen2_moe", "qwen3_next", "flint"}),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
-    "layer_types": (lambda hf, mt: tuple(hf.layer_types), None, HYBRID | {"kimi_linear", "mimo_v2_flash"}),
+    "layer_types": (lambda hf, mt: tuple(hf.layer_types), None, HYBRID | {"kimi_linear", "mimo_v2_flash", "flint"}),
     # Kimi-Linear: one head count and size for KDA's keys and values
     **{f"{ours}_kimi": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
                         {"kimi_linear"})
@@ -291,6 +292,7 @@ def test_omitted_fields_default_as_transformers(mt):
                        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e3,
                                                                  "partial_rotary_factor": 0.5}}}),
+    ("flint", {"num_hidden_layers": 9, "mlp_only_layers": [], "sliding_window": 64}),
     ("mistral4", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.2}}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))
 def test_given_fields_derive_as_transformers(mt, extra):

@@ -221,6 +221,12 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                             "topk_group": 1, "first_k_dense_replace": 0, "norm_topk_prob": True,
                             "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "pad_token_id": 11,
                             "bos_token_id": 1, "eos_token_id": 2}},
+    # FlintConfig: full attention on layers 0, 1, every 4th from 1 and the last, sliding elsewhere ("flint_layers");
+    # dense MLPs on mlp_only_layers [0, 1]; an ungated shared expert
+    "flint": {"num_experts": 256, "num_experts_per_tok": 6, "head_dim": 128, "flint_layers": True,
+              "fields": {"intermediate_size": 6144, "num_key_value_heads": 4, "max_position_embeddings": 262144,
+                         "sliding_window": 513, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 1024,
+                         "norm_topk_prob": True, "mlp_only_layers": [0, 1], "rms_norm_eps": 1e-6}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -680,6 +686,9 @@ class ModelConfig:
                     or any(t not in LAYER_TYPES for t in layer_types)):
                 raise _err("layer_types", layer_types, f"a list of {layers} entries from {list(LAYER_TYPES)}")
             layer_types = tuple(layer_types)
+        elif fam.get("flint_layers"):
+            layer_types = tuple("full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention"
+                                for i in range(layers))
         elif fam.get("mimo_layers"):  # layer 0 and every 6th full attention, the others sliding
             layer_types = tuple("full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
                                 for i in range(layers))

@@ -99,3 +99,4 @@ register("qwen3_5_moe", "dynamoe.models.qwen3_next:Qwen3_5MoeForCausalLM",
 register("kimi_linear", "dynamoe.models.kimi_linear:KimiLinearForCausalLM", ("KimiLinearForCausalLM",))
 register("mimo_v2_flash", "dynamoe.models.mimo_v2_flash:MiMoV2FlashForCausalLM", ("MiMoV2FlashForCausalLM",))
 register("mistral4", "dynamoe.models.mistral4:Mistral4ForCausalLM", ("Mistral4ForCausalLM",))
+register("flint", "dynamoe.models.flint:FlintForCausalLM", ("FlintForCausalLM",))

@@ -49,7 +49,6 @@ UNSUPPORTED: dict[str, str] = {
     "dots3_note_vision_encoder": "a vision encoder (part of dots3_note), not a causal LM",
     "ernie4_5_vl_moe": _VLM,
     "ernie4_5_vl_moe_text": _text_of("ernie4_5_vl_moe", "separate text and vision expert groups"),
-    "flint": "Flint is not implemented yet: attention sinks with sliding windows and an ungated shared expert",
     "gemma4": _VLM,
     "gemma4_text": _text_of("gemma4", "per-layer embeddings, sliding/global layers and MoE beside a dense MLP"),
     "glm4v_moe": _VLM,
