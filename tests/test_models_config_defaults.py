@@ -55,6 +55,7 @@ FAMILIES = {
     "mimo_v2_flash": ("MiMoV2FlashConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
     "mistral4": ("Mistral4Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     "flint": ("FlintConfig", {}),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", dict(intermediate_size=32)),
 }
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
@@ -73,7 +74,7 @@ def _hf_moe_layers(hf, mt):
     if mt in ("qwen3_moe", "qwen2_moe", "qwen3_next", "flint"):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
-    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "flex_olmo",
+    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
               "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe"):
         return [True] * n
     if mt == "ernie4_5_moe":
@@ -89,7 +90,7 @@ def _hf_windows(hf, mt):
     n = hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral"):
         return [hf.sliding_window] * n
-    if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint"):
+    if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -153,7 +154,7 @@ FIELDS = {
                             if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
     "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2",
-                                                                          "granitemoe", "granitemoeshared", "flex_olmo",
+                                                                          "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
                                                                           "hunyuan_v1_moe")
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
@@ -166,11 +167,11 @@ FIELDS = {
                                                                   "qwen3_next", "flint"}
                        | DEEPSEEK_ROUTING),
     # GraniteMoE (a shared MLP only in granitemoeshared, and only when its size is > 0)
-    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared"})
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared", "granitemoe_swa"})
        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
     "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt in {"qwen2_moe", "flint"} | HYBRID
                                         else hf.shared_intermediate_size or None, None,
-                                        {"qwen2_moe", "granitemoeshared", "flint"} | HYBRID),
+                                        {"qwen2_moe", "granitemoeshared", "flint", "granitemoe_swa"} | HYBRID),
     # K-EXAONE: DeepSeek routing, shared experts under their own name
     # (keys of their own: the DeepSeek entries above keep theirs)
     **{f"{name}_exaone": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
@@ -184,7 +185,8 @@ FIELDS = {
     "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, {"qwen3_moe", "qwen2_moe", "qwen3_next", "flint"}),
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, {"qwen3_moe", "qwen2_moe", "qwen3_next", "flint"}),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
-    "layer_types": (lambda hf, mt: tuple(hf.layer_types), None, HYBRID | {"kimi_linear", "mimo_v2_flash", "flint"}),
+    "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
+                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa"}),
     # Kimi-Linear: one head count and size for KDA's keys and values
     **{f"{ours}_kimi": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
                         {"kimi_linear"})
@@ -292,6 +294,7 @@ def test_omitted_fields_default_as_transformers(mt):
                        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e3,
                                                                  "partial_rotary_factor": 0.5}}}),
+    ("granitemoe_swa", {"sliding_window": 32, "shared_intermediate_size": 16}),
     ("flint", {"num_hidden_layers": 9, "mlp_only_layers": [], "sliding_window": 64}),
     ("mistral4", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.2}}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

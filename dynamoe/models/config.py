@@ -227,6 +227,10 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
               "fields": {"intermediate_size": 6144, "num_key_value_heads": 4, "max_position_embeddings": 262144,
                          "sliding_window": 513, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 1024,
                          "norm_topk_prob": True, "mlp_only_layers": [0, 1], "rms_norm_eps": 1e-6}},
+    # GraniteMoeSWAConfig: GraniteMoeShared's defaults, window 128, every 4th layer (from 0) full, the others sliding
+    "granitemoe_swa": {"num_experts": 8, "num_experts_per_tok": 2, "granite_swa_layers": True,
+                       "fields": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1,
+                                  "eos_token_id": 2, "attention_multiplier": 1.0, "sliding_window": 128}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -686,6 +690,8 @@ class ModelConfig:
                     or any(t not in LAYER_TYPES for t in layer_types)):
                 raise _err("layer_types", layer_types, f"a list of {layers} entries from {list(LAYER_TYPES)}")
             layer_types = tuple(layer_types)
+        elif fam.get("granite_swa_layers"):
+            layer_types = tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers))
         elif fam.get("flint_layers"):
             layer_types = tuple("full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention"
                                 for i in range(layers))

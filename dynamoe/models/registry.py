@@ -100,3 +100,4 @@ register("kimi_linear", "dynamoe.models.kimi_linear:KimiLinearForCausalLM", ("Ki
 register("mimo_v2_flash", "dynamoe.models.mimo_v2_flash:MiMoV2FlashForCausalLM", ("MiMoV2FlashForCausalLM",))
 register("mistral4", "dynamoe.models.mistral4:Mistral4ForCausalLM", ("Mistral4ForCausalLM",))
 register("flint", "dynamoe.models.flint:FlintForCausalLM", ("FlintForCausalLM",))
+register("granitemoe_swa", "dynamoe.models.granitemoe_swa:GraniteMoeSWAForCausalLM", ("GraniteMoeSWAForCausalLM",))

@@ -55,8 +55,6 @@ UNSUPPORTED: dict[str, str] = {
     "glm4v_moe_text": _text_of("glm4v_moe", "multimodal RoPE (mrope sections)"),
     "glm5_next": _VLM,
     "glm5_next_text": _text_of("glm5_next", "MLA mixed with linear-attention / convolution layers"),
-    "granitemoe_swa": "GraniteMoE-SWA is not implemented yet: sliding-window layers with attention sinks and "
-                      "Granite's multipliers",
     "granitemoehybrid": "GraniteMoE-Hybrid mixes Mamba-2 layers with attention: state-space layers are not "
                         "supported yet",
     "hy_v3": "Hy3 is not implemented yet: its router_scaling_factor routing and layer kinds",
