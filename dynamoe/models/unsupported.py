@@ -71,8 +71,8 @@ UNSUPPORTED: dict[str, str] = {
     "jetmoe": "JetMoE is not implemented yet: mixture-of-attention-heads (MoA) experts in attention",
     "kolibri1": "Kolibri-1 is not implemented yet: sliding/full attention layer pattern of its own",
     "laguna": "Laguna is not implemented yet: softplus output gates on attention (gating) and its layer kinds",
-    "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: linear-attention layers "
-                 "are not supported yet",
+    "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
+                 "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
     "lfm2_moe": "LFM2-MoE mixes short-convolution layers with attention: convolution layers are not supported yet",
     "llama4": _VLM,
     "llama4_text": "Llama-4's text model is not implemented yet: chunked attention with NoPE layers, "
@@ -80,8 +80,9 @@ UNSUPPORTED: dict[str, str] = {
     "longcat_flash": "LongCat-Flash is not implemented yet: two attention sublayers per layer (shortcut MoE) "
                      "and zero-computation experts",
     "mellum": "Mellum is not implemented yet: per-layer mlp_layer_types with its attention layer kinds",
-    "minimax": "MiniMax-Text-01 mixes lightning (linear) attention with softmax attention: linear-attention "
-               "layers are not supported yet",
+    "minimax": "MiniMax-Text-01 mixes lightning attention (linear attention with a fixed per-head decay) with "
+               "softmax attention: lightning-attention layers are not implemented yet (dynamoe has Gated DeltaNet "
+               "and Kimi Delta Attention, not lightning attention)",
     "minimax_m3_vl": _VLM,
     "minimax_m3_vl_text": _text_of("minimax_m3_vl", "lightning (linear) attention layers"),
     "mistral_large4": _VLM,
