@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import dynamoe.models as dm  # noqa: E402
 from dynamoe.models import ModelConfig  # noqa: E402
+from dynamoe.models.config import RopeConfig  # noqa: E402
 
 # ------------------------------------------------------------------------------ field by field
 SIZES = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=8)
@@ -56,16 +57,26 @@ FAMILIES = {
     "glm4v_moe_text": ("Glm4vMoeTextConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
     "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerConfig", dict(moe_intermediate_size=32)),
     "qwen3_omni_moe": ("Qwen3OmniMoeConfig", dict(moe_intermediate_size=32)),
+    # Kimi-Linear (KDA + NoPE MLA), MiMo-V2-Flash (a RoPE per layer type), Mistral-4 (MLA)
+    "kimi_linear": ("KimiLinearConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    "mimo_v2_flash": ("MiMoV2FlashConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    "mistral4": ("Mistral4Config", dict(intermediate_size=96, moe_intermediate_size=32)),
+    "flint": ("FlintConfig", {}),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", dict(intermediate_size=32)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config")}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
-              "qwen3_omni_moe"}
+              "qwen3_omni_moe", "flint"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text"}
-MLA_FAMILIES = DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}
+MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4"}
+# DeepSeek-V3's routing fields under these families' own config classes
+DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"}
+# no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
+NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash"}
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
 
@@ -75,13 +86,13 @@ def _hf_moe_layers(hf, mt):
     if mt in QWEN3_RULE:
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
-    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "flex_olmo",
+    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
               "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
                 for i in range(n)]
-    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe"):
+    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
@@ -91,13 +102,14 @@ def _hf_windows(hf, mt):
     n = hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral"):
         return [hf.sliding_window] * n
-    if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe"):
+    if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
 
 def _hf_rope(hf):
-    p = dict(hf.rope_parameters)
+    """transformers' RoPE parameters of a config (or of one layer type's rope_parameters dict)."""
+    p = dict(hf if isinstance(hf, dict) else hf.rope_parameters)
     out = {"rope_type": p.get("rope_type", "default"), "theta": p["rope_theta"],
            "partial_rotary_factor": p.get("partial_rotary_factor", 1.0)}
     if out["rope_type"] == "yarn":
@@ -108,7 +120,7 @@ def _hf_rope(hf):
 
 
 def _our_rope(cfg):
-    r = cfg.rope
+    r = cfg if isinstance(cfg, RopeConfig) else cfg.rope
     out = {"rope_type": r.rope_type, "theta": r.theta, "partial_rotary_factor": r.partial_rotary_factor}
     if r.rope_type == "yarn":
         out.update(factor=r.factor, original_max_position_embeddings=r.original_max_position_embeddings,
@@ -134,7 +146,11 @@ FIELDS = {
     "max_position_embeddings": (lambda hf, mt: hf.max_position_embeddings, None, None),
     # DBRX's LayerNorms: torch's default eps (its config has no field)
     "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.rms_norm_eps, None, None),
-    "rope": (lambda hf, mt: _hf_rope(hf), lambda cfg: _our_rope(cfg), None),
+    "rope": (lambda hf, mt: _hf_rope(hf), lambda cfg: _our_rope(cfg), set(FAMILIES) - NO_SINGLE_ROPE),
+    # (MiMo's modeling code reads each layer type's partial_rotary_factor with a default of 0.334)
+    "rope_by_layer_type": (lambda hf, mt: {k: {**_hf_rope(p), "partial_rotary_factor": p.get("partial_rotary_factor", 0.334)}
+                                           for k, p in hf.rope_parameters.items()},
+                           lambda cfg: {k: _our_rope(r) for k, r in cfg.rope_by_layer_type}, {"mimo_v2_flash"}),
     "hidden_act": (lambda hf, mt: hf.hidden_act, None, set(FAMILIES) - {"gpt_oss", "dbrx"}),  # GPT-OSS: its own SwiGLU
     # DBRX: clip_qkv in attn_config
     "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
@@ -150,7 +166,7 @@ FIELDS = {
                             if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
     "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2",
-                                                                          "granitemoe", "granitemoeshared", "flex_olmo",
+                                                                          "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
                                                                           "hunyuan_v1_moe")
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
@@ -160,16 +176,16 @@ FIELDS = {
     "pad_token_id": (lambda hf, mt: hf.pad_token_id, None, None),
     # Qwen3-MoE
     "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo",
-                                                                  "qwen3_next", "qwen3_omni_moe_thinker", "qwen3_omni_moe"}
-                       | DEEPSEEK_LIKE),
+                                                                  "qwen3_next", "qwen3_omni_moe_thinker", "qwen3_omni_moe", "flint"}
+                       | DEEPSEEK_ROUTING),
     # Qwen3-VL-MoE's router has no norm_topk_prob: it always renormalises
     "norm_topk_prob_vl": (lambda hf, mt: True, lambda cfg: cfg.norm_topk_prob, {"qwen3_vl_moe", "qwen3_vl_moe_text"}),
     # GraniteMoE (a shared MLP only in granitemoeshared, and only when its size is > 0)
-    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared"})
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared", "granitemoe_swa"})
        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
-    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt in {"qwen2_moe"} | HYBRID
+    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt in {"qwen2_moe", "flint"} | HYBRID
                                         else hf.shared_intermediate_size or None, None,
-                                        {"qwen2_moe", "granitemoeshared"} | HYBRID),
+                                        {"qwen2_moe", "granitemoeshared", "flint", "granitemoe_swa"} | HYBRID),
     # K-EXAONE: DeepSeek routing, shared experts under their own name
     # (keys of their own: the DeepSeek entries above keep theirs)
     **{f"{name}_exaone": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
@@ -183,7 +199,18 @@ FIELDS = {
     "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, QWEN3_RULE),
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, QWEN3_RULE),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
-    "layer_types": (lambda hf, mt: tuple(hf.layer_types), None, HYBRID),
+    "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
+                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa"}),
+    # Kimi-Linear: one head count and size for KDA's keys and values
+    **{f"{ours}_kimi": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
+                        {"kimi_linear"})
+       for ours, theirs in (("linear_conv_kernel_dim", "linear_conv_kernel_dim"), ("linear_key_head_dim", "linear_head_dim"),
+                            ("linear_value_head_dim", "linear_head_dim"), ("linear_num_key_heads", "linear_num_heads"),
+                            ("linear_num_value_heads", "linear_num_heads"))},
+    # MiMo-V2-Flash
+    "v_head_dim_mimo": (lambda hf, mt: hf.v_head_dim, lambda cfg: cfg.v_head_dim, {"mimo_v2_flash"}),
+    "attention_value_scale": (lambda hf, mt: hf.attention_value_scale,
+                              lambda cfg: cfg.raw.get("attention_value_scale"), {"mimo_v2_flash"}),
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, HYBRID)
        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                     "linear_num_value_heads")},
@@ -196,12 +223,14 @@ FIELDS = {
     "swiglu_alpha": (lambda hf, mt: hf.swiglu_alpha, None, {"gpt_oss"}),
     # DeepSeek routing (DeepSeek-V3 / Kimi-K2, GLM-4.5, V3.2, GLM-5)
     # DeepSeek-V2's greedy routing leaves them null: one group
-    "n_group": (lambda hf, mt: hf.n_group or 1, None, DEEPSEEK_LIKE),
-    "topk_group": (lambda hf, mt: hf.topk_group or 1, None, DEEPSEEK_LIKE),
+    "n_group": (lambda hf, mt: hf.n_group or 1, None, DEEPSEEK_ROUTING),
+    "topk_group": (lambda hf, mt: hf.topk_group or 1, None, DEEPSEEK_ROUTING),
     "topk_method": (lambda hf, mt: hf.topk_method, None, {"deepseek_v2"}),
-    "routed_scaling_factor": (lambda hf, mt: hf.routed_scaling_factor, None, DEEPSEEK_LIKE),
-    "n_shared_experts": (lambda hf, mt: hf.n_shared_experts, None, DEEPSEEK_LIKE),
-    "first_k_dense_replace": (lambda hf, mt: hf.first_k_dense_replace, None, DEEPSEEK_LIKE - {"glm4_moe_lite"}),
+    "routed_scaling_factor": (lambda hf, mt: hf.routed_scaling_factor, None, DEEPSEEK_ROUTING),
+    # MiMo-V2-Flash has no shared experts (and no such field)
+    "n_shared_experts": (lambda hf, mt: getattr(hf, "n_shared_experts", 0), None, DEEPSEEK_ROUTING),
+    "first_k_dense_replace": (lambda hf, mt: hf.first_k_dense_replace, None,
+                              (DEEPSEEK_LIKE - {"glm4_moe_lite"}) | {"mistral4"}),
     "use_qk_norm": (lambda hf, mt: hf.use_qk_norm, None, {"glm4_moe"}),
     "num_nextn_predict_layers": (lambda hf, mt: hf.num_nextn_predict_layers, None,
                                  {"deepseek_v3", "kimi_k2", "glm4_moe"}),
@@ -209,7 +238,7 @@ FIELDS = {
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, MLA_FAMILIES)
        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
     # V3.2 / GLM-5 always interleave MLA's RoPE (the family classes say so); V3 reads the field
-    "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2", "glm4_moe_lite"}),
+    "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4"}),
     # the sparse-attention indexer
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa"})
        for name in ("index_topk", "index_head_dim", "index_n_heads")},
@@ -253,7 +282,8 @@ def _compare(mt: str, d: dict):
 def test_omitted_fields_default_as_transformers(mt):
     d = {"model_type": mt, **SIZES, **FAMILIES[mt][1]}
     checked = _compare(mt, d)
-    assert {"rms_norm_eps", "num_experts", "num_experts_per_tok", "max_position_embeddings", "rope"} <= set(checked)
+    rope = {"rope_by_layer_type"} if mt == "mimo_v2_flash" else set() if mt in NO_SINGLE_ROPE else {"rope"}
+    assert {"rms_norm_eps", "num_experts", "num_experts_per_tok", "max_position_embeddings"} | rope <= set(checked)
 
 
 @pytest.mark.parametrize("mt,extra", [
@@ -279,6 +309,20 @@ def test_omitted_fields_default_as_transformers(mt):
     ("qwen3_omni_moe", {"sliding_window": 64, "use_sliding_window": True, "norm_topk_prob": False}),
     ("glm4v_moe", {"use_qk_norm": True, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
                                                             "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]}}),
+    # the hub's Kimi-Linear config: its own names, the KDA sizes and 1-based layer lists in linear_attn_config
+    ("kimi_linear", {"linear_attn_config": {"full_attn_layers": [2, 4], "kda_layers": [1, 3], "head_dim": 16,
+                                            "num_heads": 4, "short_conv_kernel_size": 3},
+                     "num_experts_per_token": 2, "moe_renormalize": False, "num_expert_group": 2, "num_shared_experts": 2,
+                     "model_max_length": 512, "first_k_dense_replace": 2, "num_experts": 8}),
+    ("kimi_linear", {"linear_head_dim": 32, "linear_attn_config": {"head_dim": 16}}),   # the nested one wins
+    ("mimo_v2_flash", {"sliding_window_size": 64, "routed_scaling_factor": None}),       # window + 1; null: 1
+    ("mimo_v2_flash", {"layer_types": ["sliding_attention", "full_attention"] * 2,
+                       "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e3,
+                                                                 "partial_rotary_factor": 0.5}}}),
+    ("granitemoe_swa", {"sliding_window": 32, "shared_intermediate_size": 16}),
+    ("flint", {"num_hidden_layers": 9, "mlp_only_layers": [], "sliding_window": 64}),
+    ("mistral4", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.2}}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))
 def test_given_fields_derive_as_transformers(mt, extra):
     _compare(mt, {"model_type": mt, **SIZES, **FAMILIES[mt][1], **extra})

@@ -114,7 +114,7 @@ def test_refused_types_raise_before_parsing(moe_types):
 @pytest.mark.parametrize("mt,why", [
     ("llama4", "wrapper"),                                # was: 'hidden_size' is required
     ("jamba", "Mamba"),                                   # was: a complaint about layer_types
-    ("kimi_linear", "Kimi Delta Attention"),
+    ("minimax", "lightning"),                             # a hybrid with linear attention
 ])
 def test_load_names_the_refused_type(moe_types, mt, why, tmp_path):
     d = _default_config(moe_types[mt], mt)

@@ -58,8 +58,8 @@ def _attend_with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: flo
     sink = sinks_H.float().reshape(1, K, G, 1, 1).expand(B, K, G, T, 1)
     logits = torch.cat([scores, sink], dim=-1)
     probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
-    out = torch.matmul(probs.to(v.dtype), v.unsqueeze(2))  # [B, K, G, T, d]
-    return out.reshape(B, H, T, d)
+    out = torch.matmul(probs.to(v.dtype), v.unsqueeze(2))  # [B, K, G, T, dv] (values may be narrower: MiMo)
+    return out.reshape(B, H, T, v.size(-1))
 
 
 def attend(q_BHTd: Tensor, k_BKLd: Tensor, v_BKLd: Tensor, q_pos_BT: Tensor, k_pos_BL: Tensor | None,

@@ -217,6 +217,64 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                   "intermediate_size": 10944, "moe_intermediate_size": 1408, "attention_bias": True,
                                   "n_shared_experts": 1, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
                                   "first_k_dense_replace": 1, "norm_topk_prob": True}},
+    # KimiLinearConfig: its own names (attribute_map) for the routing fields and the context length; the KDA sizes
+    # in linear_attn_config, which win over top-level ones ("nested_overrides"), linear_head_dim / linear_num_heads
+    # for both keys and values; layer_types from its 1-based full_attn_layers / kda_layers ("kimi_layers"), else
+    # every 4th layer from layer 4 (0-based) full; MLA without RoPE, q_proj (no q_lora_rank) by default
+    "kimi_linear": {"num_experts": 256, "num_experts_per_tok": 8, "head_dim_is_rope": True, "kimi_layers": True,
+                    "nested_overrides": True,
+                    "aliases": {"max_position_embeddings": "model_max_length", "norm_topk_prob": "moe_renormalize",
+                                "n_group": "num_expert_group", "num_experts_per_tok": "num_experts_per_token",
+                                "n_shared_experts": "num_shared_experts", "linear_key_head_dim": "linear_head_dim",
+                                "linear_value_head_dim": "linear_head_dim", "linear_num_key_heads": "linear_num_heads",
+                                "linear_num_value_heads": "linear_num_heads"},
+                    "nested": {"linear_attn_config": {"head_dim": "linear_head_dim", "num_heads": "linear_num_heads",
+                                                      "short_conv_kernel_size": "linear_conv_kernel_dim"}},
+                    "fields": {"intermediate_size": 9216, "moe_intermediate_size": 1024, "kv_lora_rank": 512,
+                               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_expert_group": 1,
+                               "topk_group": 1, "routed_scaling_factor": 2.446, "num_shared_experts": 1,
+                               "first_k_dense_replace": 1, "moe_renormalize": True, "model_max_length": 1048576,
+                               "rms_norm_eps": 1e-5, "bos_token_id": 163584, "eos_token_id": 163586,
+                               "pad_token_id": 163839, "linear_head_dim": 128, "linear_num_heads": 32,
+                               "linear_conv_kernel_dim": 4}},
+    # MiMoV2FlashConfig: layer 0 and every 6th layer full attention, the others sliding ("mimo_layers"); a RoPE per
+    # layer type ("rope_by_layer_type": the defaults, each partial 0.334 unless its dict says otherwise); the hub's
+    # sliding_window_size is the window without the query ("window_size_plus_one"); routed_scaling_factor null: 1
+    "mimo_v2_flash": {"num_experts": 256, "num_experts_per_tok": 8, "head_dim": 192, "mimo_layers": True,
+                      "first_layer_dense": True, "window_size_plus_one": True,
+                      "rope_by_layer_type": {
+                          "full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0,
+                                             "partial_rotary_factor": 0.334},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0,
+                                                "partial_rotary_factor": 0.334}},
+                      "fields": {"intermediate_size": 16384, "moe_intermediate_size": 2048, "num_key_value_heads": 4,
+                                 "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "bos_token_id": 1,
+                                 "v_head_dim": 128, "sliding_window": 129, "attention_value_scale": 0.707,
+                                 "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0}},
+    # Mistral4Config: DeepSeek-V3's MLA (head_dim = qk_nope + qk_rope: "head_dim_is_qk"), YaRN x128 with Llama-4's
+    # attention scaling by default, RoPE on the qk_rope share of each head ("partial_is_rope_share"), softmax routing
+    "mistral4": {"num_experts": 128, "num_experts_per_tok": 4, "rope_interleave": True, "head_dim_is_qk": True,
+                 "partial_is_rope_share": True,
+                 "ignored": ("num_key_value_heads",),  # (32 by default, saved, unused: MLA has a KV head per query head)
+                 "rope": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 128.0,
+                          "original_max_position_embeddings": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
+                          "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1},
+                 "fields": {"intermediate_size": 12288, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+                            "routed_scaling_factor": 1.0, "kv_lora_rank": 256, "q_lora_rank": 1024,
+                            "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 64, "n_group": 1,
+                            "topk_group": 1, "first_k_dense_replace": 0, "norm_topk_prob": True,
+                            "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "pad_token_id": 11,
+                            "bos_token_id": 1, "eos_token_id": 2}},
+    # FlintConfig: full attention on layers 0, 1, every 4th from 1 and the last, sliding elsewhere ("flint_layers");
+    # dense MLPs on mlp_only_layers [0, 1]; an ungated shared expert
+    "flint": {"num_experts": 256, "num_experts_per_tok": 6, "head_dim": 128, "flint_layers": True,
+              "fields": {"intermediate_size": 6144, "num_key_value_heads": 4, "max_position_embeddings": 262144,
+                         "sliding_window": 513, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 1024,
+                         "norm_topk_prob": True, "mlp_only_layers": [0, 1], "rms_norm_eps": 1e-6}},
+    # GraniteMoeSWAConfig: GraniteMoeShared's defaults, window 128, every 4th layer (from 0) full, the others sliding
+    "granitemoe_swa": {"num_experts": 8, "num_experts_per_tok": 2, "granite_swa_layers": True,
+                       "fields": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1,
+                                  "eos_token_id": 2, "attention_multiplier": 1.0, "sliding_window": 128}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -312,6 +370,49 @@ def _indexer_types(d: dict, layers: int) -> tuple:
     return () if all(t == "full" for t in types) else types
 
 
+def _kimi_layer_types(linear_attn_config: dict, layers: int) -> tuple:
+    """Kimi-Linear's layer kinds as KimiLinearConfig derives them: the 1-based ``full_attn_layers`` and
+    ``kda_layers`` of ``linear_attn_config`` when it has both (every layer in one of them), else full
+    attention on layers 4, 8, ... (0-based) and KDA on the others."""
+    if not isinstance(linear_attn_config, dict):
+        raise _err("linear_attn_config", linear_attn_config, "a dict")
+    full, kda = linear_attn_config.get("full_attn_layers"), linear_attn_config.get("kda_layers")
+    if full is None or kda is None:
+        return tuple("full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(layers))
+    types = [None] * layers
+    for name, ids, kind in (("full_attn_layers", full, "full_attention"), ("kda_layers", kda, "linear_attention")):
+        if not isinstance(ids, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= layers
+                                                     for i in ids):
+            raise _err(f"linear_attn_config.{name}", ids, f"a list of 1-based layer numbers in [1, {layers}]")
+        for i in ids:
+            types[i - 1] = kind
+    if None in types:
+        raise _err("linear_attn_config", {"full_attn_layers": full, "kda_layers": kda},
+                   f"full_attn_layers and kda_layers that together name every layer 1..{layers}")
+    return tuple(types)
+
+
+def _ropes_by_layer_type(d: dict, max_pos: int, defaults: dict, layer_types: tuple) -> tuple:
+    """MiMo-V2-Flash: ``rope_parameters`` nested by layer type (``{"full_attention": {...}, "sliding_attention":
+    {...}}``; absent or null: ``defaults``) as ((layer type, RopeConfig), ...), each parsed from its own dict
+    alone (top-level rope_theta / partial_rotary_factor are not read, as MiMoV2FlashConfig), the partial
+    factor defaulting to the family's; every layer type in ``layer_types`` must have one."""
+    params = d.get("rope_parameters")
+    if params is None:
+        params = defaults
+    if not isinstance(params, dict) or not params or any(t not in LAYER_TYPES or not isinstance(p, dict)
+                                                         for t, p in params.items()):
+        raise _err("rope_parameters", params, f"a dict of RoPE parameters per layer type ({list(defaults)})")
+    missing = sorted(set(layer_types) - set(params))
+    if missing:
+        raise _err("rope_parameters", params, f"RoPE parameters for every layer type in layer_types (missing {missing})")
+    out = []
+    for kind, p in params.items():
+        partial = defaults.get(kind, {}).get("partial_rotary_factor", 1.0)
+        out.append((kind, parse_rope({"rope_parameters": p}, max_pos, 10000.0, None, partial)))
+    return tuple(out)
+
+
 def _rotary_dim_factor(d: dict, head_dim: int) -> float:
     """MiniMax-M2: a hub config's ``rotary_dim`` (rotated dims per head) as a partial_rotary_factor, as
     transformers' MiniMaxM2Config converts it; 1.0 when absent (a saved rope_parameters or a top-level
@@ -349,6 +450,9 @@ class RopeConfig:
     low_freq_factor: Optional[float] = None
     high_freq_factor: Optional[float] = None
     partial_rotary_factor: float = 1.0
+    #: Llama-4's attention scaling (Mistral-4): queries times 1 + beta ln(1 + floor(position /
+    #: original_max_position_embeddings)); None: not scaled
+    llama_4_scaling_beta: Optional[float] = None
 
 
 def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 10000.0,
@@ -374,8 +478,10 @@ def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 100
     partial = _float(merged, "partial_rotary_factor", positive=True)
     if partial > 1:
         raise _err("partial_rotary_factor", partial, "in (0, 1]")
+    beta = _float(merged, "llama_4_scaling_beta")
     if rope_type == "default":
-        return RopeConfig("default", theta, partial_rotary_factor=partial)
+        return RopeConfig("default", theta, partial_rotary_factor=partial, llama_4_scaling_beta=beta,
+                          original_max_position_embeddings=_int(merged, "original_max_position_embeddings"))
     orig = _int(merged, "original_max_position_embeddings", d.get("original_max_position_embeddings"))
     if rope_type in ("yarn", "llama3") and orig is None:
         orig = max_position_embeddings  # transformers' standardize_rope_params does the same
@@ -395,7 +501,7 @@ def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 100
         truncate=_bool(merged, "truncate", True), mscale=_float(merged, "mscale"),
         mscale_all_dim=_float(merged, "mscale_all_dim"), attention_factor=_float(merged, "attention_factor"),
         low_freq_factor=_float(merged, "low_freq_factor"), high_freq_factor=_float(merged, "high_freq_factor"),
-        partial_rotary_factor=partial,
+        partial_rotary_factor=partial, llama_4_scaling_beta=beta,
     )
 
 
@@ -421,6 +527,9 @@ class ModelConfig:
     rms_norm_eps: float
     rope: RopeConfig
     architectures: tuple = ()
+    #: ((layer type, RopeConfig), ...) where the RoPE differs per layer type (MiMo-V2-Flash; ``rope`` is the
+    #: full-attention one); () = ``rope`` for every layer
+    rope_by_layer_type: tuple = ()
     intermediate_size: Optional[int] = None        # dense MLP layers
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
@@ -498,6 +607,9 @@ class ModelConfig:
         (GQA), or the compressed latent and the rotary key (MLA), plus the indexer's key (DSA)."""
         if self.kv_lora_rank:
             per_layer = self.kv_lora_rank + (self.qk_rope_head_dim or 0) + (self.index_head_dim or 0)
+        elif self.model_type == "mimo_v2_flash":  # values v_head_dim wide; sliding layers have twice the KV heads
+            return sum((2 if t == "sliding_attention" else 1) * self.num_key_value_heads * (self.head_dim + self.v_head_dim)
+                       for t in self.layer_types)
         else:
             per_layer = 2 * self.num_key_value_heads * self.head_dim
         # linear-attention layers keep a fixed-size state per sequence instead (see linear_attention.py)
@@ -548,11 +660,15 @@ class ModelConfig:
             if not isinstance(inner, dict):
                 raise _err(sub, inner, "a dict")
             nested.update({ours: inner[theirs] for theirs, ours in names.items() if inner.get(theirs) is not None})
-        # the file's own (non-null) fields win over its nested ones, which win over the family's defaults; fields
-        # the family's transformers class does not read ("ignored") are dropped from the file (the defaults stay)
+        # the file's own (non-null) fields win over its nested ones, which win over the family's defaults
+        # (Kimi-Linear: the nested ones win, as its config class reads them); fields the family's transformers
+        # class does not read ("ignored") are dropped from the file (the defaults stay)
         ignored = fam.get("ignored", ())
-        d = {**fam.get("fields", {}), **nested,
-             **{k: v for k, v in d.items() if (v is not None or k not in nested) and k not in ignored}}
+        own = {k: v for k, v in d.items() if k not in ignored}
+        if fam.get("nested_overrides"):
+            d = {**fam.get("fields", {}), **own, **nested}
+        else:
+            d = {**fam.get("fields", {}), **nested, **{k: v for k, v in own.items() if v is not None or k not in nested}}
         for name in fam.get("per_layer_lists", ()):  # one value for every layer, or ValueError
             v = d.get(name)
             if isinstance(v, (list, tuple)):
@@ -562,6 +678,10 @@ class ModelConfig:
         for ours, theirs in fam.get("aliases", {}).items():
             if d.get(ours) is None and d.get(theirs) is not None:
                 d[ours] = d[theirs]
+        if fam.get("window_size_plus_one") and d.get("sliding_window_size") is not None:
+            d["sliding_window"] = _int(d, "sliding_window_size") + 1
+        if d.get("routed_scaling_factor", 0) is None:
+            d["routed_scaling_factor"] = 1.0  # (MiMo-V2-Flash's hub config says null: no scaling)
         archs = d.get("architectures") or ()
         if not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs):
             raise _err("architectures", archs, "a list of strings")
@@ -572,7 +692,9 @@ class ModelConfig:
         kv_heads = _int(d, "num_key_value_heads", heads) or heads  # null: as many as the query heads
         if heads % kv_heads:
             raise _err("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}")
-        if fam.get("head_dim_is_rope") and d.get("head_dim") is None and d.get("qk_rope_head_dim") is not None:
+        if fam.get("head_dim_is_qk"):  # Mistral-4's config class sets head_dim = qk_nope + qk_rope, whatever the file says
+            head_dim = _int(d, "qk_nope_head_dim", required=True) + _int(d, "qk_rope_head_dim", required=True)
+        elif fam.get("head_dim_is_rope") and d.get("head_dim") is None and d.get("qk_rope_head_dim") is not None:
             head_dim = _int(d, "qk_rope_head_dim")  # MLA: what transformers sets (and saves) when the file has none
         else:
             head_dim = _int(d, "head_dim", fam.get("head_dim")) or hidden // heads
@@ -596,6 +718,16 @@ class ModelConfig:
                     or any(t not in LAYER_TYPES for t in layer_types)):
                 raise _err("layer_types", layer_types, f"a list of {layers} entries from {list(LAYER_TYPES)}")
             layer_types = tuple(layer_types)
+        elif fam.get("granite_swa_layers"):
+            layer_types = tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers))
+        elif fam.get("flint_layers"):
+            layer_types = tuple("full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention"
+                                for i in range(layers))
+        elif fam.get("mimo_layers"):  # layer 0 and every 6th full attention, the others sliding
+            layer_types = tuple("full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
+                                for i in range(layers))
+        elif fam.get("kimi_layers"):
+            layer_types = _kimi_layer_types(d.get("linear_attn_config") or {}, layers)
         elif fam.get("full_attention_interval"):  # Qwen3-Next / Qwen3.5: every n-th layer full, the others linear
             n = _int(d, "full_attention_interval", fam["full_attention_interval"])
             layer_types = tuple("full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(layers))
@@ -656,13 +788,24 @@ class ModelConfig:
         if topk_group > n_group:
             raise _err("topk_group", topk_group, f"<= n_group={n_group}")
 
+        if fam.get("rope_by_layer_type"):
+            layer_ropes = _ropes_by_layer_type(d, max_pos, fam["rope_by_layer_type"], layer_types)
+            rope = dict(layer_ropes).get("full_attention", layer_ropes[0][1])
+        else:
+            layer_ropes = ()
+            partial = fam.get("partial_rotary_factor", 1.0)
+            if fam.get("rotary_dim"):
+                partial = _rotary_dim_factor(d, head_dim)
+            elif fam.get("partial_is_rope_share"):
+                partial = _int(d, "qk_rope_head_dim") / head_dim
+            rope = parse_rope(d, max_pos, fam.get("rope_theta", 10000.0), fam.get("rope"), partial)
+
         cfg = cls(
             model_type=model_type, architectures=tuple(archs),
             vocab_size=_int(d, "vocab_size", required=True), hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
             rms_norm_eps=_float(d, "rms_norm_eps", 1e-6, positive=True),
-            rope=parse_rope(d, max_pos, fam.get("rope_theta", 10000.0), fam.get("rope"),
-                            _rotary_dim_factor(d, head_dim) if fam.get("rotary_dim") else fam.get("partial_rotary_factor", 1.0)),
+            rope=rope, rope_by_layer_type=layer_ropes,
             intermediate_size=_int(d, "intermediate_size"), hidden_act=_str(d, "hidden_act", "silu"),
             tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
             attention_bias=_bool(d, "attention_bias", fam.get("attention_bias", False)),

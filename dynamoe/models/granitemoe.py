@@ -71,12 +71,15 @@ class GraniteMoeForCausalLM(CausalLM):
         self.lm_head.__class__ = _ScaledLMHead
         self.lm_head.divisor = config.logits_scaling
 
-    def build_layer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype) -> DecoderLayer:
-        D, eps = cfg.hidden_size, cfg.rms_norm_eps
-        attn = Attention(D, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, i, rotary,
+    def build_attention(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype) -> Attention:
+        return Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, i, rotary,
                          qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, scale=cfg.attention_multiplier,
                          dtype=dtype)
-        shared = cfg.shared_expert_intermediate_size if cfg.model_type == "granitemoeshared" else None
+
+    def build_layer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype) -> DecoderLayer:
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        attn = self.build_attention(cfg, i, rotary, dtype)
+        shared = cfg.shared_expert_intermediate_size if cfg.model_type in ("granitemoeshared", "granitemoe_swa") else None
         mlp = SparseMoeBlock(cfg, "softmax", normalize=True, glu=glu_kind(cfg.hidden_act), num_shared_experts=int(bool(shared)),
                              shared_hidden_size=shared, shared_fused_gate_up=bool(shared), dtype=dtype)
         return ScaledResidualLayer(attn, mlp, RMSNorm(D, eps, dtype=dtype), RMSNorm(D, eps, dtype=dtype),

@@ -36,7 +36,7 @@ from .cache import KVCache
 from .norms import GatedRMSNorm
 
 __all__ = ["GatedDeltaNet", "causal_conv1d", "l2norm", "gated_delta_rule", "gated_delta_rule_recurrent",
-           "gated_delta_rule_chunked", "PROJECTIONS"]
+           "gated_delta_rule_chunked", "slot_states", "PROJECTIONS"]
 
 #: how the input projections are laid out on disk: 'qkvz' (Qwen3-Next: ``in_proj_qkvz`` and ``in_proj_ba``,
 #: grouped per key head) or 'split' (Qwen3.5: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``)
@@ -136,6 +136,39 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     return gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size)
 
 
+def _check_position(cache: KVCache, layer_idx: int, slots: Tensor, start_B: Tensor, fresh_B: Tensor, T: int) -> None:
+    """A row that does not start a sequence must continue its slot's state where it stopped (one
+    host sync per forward, in one layer)."""
+    reached = cache.buffer(layer_idx, "state_position", dtype=torch.long)
+    at_B = reached[slots]
+    bad = ~fresh_B & (at_B != start_B)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise ValueError(f"slot {int(slots[b])} holds a recurrent state that has reached position {int(at_B[b])}, "
+                         f"but its row starts at position {int(start_B[b])}: a model with recurrent state cannot "
+                         "continue a truncated slot (no prefix reuse); start the sequence again at position 0")
+    reached[slots] = start_B + T
+
+
+def slot_states(cache: KVCache, layer_idx: int, slots: Tensor | None, positions_BT: Tensor, T: int,
+                conv_shape: tuple, state_shape: tuple, checks_position: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A linear-attention layer's per-slot buffers and the rows' states: (conv buffer [slots, *conv_shape]
+    in the cache's dtype, state buffer [slots, *state_shape] fp32, the rows' conv windows, the rows'
+    states), both read as zero for a row whose first position is 0 (a new sequence: whatever the slot
+    held before is not its state). ``checks_position`` (the model's first such layer) also checks that
+    every other row continues its slot where it stopped (see the module docstring)."""
+    if slots is None:
+        raise ValueError("linear attention with a cache needs slots (LongTensor [B])")
+    fresh_B = positions_BT[:, 0] == 0
+    conv_buf = cache.buffer(layer_idx, "conv_state", *conv_shape)
+    state_buf = cache.buffer(layer_idx, "recurrent_state", *state_shape, dtype=torch.float32)
+    if checks_position:
+        _check_position(cache, layer_idx, slots, positions_BT[:, 0], fresh_B, T)
+    conv = conv_buf[slots].masked_fill(fresh_B.view(-1, *([1] * len(conv_shape))), 0)
+    state = state_buf[slots].masked_fill(fresh_B.view(-1, *([1] * len(state_shape))), 0)
+    return conv_buf, state_buf, conv, state
+
+
 class GatedDeltaNet(nn.Module):
     """One linear-attention token mixer (Hugging Face's ``linear_attn``): projections, causal conv +
     SiLU over q/k/v (``conv1d``), L2-normed q/k (q also scaled by k^-1/2), beta = sigmoid(b), decay
@@ -201,19 +234,6 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         return qkv, z.reshape(B, T, H, dv), b.reshape(B, T, H), a.reshape(B, T, H)
 
-    def _check_position(self, cache: KVCache, slots: Tensor, start_B: Tensor, fresh_B: Tensor, T: int) -> None:
-        """A row that does not start a sequence must continue its slot's state where it stopped (one
-        host sync per forward, in one layer)."""
-        reached = cache.buffer(self.layer_idx, "state_position", dtype=torch.long)
-        at_B = reached[slots]
-        bad = ~fresh_B & (at_B != start_B)
-        if bool(bad.any()):
-            b = int(bad.nonzero()[0, 0])
-            raise ValueError(f"slot {int(slots[b])} holds a recurrent state that has reached position {int(at_B[b])}, "
-                             f"but its row starts at position {int(start_B[b])}: a model with recurrent state cannot "
-                             "continue a truncated slot (no prefix reuse); start the sequence again at position 0")
-        reached[slots] = start_B + T
-
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:
         B, T, _ = x_BTD.shape
@@ -221,15 +241,9 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self._project(x_BTD)
         conv_state = state = None
         if cache is not None:
-            if slots is None:
-                raise ValueError("linear attention with a cache needs slots (LongTensor [B])")
-            fresh_B = positions_BT[:, 0] == 0  # a new sequence: whatever the slot held before is not its state
-            conv_buf = cache.buffer(self.layer_idx, "conv_state", self.conv_dim, self.conv_kernel - 1)
-            state_buf = cache.buffer(self.layer_idx, "recurrent_state", H, dk, dv, dtype=torch.float32)
-            if self.checks_position:
-                self._check_position(cache, slots, positions_BT[:, 0], fresh_B, T)
-            conv_state = conv_buf[slots].masked_fill(fresh_B[:, None, None], 0)
-            state = state_buf[slots].masked_fill(fresh_B[:, None, None, None], 0)
+            conv_buf, state_buf, conv_state, state = slot_states(
+                cache, self.layer_idx, slots, positions_BT, T, (self.conv_dim, self.conv_kernel - 1), (H, dk, dv),
+                self.checks_position)
         weight = self.conv1d.weight.squeeze(1)
         y, conv_state = causal_conv1d(qkv.transpose(1, 2).to(weight.dtype), weight, conv_state)
         qkv = _ACTIVATIONS[self.activation](y).to(x_BTD.dtype).transpose(1, 2)  # [B, T, C]

@@ -103,3 +103,8 @@ register("glm4v_moe", "dynamoe.models.glm4v_moe:Glm4vMoeForCausalLM", ("Glm4vMoe
 register("qwen3_omni_moe", "dynamoe.models.qwen3_omni_moe:Qwen3OmniMoeForCausalLM",
          ("Qwen3OmniMoeForConditionalGeneration", "Qwen3OmniMoeThinkerForConditionalGeneration"),
          aliases=("qwen3_omni_moe_thinker", "qwen3_omni_moe_text"))
+register("kimi_linear", "dynamoe.models.kimi_linear:KimiLinearForCausalLM", ("KimiLinearForCausalLM",))
+register("mimo_v2_flash", "dynamoe.models.mimo_v2_flash:MiMoV2FlashForCausalLM", ("MiMoV2FlashForCausalLM",))
+register("mistral4", "dynamoe.models.mistral4:Mistral4ForCausalLM", ("Mistral4ForCausalLM",))
+register("flint", "dynamoe.models.flint:FlintForCausalLM", ("FlintForCausalLM",))
+register("granitemoe_swa", "dynamoe.models.granitemoe_swa:GraniteMoeSWAForCausalLM", ("GraniteMoeSWAForCausalLM",))

@@ -53,13 +53,10 @@ UNSUPPORTED: dict[str, str] = {
                                      "of different sizes with their own routers; text routes through the text group "
                                      "alone, but the checkpoint keeps both groups in one expert list (and one selection "
                                      "bias) that the loader would have to split"),
-    "flint": "Flint is not implemented yet: attention sinks with sliding windows and an ungated shared expert",
     "gemma4": _VLM,
     "gemma4_text": _text_of("gemma4", "per-layer embeddings, sliding/global layers and MoE beside a dense MLP"),
     "glm5_next": _VLM,
     "glm5_next_text": _text_of("glm5_next", "MLA mixed with linear-attention / convolution layers"),
-    "granitemoe_swa": "GraniteMoE-SWA is not implemented yet: sliding-window layers with attention sinks and "
-                      "Granite's multipliers",
     "granitemoehybrid": "GraniteMoE-Hybrid mixes Mamba-2 layers with attention: state-space layers are not "
                         "supported yet",
     "hy_v3": "Hy3 is not implemented yet: its router_scaling_factor routing and layer kinds",
@@ -74,12 +71,10 @@ UNSUPPORTED: dict[str, str] = {
     "inkling_text": _text_of("inkling", "short-convolution layers and multi-token prediction"),
     "jamba": "Jamba mixes Mamba layers with attention: state-space layers are not supported yet",
     "jetmoe": "JetMoE is not implemented yet: mixture-of-attention-heads (MoA) experts in attention",
-    "kimi_linear": "Kimi-Linear mixes Kimi Delta Attention (linear attention) with MLA: linear-attention "
-                   "layers are not supported yet",
     "kolibri1": "Kolibri-1 is not implemented yet: sliding/full attention layer pattern of its own",
     "laguna": "Laguna is not implemented yet: softplus output gates on attention (gating) and its layer kinds",
-    "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: linear-attention layers "
-                 "are not supported yet",
+    "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
+                 "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
     "lfm2_moe": "LFM2-MoE mixes short-convolution layers with attention: convolution layers are not supported yet",
     "llama4": _VLM,
     "llama4_text": "Llama-4's text model is not implemented yet: its router's sigmoid top-1 score scales the "
@@ -88,12 +83,11 @@ UNSUPPORTED: dict[str, str] = {
     "longcat_flash": "LongCat-Flash is not implemented yet: two attention sublayers per layer (shortcut MoE) "
                      "and zero-computation experts",
     "mellum": "Mellum is not implemented yet: per-layer mlp_layer_types with its attention layer kinds",
-    "mimo_v2_flash": "MiMo-V2-Flash is not implemented yet: hybrid sliding-window layers with attention sinks",
-    "minimax": "MiniMax-Text-01 mixes lightning (linear) attention with softmax attention: linear-attention "
-               "layers are not supported yet",
+    "minimax": "MiniMax-Text-01 mixes lightning attention (linear attention with a fixed per-head decay) with "
+               "softmax attention: lightning-attention layers are not implemented yet (dynamoe has Gated DeltaNet "
+               "and Kimi Delta Attention, not lightning attention)",
     "minimax_m3_vl": _VLM,
     "minimax_m3_vl_text": _text_of("minimax_m3_vl", "lightning (linear) attention layers"),
-    "mistral4": "Mistral-Small-4 is not implemented yet: MLA with Mistral's routing",
     "mistral_large4": _VLM,
     "mistral_large4_text": _text_of("mistral_large4", "MLA with Mistral's routing"),
     "muse_spark": _OMNI,

@@ -74,6 +74,9 @@ class Stacked:
 
     gate_up: str = "input_linear"
     down: str = "output_linear"
+    #: after the names: ".weight" (GraniteMoE), or "" (transformers' fused experts as it saves them:
+    #: ``experts.gate_up_proj`` [E, 2F, D], ``experts.down_proj`` [E, D, F] -- Mistral-4)
+    suffix: str = ".weight"
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,8 @@ def _read_fused_interleaved(tensors: Mapping, qcfg, prefix: str, E: int, F_: int
 def _read_stacked(tensors: Mapping, qcfg, prefix: str, layout: Stacked, E: int, F_: int, D: int, dtype,
                   device) -> ExpertWeights:
     out = []
-    for name, want in ((f"{prefix}.{layout.gate_up}.weight", (E, 2 * F_, D)), (f"{prefix}.{layout.down}.weight", (E, D, F_))):
+    for name, want in ((f"{prefix}.{layout.gate_up}{layout.suffix}", (E, 2 * F_, D)),
+                       (f"{prefix}.{layout.down}{layout.suffix}", (E, D, F_))):
         t = read_weight(tensors, name, qcfg)
         if isinstance(t, QuantizedWeight):
             raise ValueError(f"tensor {name!r} is quantized: stacked (GraniteMoE-style) experts load dense only")
