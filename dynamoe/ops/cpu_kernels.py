@@ -32,7 +32,8 @@ ENV_REQUIRE = "DYNAMOE_REQUIRE_CPU_KERNELS"
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 
 SOURCES = ("packed_gemv.cpp", "bf16_gemv.cpp", "f32_gemv.cpp", "moe_decode.cpp", "moe_decode_packed.cpp", "rms_norm.cpp", "rope.cpp",
-           "router_decode.cpp", "attn_decode.cpp", "moe_block_decode.cpp", "decode_stack.cpp")
+           "router_decode.cpp", "attn_decode.cpp", "moe_block_decode.cpp", "decode_stack.cpp",
+           "grouped_gemm_bf16.cpp")
 
 MAX_ROWS = 16  # the kernel keeps one accumulator per row in registers
 _lock = threading.Lock()

@@ -247,8 +247,10 @@ bool has_avx512_bf16() {
 
 // The ops run without the GIL (they take tensors and plain values only): the server's event loop keeps
 // streaming while the engine thread is inside a kernel.
+void register_grouped_gemm(pybind11::module& m);  // grouped_gemm_bf16.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_stack(m);
+  register_grouped_gemm(m);
   m.def("moe_block_glu_decode_out", &moe_block_glu_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "a decode step's MoE sub-block: out = h + GLU experts(route(RMSNorm(h))) for T <= 16 rows (bf16 or fp32); "
         "load [E] filled; returns the max load");
