@@ -1,16 +1,18 @@
 """MoE layer timing against an HF-style per-expert loop and the FLOP / weight-read floors.
 
 Every number is measured in the same run, interleaved over rounds (method order rotates each
-round), and reported as a median. All methods use the same weights, dropless routing, FFN experts
-(fc1 -> ReLU -> fc2, no biases) so the floor is exactly "one matmul pair over T*k rows".
+round), and reported as a median. All methods use the same weights and FFN experts (fc1 -> ReLU ->
+fc2, no biases), so the floor is exactly "one dense matmul pair over T*k rows" in the same dtype
+(oneDNN: AMX tiles where the CPU has AMX-BF16, AVX512-BF16 dot products where it has those).
 
-    python benchmarks/moe_layer.py                      # all configs, fp32 and bf16
-    python benchmarks/moe_layer.py --configs A D1 --dtypes float32 --rounds 5
-    python benchmarks/moe_layer.py --decode-train --threads 1 2   # D1/D8 forward+backward only
+    python benchmarks/moe_layer.py                      # A, C, D1, D8 x fp32/bf16 x fwd/fwd+bwd x cf 0/1
+    python benchmarks/moe_layer.py --configs A D1 --dtypes float32 --rounds 5 --capacity-factors 0
+    python benchmarks/moe_layer.py --decode-train --threads 1 2   # D1/D8 forward+backward vs module loops
 
 Columns: ours / hf-loop / floor are median milliseconds; ratios are ours divided by the floor and
-hf-loop divided by ours. For decode configs (D1, D8) the floor is the cold weight-read floor:
-bytes of the distinct active experts' weights / measured memory read bandwidth.
+hf-loop divided by ours. ``cf`` is our layer's capacity factor (0 dropless; 1.0 drops overflow, so
+it may do less work than the dropless loop and floor). For decode configs (D1, D8) "read ms" is
+the cold weight-read floor: bytes of the distinct active experts' weights / measured read bandwidth.
 """
 from __future__ import annotations
 
@@ -67,11 +69,11 @@ def hf_loop_modules(x, gate_w, experts, k):
     return out
 
 
-def _dropless_layer(name, dtype):
-    """Config ``name``'s dropless FFN layer (seed 0) with its gate and stacked expert weights."""
+def _dropless_layer(name, dtype, capacity_factor=0.0):
+    """Config ``name``'s FFN layer (seed 0; dropless unless told) with its gate and stacked expert weights."""
     T, D, Fh, E, k = CONFIGS[name]
     torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(model_dim=D, gates=[GateConfig(k=k, capacity_factor=0.0)],
+    layer = MoELayer(MoEConfig(model_dim=D, gates=[GateConfig(k=k, capacity_factor=capacity_factor)],
                                experts=ExpertConfig(num_experts_per_device=E, hidden_size_per_expert=Fh,
                                                     has_fc1_bias=False, has_fc2_bias=False), aux_loss="none")).to(dtype)
     return layer, layer.gates[0].wg.weight, layer.experts.batched_fc1_w, layer.experts.batched_fc2_w
@@ -136,9 +138,9 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def run_config(name, dtype, rounds, backward, bw_gbs, warmup):
+def run_config(name, dtype, rounds, backward, bw_gbs, warmup, capacity_factor=0.0):
     T, D, Fh, E, k = CONFIGS[name]
-    layer, gate_w, w1, w2 = _dropless_layer(name, dtype)
+    layer, gate_w, w1, w2 = _dropless_layer(name, dtype, capacity_factor)
     decode = name in DECODE
     # decode draws fresh tokens (and so fresh experts) each round; otherwise one batch
     xs = [torch.randn(T, D, dtype=dtype) for _ in range(rounds + 1)]
@@ -175,9 +177,7 @@ def run_config(name, dtype, rounds, backward, bw_gbs, warmup):
             with torch.no_grad():
                 floor_pair(x_rows, w1_DF, w2_FD)
 
-    methods = {"ours": ours, "hf": hf}
-    if not decode:
-        methods["floor"] = floor
+    methods = {"ours": ours, "hf": hf, "floor": floor}
     for _ in range(warmup):  # oneDNN builds kernels per shape on first use: keep that out of the timing
         for fn in methods.values():
             fn(xs[-1])
@@ -191,15 +191,23 @@ def run_config(name, dtype, rounds, backward, bw_gbs, warmup):
             if m in ("ours", "hf") and backward:
                 layer.zero_grad(set_to_none=True)
             res[m].append(timed(lambda: methods[m](x)) * 1e3)
-        if decode:
+        if decode and not backward:
             with torch.no_grad():
                 ids = torch.topk(F.linear(x, gate_w).float(), k).indices
             active = int(torch.unique(ids).numel())
             nbytes = active * (w1[0].numel() + w2[0].numel()) * w1.element_size()
             floors_ms.append(nbytes / (bw_gbs * 1e9) * 1e3)
     med = {m: statistics.median(v) for m, v in res.items()}
-    med_floor = statistics.median(floors_ms) if decode else med["floor"]
-    return med["ours"], med["hf"], med_floor
+    read_floor = statistics.median(floors_ms) if floors_ms else None
+    return med["ours"], med["hf"], med["floor"], read_floor
+
+
+def has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
 
 
 def main(argv=None):
@@ -209,6 +217,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=3, help="untimed calls of every method before timing")
     p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--capacity-factors", type=float, nargs="+", default=[0.0, 1.0],
+                   help="our layer's capacity factors (0 = dropless)")
     p.add_argument("--decode-train", action="store_true",
                    help="D1/D8 forward+backward against per-expert loops (stacked weights and per-expert modules)")
     p.add_argument("--threads", type=int, nargs="+", default=None, help="torch threads (--decode-train: each in turn)")
@@ -230,21 +240,23 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads[0])
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cpus")
+          f"{os.cpu_count()} cpus, AMX-BF16 {'yes' if has_amx() else 'no'}")
     bw = {}
     for dt in args.dtypes:
         bw[dt] = read_bandwidth_gbs(getattr(torch, dt))
         print(f"# read bandwidth ({dt}): {bw[dt]:.1f} GB/s")
-    print(f"{'config':7} {'dtype':9} {'pass':8} {'ours ms':>9} {'hf-loop ms':>10} {'floor ms':>9} {'ours/floor':>10} {'hf/ours':>8}  floor kind")
+    print(f"{'config':7} {'dtype':9} {'pass':8} {'cf':>4} {'ours ms':>9} {'hf-loop ms':>10} {'floor ms':>9} "
+          f"{'ours/floor':>10} {'hf/ours':>8} {'read ms':>8}")
     passes = ["fwd"] + ([] if args.no_backward else ["fwd+bwd"])
     for name in args.configs:
         for dt in args.dtypes:
             for ps in passes:
-                if name in DECODE and ps == "fwd+bwd":
-                    continue
-                ours, hf, floor = run_config(name, getattr(torch, dt), args.rounds, ps == "fwd+bwd", bw[dt], args.warmup)
-                kind = "cold weight read" if name in DECODE else "matmul pair over T*k rows"
-                print(f"{name:7} {dt:9} {ps:8} {ours:9.2f} {hf:10.2f} {floor:9.2f} {ours / floor:10.2f} {hf / ours:8.2f}  {kind}", flush=True)
+                for cf in args.capacity_factors:
+                    ours, hf, floor, read = run_config(name, getattr(torch, dt), args.rounds, ps == "fwd+bwd", bw[dt],
+                                                       args.warmup, cf)
+                    read_s = f"{read:8.2f}" if read is not None else f"{'-':>8}"
+                    print(f"{name:7} {dt:9} {ps:8} {cf:4.1f} {ours:9.2f} {hf:10.2f} {floor:9.2f} {ours / floor:10.2f} "
+                          f"{hf / ours:8.2f} {read_s}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from ..ops.activations import activation, glu_activation
 from ..ops.stacked_linears import StackedLinears
 from ..ops.grouped_matmul import grouped_mm
+from ..ops.routed_ffn import routed_ffn, routed_ffn_kernels
 from ..ops.scratch import scratch
 from .config import ExpertConfig
 from .sharding import FFN_SHARD_SPEC, GLU_SHARD_SPEC, LLAMA_SHARD_SPEC
@@ -140,6 +141,20 @@ class FFNExperts(nn.Module):
         h_NF = _activate_(h_NF, self.activation_fn)
         return grouped_mm(h_NF, self.batched_fc2_w, counts, self.batched_fc2_bias, trans_w=False,
                           row_scale=row_scale, out=out)
+
+
+    def forward_routed(self, x_TD: Tensor, token_N: Tensor, weight_N: Tensor, counts: Sequence[int]) -> Tensor | None:
+        """[T, O]: each token's sum of weight_N x its rows' expert outputs, gather and combine fused into
+        the expert GEMMs (dynamoe.ops.routed_ffn) where those kernels apply (CPU, bf16, ReLU, one
+        group per expert, enough rows); None otherwise -- the caller then dispatches, runs
+        forward_ragged and combines. ``token_N`` [N]: each row's token, rows sorted by expert."""
+        w1, w2, b1, b2 = self.batched_fc1_w, self.batched_fc2_w, self.batched_fc1_bias, self.batched_fc2_bias
+        if self.sharded_count != 1:
+            return None
+        kernels = routed_ffn_kernels(x_TD, w1, w2, (b1, b2), self.activation_fn, counts)
+        if kernels is None:
+            return None
+        return routed_ffn(x_TD, token_N, weight_N, counts, w1, b1, w2, b2, kernels=kernels)
 
 
 class GLUExperts(nn.Module):

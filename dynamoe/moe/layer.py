@@ -605,6 +605,12 @@ class MoELayer(nn.Module):
         if not getattr(self.experts, "fuses_row_scale", False):  # custom experts
             y_NO = self.experts.forward_ragged(dispatch_ragged(x_TD, plan, prescale=not post), plan.counts)
             return combine_ragged(y_NO, plan, postscore=post)
+        if post and params is None and repeat == 1 and exchange is None:
+            # FFN experts on CPU in bf16: gather, experts and combine in one pass of kernels
+            routed = getattr(self.experts, "forward_routed", None)
+            y_TO = routed(x_TD, plan.token_N, plan.weight_N, plan.counts) if routed is not None else None
+            if y_TO is not None:
+                return y_TO
         # Built-in experts: the combine weight is folded into the last expert matmul. At CPU inference
         # the [N, D] temporaries come from reusable scratch (dynamoe.ops.scratch), and the dispatch
         # buffer, no longer needed after the first matmul, takes the output. The same single

@@ -247,8 +247,10 @@ bool has_avx512_bf16() {
 
 // The ops run without the GIL (they take tensors and plain values only): the server's event loop keeps
 // streaming while the engine thread is inside a kernel.
+void register_grouped_gemm(pybind11::module& m);  // grouped_gemm_bf16.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_stack(m);
+  register_grouped_gemm(m);
   m.def("route_decode_out", &route_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "router of a decode step: fp32 logits of x [T, D] @ W^T (+ bias), softmax (0) or DeepSeek sigmoid-group (1) "
         "top-k into ids [T, K] int64 and weights [T, K] fp32");
