@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "am
 # only the ops under test are bound: building all of csrc/ takes minutes, these three sources about one
 BINDINGS = r"""
 #include "decode_ops.h"
+#include "decode_enums_bind.h"
 bool has_avx512() {
 #if defined(__AVX512F__)
   return true;
@@ -25,6 +26,7 @@ bool has_avx512() {
 #endif
 }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_decode_enums(m);  // the names the Python side reads (Activation, MAX_ROWS, ...)
   m.def("bf16_gemv_out", &bf16_gemv_out);
   m.def("bf16_grouped_gemv_out", &bf16_grouped_gemv_out);
   m.def("moe_glu_decode_out", &moe_glu_decode_out);

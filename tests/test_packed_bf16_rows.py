@@ -49,7 +49,7 @@ def _call(ex, x, ids, w, bf16_acts):
     load = torch.empty(ex.w1.shape[0], dtype=torch.long)
     kernels.packed_moe_glu_decode_out(int(kernels.WeightFormat.__members__[ex.format]), x, ids, w, a1, b1, c1, a2, b2, c2, blk0, blk1,
                                       bias1, bias2, int(kernels.Activation.__members__[ex.glu_kind]), float(ex.alpha), float(ex.limit),
-                                      out, load, bf16_acts)
+                                      out, load, bf16_acts, kernels.PackedActs.exact)
     return out, load
 
 
@@ -120,7 +120,7 @@ def test_layer_passes_bf16_activations(monkeypatch, dtype):
             return getattr(real, name)
 
         def packed_moe_glu_decode_out(self, *args):
-            calls.append((args[1].dtype, args[-1]))
+            calls.append((args[1].dtype, args[-2]))  # x and bf16_acts (the last argument is acts)
             return real.packed_moe_glu_decode_out(*args)
 
     monkeypatch.setattr(cpu_kernels, "load", lambda: Spy())

@@ -153,7 +153,8 @@ def _expert_fields(kernels, holds: Holds, h_TD: Tensor, kind: str, experts) -> d
                 alpha=float(holds.attr(experts, "alpha")), limit=float(holds.attr(experts, "limit")),
                 w1=a1, w1b=b1, w1c=c1, w2=a2, w2b=b2, w2c=c2, blk0=int(blk0), blk1=int(blk1),
                 b1=holds.fp32(experts.b1), b2=holds.fp32(experts.b2),
-                bf16_acts=bool(dt == torch.bfloat16 and kernels.has_avx512_bf16()))
+                bf16_acts=bool(dt == torch.bfloat16 and kernels.has_avx512_bf16()),
+                acts=_packed_acts(kernels, holds.attr(experts, "act_quant"), w1.format))
 
 
 def glu_mlp_fields(kernels, holds: Holds, dtype: torch.dtype, gate_up: tuple, down, act: str, alpha: float = 1.702,
@@ -266,6 +267,18 @@ def ffn_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tup
 
 #: the packed formats the kernels decode (csrc/decode_weights.h's WeightFormat but dense)
 PACKED_FORMATS = ("fp8_block", "mxfp4", "nvfp4", "int4")
+INT8_ACT_FORMATS = ("mxfp4", "nvfp4", "int4")  # the formats with int8-activation kernels (csrc/packed_int8.h)
+
+
+def _packed_acts(kernels, act_quant, fmt: str):
+    """The kernels' PackedActs for an experts module's ``act_quant`` (a dynamoe.quant.ActQuant, which is a str):
+    None -> exact, 'int8' -> int8 for the 4-bit formats; None (no kernel) otherwise -- 'fp8' activations
+    and int8 with FP8 weights are simulated by the general path."""
+    if act_quant is None:
+        return kernels.PackedActs.exact
+    if act_quant == "int8" and fmt in INT8_ACT_FORMATS:
+        return kernels.PackedActs.int8
+    return None
 
 
 def _packed_fields(w) -> tuple[Tensor, Tensor, Tensor, int, int]:
@@ -290,9 +303,9 @@ def _packed_refusal(kernels, experts, x_TD: Tensor) -> str | None:
     acts = kernels.Activation.__members__
     if getattr(experts, "kind", None) != "glu" or experts.glu_kind not in acts:
         return f"packed {getattr(experts, 'kind', None)} experts (the kernel takes GLU experts with {', '.join(acts)})"
-    if getattr(experts, "act_quant", None) is not None:
-        return f"activation quantization {experts.act_quant!r}"
     w1, w2 = experts.w1, experts.w2
+    if _packed_acts(kernels, getattr(experts, "act_quant", None), w1.format) is None:
+        return f"activation quantization {experts.act_quant!r} with {w1.format} weights (simulated by the general path)"
     if w1.format not in PACKED_FORMATS or w2.format != w1.format or w1.device.type != "cpu":
         return f"packed formats {w1.format}/{w2.format} on {w1.device.type}"
     if w1.format == "fp8_block" and tuple(w1.block) != tuple(w2.block):
@@ -306,16 +319,19 @@ def _packed_refusal(kernels, experts, x_TD: Tensor) -> str | None:
 
 def packed_glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tuple[Tensor, Tensor, int] | None:
     """:func:`glu_decode` for packed experts (dynamoe.quant.QuantizedExperts of kind 'glu' in blockwise
-    FP8, MXFP4, NVFP4 or INT4, no activation quantization): the packed bytes are decoded in registers. bf16
-    activations (where the kernels have AVX512-BF16) stay bf16: the weights are decoded into bf16 and
+    FP8, MXFP4, NVFP4 or INT4, exact activations or act_quant 'int8'): the packed bytes are decoded in registers.
+    bf16 activations (where the kernels have AVX512-BF16) stay bf16: the weights are decoded into bf16 and
     multiplied with bf16 dot products, fp32 accumulation, the GLU output rounded to bf16 before the down
-    projection (as bf16 experts do); other activations run in fp32 inside the kernel. The output comes
-    back in x's dtype. None where it does not apply."""
+    projection (as bf16 experts do); other activations run in fp32 inside the kernel. With act_quant 'int8'
+    (4-bit formats) x and the GLU output (rounded to bf16 first for bf16 x) are quantized to int8 per 32
+    features for VNNI dot products (csrc/packed_int8.h). The output comes back in x's dtype. None where it
+    does not apply."""
     T = x_TD.size(0)
     k = cpu_kernels.load()
     if k is None or _packed_refusal(k, experts, x_TD) is not None:
         return None
     w1, w2 = experts.w1, experts.w2
+    acts = _packed_acts(k, getattr(experts, "act_quant", None), w1.format)
     a1, b1, c1, blk0, blk1 = _packed_fields(w1)
     a2, b2, c2, _, _ = _packed_fields(w2)
     bias1 = None if experts.b1 is None else experts.b1.float().contiguous()
@@ -327,5 +343,5 @@ def packed_glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts)
     max_load = k.packed_moe_glu_decode_out(int(k.WeightFormat.__members__[w1.format]), x, ids_TK.to(torch.long).contiguous(),
                                            weights_TK.to(torch.float32).contiguous(), a1, b1, c1, a2, b2, c2, blk0,
                                            blk1, bias1, bias2, _code(k, experts.glu_kind), float(experts.alpha),
-                                           float(experts.limit), out, load, bf16_acts)
+                                           float(experts.limit), out, load, bf16_acts, acts)
     return out.to(x_TD.dtype), load, max_load

@@ -18,13 +18,14 @@ def quantize(w, format: str, **options) -> QuantizedWeight:
     return FORMATS[format].quantize(w, **options)
 
 
+from .act_quant import ActQuant, int8_activation_quant, int8_quantize  # noqa: E402
 from .matmul import fp8_activation_quant, quantized_grouped_mm, quantized_linear  # noqa: E402
 from .modules import QuantizedExperts, QuantizedLinear, quantize_experts_, quantize_linears_  # noqa: E402
 from . import checkpoint, checkpoint_files, checkpoint_writer  # noqa: E402  (on-disk layouts)
 
 __all__ = [
     "checkpoint", "checkpoint_files", "checkpoint_writer", "QuantizedLinear", "QuantizedExperts", "quantize_experts_", "quantize_linears_", "quantized_linear",
-    "quantized_grouped_mm", "fp8_activation_quant",
+    "quantized_grouped_mm", "fp8_activation_quant", "ActQuant", "int8_activation_quant", "int8_quantize",
     "QuantizedWeight", "BlockFP8Weight", "MXFP4Weight", "NVFP4Weight", "INT4Weight", "FORMATS", "quantize",
     "E2M1_VALUES", "e2m1_encode", "e2m1_decode", "pack_nibbles", "unpack_nibbles", "e4m3_encode", "e4m3_decode",
     "e8m0_encode_exponent", "e8m0_decode",

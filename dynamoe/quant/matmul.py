@@ -16,53 +16,45 @@ from torch import Tensor
 
 from ..ops import cpu_kernels
 from ..ops.triton import FLOAT_DTYPES, use_triton
+from .act_quant import ACT_QUANT, ActQuant, act_quant_of, fp8_activation_quant, int8_activation_quant
 from .base import QuantizedWeight
-from .codecs import E4M3_MAX, e4m3_decode, e4m3_encode
 from .fp8_block import BlockFP8Weight
 from .int4 import INT4Weight
 from .mxfp4 import MXFP4Weight
 from .nvfp4 import NVFP4Weight
 
-__all__ = ["ACT_QUANT", "fp8_activation_quant", "packed_gemv", "int4_kernel_applies", "quantized_linear", "quantized_grouped_mm"]
+__all__ = ["ACT_QUANT", "ActQuant", "fp8_activation_quant", "int8_activation_quant", "packed_gemv", "int4_kernel_applies",
+           "quantized_linear", "quantized_grouped_mm"]
 
-ACT_QUANT = (None, "fp8")
-
-
-def fp8_activation_quant(x: Tensor, group: int = 128) -> Tensor:
-    """Dynamic FP8 activation quantization, per token and per ``group`` features (DeepSeek-V3's
-    recipe): scale = amax / 448 per group, x -> e4m3(x / scale) * scale. Returns the dequantized
-    activations in x's dtype, i.e. what an FP8 x FP8 matmul sees; each element's relative error is
-    at most 2^-4 (3 mantissa bits), plus 2^-10 of its group's scale for values in the subnormal range."""
-    *lead, cols = x.shape
-    pad = -cols % group
-    xf = F.pad(x.float(), (0, pad)) if pad else x.float()
-    g = xf.reshape(*lead, -1, group)
-    scale = g.abs().amax(-1, keepdim=True) / E4M3_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = e4m3_decode(e4m3_encode(g / scale)) * scale
-    return q.reshape(*lead, cols + pad)[..., :cols].to(x.dtype)
+INT8_KERNEL_FORMATS = (MXFP4Weight, NVFP4Weight, INT4Weight)  # the formats with int8-activation kernels
 
 
-def packed_gemv(x_TI: Tensor, w: QuantizedWeight) -> Tensor | None:
+def packed_gemv(x_TI: Tensor, w: QuantizedWeight, act_quant: ActQuant | str | None = None) -> Tensor | None:
     """y [T, O] = x [T, I] @ W^T in fp32 straight from the packed bytes (T <= 16, CPU), or None when
     no kernel applies here (other device, too many rows, kernels not built). bf16 x goes to the kernels
     as bf16 where they have AVX512-BF16 (bf16 dot products on the decoded weights, fp32 accumulation);
-    other x in fp32."""
+    other x in fp32. ``act_quant`` ActQuant.INT8: x quantized to int8 per 32 features inside the kernel
+    (4-bit formats; None for others); other settings are the caller's (see quantized_linear)."""
+    act_quant = act_quant_of(act_quant)
     if (x_TI.device.type != "cpu" or not 1 <= x_TI.size(0) <= cpu_kernels.MAX_ROWS or w.num_leading
             or x_TI.dtype == torch.float64):  # the kernels accumulate in fp32
+        return None
+    int8 = act_quant is ActQuant.INT8
+    if int8 and not isinstance(w, INT8_KERNEL_FORMATS):
         return None
     k = cpu_kernels.load()
     if k is None:
         return None
+    acts = k.PackedActs.int8 if int8 else k.PackedActs.exact
     x = x_TI.contiguous() if x_TI.dtype == torch.bfloat16 and k.has_avx512_bf16() else x_TI.float().contiguous()
     if isinstance(w, MXFP4Weight):
-        return k.mxfp4_gemv(x, w.blocks, w.scales)
+        return k.mxfp4_gemv(x, w.blocks, w.scales, acts)
     if isinstance(w, NVFP4Weight):
-        return k.nvfp4_gemv(x, w.weight, w.weight_scale.view(torch.uint8), float(w.weight_scale_2))
+        return k.nvfp4_gemv(x, w.weight, w.weight_scale.view(torch.uint8), float(w.weight_scale_2), acts)
     if isinstance(w, BlockFP8Weight):
-        return k.fp8_block_gemv(x, w.weight.view(torch.uint8), w.scales().contiguous(), w.block[0], w.block[1])
+        return k.fp8_block_gemv(x, w.weight.view(torch.uint8), w.scales().contiguous(), w.block[0], w.block[1], acts)
     if isinstance(w, INT4Weight) and int4_kernel_applies(w):
-        return k.int4_gemv(x, w.weight_packed.view(torch.uint8), w.weight_scale, w.group_size)
+        return k.int4_gemv(x, w.weight_packed.view(torch.uint8), w.weight_scale, w.group_size, acts)
     return None
 
 
@@ -83,21 +75,25 @@ def _check(x: Tensor, w: QuantizedWeight, act_quant) -> None:
         raise ValueError(f"w must be a QuantizedWeight, got {type(w).__name__}")
     if x.size(-1) != w.shape[-1]:
         raise ValueError(f"x has {x.size(-1)} features but the weight {tuple(w.shape)} expects {w.shape[-1]}")
-    if act_quant not in ACT_QUANT:
-        raise ValueError(f"act_quant must be one of {list(ACT_QUANT)}, got {act_quant!r}")
+    act_quant_of(act_quant)
 
 
 def quantized_linear(x: Tensor, w: QuantizedWeight, bias: Tensor | None = None, act_quant: str | None = None) -> Tensor:
-    """x [..., I] @ W^T (+ bias) for a packed W [O, I]."""
+    """x [..., I] @ W^T (+ bias) for a packed W [O, I], with the activations quantized as ``act_quant``
+    says (dynamoe.quant.act_quant; None: exact)."""
     _check(x, w, act_quant)
-    if act_quant == "fp8":
+    act_quant = act_quant_of(act_quant)
+    if act_quant is ActQuant.FP8:
         x = fp8_activation_quant(x)
     if _no_grad(x, bias):
         x2 = x.reshape(-1, x.size(-1))
-        y = packed_gemv(x2, w)
+        y = packed_gemv(x2, w, act_quant)
         if y is not None:
             y = y if bias is None else y + bias.float()
             return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    if act_quant is ActQuant.INT8:  # the emulation of the int8 kernels: int8-rounded activations, fp32 matmul
+        y = F.linear(int8_activation_quant(x), w.dequantize(torch.float32), None if bias is None else bias.float())
+        return y.to(x.dtype)
     return F.linear(x, w.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
@@ -127,18 +123,20 @@ def quantized_grouped_mm(x_NI: Tensor, w: QuantizedWeight, counts: Sequence[int]
     Differentiable in x, bias and row_scale (the weights are constants); ``out`` is an inference-only
     output buffer."""
     _check(x_NI, w, act_quant)
+    act_quant = act_quant_of(act_quant)
     counts = [int(c) for c in counts]
     E = w.shape[0] if w.num_leading == 1 else 0
     if not E or not counts or len(counts) % E or sum(counts) != x_NI.size(0):
         raise ValueError(f"need a [E, O, I] weight and E counts (or a multiple of E) summing to N={x_NI.size(0)}; got "
                          f"weight {tuple(w.shape)}, {len(counts)} counts summing to {sum(counts)}")
-    if act_quant == "fp8":
+    if act_quant is ActQuant.FP8:
         x_NI = fp8_activation_quant(x_NI)
+    int8 = act_quant is ActQuant.INT8
     O = w.shape[1]
     track = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_NI, bias, row_scale))
     if out is not None and track:
         raise ValueError("out= is for inference only (no autograd)")
-    if not track and x_NI.dtype in FLOAT_DTYPES and use_triton(x_NI, getattr(w, w._tensor_fields()[0])):
+    if not track and not int8 and x_NI.dtype in FLOAT_DTYPES and use_triton(x_NI, getattr(w, w._tensor_fields()[0])):
         y = _triton_grouped_mm(x_NI, w, counts, bias, row_scale, out)  # --- Triton fast path (GPU inference) ---
         if y is not None:
             return y
@@ -154,9 +152,17 @@ def quantized_grouped_mm(x_NI: Tensor, w: QuantizedWeight, counts: Sequence[int]
                 continue
             x_e = x_NI.narrow(0, off, c)
             b_e = None if bias is None else bias[e].to(x_NI.dtype)
-            y_e = None if track else packed_gemv(x_e, w[e])
+            y_e = None if track else packed_gemv(x_e, w[e], act_quant)
             if y_e is not None:  # decode-sized: straight from the packed bytes
                 out.narrow(0, off, c).copy_(y_e if b_e is None else y_e + b_e)
+                continue
+            if int8:  # the int8 kernels' emulation: int8-rounded activations times the fp32 weight
+                y_e = F.linear(int8_activation_quant(x_e), w[e].dequantize(torch.float32),
+                               None if b_e is None else b_e.float()).to(x_NI.dtype)
+                if track:
+                    pieces[g] = y_e
+                else:
+                    out.narrow(0, off, c).copy_(y_e)
                 continue
             if w_e is None:
                 w_e = w[e].dequantize(x_NI.dtype)  # one expert's weight, dropped after its groups

@@ -18,7 +18,8 @@ from ..ops.activations import activation, glu_activation
 from ..ops.scratch import scratch
 from . import FORMATS, quantize
 from .base import QuantizedWeight
-from .matmul import ACT_QUANT, quantized_grouped_mm, quantized_linear
+from .act_quant import act_quant_of
+from .matmul import quantized_grouped_mm, quantized_linear
 
 __all__ = ["QuantizedLinear", "QuantizedExperts", "quantize_experts_", "quantize_linears_"]
 
@@ -41,11 +42,6 @@ class _PackedWeights(nn.Module):
         return cls(**static, **{n: getattr(self, prefix + n) for n in names})
 
 
-def _check_act_quant(act_quant) -> None:
-    if act_quant not in ACT_QUANT:
-        raise ValueError(f"act_quant must be one of {list(ACT_QUANT)}, got {act_quant!r}")
-
-
 class QuantizedLinear(_PackedWeights):
     """``nn.Linear`` whose weight [O, I] stays packed; the bias stays dense."""
 
@@ -53,9 +49,8 @@ class QuantizedLinear(_PackedWeights):
         super().__init__()
         if weight.num_leading != 0:
             raise ValueError(f"QuantizedLinear takes a single [out, in] weight, got {tuple(weight.shape)}")
-        _check_act_quant(act_quant)
         self.out_features, self.in_features = weight.shape
-        self.format, self.act_quant = weight.format, act_quant
+        self.format, self.act_quant = weight.format, act_quant_of(act_quant)
         self._register_packed("", weight)
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
 
@@ -88,7 +83,7 @@ class QuantizedExperts(_PackedWeights):
         super().__init__()
         if kind not in ("ffn", "glu"):
             raise ValueError(f"kind must be 'ffn' or 'glu', got {kind!r}")
-        _check_act_quant(act_quant)
+        act_quant = act_quant_of(act_quant)
         if w1.num_leading != 1 or w2.num_leading != 1 or w1.shape[0] != w2.shape[0]:
             raise ValueError(f"w1 and w2 must be [L, out, in] with the same L, got {tuple(w1.shape)} and {tuple(w2.shape)}")
         L, F1, D = w1.shape

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include "decode_weights.h"
 
+
 // bf16_gemv.cpp
 void bf16_gemv_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, torch::Tensor out);
 void bf16_grouped_gemv_out(torch::Tensor x, torch::Tensor w, torch::Tensor groups, c10::optional<torch::Tensor> bias,
@@ -23,7 +24,8 @@ int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor id
                                   torch::Tensor w1a, torch::Tensor w1b, torch::Tensor w1c, torch::Tensor w2a,
                                   torch::Tensor w2b, torch::Tensor w2c, int64_t blk0, int64_t blk1,
                                   c10::optional<torch::Tensor> b1, c10::optional<torch::Tensor> b2, int64_t act,
-                                  double alpha, double limit, torch::Tensor out, torch::Tensor load, bool bf16_acts);
+                                  double alpha, double limit, torch::Tensor out, torch::Tensor load, bool bf16_acts,
+                                  dynamoe::packed::PackedActs acts);
 
 int64_t moe_ffn_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w1, torch::Tensor w2,
                            c10::optional<torch::Tensor> b1, c10::optional<torch::Tensor> b2, int64_t act,

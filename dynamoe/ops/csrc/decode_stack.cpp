@@ -5,11 +5,13 @@
 // passes only what changes from step to step. Between layers nothing returns to Python: at ~0.1 ms of
 // interpreter work per layer (more once the weights streaming through have evicted the interpreter's own
 // data from the caches) that was a tenth of a small model's step.
-// Also binds the weight structs, the enums and the row limit of decode_weights.h, and the two block ops.
+// Also binds the weight structs, the enums (decode_enums_bind.h) and the row limit of decode_weights.h, and
+// the two block ops.
 #include <torch/extension.h>
 #include <cstdint>
 #include <vector>
 #include "decode_ops.h"
+#include "decode_enums_bind.h"
 
 namespace {
 using dynamoe::AttentionWeights;
@@ -98,7 +100,8 @@ void bind_moe(pybind11::class_<T>& c) {
       .def_readwrite("w1", &T::w1).def_readwrite("w2", &T::w2).def_readwrite("b1", &T::b1).def_readwrite("b2", &T::b2)
       .def_readwrite("w1b", &T::w1b).def_readwrite("w1c", &T::w1c).def_readwrite("w2b", &T::w2b)
       .def_readwrite("w2c", &T::w2c).def_readwrite("blk0", &T::blk0).def_readwrite("blk1", &T::blk1)
-      .def_readwrite("bf16_acts", &T::bf16_acts).def_readwrite("shared_w1", &T::shared_w1)
+      .def_readwrite("bf16_acts", &T::bf16_acts).def_readwrite("acts", &T::acts)
+      .def_readwrite("shared_w1", &T::shared_w1)
       .def_readwrite("shared_w2", &T::shared_w2).def_readwrite("shared_b1", &T::shared_b1)
       .def_readwrite("shared_b2", &T::shared_b2).def_readwrite("shared_gate", &T::shared_gate)
       .def_readwrite("shared_act", &T::shared_act).def_readwrite("shared_alpha", &T::shared_alpha)
@@ -109,17 +112,7 @@ void bind_moe(pybind11::class_<T>& c) {
 
 void register_decode_stack(pybind11::module& m) {
   namespace py = pybind11;
-  m.attr("MAX_ROWS") = py::int_(dynamoe::kMaxRows);
-  py::enum_<dynamoe::Activation>(m, "Activation", "expert activations (the gate part of a GLU, or an FFN's)")
-      .value("silu", dynamoe::kSilu).value("gelu", dynamoe::kGelu).value("gelu_tanh", dynamoe::kGeluTanh)
-      .value("relu", dynamoe::kRelu).value("gpt_oss", dynamoe::kGptOss);
-  py::enum_<dynamoe::RouterKind>(m, "RouterKind", "softmax top-k, or DeepSeek's sigmoid group-limited top-k")
-      .value("softmax", dynamoe::kSoftmaxTopK).value("sigmoid", dynamoe::kSigmoidGroupTopK);
-  py::enum_<dynamoe::WeightFormat>(m, "WeightFormat", "how expert weights are stored")
-      .value("fp8_block", dynamoe::kFp8Block).value("mxfp4", dynamoe::kMxfp4).value("nvfp4", dynamoe::kNvfp4)
-      .value("int4", dynamoe::kInt4).value("dense", dynamoe::kDense);
-  py::enum_<dynamoe::ExpertKind>(m, "ExpertKind", "GLU or Tutel's FFN experts")
-      .value("glu", dynamoe::kGlu).value("ffn", dynamoe::kFfn);
+  bind_decode_enums(m);
   py::class_<AttentionWeights> attn(m, "AttentionWeights", "what a fused attention block reads (decode_weights.h)");
   bind_attention(attn);
   py::class_<MoEWeights> moe(m, "MoEWeights", "what a fused MoE layer / block reads (decode_weights.h)");

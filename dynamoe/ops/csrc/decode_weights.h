@@ -8,6 +8,10 @@
 #include <torch/extension.h>
 #include <cstdint>
 
+namespace dynamoe::packed {
+enum class PackedActs : int64_t;  // packed_int8.h: exact (0) or int8 (1) activations for the packed kernels
+}
+
 namespace dynamoe {
 
 // the most rows (decode sequences or tokens) one fused call takes: one accumulator per row in registers
@@ -69,6 +73,7 @@ struct MoEWeights {
   torch::Tensor w1b, w1c, w2b, w2c;
   int64_t blk0 = 1, blk1 = 1;
   bool bf16_acts = false;        // packed with bf16 h: bf16 dot products (else the kernel runs in fp32)
+  packed::PackedActs acts{};     // packed: exact activations, or int8 (act_quant='int8', 4-bit formats)
   // shared experts: a dense GLU MLP on every token, added to the routed experts' output (DeepSeek,
   // Qwen2-MoE, GLM); with routed = false, a dense layer's whole MLP. shared_w1 [1, 2S, D] (gate rows, then
   // up rows) and shared_w2 [1, O, S] of h's dtype, biases [1, 2S] / [1, O]; shared_gate [1, D]: the output

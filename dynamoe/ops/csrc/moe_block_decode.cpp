@@ -30,7 +30,7 @@ int64_t experts(const dynamoe::MoEWeights& w, const torch::Tensor& x, const torc
   auto y32 = y.scalar_type() == torch::kFloat ? y : torch::empty(y.sizes(), y.options().dtype(torch::kFloat));
   const int64_t max_load = packed_moe_glu_decode_out(w.format, xin, ids, weights, w.w1, w.w1b, w.w1c, w.w2, w.w2b,
                                                      w.w2c, w.blk0, w.blk1, w.b1, w.b2, w.act, w.alpha, w.limit, y32,
-                                                     load, w.bf16_acts);
+                                                     load, w.bf16_acts, w.acts);
   if (!y32.is_same(y)) y.copy_(y32);
   return max_load;
 }

@@ -5,7 +5,9 @@
 // then the activations go into the bf16 row kernels of packed_rows.h (weights decoded into bf16 words:
 // AVX512-BF16 dot products for an expert's single token, fp32 FMAs on the widened words for several;
 // where those kernels are not compiled in, x is widened to fp32) and the GLU output h is rounded to bf16
-// before the down projection, as bf16 experts do. Fills load[E] and returns the largest load.
+// before the down projection, as bf16 experts do. With acts == PackedActs::kInt8 (4-bit formats) x and h
+// are quantized to int8 per 32 elements instead (packed_int8.h; h after its bf16 rounding when x is bf16)
+// for VNNI dot products. Fills load[E] and returns the largest load.
 //
 // A packed weight [E, O, I] is three tensors and two ints, by format:
 //   0 FP8:   a = e4m3 bytes [E, O, I], b = fp32 scales [E, ceil(O/blk0), ceil(I/blk1)]
@@ -21,6 +23,7 @@
 #include <cstdint>
 #include <vector>
 #include "decode_pairs.h"
+#include "packed_int8.h"
 #include "packed_rows.h"
 #include "token_chunks.h"
 
@@ -97,6 +100,7 @@ struct Acts {
   const uint16_t* q = nullptr;  // one-token chunks (dot products)
   const float* qf = nullptr;    // the same in the widened kernels' fp32 layout (chunks of several tokens)
   int64_t qs = 0;
+  const I8Acts* i8 = nullptr;   // int8 activations [pairs] (PackedActs::kInt8; 4-bit formats)
 };
 
 // rows [o0, o1) of expert e for the Tg pairs from pair `off` of a
@@ -135,8 +139,8 @@ void rows(const Packed& w, int64_t e, int64_t o0, int64_t o1, const Acts& a, int
   const int64_t kg = w.fmt == 1 ? 32 : w.fmt == 3 ? int4_kernel_group(w.blk0) : 16;
   const int64_t G = (I + kg - 1) / kg;
   // the bf16 kernels read whole 64-byte steps of scales (4 or 8 groups): zeros past the row's groups
-  const int64_t steps = (h + kFp4StepBytes - 1) / kFp4StepBytes;
-  std::vector<float> gs(std::max(G, steps * (kFp4StepElems / kg)), 0.f);
+  const int64_t steps = (h + kFp4StepBytes - 1) / kFp4StepBytes, gstride = std::max(G, steps * (kFp4StepElems / kg));
+  std::vector<float> gs(gstride, 0.f);
   const int64_t Gs = w.fmt == 3 ? (I + w.blk0 - 1) / w.blk0 : G;  // scales per row on disk
   const int64_t srow_bytes = w.fmt == 3 ? Gs * (w.words == kScaleF32 ? 4 : 2) : G;
   const uint8_t* scales = w.fmt == 3 ? w.sw : w.b8;
@@ -154,14 +158,18 @@ void rows(const Packed& w, int64_t e, int64_t o0, int64_t o1, const Acts& a, int
     prefetch_row(scales + e * w.O * srow_bytes, o, w.O, srow_bytes, ahead);  // and its scales
     if (w.fmt == 3) {
       int4_row_scales(srow, w.words, G, w.blk0 / kg, gs.data());
-      if (kg == 32) fp4_row_tokens<16, Int4Codec>(prow, h, Tg, xq, xqf, a.qs, xe, xo, gs.data(), out + o, out_stride);
+      if (a.i8 && kg == 32) fp4_row_tokens_i8<16, Int4Codec>(prow, h, Tg, *a.i8, off, gs.data(), out + o, out_stride);
+      else if (a.i8) fp4_row_tokens_i8<8, Int4Codec>(prow, h, Tg, *a.i8, off, gs.data(), out + o, out_stride);
+      else if (kg == 32) fp4_row_tokens<16, Int4Codec>(prow, h, Tg, xq, xqf, a.qs, xe, xo, gs.data(), out + o, out_stride);
       else fp4_row_tokens<8, Int4Codec>(prow, h, Tg, xq, xqf, a.qs, xe, xo, gs.data(), out + o, out_stride);
     } else if (w.fmt == 1) {
       e8m0_row_scales(srow, G, tab.e8m0, gs.data());
-      fp4_row_tokens<16>(prow, h, Tg, xq, xqf, a.qs, xe, xo, gs.data(), out + o, out_stride);
+      if (a.i8) fp4_row_tokens_i8<16>(prow, h, Tg, *a.i8, off, gs.data(), out + o, out_stride);
+      else fp4_row_tokens<16>(prow, h, Tg, xq, xqf, a.qs, xe, xo, gs.data(), out + o, out_stride);
     } else {
       nvfp4_row_scales(srow, G, w.global[e], e4m3, gs.data());
-      fp4_row_tokens<8>(prow, h, Tg, xq, xqf, a.qs, xe, xo, gs.data(), out + o, out_stride);
+      if (a.i8) fp4_row_tokens_i8<8>(prow, h, Tg, *a.i8, off, gs.data(), out + o, out_stride);
+      else fp4_row_tokens<8>(prow, h, Tg, xq, xqf, a.qs, xe, xo, gs.data(), out + o, out_stride);
     }
   }
 }
@@ -209,13 +217,24 @@ void fp32_layout(int64_t fmt, const float* x, int64_t P, int64_t I, std::vector<
     a.xo = xo.data();
   }
 }
+
+// fp32 activations [P, I] quantized to int8 for format fmt's codec (packed_int8.h)
+void int8_layout(int64_t fmt, const float* x, int64_t P, int64_t I, I8Acts& q, Acts& a) {
+  if (fmt == 3) i8_acts<Int4Codec>(x, P, I, I, q);
+  else i8_acts<E2M1Codec>(x, P, I, I, q);
+  a.i8 = &q;
+}
 }  // namespace
 
 int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
                                   torch::Tensor w1a, torch::Tensor w1b, torch::Tensor w1c, torch::Tensor w2a,
                                   torch::Tensor w2b, torch::Tensor w2c, int64_t blk0, int64_t blk1,
                                   c10::optional<torch::Tensor> b1, c10::optional<torch::Tensor> b2, int64_t act,
-                                  double alpha, double limit, torch::Tensor out, torch::Tensor load, bool bf16_acts) {
+                                  double alpha, double limit, torch::Tensor out, torch::Tensor load, bool bf16_acts,
+                                  PackedActs acts) {
+  TORCH_CHECK(acts == PackedActs::kExact || acts == PackedActs::kInt8, "acts must be PackedActs.exact or .int8");
+  const bool int8 = acts == PackedActs::kInt8;
+  TORCH_CHECK(!int8 || fmt != 0, "int8 activations are for the 4-bit formats (MXFP4, NVFP4, INT4), not FP8");
   const Packed w1 = packed_weight(fmt, w1a, w1b, w1c, blk0, blk1, "w1");
   const Packed w2 = packed_weight(fmt, w2a, w2b, w2c, blk0, blk1, "w2");
   const int64_t E = w1.E, F2 = w1.O, F = F2 / 2, D = w1.I, O = w2.O;
@@ -243,12 +262,13 @@ int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor id
   const int64_t P = static_cast<int64_t>(d.pair_token.size());
   // bf16 activations go through the bf16 kernels (FP8: when whole 32-element steps fit in its scale
   // blocks); elsewhere, or without AVX512-BF16, they are widened to fp32 (exactly) for the fp32 kernels.
-  const bool bf16_kernels = kPackedBf16 && bf16_acts && (fmt != 0 || blk1 % kFp8StepElems == 0);
+  const bool bf16_kernels = !int8 && kPackedBf16 && bf16_acts && (fmt != 0 || blk1 % kFp8StepElems == 0);
 
   std::vector<float> xf, xe, xo;
   std::vector<uint16_t> xq, hq;
   std::vector<float> xqf, hqf;
   Acts a1, a2;
+  I8Acts xi, hi;
   if (bf16_kernels) {
     std::vector<uint16_t> xg(P * D);
     dynamoe::gather_pairs(d, reinterpret_cast<const uint16_t*>(x.data_ptr()), D, xg.data());
@@ -262,7 +282,8 @@ int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor id
     } else {
       dynamoe::gather_pairs(d, x.data_ptr<float>(), D, xf.data());
     }
-    fp32_layout(fmt, xf.data(), P, D, xe, xo, a1);
+    if (int8) int8_layout(fmt, xf.data(), P, D, xi, a1);
+    else fp32_layout(fmt, xf.data(), P, D, xe, xo, a1);
   }
   std::vector<float> gu(P * F2);
   run(w1, d.groups, a1, bp1, gu.data());
@@ -282,6 +303,7 @@ int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor id
       }
     }
   if (bf16_kernels) bf16_layout(fmt, hb.data(), P, F, hq, hqf, a2);
+  else if (int8) int8_layout(fmt, hbuf.data(), P, F, hi, a2);
   else fp32_layout(fmt, hbuf.data(), P, F, xe, xo, a2);
   std::vector<float> y(P * O);
   run(w2, d.groups, a2, bp2, y.data());

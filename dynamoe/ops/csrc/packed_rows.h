@@ -224,6 +224,15 @@ inline void e8m0_row_scales(const uint8_t* srow, int64_t G, const float* e8m0, f
                                  _mm512_set1_epi32(0x7FC00000));
     _mm512_storeu_si512(gs + g, bits);
   }
+  if (g < G) {  // the last 1..15 groups with masked loads and stores
+    const __mmask16 m = static_cast<__mmask16>((1u << (G - g)) - 1);
+    __m512i bits = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, srow + g)), 23);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(bits, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(bits, _mm512_set1_epi32(0x7F800000)),
+                                 _mm512_set1_epi32(0x7FC00000));
+    _mm512_mask_storeu_epi32(gs + g, m, bits);
+    g = G;
+  }
 #endif
   for (; g < G; ++g) gs[g] = e8m0[srow[g]];
 }
@@ -327,9 +336,9 @@ inline void fp8_bf16_acts(const uint16_t* x, int64_t T, int64_t I, int64_t xs, u
   }
 }
 
-// Several tokens: VDPBF16PS costs about four fp32 FMAs here (its 32 products take twice the issue time of
-// two FMAs' 32), so from two tokens on the decoded bf16 words are widened to fp32 (a shift or a mask per
-// 16) and multiplied with fp32 FMAs against fp32 activations -- the same products (bf16 x FP4 or e4m3 is
+// Several tokens: on Intel VDPBF16PS costs about four fp32 FMAs (its 32 products take twice the issue time of
+// two FMAs' 32), so there from two tokens on the decoded bf16 words are widened to fp32 (a shift or a mask per
+// 16) and multiplied with fp32 FMAs against fp32 activations (see dots_for_tokens) -- the same products (bf16 x FP4 or e4m3 is
 // exact in fp32), fp32 sums. Their layout: per 32 words of a decoded vector, the 16 even words' elements,
 // then the 16 odd words' (the fp32 lanes of the two widened vectors). Same strides as the bf16 layouts.
 inline int64_t fp4_f32_element(int64_t q) {  // position q of a step: widened vector q / 16, lane q % 16
@@ -507,18 +516,30 @@ void fp8_row_wide(const uint8_t* row, int64_t I, const float* xf, int64_t x_stri
   for (int t = 0; t < TT; ++t) out[t * out_stride] = _mm512_reduce_add_ps(acc[t]);
 }
 
-// The bf16-activation rows for TT tokens: the dot-product kernels for one token, the widened ones for more.
-// q / xf: the two layouts of the same activations (same row stride xs).
+// Which kernels take several tokens. Where VDPBF16PS is slow against FMAs (Intel: one port, twice the issue
+// time of two FMAs' products) the widened kernels win; on AMD Zen 4 (VDPBF16PS as cheap as an FMA) the dot
+// products are 2-2.7x the widened kernels' rate at 2..8 tokens (docs/benchmarks.md). Both multiply exactly
+// and sum in fp32; only the order of the sums differs. Decided once per process from the CPU's vendor.
+inline bool dots_for_tokens() {
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return amd;
+}
+
+// The bf16-activation rows for TT tokens: the dot-product kernels for one token (and for several where
+// dots_for_tokens), the widened ones for more. q / xf: the two layouts of the same activations (row stride xs).
 template <int TT, int kBytesPerGroup, class Codec = E2M1Codec>
 void fp4_row_acts(const uint8_t* packed, int64_t h, const uint16_t* q, const float* xf, int64_t xs, const float* gs,
                   float* out, int64_t out_stride) {
-  if constexpr (TT == 1) fp4_row_bf16<1, kBytesPerGroup, Codec>(packed, h, q, xs, gs, out, out_stride);
+  if (TT == 1 || dots_for_tokens()) fp4_row_bf16<TT, kBytesPerGroup, Codec>(packed, h, q, xs, gs, out, out_stride);
   else fp4_row_wide<TT, kBytesPerGroup, Codec>(packed, h, xf, xs, gs, out, out_stride);
 }
 template <int TT>
 void fp8_row_acts(const uint8_t* row, int64_t I, const uint16_t* q, const float* xf, int64_t xs, const float* srow,
                   int64_t b1, float* out, int64_t out_stride) {
-  if constexpr (TT == 1) fp8_row_bf16<1>(row, I, q, xs, srow, b1, out, out_stride);
+  if (TT == 1 || dots_for_tokens()) fp8_row_bf16<TT>(row, I, q, xs, srow, b1, out, out_stride);
   else fp8_row_wide<TT>(row, I, xf, xs, srow, b1, out, out_stride);
 }
 #endif  // DYNAMOE_PACKED_BF16

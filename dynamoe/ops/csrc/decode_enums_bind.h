@@ -1,0 +1,24 @@
+// The enums and the row limit of decode_weights.h bound to Python, in one place: the main extension and any
+// partial build (the scalar-path test binds a few sources compiled with -march=x86-64-v3) call this, so
+// Python reads the same names and values from either. module_local: two such modules in one process (the
+// test's beside the main one) each hold their own Python types for the same C++ enums.
+#pragma once
+#include <torch/extension.h>
+#include "decode_weights.h"
+
+inline void bind_decode_enums(pybind11::module& m) {
+  namespace py = pybind11;
+  m.attr("MAX_ROWS") = py::int_(dynamoe::kMaxRows);
+  py::enum_<dynamoe::Activation>(m, "Activation", py::module_local(),
+                                 "expert activations (the gate part of a GLU, or an FFN's)")
+      .value("silu", dynamoe::kSilu).value("gelu", dynamoe::kGelu).value("gelu_tanh", dynamoe::kGeluTanh)
+      .value("relu", dynamoe::kRelu).value("gpt_oss", dynamoe::kGptOss);
+  py::enum_<dynamoe::RouterKind>(m, "RouterKind", py::module_local(),
+                                 "softmax top-k, or DeepSeek's sigmoid group-limited top-k")
+      .value("softmax", dynamoe::kSoftmaxTopK).value("sigmoid", dynamoe::kSigmoidGroupTopK);
+  py::enum_<dynamoe::WeightFormat>(m, "WeightFormat", py::module_local(), "how expert weights are stored")
+      .value("fp8_block", dynamoe::kFp8Block).value("mxfp4", dynamoe::kMxfp4).value("nvfp4", dynamoe::kNvfp4)
+      .value("int4", dynamoe::kInt4).value("dense", dynamoe::kDense);
+  py::enum_<dynamoe::ExpertKind>(m, "ExpertKind", py::module_local(), "GLU or Tutel's FFN experts")
+      .value("glu", dynamoe::kGlu).value("ffn", dynamoe::kFfn);
+}
