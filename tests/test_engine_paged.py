@@ -312,15 +312,18 @@ def test_real_model_from_a_small_pool_equals_alone(tmp_path, kind):
     engine.cache.pool.check()
 
 
-def test_sliding_window_sequences_longer_than_the_pool(tmp_path):
+@pytest.mark.parametrize("token_budget", [None, 64])
+def test_sliding_window_sequences_longer_than_the_pool(tmp_path, token_budget):
     """Every layer windowed: a sequence holds only its window's blocks (and a chunk's), so one far longer than
-    the whole pool runs, with the tokens of an engine that keeps everything."""
+    the whole pool runs, with the tokens of an engine that keeps everything. A budget larger than the free
+    blocks hold (a fixed 64, or a measured one on a busy machine) shrinks the chunk instead of preempting."""
     from dynamoe.models import load
 
     torch.set_num_threads(1)
     model = load(_tiny_checkpoint(tmp_path, "window"), progress=False)
     prompt = _ids(50, 150, 96)
-    small = GenerationEngine(model, max_seq_len=256, max_batch=2, kv_cache_blocks=8, block_size=8)
+    small = GenerationEngine(model, max_seq_len=256, max_batch=2, kv_cache_blocks=8, block_size=8,
+                             token_budget=token_budget)
     assert small.capacity == 256 and small.cache.num_blocks * 8 == 64
     peak = 0
     r = small.add_request(prompt, GREEDY, 60, ignore_eos=True)

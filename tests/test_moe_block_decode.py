@@ -2,6 +2,8 @@
 moe_decode.moe_decode_with: RMSNorm + router + GLU experts + residual) against the same pieces called one
 after another -- bit for bit, statistics included --, the refusals with their reasons, and the decoder
 layer taking it only where it is that computation."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -129,7 +131,7 @@ def test_block_declines_what_it_does_not_compute():
 
 
 def test_fused_block_is_cached_while_current():
-    """The block's Fused is built once and reused; a routing switch changed in place, a parameter replaced or
+    """The block's Fused is built once and reused; a new routing config, a parameter replaced or
     given new data, and an in-place update of a tensor the struct holds a copy of each make it stale."""
     layer = _layer(GATES["gpt-oss"](), glu="gpt_oss", bias=True)
     block = SparseMoeBlock.__new__(SparseMoeBlock)
@@ -140,7 +142,7 @@ def test_fused_block_is_cached_while_current():
     with torch.inference_mode():
         f = block.decode_fused(h, norm)
         assert f.weights is not None and block.decode_fused(h, norm) is f
-        layer.config.gates[0].k = 1
+        layer.config = dataclasses.replace(layer.config, gates=(dataclasses.replace(layer.config.gates[0], k=1),))
         f2 = block.decode_fused(h, norm)
         assert f2 is not f and f2.weights.top_k == 1
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """Experts sharded over ranks (num_experts_per_device = -n): every adaptive degree r (0, and the
 divisors of n) gives one process's outputs and gradients on the global batch, and switching r
 moves no parameter. Plus the pure shard/merge functions behind it and checkpoint re-sharding."""
+import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
@@ -111,8 +112,7 @@ def sharded_worker(rank, world, n, experts, k, folder):
             torch.testing.assert_close(back[key], t, msg=f"{other_world} {key}")
     # parallel_type spellings: 'model' = r n, 'data' = r 1
     for ptype in ("model", "data"):
-        cfg = mk(-n)
-        cfg.parallel_type = ptype
+        cfg = dataclasses.replace(mk(-n), parallel_type=ptype)
         other = MoELayer(cfg, group=dist.group.WORLD).double()
         other.load_state_dict(layer.state_dict())
         with torch.no_grad():

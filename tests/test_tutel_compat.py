@@ -152,3 +152,30 @@ def test_deepcopy_and_pickle_after_a_forward():
     for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
         torch.testing.assert_close(clone(x), m(x))
         assert clone.l_aux is not None  # set again by its own forward
+
+
+def test_gate_attributes_switch_routing_without_changing_a_shared_config():
+    """Tutel's ``gates[i].top_k`` / ``capacity_factor`` / ``gate_noise`` assignments switch that layer's
+    routing; the GateConfig the caller built (here shared by two layers) never changes."""
+    import dataclasses
+
+    from dynamoe.moe import ExpertConfig, GateConfig, MoEConfig, MoELayer
+
+    gate = GateConfig(type="top", k=2, capacity_factor=0.0)
+    cfg = MoEConfig(model_dim=8, gates=[gate], experts=ExpertConfig(type="ffn", num_experts_per_device=4,
+                                                                   hidden_size_per_expert=12))
+    a, b = MoELayer(cfg), MoELayer(cfg)
+    x = torch.randn(6, 8)
+    a.gates[0].top_k = 1
+    a.gates[0].capacity_factor = 1.5
+    assert a(x).routing_stats.top_k == 1 and a.top_k == 1 and a.config.gates[0].capacity_factor == 1.5
+    assert b(x).routing_stats.top_k == 2 and b.config.gates[0] is gate
+    assert gate.k == 2 and gate.capacity_factor == 0.0 and cfg.gates == (gate,)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        gate.k = 1
+    with pytest.raises(ValueError, match="top_k must be an int >= 1"):
+        a.gates[0].top_k = 0
+    a.config = dataclasses.replace(a.config, gates=(dataclasses.replace(a.config.gates[0], k=3),))
+    assert a.gates[0].top_k == 3 and a(x).routing_stats.top_k == 3
+    with pytest.raises(ValueError, match="config has 2 gates; this layer was built with 1"):
+        a.config = dataclasses.replace(a.config, gates=(gate, gate))

@@ -464,7 +464,8 @@ class GenerationEngine:
     def _prefill(self, events: list[TokenEvent], decoded: int) -> None:
         """Prefill chunks, oldest request first, within the step's token budget: ``token_budget`` minus the
         rows just decoded while others decode (so that a long prompt never stalls them), else up to
-        ``prefill_chunk`` tokens per request. Chunks of equal length run as one batch."""
+        ``prefill_chunk`` tokens per request; a chunk shrinks (to a block at the least) to the blocks free
+        before it preempts a later request. Chunks of equal length run as one batch."""
         limit = min(self.prefill_chunk or self.max_seq_len, self._chunk_cap or self.max_seq_len)
         budget = self._prefill_budget(decoded) if decoded else None
         with self._lock:
@@ -476,6 +477,8 @@ class GenerationEngine:
             if r.state != RUNNING:
                 continue
             n = min(r.num_tokens - r._computed, limit, budget if budget is not None else limit)
+            # a shorter chunk in the free blocks rather than preempting a later request for a longer one
+            n = max(min(n, self.cache.block_size), min(n, self.cache.room(r.slot) - r._computed))
             if not self._make_room(r, r._computed + n, victims_after=True):
                 break   # the pool is full of older requests' blocks: wait for them
             chunks.setdefault(n, []).append(r)

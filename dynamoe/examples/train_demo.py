@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -197,13 +198,14 @@ def enable_balance_loss(model, kind: str = "switch") -> None:
     """Make every MoE layer compute its balance loss ``kind`` (see dynamoe.moe.losses).
 
     The models build their MoE layers for inference (``aux_loss='none'``: no score tensor kept); the
-    layer reads ``config.aux_loss`` at every forward, so switching it on for training is free."""
+    layer reads ``config.aux_loss`` at every forward, so switching it on for training is free (a new,
+    frozen config per layer)."""
     from ..moe.config import AUX_LOSSES
 
     if kind not in AUX_LOSSES:
         raise ValueError(f"kind must be one of {list(AUX_LOSSES)}, got {kind!r}")
     for _, block in model.moe_layers():
-        block.moe.config.aux_loss = kind
+        block.moe.config = dataclasses.replace(block.moe.config, aux_loss=kind)
 
 
 def moe_aux_loss(model) -> Tensor:

@@ -183,6 +183,11 @@ class KVCache:
             new.append(self.pool.allocate(prefer=(new[-1] if new else have[-1]) + 1 if new or have else None))
         self._append(slot, new)
 
+    def room(self, slot: int) -> int:
+        """The length ``slot`` can reach with the blocks it has and those free now (what :meth:`reserve` can
+        take without :class:`OutOfBlocks`), at most ``max_seq_len``."""
+        return min(self.max_seq_len, (len(self._blocks[slot]) + self.pool.num_free) * self.block_size)
+
     def _append(self, slot: int, blocks: list[int]) -> None:
         have = self._blocks[slot]
         n0 = len(have)

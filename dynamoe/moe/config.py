@@ -3,7 +3,9 @@
 Tutel-style dicts (``gate_type={'type': 'top', 'k': 2}``, ``experts={'type': 'ffn', ...}``) are parsed
 once, at the edge, by :func:`gate_config_from_dict` / :func:`expert_config_from_dict`; everything
 inside the layer reads these dataclasses. Unknown keys and bad values raise ``ValueError`` naming
-the key and what is allowed.
+the key and what is allowed. The configs are frozen: a change builds a new one
+(``dataclasses.replace``) and hands it to the layer (e.g. ``MoELayer.set_aux_loss``), so a config
+shared by several layers never changes under one of them.
 """
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ def check_overlap_degree(value: Any) -> int:
     return value
 
 
-@dataclass
+@dataclass(frozen=True)
 class GateConfig:
     """One gate (router).
 
@@ -117,7 +119,7 @@ class GateConfig:
         _check_choice("gate type", self.type, GATE_TYPES)
         if not (self.k is None and self.type == "custom"):
             _check_int("gate k", self.k, 1)
-        self.capacity_factor = check_capacity_factor(self.capacity_factor)
+        object.__setattr__(self, "capacity_factor", check_capacity_factor(self.capacity_factor))
         _check_bool("fp32_gate", self.fp32_gate)
         _check_float("gate_noise", self.gate_noise)
         if self.gate_noise < 0:
@@ -143,7 +145,7 @@ class GateConfig:
             raise ValueError(f"gate 'module' is only allowed with type 'custom', got type {self.type!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExpertConfig:
     """The routed experts (and optional shared experts).
 
@@ -191,7 +193,7 @@ class ExpertConfig:
         if self.type == "glu":
             if self.activation_fn is not None:
                 raise ValueError("glu experts take glu_activation ('silu', 'gelu', 'gelu_tanh', 'relu', 'gpt_oss'), not activation_fn")
-            self.glu_activation = self.glu_activation or "silu"
+            object.__setattr__(self, "glu_activation", self.glu_activation or "silu")
             _check_choice("glu_activation", self.glu_activation, GLU_ACTIVATIONS)
         elif self.glu_activation is not None:
             raise ValueError(f"glu_activation is for experts type 'glu', got type {self.type!r}")
@@ -222,12 +224,12 @@ class ExpertConfig:
             raise ValueError("shared experts go with 'ffn' or 'glu' experts; add them inside a custom module instead")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MoEConfig:
     """Everything the layer needs, validated once."""
 
     model_dim: int
-    gates: list = field(default_factory=lambda: [GateConfig()])
+    gates: tuple = (GateConfig(),)  # a GateConfig or a list of them is accepted and kept as a tuple
     experts: ExpertConfig = field(default_factory=ExpertConfig)
     is_postscore: bool = True
     batch_prioritized_routing: bool = False
@@ -253,10 +255,10 @@ class MoEConfig:
             _check_bool(name, getattr(self, name))
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {self.dtype!r}")
-        if isinstance(self.gates, GateConfig):
-            self.gates = [self.gates]
-        if not self.gates or not all(isinstance(g, GateConfig) for g in self.gates):
-            raise ValueError("gates must be a non-empty list of GateConfig")
+        gates = (self.gates,) if isinstance(self.gates, GateConfig) else self.gates
+        if not isinstance(gates, (list, tuple)) or not gates or not all(isinstance(g, GateConfig) for g in gates):
+            raise ValueError("gates must be a GateConfig or a non-empty list of GateConfig")
+        object.__setattr__(self, "gates", tuple(gates))
         if not isinstance(self.experts, ExpertConfig):
             raise ValueError(f"experts must be an ExpertConfig, got {type(self.experts).__name__}")
         _check_choice("aux_loss", self.aux_loss, AUX_LOSSES)

@@ -8,6 +8,7 @@ state dicts carry over; the DeepSeek selection bias is HF's ``e_score_correction
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 from ..ops.routing import sigmoid_group_topk, softmax_group_topk, softmax_topk
 from .config import GateConfig, check_capacity_factor
 
-__all__ = ["Routing", "LinearGate", "CosineGate", "build_gate", "route", "renormalizes"]
+__all__ = ["Routing", "LinearGate", "CosineGate", "build_gate", "gate_config", "set_gate_config", "route", "renormalizes"]
 
 
 @dataclass
@@ -41,9 +42,10 @@ class Routing:
 
 
 class _TutelGateAttributes:
-    """Tutel's gate attributes ``top_k``, ``capacity_factor`` and ``gate_noise``, read from and written to
-    the gate's config (``routing_config``, set by :func:`build_gate`), so assigning one changes routing
-    as in Tutel."""
+    """Tutel's gate attributes ``top_k``, ``capacity_factor`` and ``gate_noise``, read from the gate's own
+    frozen config (``routing_config``, set by :func:`build_gate` and by its layer). Assigning one gives
+    the gate a new config (never a change to one the caller or another layer holds); the layer's
+    ``config`` follows its gates, so the assignment changes routing as in Tutel."""
 
     routing_config: Optional[GateConfig] = None
 
@@ -60,7 +62,7 @@ class _TutelGateAttributes:
     def top_k(self, k: int) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"top_k must be an int >= 1, got {k!r}")
-        self._cfg().k = k
+        self.routing_config = dataclasses.replace(self._cfg(), k=k)
 
     @property
     def capacity_factor(self) -> float:
@@ -68,7 +70,7 @@ class _TutelGateAttributes:
 
     @capacity_factor.setter
     def capacity_factor(self, value: float) -> None:
-        self._cfg().capacity_factor = check_capacity_factor(value)
+        self.routing_config = dataclasses.replace(self._cfg(), capacity_factor=check_capacity_factor(value))
 
     @property
     def gate_noise(self) -> float:
@@ -78,7 +80,20 @@ class _TutelGateAttributes:
     def gate_noise(self, value: float) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"gate_noise must be a finite number >= 0, got {value!r}")
-        self._cfg().gate_noise = float(value)
+        self.routing_config = dataclasses.replace(self._cfg(), gate_noise=float(value))
+
+
+def gate_config(gate: nn.Module, default: GateConfig) -> GateConfig:
+    """The config ``gate`` routes by: its own (a built-in gate's, changed by Tutel's attributes), or
+    ``default`` for a custom gate module."""
+    cfg = gate.routing_config if isinstance(gate, _TutelGateAttributes) else None
+    return default if cfg is None else cfg
+
+
+def set_gate_config(gate: nn.Module, cfg: GateConfig) -> None:
+    """Give a built-in gate ``cfg`` (a custom gate module keeps what it has)."""
+    if isinstance(gate, _TutelGateAttributes):
+        gate.routing_config = cfg
 
 
 class LinearGate(_TutelGateAttributes, nn.Module):
@@ -143,28 +158,32 @@ class CosineGate(_TutelGateAttributes, nn.Module):
         return logits_TE * torch.clamp(self.temperature, max=self.clamp_max).exp().to(logits_TE.dtype)
 
 
-def build_gate(cfg: GateConfig, model_dim: int, num_experts: int, dtype=None, device=None) -> nn.Module:
-    """The logits module for one gate config."""
+def build_gate(cfg: GateConfig, model_dim: int, num_experts: int, dtype=None,
+               device=None) -> tuple[nn.Module, GateConfig]:
+    """The logits module for one gate config, and the config it routes by: ``cfg`` itself, or for a
+    custom gate with ``k=None`` a new one with the module's own ``top_k`` (Tutel's protocol; 2 when
+    it has none). ``cfg`` is never changed."""
     if cfg.type in ("top", "sigmoid"):
         gate = LinearGate(model_dim, num_experts, cfg.fp32_gate, cfg.type == "sigmoid" or cfg.selection_bias, dtype, device)
         gate.routing_config = cfg
-        return gate
+        return gate, cfg
     if cfg.type == "cosine_top":
         gate = CosineGate(model_dim, num_experts, cfg.fp32_gate, cfg.proj_dim, cfg.init_t, dtype, device)
         gate.routing_config = cfg
-        return gate
+        return gate, cfg
     module = cfg.module
     if isinstance(module, type):
         module = module(model_dim=model_dim, num_global_experts=num_experts, **cfg.module_kwargs)
-    if cfg.k is None:  # Tutel reads k from a custom gate's own top_k
-        k = getattr(module, "top_k", 2)
-        cfg.k = k if isinstance(k, int) and not isinstance(k, bool) else 2
     if not isinstance(module, nn.Module):
         raise ValueError(f"custom gate 'module' must be an nn.Module or a class building one, got {type(module).__name__}")
+    if cfg.k is None:  # Tutel reads k from a custom gate's own top_k
+        k = getattr(module, "top_k", 2)
+        cfg = dataclasses.replace(cfg, k=k if isinstance(k, int) and not isinstance(k, bool) else 2)
     for name in ("gate_noise", "capacity_factor"):  # Tutel gives a custom gate these when it lacks them
         if not hasattr(module, name):
             setattr(module, name, getattr(cfg, name))
-    return module.to(dtype=dtype, device=device) if (dtype is not None or device is not None) else module
+    module = module.to(dtype=dtype, device=device) if (dtype is not None or device is not None) else module
+    return module, cfg
 
 
 def renormalizes(cfg: GateConfig, top_k: int, normalize_gate: bool) -> bool:

@@ -27,7 +27,7 @@ from .exchange import LocalExchange, exchange_for
 from .dispatch import (DispatchPlan, RoutingStats, build_plan, combine_padded, combine_ragged, dispatch_padded,
                        dispatch_ragged)
 from .experts import FFNExperts, GLUExperts, SharedExperts, build_experts
-from .gates import Routing, build_gate, renormalizes, route
+from .gates import Routing, build_gate, gate_config, renormalizes, route, set_gate_config
 from .sharding import FLAT, OUTPUT_BIAS, merge_shards, shard_spec_of
 
 __all__ = ["MoELayer", "LAYOUTS"]
@@ -87,12 +87,16 @@ class MoELayer(nn.Module):
             if scan_expert_func is not None:
                 scan_expert_func(n, p)
 
-        gates = []
+        gates, gate_cfgs = [], []
         for gi, gcfg in enumerate(config.gates):
             if seeds is not None and seeds[0] is not None:
                 torch.manual_seed(seeds[0] + gi)
-            gates.append(build_gate(gcfg, config.model_dim, E, **kw))
+            gate, gcfg = build_gate(gcfg, config.model_dim, E, **kw)
+            gates.append(gate)
+            gate_cfgs.append(gcfg)
         self.gates = nn.ModuleList(gates)
+        if any(a is not b for a, b in zip(gate_cfgs, config.gates)):  # a custom gate's own top_k
+            self.config = dataclasses.replace(config, gates=tuple(gate_cfgs))
         if seeds is not None and len(seeds) > 2 and seeds[2] is not None:
             torch.manual_seed(seeds[2])
         # Assignments per expert and gate since the last update_routing_bias() (training only).
@@ -112,6 +116,31 @@ class MoELayer(nn.Module):
         if self.world_size > 1:
             raise ValueError("an expert-parallel MoE layer cannot be copied or pickled; save its state_dict instead")
         return state
+
+    @property
+    def config(self) -> MoEConfig:
+        """The layer's frozen configuration, its gates' current settings included: Tutel's gate
+        attributes (``layer.gates[0].top_k = 1``) give a gate a new GateConfig, and this follows. To
+        change anything else, assign a new one: ``layer.config = dataclasses.replace(layer.config, ...)``."""
+        cfg = self.__dict__["_config"]
+        gates = self._modules.get("gates")
+        if gates is not None:
+            now = tuple(gate_config(g, c) for g, c in zip(gates, cfg.gates))
+            if any(a is not b for a, b in zip(now, cfg.gates)):
+                cfg = self.__dict__["_config"] = dataclasses.replace(cfg, gates=now)
+        return cfg
+
+    @config.setter
+    def config(self, cfg: MoEConfig) -> None:
+        if not isinstance(cfg, MoEConfig):
+            raise ValueError(f"config must be a MoEConfig, got {type(cfg).__name__}")
+        gates = self._modules.get("gates")
+        if gates is not None:
+            if len(cfg.gates) != len(gates):
+                raise ValueError(f"config has {len(cfg.gates)} gates; this layer was built with {len(gates)}")
+            for g, c in zip(gates, cfg.gates):
+                set_gate_config(g, c)
+        self.__dict__["_config"] = cfg
 
     # ---- Tutel-compatible helpers -------------------------------------------------------------
     @staticmethod
@@ -411,8 +440,9 @@ class MoELayer(nn.Module):
             return Fused(None, holds, str(exc))
 
     def _decode_weights(self, kernels, holds: Holds, h_TD: Tensor, norm: RMSNormSpec | None):
-        key = holds.value(self.decode_key)
-        cfg = holds.attr(self, "config")
+        key = holds.value(self.decode_key)  # (the gates' configs by value: Tutel's gate attributes replace them)
+        self.config  # noqa: B018 -- brings the stored config up to date with the gates'
+        cfg = holds.attr(self, "_config")
         gcfg = cfg.gates[0]
         if self.world_size > 1 or self.sharded_count > 1:
             raise Unfusable("experts are spread over several processes")
@@ -452,8 +482,8 @@ class MoELayer(nn.Module):
                                       gcfg.route_scale, gcfg.n_group, gcfg.topk_group, kind, experts, norm, shared), after
 
     def decode_key(self) -> tuple:
-        """The configuration :meth:`decode_fused` decides on, by value (a config changed in place makes a
-        :class:`~dynamoe.ops.fused.Fused` of it stale); the training flag last."""
+        """The configuration :meth:`decode_fused` decides on, by value (a new config, or a gate's, makes a
+        :class:`~dynamoe.ops.fused.Fused` of the old one stale); the training flag last."""
         cfg = self.config
         gates = tuple(tuple(getattr(g, f.name) for f in dataclasses.fields(g)) for g in cfg.gates)  # every field
         return (gates, cfg.normalize_gate, cfg.aux_loss, cfg.z_loss_coef, cfg.device_loss_groups,
