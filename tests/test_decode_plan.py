@@ -3,6 +3,7 @@ back to back, their weights worked out once) against the layer-by-layer path of 
 same logits, routing statistics and KV cache, bit for bit -- in steady state, after each kind of change
 that makes a plan stale, and where a kernel fails mid-plan."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -110,9 +111,13 @@ def test_a_stale_plan_is_rebuilt(folder, monkeypatch):
     def moe(m, i=0):
         return m.model.layers[i].mlp.moe
 
-    # routing switched at run time (config fields, not modules): renormalisation off, then top-k 2 -> 1
-    assert both(lambda m: setattr(moe(m).config.gates[0], "normalize", False)) == 1
-    assert both(lambda m: setattr(moe(m).config.gates[0], "k", 1)) == 1
+    def gate(m, **change):  # a new routing config for the layer (configs are frozen)
+        cfg = moe(m).config
+        moe(m).config = dataclasses.replace(cfg, gates=(dataclasses.replace(cfg.gates[0], **change),))
+
+    # routing switched at run time (new configs, not modules): renormalisation off, then top-k 2 -> 1
+    assert both(lambda m: gate(m, normalize=False)) == 1
+    assert both(lambda m: gate(m, k=1)) == 1
     assert a.step()[1][0][1] == 1  # the statistics say k = 1
     b.step()
     # weights updated in place: the plan holds the parameters themselves, nothing to rebuild -- but for its

@@ -8,7 +8,7 @@ import torch
 
 from dynamoe import quant
 from dynamoe.moe import ExpertConfig, GateConfig, MoEConfig, MoELayer
-from dynamoe.ops import cpu_kernels, moe_decode
+from dynamoe.ops import cpu_kernels, linear_decode, moe_decode
 from dynamoe.ops.activations import glu_activation
 from dynamoe.quant.matmul import packed_gemv
 
@@ -41,8 +41,8 @@ def _experts(fmt, act="silu", bias=False, E=6, seed=0):
 
 def _call(ex, x, ids, w, bf16_acts):
     """The fused op on packed experts ``ex`` (as moe_decode.packed_glu_decode calls it)."""
-    a1, b1, c1, blk0, blk1 = moe_decode._packed_fields(ex.w1)
-    a2, b2, c2, _, _ = moe_decode._packed_fields(ex.w2)
+    a1, b1, c1, blk0, blk1 = linear_decode.packed_fields(ex.w1)
+    a2, b2, c2, _, _ = linear_decode.packed_fields(ex.w2)
     bias1 = None if ex.b1 is None else ex.b1.float().contiguous()
     bias2 = None if ex.b2 is None else ex.b2.float().contiguous()
     out = torch.empty(x.size(0), ex.w2.shape[1])

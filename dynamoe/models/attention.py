@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..ops import cpu_kernels, linear
 from ..ops.fused import MAX_ROWS, Fused, Holds, Unfusable, slot, struct
+from ..ops.linear_decode import linear_weights
 from ..ops.stacked_linears import stack_linears_, still_stacked
 from .cache import KVCache
 from .norms import RMSNorm
@@ -251,9 +252,6 @@ class Attention(nn.Module):
         """The kernel's ``AttentionWeights``; raises Unfusable with the reason where it does not apply.
         (The kernel norms q/k per head before RoPE, always rotates, does not clamp, and reads the norm
         weight as the scale.) Families whose attention differs override this to say so."""
-        qkv = holds.attr(self, "_qkv")
-        if qkv is None:
-            raise Unfusable("q/k/v projections are not fused into one buffer (Attention.fuse_qkv_)")
         if type(norm) is not RMSNorm or holds.attr(norm, "zero_centered"):
             raise Unfusable(f"the input norm is a {type(norm).__name__} (the kernel takes RMSNorm with its weight as the scale)")
         for name, why in (("qk_norm_all", "q/k norms over all heads"), ("clip_qkv", "q/k/v clipping"),
@@ -262,32 +260,48 @@ class Attention(nn.Module):
                 raise Unfusable(why)
         if not holds.attr(self, "use_rope"):
             raise Unfusable("a layer without RoPE (NoPE)")
-        if not self._still_fused(qkv):
-            raise Unfusable("q/k/v parameters no longer view the fused buffer")
-        for name in ("q_proj", "k_proj", "v_proj"):  # views of the fused buffer: p.data = ... moves them
-            m = holds.module(self, name)
-            for t in (holds.param(m, "weight"), holds.param(m, "bias")):
-                if t is not None:
-                    holds.pointer(t)
+        if dtype not in _DECODE_DTYPES:
+            raise Unfusable(f"steps of {dtype} (the kernel takes bf16 or fp32)")
+        qkv = self._decode_qkv(kernels, holds, dtype)
         o, qn, kn = holds.module(self, "o_proj"), holds.module(self, "q_norm"), holds.module(self, "k_norm")
+        if qn is not None and qn.zero_centered:
+            raise Unfusable("the q/k norms are zero-centred")
         sinks = holds.param(self, "sinks")
-        dt = qkv[0].dtype
-        if dt != dtype or dt not in _DECODE_DTYPES or qkv[0].device.type != "cpu":
-            raise Unfusable(f"weights of {dt} on {qkv[0].device.type} for steps of {dtype} (the kernel takes one of "
-                            "bf16/fp32 on the CPU)")
-        if not isinstance(o, nn.Linear) or (qn is not None and qn.zero_centered):
-            raise Unfusable("o_proj is not a plain linear or the q/k norms are zero-centred")
-        norm_w, o_w, o_b = holds.param(norm, "weight"), holds.param(o, "weight"), holds.param(o, "bias")
+        norm_w = holds.param(norm, "weight")
         qn_w = None if qn is None else holds.param(qn, "weight")
         kn_w = None if kn is None else holds.param(kn, "weight")
-        if o_w.dtype != dt or norm_w.dtype != dt or (qn_w is not None and qn_w.dtype != dt):
-            raise Unfusable("the norm, q/k norm and o_proj weights are not all of the projections' dtype")
+        if norm_w.dtype != dtype or (qn_w is not None and qn_w.dtype != dtype) or norm_w.device.type != "cpu":
+            raise Unfusable(f"the norm and q/k norm weights are not CPU {dtype}")
         return struct(kernels.AttentionWeights, holds, norm_w=norm_w, norm_eps=float(holds.attr(norm, "eps")),
-                      norm_fp32=bool(holds.attr(norm, "weight_in_fp32")), w_qkv=qkv[0], b_qkv=qkv[1], q_norm=qn_w,
+                      norm_fp32=bool(holds.attr(norm, "weight_in_fp32")), qkv=qkv, q_norm=qn_w,
                       k_norm=kn_w, qk_eps=1e-6 if qn is None else float(holds.attr(qn, "eps")),
                       interleaved=bool(holds.attr(self, "rope_interleaved")),
                       window=int(holds.attr(self, "sliding_window") or 0), sinks=holds.fp32(sinks),
-                      scale=float(holds.attr(self, "scale")), w_o=o_w, b_o=o_b)
+                      scale=float(holds.attr(self, "scale")), o=linear_weights(kernels, holds, o, dtype, "o_proj"))
+
+    def _decode_qkv(self, kernels, holds: Holds, dtype: torch.dtype) -> list:
+        """The q/k/v projections as the kernel reads them: the one fused dense buffer (:meth:`fuse_qkv_`), or
+        q, k and v apart where they are packed (dynamoe.quant.QuantizedLinear)."""
+        qkv = holds.attr(self, "_qkv")
+        mods = [holds.module(self, name) for name in ("q_proj", "k_proj", "v_proj")]
+        dense = any(isinstance(m, nn.Linear) for m in mods)
+        if qkv is not None and not self._still_fused(qkv):
+            if dense:
+                raise Unfusable("q/k/v parameters no longer view the fused buffer")
+            qkv = None  # (the projections were replaced by packed ones since)
+        if qkv is None:
+            if dense:
+                raise Unfusable("q/k/v projections are not fused into one buffer (Attention.fuse_qkv_)")
+            return [linear_weights(kernels, holds, m, dtype, name) for m, name in zip(mods, ("q_proj", "k_proj", "v_proj"))]
+        for m in mods:  # views of the fused buffer: p.data = ... moves them
+            for t in (holds.param(m, "weight"), holds.param(m, "bias")):
+                if t is not None:
+                    holds.pointer(t)
+        w, b = qkv
+        if w.dtype != dtype or w.device.type != "cpu":
+            raise Unfusable(f"weights of {w.dtype} on {w.device.type} for steps of {dtype} (the kernel takes one of "
+                            "bf16/fp32 on the CPU)")
+        return [struct(kernels.LinearWeights, holds, format=kernels.WeightFormat.dense, w=w, bias=b)]
 
     def decode_with(self, fused: Fused, h_BD: Tensor, rows: tuple, cache: KVCache, slots: Tensor) -> Tensor:
         """The kernel call of :meth:`decode_step` with ``fused`` from :meth:`decode_fused` (h [B, D]

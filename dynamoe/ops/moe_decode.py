@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import cpu_kernels
 from .fused import MAX_ROWS, Holds, RMSNormSpec, Unfusable, struct
+from .linear_decode import PACKED_FORMATS, int4_kernel_applies, packed_acts, packed_fields
 
 __all__ = ["route_decode", "glu_decode", "ffn_decode", "packed_glu_decode", "moe_weights", "moe_decode_with",
            "glu_mlp_fields", "dense_mlp_weights"]
@@ -146,15 +147,15 @@ def _expert_fields(kernels, holds: Holds, h_TD: Tensor, kind: str, experts) -> d
     for t in experts._buffers.values():  # the struct holds tensors derived from them (scales, views)
         holds.derived(t)
     w1, w2 = experts.w1, experts.w2
-    a1, b1, c1, blk0, blk1 = _packed_fields(w1)
-    a2, b2, c2, _, _ = _packed_fields(w2)
+    a1, b1, c1, blk0, blk1 = packed_fields(w1)
+    a2, b2, c2, _, _ = packed_fields(w2)
     return dict(kind=kernels.ExpertKind.glu, format=kernels.WeightFormat.__members__[w1.format],
                 act=kernels.Activation.__members__[holds.attr(experts, "glu_kind")],
                 alpha=float(holds.attr(experts, "alpha")), limit=float(holds.attr(experts, "limit")),
                 w1=a1, w1b=b1, w1c=c1, w2=a2, w2b=b2, w2c=c2, blk0=int(blk0), blk1=int(blk1),
                 b1=holds.fp32(experts.b1), b2=holds.fp32(experts.b2),
                 bf16_acts=bool(dt == torch.bfloat16 and kernels.has_avx512_bf16()),
-                acts=_packed_acts(kernels, holds.attr(experts, "act_quant"), w1.format))
+                acts=packed_acts(kernels, holds.attr(experts, "act_quant"), w1.format))
 
 
 def glu_mlp_fields(kernels, holds: Holds, dtype: torch.dtype, gate_up: tuple, down, act: str, alpha: float = 1.702,
@@ -266,33 +267,6 @@ def ffn_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tup
 
 
 #: the packed formats the kernels decode (csrc/decode_weights.h's WeightFormat but dense)
-PACKED_FORMATS = ("fp8_block", "mxfp4", "nvfp4", "int4")
-INT8_ACT_FORMATS = ("mxfp4", "nvfp4", "int4")  # the formats with int8-activation kernels (csrc/packed_int8.h)
-
-
-def _packed_acts(kernels, act_quant, fmt: str):
-    """The kernels' PackedActs for an experts module's ``act_quant`` (a dynamoe.quant.ActQuant, which is a str):
-    None -> exact, 'int8' -> int8 for the 4-bit formats; None (no kernel) otherwise -- 'fp8' activations
-    and int8 with FP8 weights are simulated by the general path."""
-    if act_quant is None:
-        return kernels.PackedActs.exact
-    if act_quant == "int8" and fmt in INT8_ACT_FORMATS:
-        return kernels.PackedActs.int8
-    return None
-
-
-def _packed_fields(w) -> tuple[Tensor, Tensor, Tensor, int, int]:
-    """(a, b, c, block0, block1) of a stacked packed weight, as csrc/moe_decode_packed.cpp takes them."""
-    fmt = w.format
-    if fmt == "fp8_block":
-        return w.weight.view(torch.uint8), w.scales().contiguous(), torch.empty(0), w.block[0], w.block[1]
-    if fmt == "mxfp4":
-        return w.blocks, w.scales, torch.empty(0), 1, 1
-    if fmt == "int4":  # the int32 words as their bytes (the FP4 nibble order); block0 = the group size
-        return w.weight_packed.view(torch.uint8), w.weight_scale, torch.empty(0), w.group_size, 1
-    return (w.weight, w.weight_scale.view(torch.uint8), w.weight_scale_2.float().reshape(-1).contiguous(), 1, 1)
-
-
 def _packed_refusal(kernels, experts, x_TD: Tensor) -> str | None:
     """Why the packed GLU experts kernel does not apply to ``experts`` for steps like ``x_TD`` (None: it does)."""
     T = x_TD.size(0)
@@ -304,16 +278,14 @@ def _packed_refusal(kernels, experts, x_TD: Tensor) -> str | None:
     if getattr(experts, "kind", None) != "glu" or experts.glu_kind not in acts:
         return f"packed {getattr(experts, 'kind', None)} experts (the kernel takes GLU experts with {', '.join(acts)})"
     w1, w2 = experts.w1, experts.w2
-    if _packed_acts(kernels, getattr(experts, "act_quant", None), w1.format) is None:
-        return f"activation quantization {experts.act_quant!r} with {w1.format} weights (simulated by the general path)"
+    if packed_acts(kernels, getattr(experts, "act_quant", None), w1.format) is None:
+        return f"activation quantization '{experts.act_quant.value}' with {w1.format} weights (simulated by the general path)"
     if w1.format not in PACKED_FORMATS or w2.format != w1.format or w1.device.type != "cpu":
         return f"packed formats {w1.format}/{w2.format} on {w1.device.type}"
     if w1.format == "fp8_block" and tuple(w1.block) != tuple(w2.block):
         return "FP8 block sizes differ between the projections"
-    if w1.format == "int4" and (w1.group_size != w2.group_size or not all(
-            w.shape[-1] % 16 == 0 and w.group_size % 16 == 0 and w.weight_packed.is_contiguous()
-            and w.weight_scale.is_contiguous() for w in (w1, w2))):
-        return "INT4 groups not whole multiples of 16 elements"  # (dynamoe.quant.matmul.int4_kernel_applies)
+    if w1.format == "int4" and (w1.group_size != w2.group_size or not all(int4_kernel_applies(w) for w in (w1, w2))):
+        return "INT4 groups not whole multiples of 16 elements"
     return None
 
 
@@ -331,9 +303,9 @@ def packed_glu_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts)
     if k is None or _packed_refusal(k, experts, x_TD) is not None:
         return None
     w1, w2 = experts.w1, experts.w2
-    acts = _packed_acts(k, getattr(experts, "act_quant", None), w1.format)
-    a1, b1, c1, blk0, blk1 = _packed_fields(w1)
-    a2, b2, c2, _, _ = _packed_fields(w2)
+    acts = packed_acts(k, getattr(experts, "act_quant", None), w1.format)
+    a1, b1, c1, blk0, blk1 = packed_fields(w1)
+    a2, b2, c2, _, _ = packed_fields(w2)
     bias1 = None if experts.b1 is None else experts.b1.float().contiguous()
     bias2 = None if experts.b2 is None else experts.b2.float().contiguous()
     bf16_acts = x_TD.dtype == torch.bfloat16 and k.has_avx512_bf16()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops import cpu_kernels
+from ..ops.linear_decode import int4_kernel_applies
 from ..ops.triton import FLOAT_DTYPES, use_triton
 from .act_quant import ACT_QUANT, ActQuant, act_quant_of, fp8_activation_quant, int8_activation_quant
 from .base import QuantizedWeight
@@ -56,14 +57,6 @@ def packed_gemv(x_TI: Tensor, w: QuantizedWeight, act_quant: ActQuant | str | No
     if isinstance(w, INT4Weight) and int4_kernel_applies(w):
         return k.int4_gemv(x, w.weight_packed.view(torch.uint8), w.weight_scale, w.group_size, acts)
     return None
-
-
-def int4_kernel_applies(w: INT4Weight) -> bool:
-    """Whether the CPU kernels take this INT4 weight: in_features and group_size multiples of 16 (whole
-    kernel groups of 16 or 32 elements), contiguous packed words and scales. Other shapes run the
-    dequantize-then-matmul path (same results)."""
-    return (w.shape[-1] % 16 == 0 and w.group_size % 16 == 0 and w.weight_packed.is_contiguous()
-            and w.weight_scale.is_contiguous())
 
 
 def _no_grad(*ts: Tensor | None) -> bool:

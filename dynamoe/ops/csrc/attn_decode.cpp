@@ -5,7 +5,8 @@
 //   offset pos_b % bs; per query head, softmax(q k_j^T *
 //   scale) over the keys j of its KV head in [pos_b - window + 1, pos_b] (all of 0..pos_b without a
 //   window), with an optional per-head sink logit in the softmax's denominator (GPT-OSS);
-//   out_b = h_b + (attention W_o^T (+ b)). The projections run as GEMVs over all B rows at once.
+//   out_b = h_b + (attention W_o^T (+ b)). The projections run as GEMVs over all B rows at once: dense ones
+//   through gemv_blocks.h, packed ones (LinearWeights, decode_weights.h) through packed_gemv.cpp's kernels.
 // It replaces ~40 small ops per layer and step. Roundings follow the op-by-op path where it rounds
 // (projections, norms, RoPE, the attention output and the residual sum in x's dtype); the attention
 // itself is fp32 (scores, softmax, weighted sum), as SDPA computes it on CPU.
@@ -32,6 +33,58 @@ void gemv(const scalar_t* x, int64_t B, const scalar_t* w, int64_t O, int64_t I,
     for (int64_t b = begin; b < end; ++b)
       dynamoe::row_block(w, O, I, b * dynamoe::kGemvRowBlock, x, I, B, bias, out, O);
   });
+}
+
+// one projection: out [B, ld] columns [col, col + O) = x [B, I] W^T + b, rounded to the dtype. Dense: the
+// GEMV above; packed: the format's kernel (fp32 y), the fp32 bias added, then rounded (QuantizedLinear)
+template <typename scalar_t>
+int64_t linear_rows(const scalar_t* x, int64_t B, int64_t I, const dynamoe::LinearWeights& lw, c10::ScalarType dt,
+                    const char* name, scalar_t* out, int64_t ld, int64_t col) {
+  const torch::Tensor& w = lw.w;
+  TORCH_CHECK(w.defined() && w.dim() >= 2 && w.is_contiguous() && w.device().is_cpu(), name,
+              ": the weight must be a contiguous CPU tensor");
+  const int64_t O = w.size(0);
+  TORCH_CHECK(col + O <= ld, name, ": ", O, " outputs at column ", col, " overrun the ", ld, " of the block");
+  if (lw.format == dynamoe::kDense) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == I && w.scalar_type() == dt, name, ": a dense weight must be [", O, ", ", I,
+                "] of h's dtype");
+    const scalar_t* bias = nullptr;
+    if (lw.bias.has_value()) {
+      TORCH_CHECK(lw.bias->numel() == O && lw.bias->is_contiguous() && lw.bias->scalar_type() == dt, name,
+                  ": a dense bias must be contiguous [", O, "] of h's dtype");
+      bias = lw.bias->data_ptr<scalar_t>();
+    }
+    if (col == 0 && O == ld) {
+      gemv(x, B, w.data_ptr<scalar_t>(), O, I, bias, out);
+    } else {
+      std::vector<scalar_t> y(B * O);
+      gemv(x, B, w.data_ptr<scalar_t>(), O, I, bias, y.data());
+      for (int64_t b = 0; b < B; ++b) std::copy(y.data() + b * O, y.data() + (b + 1) * O, out + b * ld + col);
+    }
+    return O;
+  }
+  TORCH_CHECK(lw.scale.has_value(), name, ": a packed weight needs its scale");
+  const torch::Tensor xt = torch::from_blob(const_cast<scalar_t*>(x), {B, I}, torch::TensorOptions().dtype(dt));
+  torch::Tensor y;
+  switch (lw.format) {
+    case dynamoe::kFp8Block: y = fp8_block_gemv(xt, w, *lw.scale, lw.blk0, lw.blk1, lw.acts); break;
+    case dynamoe::kMxfp4: y = mxfp4_gemv(xt, w, *lw.scale, lw.acts); break;
+    case dynamoe::kNvfp4: y = nvfp4_gemv(xt, w, *lw.scale, lw.global_scale, lw.acts); break;
+    case dynamoe::kInt4: y = int4_gemv(xt, w, *lw.scale, lw.blk0, lw.acts); break;
+    default: TORCH_CHECK(false, name, ": unknown weight format ", static_cast<int64_t>(lw.format));
+  }
+  TORCH_CHECK(y.size(0) == B && y.size(1) == O, name, ": the packed kernel gave ", y.sizes(), " for ", O, " outputs");
+  const float* bias = nullptr;
+  if (lw.bias.has_value()) {
+    TORCH_CHECK(lw.bias->numel() == O && lw.bias->is_contiguous() && lw.bias->scalar_type() == torch::kFloat, name,
+                ": a packed weight's bias must be contiguous fp32 [", O, "]");
+    bias = lw.bias->data_ptr<float>();
+  }
+  const float* yp = y.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t o = 0; o < O; ++o)
+      out[b * ld + col + o] = static_cast<scalar_t>(bias ? yp[b * O + o] + bias[o] : yp[b * O + o]);
+  return O;
 }
 
 // The paged cache: [K, NB, bs, d] blocks of bs positions; a row's position j is in block table[slot][j / bs].
@@ -103,13 +156,13 @@ const scalar_t* opt_ptr(const c10::optional<torch::Tensor>& t, int64_t n, c10::S
 
 template <typename scalar_t>
 void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double norm_eps, bool norm_weight_fp32,
-                 const torch::Tensor& w_qkv, const c10::optional<torch::Tensor>& b_qkv,
+                 const std::vector<dynamoe::LinearWeights>& w_qkv,
                  const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm, double qk_eps,
                  const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved, torch::Tensor& k_cache,
                  torch::Tensor& v_cache, const torch::Tensor& block_table, const torch::Tensor& slots,
                  const torch::Tensor& positions, int64_t window,
-                 const c10::optional<torch::Tensor>& sinks, double scale, const torch::Tensor& w_o,
-                 const c10::optional<torch::Tensor>& b_o, torch::Tensor& out) {
+                 const c10::optional<torch::Tensor>& sinks, double scale, const dynamoe::LinearWeights& w_o,
+                 torch::Tensor& out) {
   const c10::ScalarType dt = h.scalar_type();
   TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= dynamoe::kMaxRows,
               "h must be [B, D] with 1 <= B <= ", dynamoe::kMaxRows);
@@ -122,13 +175,16 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
               "block_table must be contiguous int64 [slots, blocks per slot]");
   const Paged pg{k_cache.size(1), k_cache.size(2), d, block_table.size(1), block_table.data_ptr<int64_t>()};
   const int64_t S = block_table.size(0), L = pg.width * pg.bs;
-  TORCH_CHECK(w_o.dim() == 2 && w_o.size(0) == D && w_o.size(1) % d == 0 && w_o.is_contiguous() && w_o.scalar_type() == dt,
-              "w_o must be contiguous [", D, ", H * ", d, "] of h's dtype");
-  const int64_t H = w_o.size(1) / d;
+  TORCH_CHECK(w_qkv.size() == 1 || w_qkv.size() == 3, "qkv must hold one stacked projection, or q, k and v");
+  int64_t Q = 0;
+  for (const auto& lw : w_qkv) {
+    TORCH_CHECK(lw.w.defined() && lw.w.dim() >= 2, "qkv: every projection needs its weight");
+    Q += lw.w.size(0);
+  }
+  TORCH_CHECK(w_o.w.defined() && w_o.w.dim() >= 2 && w_o.w.size(0) == D, "o must project to ", D, " features");
+  TORCH_CHECK(Q % d == 0 && (Q / d - 2 * K) >= K, "qkv gives ", Q, " outputs: not (H + 2 K) heads of ", d);
+  const int64_t H = Q / d - 2 * K;
   TORCH_CHECK(H % K == 0, "query heads ", H, " must be a multiple of the KV heads ", K);
-  const int64_t Q = (H + 2 * K) * d;
-  TORCH_CHECK(w_qkv.dim() == 2 && w_qkv.size(0) == Q && w_qkv.size(1) == D && w_qkv.is_contiguous() &&
-              w_qkv.scalar_type() == dt, "w_qkv must be contiguous [", Q, ", ", D, "] of h's dtype");
   TORCH_CHECK(norm_w.numel() == D && norm_w.is_contiguous() && norm_w.scalar_type() == dt, "norm_w must be [", D, "]");
   TORCH_CHECK(slots.numel() == B && positions.numel() == B && slots.scalar_type() == torch::kLong &&
               positions.scalar_type() == torch::kLong && slots.is_contiguous() && positions.is_contiguous(),
@@ -157,18 +213,17 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
                 "sinks must be contiguous fp32 [", H, "]");
     sk = sinks->data_ptr<float>();
   }
-  const scalar_t* bqkv = opt_ptr<scalar_t>(b_qkv, Q, dt, "b_qkv");
   const scalar_t* qn = opt_ptr<scalar_t>(q_norm, d, dt, "q_norm");
   const scalar_t* kn = opt_ptr<scalar_t>(k_norm, d, dt, "k_norm");
   TORCH_CHECK((qn == nullptr) == (kn == nullptr), "q_norm and k_norm go together");
-  const scalar_t* bo = opt_ptr<scalar_t>(b_o, D, dt, "b_o");
 
   const scalar_t* hp = h.data_ptr<scalar_t>();
   std::vector<scalar_t> x(B * D), qkv(B * Q), tmp(d), q(B * H * d), attn(B * H * d), o(B * D);
   for (int64_t b = 0; b < B; ++b)
     dynamoe::rms_row(hp + b * D, norm_w.data_ptr<scalar_t>(), D, static_cast<float>(norm_eps), norm_weight_fp32,
                      x.data() + b * D);
-  gemv(x.data(), B, w_qkv.data_ptr<scalar_t>(), Q, D, bqkv, qkv.data());
+  for (int64_t i = 0, col = 0; i < static_cast<int64_t>(w_qkv.size()); ++i)
+    col += linear_rows(x.data(), B, D, w_qkv[i], dt, "qkv", qkv.data(), Q, col);
   const float qe = static_cast<float>(qk_eps);
   scalar_t* kc = k_cache.data_ptr<scalar_t>();
   scalar_t* vc = v_cache.data_ptr<scalar_t>();
@@ -189,7 +244,7 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
       std::copy(row + (H + K + g) * d, row + (H + K + g + 1) * d, vc + pg.at(sp[b], g, pp[b]));
   }
   attend(q.data(), kc, vc, pg, sp, pp, window, B, H, K, static_cast<float>(scale), sk, attn.data());
-  gemv(attn.data(), B, w_o.data_ptr<scalar_t>(), D, H * d, bo, o.data());
+  linear_rows(attn.data(), B, H * d, w_o, dt, "o", o.data(), D, 0);
   scalar_t* op = out.data_ptr<scalar_t>();
   for (int64_t i = 0; i < B * D; ++i) op[i] = static_cast<scalar_t>(static_cast<float>(hp[i]) + static_cast<float>(o[i]));
 }
@@ -199,18 +254,17 @@ void attn_decode_out(torch::Tensor h, const dynamoe::AttentionWeights& w, torch:
                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slots,
                      torch::Tensor positions, torch::Tensor out) {
   TORCH_CHECK(h.is_contiguous() && h.device().is_cpu(), "h must be a contiguous CPU tensor [B, D]");
-  TORCH_CHECK(w.norm_w.defined() && w.w_qkv.defined() && w.w_o.defined(),
-              "AttentionWeights needs norm_w, w_qkv and w_o");
+  TORCH_CHECK(w.norm_w.defined(), "AttentionWeights needs norm_w");
   switch (h.scalar_type()) {
     case torch::kBFloat16:
-      attn_decode<c10::BFloat16>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.w_qkv, w.b_qkv, w.q_norm, w.k_norm, w.qk_eps,
-                                 cos, sin, w.interleaved, k_cache, v_cache, block_table, slots, positions, w.window,
-                                 w.sinks, w.scale, w.w_o, w.b_o, out);
+      attn_decode<c10::BFloat16>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.qkv, w.q_norm, w.k_norm, w.qk_eps, cos, sin,
+                                 w.interleaved, k_cache, v_cache, block_table, slots, positions, w.window, w.sinks,
+                                 w.scale, w.o, out);
       break;
     case torch::kFloat:
-      attn_decode<float>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.w_qkv, w.b_qkv, w.q_norm, w.k_norm, w.qk_eps, cos, sin,
+      attn_decode<float>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.qkv, w.q_norm, w.k_norm, w.qk_eps, cos, sin,
                          w.interleaved, k_cache, v_cache, block_table, slots, positions, w.window, w.sinks, w.scale,
-                         w.w_o, w.b_o, out);
+                         w.o, out);
       break;
     default:
       TORCH_CHECK(false, "h must be bf16 or fp32, got ", h.scalar_type());

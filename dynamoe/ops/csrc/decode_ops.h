@@ -35,6 +35,15 @@ void route_decode_out(torch::Tensor x, torch::Tensor w, c10::optional<torch::Ten
                       c10::optional<torch::Tensor> sel_bias, int64_t kind, bool renormalize, double scale,
                       int64_t n_group, int64_t topk_group, torch::Tensor ids, torch::Tensor weights);
 
+// packed_gemv.cpp: y [T, O] fp32 = x [T, I] W^T straight from a packed W (dynamoe.quant.matmul.packed_gemv)
+torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor blocks, torch::Tensor scales, dynamoe::packed::PackedActs acts);
+torch::Tensor nvfp4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, double global_scale,
+                         dynamoe::packed::PackedActs acts);
+torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t group,
+                        dynamoe::packed::PackedActs acts);
+torch::Tensor fp8_block_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale_inv, int64_t b0, int64_t b1,
+                             dynamoe::packed::PackedActs acts);
+
 // attn_decode.cpp: h [B, D] -> out = h + attention block (see decode_weights.h)
 void attn_decode_out(torch::Tensor h, const dynamoe::AttentionWeights& w, torch::Tensor cos, torch::Tensor sin,
                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slots,

@@ -25,8 +25,8 @@ struct Layer {
 class DecodeStack {
  public:
   void add_layer(const AttentionWeights& attn, const MoEWeights& moe) {
-    TORCH_CHECK(attn.norm_w.defined() && attn.w_qkv.defined() && attn.w_o.defined(),
-                "AttentionWeights needs norm_w, w_qkv and w_o");
+    TORCH_CHECK(attn.norm_w.defined() && (attn.qkv.size() == 1 || attn.qkv.size() == 3) && attn.o.w.defined(),
+                "AttentionWeights needs norm_w, qkv (one stacked projection, or q, k and v) and o");
     TORCH_CHECK(!moe.routed || (moe.gate_w.defined() && moe.w1.defined() && moe.w2.defined()),
                 "MoEWeights needs gate_w, w1 and w2 (or routed = false)");
     TORCH_CHECK(moe.routed || moe.shared_w1.has_value(), "a dense layer's MoEWeights needs shared_w1 and shared_w2");
@@ -76,14 +76,22 @@ class DecodeStack {
 };
 
 template <typename T>
+void bind_linear(pybind11::class_<T>& c) {
+  c.def(pybind11::init<>())
+      .def_readwrite("format", &T::format).def_readwrite("w", &T::w).def_readwrite("scale", &T::scale)
+      .def_readwrite("global_scale", &T::global_scale).def_readwrite("blk0", &T::blk0).def_readwrite("blk1", &T::blk1)
+      .def_readwrite("bias", &T::bias).def_readwrite("acts", &T::acts)
+      .def_property_readonly("out_features", &T::out_features);
+}
+
+template <typename T>
 void bind_attention(pybind11::class_<T>& c) {
   c.def(pybind11::init<>())
       .def_readwrite("norm_w", &T::norm_w).def_readwrite("norm_eps", &T::norm_eps)
-      .def_readwrite("norm_fp32", &T::norm_fp32).def_readwrite("w_qkv", &T::w_qkv).def_readwrite("b_qkv", &T::b_qkv)
+      .def_readwrite("norm_fp32", &T::norm_fp32).def_readwrite("qkv", &T::qkv)
       .def_readwrite("q_norm", &T::q_norm).def_readwrite("k_norm", &T::k_norm).def_readwrite("qk_eps", &T::qk_eps)
       .def_readwrite("interleaved", &T::interleaved).def_readwrite("window", &T::window)
-      .def_readwrite("sinks", &T::sinks).def_readwrite("scale", &T::scale).def_readwrite("w_o", &T::w_o)
-      .def_readwrite("b_o", &T::b_o);
+      .def_readwrite("sinks", &T::sinks).def_readwrite("scale", &T::scale).def_readwrite("o", &T::o);
 }
 
 template <typename T>
@@ -113,6 +121,8 @@ void bind_moe(pybind11::class_<T>& c) {
 void register_decode_stack(pybind11::module& m) {
   namespace py = pybind11;
   bind_decode_enums(m);
+  py::class_<dynamoe::LinearWeights> linear(m, "LinearWeights", "one Linear, dense or packed (decode_weights.h)");
+  bind_linear(linear);
   py::class_<AttentionWeights> attn(m, "AttentionWeights", "what a fused attention block reads (decode_weights.h)");
   bind_attention(attn);
   py::class_<MoEWeights> moe(m, "MoEWeights", "what a fused MoE layer / block reads (decode_weights.h)");

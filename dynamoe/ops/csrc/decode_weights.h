@@ -7,6 +7,7 @@
 #pragma once
 #include <torch/extension.h>
 #include <cstdint>
+#include <vector>
 
 namespace dynamoe::packed {
 enum class PackedActs : int64_t;  // packed_int8.h: exact (0) or int8 (1) activations for the packed kernels
@@ -28,21 +29,37 @@ enum ExpertKind : int64_t { kGlu = 0, kFfn = 1 };
 
 using OptTensor = c10::optional<torch::Tensor>;
 
+// One Linear (y = x W^T + b, W [O, I]) as the decode kernels read it: dense (w of h's dtype, bias of h's
+// dtype, through the GEMV of gemv_blocks.h) or packed (dynamoe.quant's fields, through packed_gemv.cpp's
+// kernels: y in fp32, the fp32 bias added, rounded to h's dtype -- what QuantizedLinear computes).
+//   fp8_block: w uint8 e4m3 [O, I], scale fp32 [O/blk0, I/blk1] (scale_inv), blk0 x blk1 blocks
+//   mxfp4:     w uint8 blocks [O, I/32, 16], scale uint8 e8m0 [O, I/32]
+//   nvfp4:     w uint8 [O, I/2], scale uint8 (e4m3 bytes) [O, I/16], global_scale
+//   int4:      w uint8 (the int32 words' bytes) [O, I/2], scale bf16 [O, I/blk0], blk0 = the group size
+struct LinearWeights {
+  WeightFormat format = kDense;
+  torch::Tensor w;
+  OptTensor scale;
+  double global_scale = 1.0;
+  int64_t blk0 = 1, blk1 = 1;
+  OptTensor bias;                // [O]: dense, of h's dtype; packed, fp32
+  packed::PackedActs acts{};     // packed: exact activations, or int8 (4-bit formats)
+  int64_t out_features() const { return w.size(0); }
+};
+
 // h -> h + o_proj(attention(RoPE(qk-norm(qkv(RMSNorm(h)))))) (csrc/attn_decode.cpp)
 struct AttentionWeights {
   torch::Tensor norm_w;          // [D] of h's dtype
   double norm_eps = 1e-6;
   bool norm_fp32 = false;        // the norm weight applied in fp32 before the cast back (dynamoe.models.RMSNorm)
-  torch::Tensor w_qkv;           // [(H + 2K) d, D]
-  OptTensor b_qkv;               // [(H + 2K) d]
+  std::vector<LinearWeights> qkv;  // one stacked [(H + 2K) d, D] projection, or q, k and v apart
   OptTensor q_norm, k_norm;      // [d] per-head RMSNorm weights (together or neither)
   double qk_eps = 1e-6;
   bool interleaved = false;      // RoPE on (even, odd) pairs instead of halves
   int64_t window = 0;            // sliding window (0: none)
   OptTensor sinks;               // fp32 [H] per-head sink logits
   double scale = 1.0;            // softmax scale
-  torch::Tensor w_o;             // [D, H d]
-  OptTensor b_o;                 // [D]
+  LinearWeights o;               // [D, H d]
 };
 
 // [out =] [h +] experts(route(norm(h))) [+ shared(norm(h))]: the MoE sub-block of a decoder layer (with
