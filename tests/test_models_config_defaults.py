@@ -63,10 +63,15 @@ FAMILIES = {
     "mistral4": ("Mistral4Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     "flint": ("FlintConfig", {}),
     "granitemoe_swa": ("GraniteMoeSWAConfig", dict(intermediate_size=32)),
+    # Llama-4's text model, and the vision wrapper around it
+    "llama4_text": ("Llama4TextConfig", {}),
+    "llama4": ("Llama4Config", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
-           "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config")}
+           "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
+           "llama4": ("text_config",)}
+LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
@@ -92,6 +97,8 @@ def _hf_moe_layers(hf, mt):
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
                 for i in range(n)]
+    if mt in LLAMA4:
+        return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     return [i >= hf.first_k_dense_replace for i in range(n)]
@@ -165,9 +172,9 @@ FIELDS = {
     "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt == "hunyuan_v1_moe" else hf.ffn_config.moe_top_k
                             if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
-    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2",
+    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-                                                                          "hunyuan_v1_moe")
+                                                                          "hunyuan_v1_moe"} | LLAMA4
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
@@ -200,7 +207,13 @@ FIELDS = {
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, QWEN3_RULE),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
-                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa"}),
+                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa"} | LLAMA4),
+    # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
+    "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
+                        lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, LLAMA4)
+       for name in ("attention_chunk_size", "attn_temperature_tuning", "floor_scale", "attn_scale", "use_qk_norm",
+                    "intermediate_size_mlp", "intermediate_size")},
     # Kimi-Linear: one head count and size for KDA's keys and values
     **{f"{ours}_kimi": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
                         {"kimi_linear"})
@@ -323,6 +336,11 @@ def test_omitted_fields_default_as_transformers(mt):
     ("granitemoe_swa", {"sliding_window": 32, "shared_intermediate_size": 16}),
     ("flint", {"num_hidden_layers": 9, "mlp_only_layers": [], "sliding_window": 64}),
     ("mistral4", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.2}}),
+    # Llama-4: MoE every 2nd layer, NoPE every 2nd, no chunking; explicit lists; the hub's llama3 RoPE
+    ("llama4_text", {"interleave_moe_layer_step": 2, "no_rope_layer_interval": 2, "attention_chunk_size": None}),
+    ("llama4_text", {"moe_layers": [0, 3], "no_rope_layers": [0, 1, 1, 0], "use_qk_norm": False}),
+    ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                 "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))
 def test_given_fields_derive_as_transformers(mt, extra):
     _compare(mt, {"model_type": mt, **SIZES, **FAMILIES[mt][1], **extra})

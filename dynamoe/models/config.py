@@ -32,6 +32,9 @@ __all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_
            "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# 'chunked_attention' (Llama-4's local attention within chunks of attention_chunk_size positions) is a layer type
+# of the families that build it only (their _FAMILY_DEFAULTS entry says "chunked_layers"): anywhere else it is
+# refused, not read as full attention
 # 'indexed_attention': DeepSeek-V3.2 / GLM-5 MLA with the sparse-attention indexer (full causal otherwise);
 # 'linear_attention': Qwen3-Next / Qwen3.5 Gated DeltaNet (a recurrent state per sequence, no KV cache)
 LAYER_TYPES = ("full_attention", "sliding_attention", "indexed_attention", "linear_attention")
@@ -64,6 +67,7 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "glm4v_moe": TextWrapper(("text_config",), ("glm4v_moe_text",), tie_from_text=True),
     "qwen3_omni_moe_thinker": TextWrapper(("text_config",), ("qwen3_omni_moe_text",)),
     "qwen3_omni_moe": TextWrapper(("thinker_config", "text_config"), ("qwen3_omni_moe_text",)),
+    "llama4": TextWrapper(("text_config",), ("llama4_text",)),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)
@@ -275,6 +279,17 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "granitemoe_swa": {"num_experts": 8, "num_experts_per_tok": 2, "granite_swa_layers": True,
                        "fields": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1,
                                   "eos_token_id": 2, "attention_multiplier": 1.0, "sliding_window": 128}},
+    # Llama4TextConfig: MoE on moe_layers (else every interleave_moe_layer_step-th layer, from step - 1), dense MLPs of
+    # intermediate_size_mlp elsewhere; RoPE on the layers where no_rope_layers says 1 (else all but every
+    # no_rope_layer_interval-th), those chunked ("chunked_attention", attention_chunk_size) unless it is null, the
+    # others NoPE full attention with temperature tuning; L2 q/k norm on the RoPE layers (use_qk_norm)
+    "llama4_text": {"rope_theta": 500000.0, "num_experts": 16, "num_experts_per_tok": 1, "head_dim": 128,
+                    "llama4_layers": True, "chunked_layers": True,
+                    "fields": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                               "bos_token_id": 1, "eos_token_id": 2, "intermediate_size": 8192,
+                               "intermediate_size_mlp": 16384, "interleave_moe_layer_step": 1, "use_qk_norm": True,
+                               "no_rope_layer_interval": 4, "attention_chunk_size": 8192,
+                               "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -368,6 +383,19 @@ def _indexer_types(d: dict, layers: int) -> tuple:
     offset = _int(d, "index_skip_topk_offset", 2, minimum=0)
     types = tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers))
     return () if all(t == "full" for t in types) else types
+
+
+def _llama4_rope_layers(d: dict, layers: int) -> tuple:
+    """Llama-4's per-layer RoPE switch as Llama4TextConfig derives it: ``no_rope_layers`` (1 = RoPE, 0 = NoPE;
+    empty or null: the default), else NoPE on every ``no_rope_layer_interval``-th layer."""
+    v = d.get("no_rope_layers")
+    if not v:
+        every = _int(d, "no_rope_layer_interval")
+        return tuple(int((i + 1) % every != 0) for i in range(layers))
+    if (not isinstance(v, (list, tuple)) or len(v) < layers
+            or any(not isinstance(x, (int, float)) or x not in (0, 1) for x in v)):
+        raise _err("no_rope_layers", v, f"a list of at least {layers} entries, each 1 (RoPE) or 0 (NoPE)")
+    return tuple(int(x) for x in v[:layers])
 
 
 def _kimi_layer_types(linear_attn_config: dict, layers: int) -> tuple:
@@ -511,8 +539,8 @@ class ModelConfig:
     """What the model families read, typed and validated (see :meth:`from_dict`).
 
     Layer structure: ``layer_types[i]`` is 'full_attention', 'sliding_attention' (window
-    ``sliding_window``) or 'indexed_attention' (V3.2 / GLM-5 sparse attention, whose families build it
-    whatever the entry says); :meth:`is_moe_layer` says whether layer i has routed experts;
+    ``sliding_window``), 'chunked_attention' (Llama-4: chunks of ``attention_chunk_size``) or
+    'indexed_attention' (V3.2 / GLM-5 sparse attention, whose families build it whatever the entry says); :meth:`is_moe_layer` says whether layer i has routed experts;
     ``indexer_types`` (GLM-5) which layers run their own indexer.
     """
 
@@ -588,6 +616,16 @@ class ModelConfig:
     linear_value_head_dim: Optional[int] = None
     linear_num_key_heads: Optional[int] = None
     linear_num_value_heads: Optional[int] = None
+    # Llama-4: 'chunked_attention' layers see the keys of their own chunk of attention_chunk_size positions;
+    # no_rope_layers[i] 1 = RoPE in layer i, 0 = NoPE (() = RoPE everywhere); on NoPE layers with
+    # attn_temperature_tuning the queries are scaled by 1 + attn_scale * ln(1 + floor((p + 1) / floor_scale));
+    # intermediate_size_mlp: the dense layers' MLP width (the experts' and shared expert's: intermediate_size)
+    attention_chunk_size: Optional[int] = None
+    no_rope_layers: tuple = ()
+    attn_temperature_tuning: bool = False
+    floor_scale: Optional[float] = None
+    attn_scale: Optional[float] = None
+    intermediate_size_mlp: Optional[int] = None
     #: the config.json nested this model under ``text_config`` (Qwen3.5-MoE's multimodal checkpoint)
     text_config_nested: bool = False
     # tokens
@@ -601,6 +639,14 @@ class ModelConfig:
     def layer_sliding_window(self, i: int) -> Optional[int]:
         """The sliding window of layer i, or None for full attention."""
         return self.sliding_window if self.layer_types and self.layer_types[i] == "sliding_attention" else None
+
+    def layer_attention_chunk(self, i: int) -> Optional[int]:
+        """The attention chunk of layer i (Llama-4's 'chunked_attention' layers), or None."""
+        return self.attention_chunk_size if self.layer_types and self.layer_types[i] == "chunked_attention" else None
+
+    def layer_uses_rope(self, i: int) -> bool:
+        """Whether layer i rotates its queries and keys (``no_rope_layers``; () = every layer)."""
+        return not self.no_rope_layers or bool(self.no_rope_layers[i])
 
     def kv_elements_per_position(self) -> int:
         """Cache elements one position of one sequence takes over all layers: keys and values per KV head
@@ -713,11 +759,17 @@ class ModelConfig:
 
         sliding = _int(d, "sliding_window", fam.get("sliding_window"), minimum=0) or None  # 0: none (Qwen2-MoE)
         layer_types = d.get("layer_types")
+        kinds = LAYER_TYPES + (("chunked_attention",) if fam.get("chunked_layers") else ())
+        chunk = _int(d, "attention_chunk_size") if fam.get("chunked_layers") else None
+        no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") else ()
         if layer_types is not None:
             if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
-                    or any(t not in LAYER_TYPES for t in layer_types)):
-                raise _err("layer_types", layer_types, f"a list of {layers} entries from {list(LAYER_TYPES)}")
+                    or any(t not in kinds for t in layer_types)):
+                raise _err("layer_types", layer_types, f"a list of {layers} entries from {list(kinds)}")
             layer_types = tuple(layer_types)
+        elif fam.get("llama4_layers"):  # the RoPE layers chunked (when there is a chunk size), the NoPE ones full
+            layer_types = tuple("chunked_attention" if r and chunk is not None else "full_attention"
+                                for r in no_rope_layers)
         elif fam.get("granite_swa_layers"):
             layer_types = tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers))
         elif fam.get("flint_layers"):
@@ -755,6 +807,8 @@ class ModelConfig:
             sliding = None  # as Qwen3MoeConfig: no window unless use_sliding_window
         if "sliding_attention" in layer_types and sliding is None:
             raise ValueError("config field 'sliding_window' is required when layer_types has 'sliding_attention'")
+        if "chunked_attention" in layer_types and chunk is None:
+            raise ValueError("config field 'attention_chunk_size' is required when layer_types has 'chunked_attention'")
         linear_sizes = {name: _int(d, name) for name in _LINEAR_ATTENTION_FIELDS}
         if "linear_attention" in layer_types:
             for name, v in linear_sizes.items():
@@ -767,6 +821,15 @@ class ModelConfig:
         mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("first_layer_dense"):
             mlp_types = ("dense",) + ("sparse",) * (layers - 1)
+        if not mlp_types and fam.get("llama4_layers"):  # moe_layers, else every step-th layer from step - 1
+            moe_ids = d.get("moe_layers")
+            if moe_ids is None:
+                step = _int(d, "interleave_moe_layer_step")
+                moe_ids = range(step - 1, layers, step)
+            elif (not isinstance(moe_ids, (list, tuple))
+                  or any(isinstance(i, bool) or not isinstance(i, int) for i in moe_ids)):
+                raise _err("moe_layers", moe_ids, "a list of layer indices")
+            mlp_types = tuple("sparse" if i in set(moe_ids) else "dense" for i in range(layers))
         if not mlp_types and fam.get("ernie_moe_layers"):
             start, every = _int(d, "moe_layer_start_index", minimum=0), _int(d, "moe_layer_interval")
             end = _int(d, "moe_layer_end_index", minimum=-1)
@@ -835,6 +898,10 @@ class ModelConfig:
             index_n_heads=_int(d, "index_n_heads"), indexer_types=indexer_types, mlp_layer_types=mlp_types,
             num_nextn_predict_layers=_int(d, "num_nextn_predict_layers", 0, minimum=0),
             **linear_sizes,
+            attention_chunk_size=chunk, no_rope_layers=no_rope_layers,
+            attn_temperature_tuning=_bool(d, "attn_temperature_tuning", False),
+            floor_scale=_float(d, "floor_scale", positive=True), attn_scale=_float(d, "attn_scale"),
+            intermediate_size_mlp=_int(d, "intermediate_size_mlp"),
             text_config_nested=text_nested,
             bos_token_id=_int(d, "bos_token_id", minimum=0), eos_token_id=eos,
             pad_token_id=_int(d, "pad_token_id", minimum=0), quantization_config=quant, raw=dict(d),

@@ -138,12 +138,14 @@ class SparseMoeBlock(nn.Module):
     routed weights' factor; None = ``cfg.routed_scaling_factor`` for 'sigmoid', 1 for the others.
     (MiniMax-M2's sigmoid router has neither groups nor a scale: it passes False and 1.)
     ``selection_bias``: the softmax router's selection-only ``e_score_correction_bias`` (ERNIE-4.5).
+    ``prescale``: each routing weight scales its expert's input instead of its output (Llama-4: expert(w * x));
+    the fused decode kernels scale outputs, so such a block runs the general path (MoELayer refuses the kernel).
     """
 
     def __init__(self, cfg: ModelConfig, router: str = "softmax", normalize: bool = True, glu: str = "silu",
                  expert_bias: bool = False, num_shared_experts: int = 0, shared_hidden_size: int | None = None,
                  shared_gate: bool = False, shared_fused_gate_up: bool = False, router_groups: bool | None = None,
-                 route_scale: float | None = None, selection_bias: bool = False, dtype=None):
+                 route_scale: float | None = None, selection_bias: bool = False, prescale: bool = False, dtype=None):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
@@ -175,7 +177,7 @@ class SparseMoeBlock(nn.Module):
         # check_finite off: the input is this model's own hidden state, and the check costs a host
         # sync per layer and step
         self.moe = MoELayer(MoEConfig(model_dim=D, gates=[gate], experts=experts, aux_loss="none", dtype=dtype,
-                                      check_finite=False))
+                                      check_finite=False, is_postscore=not prescale))
         self.last_stats = None
 
     @property

@@ -76,10 +76,6 @@ UNSUPPORTED: dict[str, str] = {
     "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
                  "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
     "lfm2_moe": "LFM2-MoE mixes short-convolution layers with attention: convolution layers are not supported yet",
-    "llama4": _VLM,
-    "llama4_text": "Llama-4's text model is not implemented yet: its router's sigmoid top-1 score scales the "
-                   "expert's input, not its output (the MoE layer has no such combine), beside chunked local "
-                   "attention with NoPE global layers (temperature-tuned), L2 q/k norm and interleaved MoE/dense layers",
     "longcat_flash": "LongCat-Flash is not implemented yet: two attention sublayers per layer (shortcut MoE) "
                      "and zero-computation experts",
     "mellum": "Mellum is not implemented yet: per-layer mlp_layer_types with its attention layer kinds",

@@ -345,8 +345,9 @@ class MoELayer(nn.Module):
     def _fused_decode(self, x_TD: Tensor, routing, cf: float):
         """A decode step's experts in one kernel call (dynamoe.ops.moe_decode), where that is the
         same computation: inference, dropless, built-in FFN/GLU experts or packed GLU experts whole
-        on this process. None otherwise (the general path runs)."""
-        if self.training or cf != 0 or self.world_size > 1 or self.sharded_count > 1:
+        on this process. None otherwise (the general path runs; the kernels scale the experts' outputs, so a
+        layer whose weights scale their inputs, ``is_postscore=False``, runs it too)."""
+        if self.training or cf != 0 or self.world_size > 1 or self.sharded_count > 1 or not self.config.is_postscore:
             return None
         return self._decode_experts(x_TD, routing.ids_TK, routing.weights_TK)
 
@@ -420,6 +421,9 @@ class MoELayer(nn.Module):
             raise Unfusable("training mode")
         if gcfg.capacity_factor != 0:
             raise Unfusable(f"capacity_factor={gcfg.capacity_factor:g} (the kernel is dropless: 0)")
+        if not cfg.is_postscore:
+            raise Unfusable("the routing weights scale the experts' inputs (is_postscore=False: Llama-4); the kernel "
+                            "scales their outputs, which differs for a nonlinear expert")
         if cfg.aux_loss != "none" or cfg.z_loss_coef or cfg.device_loss_groups or cfg.batch_prioritized_routing:
             raise Unfusable("auxiliary losses or batch-prioritized routing are configured")
         experts = holds.module(self, "experts")
@@ -456,7 +460,7 @@ class MoELayer(nn.Module):
         :class:`~dynamoe.ops.fused.Fused` of it stale); the training flag last."""
         cfg = self.config
         gates = tuple(tuple(getattr(g, f.name) for f in dataclasses.fields(g)) for g in cfg.gates)  # every field
-        return (gates, cfg.normalize_gate, cfg.aux_loss, cfg.z_loss_coef, cfg.device_loss_groups,
+        return (gates, cfg.normalize_gate, cfg.is_postscore, cfg.aux_loss, cfg.z_loss_coef, cfg.device_loss_groups,
                 cfg.batch_prioritized_routing, cfg.check_finite, self.result_func is None,
                 getattr(self._modules["gates"][0], "fp32_gate", None), self.training)
 
