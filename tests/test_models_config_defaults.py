@@ -66,6 +66,7 @@ FAMILIES = {
     # Llama-4's text model, and the vision wrapper around it
     "llama4_text": ("Llama4TextConfig", {}),
     "llama4": ("Llama4Config", {}),
+    "phimoe": ("PhimoeConfig", dict(intermediate_size=32)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -92,7 +93,7 @@ def _hf_moe_layers(hf, mt):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-              "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe"):
+              "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
@@ -107,7 +108,7 @@ def _hf_moe_layers(hf, mt):
 def _hf_windows(hf, mt):
     """The sliding window of each layer (None: full attention), as the modeling files read it."""
     n = hf.num_hidden_layers
-    if mt in ("qwen3_moe", "mixtral"):
+    if mt in ("qwen3_moe", "mixtral", "phimoe"):
         return [hf.sliding_window] * n
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
@@ -174,7 +175,7 @@ FIELDS = {
     # Mixtral and GPT-OSS size their experts with intermediate_size
     "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-                                                                          "hunyuan_v1_moe"} | LLAMA4
+                                                                          "hunyuan_v1_moe", "phimoe"} | LLAMA4
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
@@ -229,6 +230,9 @@ FIELDS = {
                     "linear_num_value_heads")},
     "intermediate_size": (lambda hf, mt: hf.intermediate_size, None, {"qwen3_next"} | set(WRAPPED) - {"qwen3_5_moe"}
                           | {"qwen3_vl_moe_text", "glm4v_moe_text"}),
+    # Phi-3.5-MoE: SparseMixer's margin, the lm_head bias
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"phimoe"})
+       for name in ("router_jitter_noise", "lm_head_bias", "intermediate_size")},
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -336,6 +340,11 @@ def test_omitted_fields_default_as_transformers(mt):
     ("granitemoe_swa", {"sliding_window": 32, "shared_intermediate_size": 16}),
     ("flint", {"num_hidden_layers": 9, "mlp_only_layers": [], "sliding_window": 64}),
     ("mistral4", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.2}}),
+    # Phi-3.5-MoE: a window slides every layer; the hub's longrope
+    ("phimoe", {"sliding_window": 64}),
+    ("phimoe", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                                 "short_mscale": 1.2, "long_mscale": 1.2, "original_max_position_embeddings": 1024},
+                "rope_theta": 1e4, "original_max_position_embeddings": 1024}),
     # Llama-4: MoE every 2nd layer, NoPE every 2nd, no chunking; explicit lists; the hub's llama3 RoPE
     ("llama4_text", {"interleave_moe_layer_step": 2, "no_rope_layer_interval": 2, "attention_chunk_size": None}),
     ("llama4_text", {"moe_layers": [0, 3], "no_rope_layers": [0, 1, 1, 0], "use_qk_norm": False}),

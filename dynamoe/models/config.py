@@ -31,7 +31,7 @@ from .unsupported import refusal
 __all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
            "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config"]
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 # 'chunked_attention' (Llama-4's local attention within chunks of attention_chunk_size positions) is a layer type
 # of the families that build it only (their _FAMILY_DEFAULTS entry says "chunked_layers"): anywhere else it is
 # refused, not read as full attention
@@ -290,6 +290,12 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                "intermediate_size_mlp": 16384, "interleave_moe_layer_step": 1, "use_qk_norm": True,
                                "no_rope_layer_interval": 4, "attention_chunk_size": 8192,
                                "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1}},
+    # PhimoeConfig: SparseMixer routing over router_jitter_noise margins (top-2), LayerNorms (eps rms_norm_eps); a
+    # sliding_window, when set, slides every layer
+    "phimoe": {"rope_theta": 1e6, "num_experts": 16, "num_experts_per_tok": 2,
+               "fields": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                          "bos_token_id": 1, "eos_token_id": 2, "intermediate_size": 6400, "router_jitter_noise": 0.01,
+                          "lm_head_bias": False}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -458,7 +464,7 @@ def _rotary_dim_factor(d: dict, head_dim: int) -> float:
 class RopeConfig:
     """Rotary embedding parameters, whichever style the config used.
 
-    rope_type: 'default' | 'linear' | 'dynamic' | 'yarn' | 'llama3'. theta: the base.
+    rope_type: 'default' | 'linear' | 'dynamic' | 'yarn' | 'llama3' | 'longrope'. theta: the base.
     factor: context scaling (linear, dynamic, yarn, llama3). original_max_position_embeddings: the
     pre-training length (yarn, llama3). beta_fast / beta_slow / truncate / mscale / mscale_all_dim /
     attention_factor: YaRN. low_freq_factor / high_freq_factor: llama3.
@@ -481,6 +487,12 @@ class RopeConfig:
     #: Llama-4's attention scaling (Mistral-4): queries times 1 + beta ln(1 + floor(position /
     #: original_max_position_embeddings)); None: not scaled
     llama_4_scaling_beta: Optional[float] = None
+    #: longrope (Phi-3.5): per-frequency divisors of the base frequencies for sequences up to
+    #: original_max_position_embeddings (short) and beyond (long), and the cos/sin scale of each (Phi-3.5-MoE)
+    short_factor: tuple = ()
+    long_factor: tuple = ()
+    short_mscale: Optional[float] = None
+    long_mscale: Optional[float] = None
 
 
 def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 10000.0,
@@ -513,6 +525,27 @@ def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 100
     orig = _int(merged, "original_max_position_embeddings", d.get("original_max_position_embeddings"))
     if rope_type in ("yarn", "llama3") and orig is None:
         orig = max_position_embeddings  # transformers' standardize_rope_params does the same
+    if rope_type == "longrope":
+        lists = {}
+        for name in ("short_factor", "long_factor"):
+            v = merged.get(name)
+            if (not isinstance(v, (list, tuple)) or not v
+                    or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in v)):
+                raise _err(name, v, "a non-empty list of numbers > 0 (one per rotary frequency) for rope_type 'longrope'")
+            lists[name] = tuple(float(x) for x in v)
+        if orig is None:
+            raise ValueError("config field 'original_max_position_embeddings' is required for rope_type 'longrope' "
+                             "but missing")
+        # transformers: factor defaults to max_position_embeddings / original, the attention factor to
+        # sqrt(1 + ln(factor) / ln(original)) (1 when factor <= 1)
+        factor = _float(merged, "factor", positive=True) or max_position_embeddings / orig
+        attention = _float(merged, "attention_factor", positive=True)
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        return RopeConfig("longrope", theta, factor, orig, attention_factor=attention,
+                          short_mscale=_float(merged, "short_mscale", positive=True),
+                          long_mscale=_float(merged, "long_mscale", positive=True),
+                          partial_rotary_factor=partial, llama_4_scaling_beta=beta, **lists)
     factor = merged.get("factor")
     if factor is None and rope_type == "yarn":
         factor = max_position_embeddings / orig
@@ -603,6 +636,9 @@ class ModelConfig:
     #: DeepSeek-V3.2 / GLM-5: per layer 'dense' or 'sparse' (overrides first_k_dense_replace when given)
     mlp_layer_types: tuple = ()
     num_nextn_predict_layers: int = 0
+    #: Phi-3.5-MoE: SparseMixer's relative margin at inference (2 * router_jitter_noise), and a bias on the lm_head
+    router_jitter_noise: float = 0.0
+    lm_head_bias: bool = False
     # GraniteMoE (muP): embeddings times embedding_multiplier, each sublayer's output times
     # residual_multiplier before its residual add, softmax scale attention_multiplier (None: head_dim^-1/2),
     # logits divided by logits_scaling
@@ -878,6 +914,7 @@ class ModelConfig:
             moe_intermediate_size=_int(d, "moe_intermediate_size"),
             shared_expert_intermediate_size=_int(d, "shared_expert_intermediate_size",
                                                  d.get("shared_intermediate_size"), minimum=0) or None,
+            router_jitter_noise=_float(d, "router_jitter_noise", 0.0), lm_head_bias=_bool(d, "lm_head_bias", False),
             embedding_multiplier=_float(d, "embedding_multiplier", 1.0, positive=True),
             residual_multiplier=_float(d, "residual_multiplier", 1.0, positive=True),
             attention_multiplier=_float(d, "attention_multiplier", positive=True),

@@ -110,3 +110,4 @@ register("flint", "dynamoe.models.flint:FlintForCausalLM", ("FlintForCausalLM",)
 register("granitemoe_swa", "dynamoe.models.granitemoe_swa:GraniteMoeSWAForCausalLM", ("GraniteMoeSWAForCausalLM",))
 register("llama4", "dynamoe.models.llama4:Llama4ForCausalLM", ("Llama4ForConditionalGeneration", "Llama4ForCausalLM"),
          aliases=("llama4_text",))
+register("phimoe", "dynamoe.models.phimoe:PhimoeForCausalLM", ("PhimoeForCausalLM",))

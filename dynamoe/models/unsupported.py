@@ -93,10 +93,6 @@ UNSUPPORTED: dict[str, str] = {
     "nemotron_h_omni": _OMNI + " (its language model is Nemotron-H, a Mamba-2 hybrid)",
     "nllb-moe": "NLLB-MoE is an encoder-decoder translation model, not a decoder-only causal LM",
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
-    "phimoe": "Phi-3.5-MoE is not implemented yet: its SparseMixer router (at inference: the top expert, then the "
-              "best of the rest, each weighted by a softmax over only the experts within a relative margin of it; "
-              "not a softmax top-k, so the MoE layer needs a gate type of its own), longrope RoPE whose attention "
-              "scale switches with the batch's longest position, LayerNorm with biases and an lm_head bias",
     "qwen3_omni_moe_talker_text": "the speech talker of Qwen3-Omni, not a text causal LM",
     "qwen4_exp": _VLM,
     "qwen4_exp_text": _text_of("qwen4_exp", "its layer kinds"),
