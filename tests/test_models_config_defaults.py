@@ -67,6 +67,8 @@ FAMILIES = {
     "llama4_text": ("Llama4TextConfig", {}),
     "llama4": ("Llama4Config", {}),
     "phimoe": ("PhimoeConfig", dict(intermediate_size=32)),
+    # LongCat-Flash: its own names; transformers' num_hidden_layers is twice its num_layers (two sublayers each)
+    "longcat_flash": ("LongcatFlashConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -78,7 +80,8 @@ QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text"}
-MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4"}
+MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
+                                                                                       "longcat_flash"}
 # DeepSeek-V3's routing fields under these families' own config classes
 DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"}
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
@@ -88,12 +91,12 @@ GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
 def _hf_moe_layers(hf, mt):
     """Which layers have routed experts, by each transformers modeling file's rule."""
-    n = hf.num_hidden_layers
+    n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
     if mt in QWEN3_RULE:
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-              "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe"):
+              "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
@@ -107,7 +110,7 @@ def _hf_moe_layers(hf, mt):
 
 def _hf_windows(hf, mt):
     """The sliding window of each layer (None: full attention), as the modeling files read it."""
-    n = hf.num_hidden_layers
+    n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral", "phimoe"):
         return [hf.sliding_window] * n
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa"):
@@ -145,7 +148,8 @@ def _eos(v):
 FIELDS = {
     "vocab_size": (lambda hf, mt: hf.vocab_size, None, None),
     "hidden_size": (lambda hf, mt: hf.hidden_size, None, None),
-    "num_hidden_layers": (lambda hf, mt: hf.num_hidden_layers, None, None),
+    # (LongCat: dynamoe's decoder layers are its num_layers, transformers' num_hidden_layers counts the sublayers)
+    "num_hidden_layers": (lambda hf, mt: hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers, None, None),
     "num_attention_heads": (lambda hf, mt: hf.num_attention_heads, None, None),
     # MLA ignores it (keys and values have a head per query head)
     "num_key_value_heads": (lambda hf, mt: hf.num_key_value_heads, None, GQA_FAMILIES),
@@ -230,6 +234,11 @@ FIELDS = {
                     "linear_num_value_heads")},
     "intermediate_size": (lambda hf, mt: hf.intermediate_size, None, {"qwen3_next"} | set(WRAPPED) - {"qwen3_5_moe"}
                           | {"qwen3_vl_moe_text", "glm4v_moe_text"}),
+    # LongCat-Flash: zero-computation experts, route scale, the dense MLPs' width
+    "zero_experts": (lambda hf, mt: hf.zero_expert_num, None, {"longcat_flash"}),
+    **{f"{name}_longcat": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                           {"longcat_flash"})
+       for name in ("routed_scaling_factor", "intermediate_size")},
     # Phi-3.5-MoE: SparseMixer's margin, the lm_head bias
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"phimoe"})
        for name in ("router_jitter_noise", "lm_head_bias", "intermediate_size")},
@@ -340,6 +349,10 @@ def test_omitted_fields_default_as_transformers(mt):
     ("granitemoe_swa", {"sliding_window": 32, "shared_intermediate_size": 16}),
     ("flint", {"num_hidden_layers": 9, "mlp_only_layers": [], "sliding_window": 64}),
     ("mistral4", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.2}}),
+    # LongCat-Flash: the hub's names, a YaRN RoPE, num_hidden_layers given instead of num_layers
+    ("longcat_flash", {"num_layers": 3, "moe_topk": 4, "n_routed_experts": 16, "zero_expert_num": 8,
+                       "ffn_hidden_size": 96, "expert_ffn_hidden_size": 32}),
+    ("longcat_flash", {"num_hidden_layers": 6, "zero_expert_num": 0}),
     # Phi-3.5-MoE: a window slides every layer; the hub's longrope
     ("phimoe", {"sliding_window": 64}),
     ("phimoe", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,

@@ -296,6 +296,18 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                "fields": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                           "bos_token_id": 1, "eos_token_id": 2, "intermediate_size": 6400, "router_jitter_noise": 0.01,
                           "lm_head_bias": False}},
+    # LongcatFlashConfig: its own names (attribute_map); num_layers decoder layers of two attention sublayers each
+    # (transformers' num_hidden_layers is twice it: "num_layers_halved"); MLA with q/kv LoRA scales; softmax routing
+    # over n_routed_experts + zero_expert_num (identity) experts with a selection bias, times routed_scaling_factor
+    "longcat_flash": {"rope_theta": 1e7, "num_experts": 512, "num_experts_per_tok": 12, "head_dim": 64,
+                      "num_layers_halved": 28,
+                      "aliases": {"num_experts_per_tok": "moe_topk", "intermediate_size": "ffn_hidden_size",
+                                  "moe_intermediate_size": "expert_ffn_hidden_size"},
+                      "fields": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                                 "bos_token_id": 1, "eos_token_id": 2, "ffn_hidden_size": 12288,
+                                 "expert_ffn_hidden_size": 2048, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                                 "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "moe_topk": 12,
+                                 "zero_expert_num": 256, "routed_scaling_factor": 6.0}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -639,6 +651,10 @@ class ModelConfig:
     #: Phi-3.5-MoE: SparseMixer's relative margin at inference (2 * router_jitter_noise), and a bias on the lm_head
     router_jitter_noise: float = 0.0
     lm_head_bias: bool = False
+    #: LongCat-Flash: zero-computation experts (their output is their input) after the routed ones in the routing
+    #: pool (``zero_expert_num``); a bias on the router's logits (``router_bias``)
+    zero_experts: int = 0
+    router_bias: bool = False
     # GraniteMoE (muP): embeddings times embedding_multiplier, each sublayer's output times
     # residual_multiplier before its residual add, softmax scale attention_multiplier (None: head_dim^-1/2),
     # logits divided by logits_scaling
@@ -696,7 +712,8 @@ class ModelConfig:
             per_layer = 2 * self.num_key_value_heads * self.head_dim
         # linear-attention layers keep a fixed-size state per sequence instead (see linear_attention.py)
         linear = sum(t == "linear_attention" for t in self.layer_types)
-        return per_layer * (self.num_hidden_layers - linear)
+        sublayers = 2 if self.model_type == "longcat_flash" else 1   # (two attention sublayers per layer)
+        return per_layer * sublayers * (self.num_hidden_layers - linear)
 
     def state_elements_per_sequence(self) -> dict[str, int]:
         """Fixed-size cache elements one sequence takes over all linear-attention layers, whatever its
@@ -770,6 +787,14 @@ class ModelConfig:
 
         hidden = _int(d, "hidden_size", required=True)
         heads = _int(d, "num_attention_heads", required=True)
+        if fam.get("num_layers_halved"):  # LongCat: our layers are its num_layers (two sublayers each; default: the value)
+            given = d.get("num_hidden_layers")   # (LongcatFlashConfig sets it after num_layers: it wins)
+            if given is not None:
+                n = _int(d, "num_hidden_layers")
+                if n % 2:
+                    raise _err("num_hidden_layers", given, "an even int (twice num_layers: two sublayers per layer)")
+                d["num_layers"] = n // 2
+            d["num_hidden_layers"] = _int(d, "num_layers", fam["num_layers_halved"])
         layers = _int(d, "num_hidden_layers", required=True)
         kv_heads = _int(d, "num_key_value_heads", heads) or heads  # null: as many as the query heads
         if heads % kv_heads:
@@ -915,6 +940,7 @@ class ModelConfig:
             shared_expert_intermediate_size=_int(d, "shared_expert_intermediate_size",
                                                  d.get("shared_intermediate_size"), minimum=0) or None,
             router_jitter_noise=_float(d, "router_jitter_noise", 0.0), lm_head_bias=_bool(d, "lm_head_bias", False),
+            zero_experts=_int(d, "zero_expert_num", 0, minimum=0) or 0, router_bias=_bool(d, "router_bias", False),
             embedding_multiplier=_float(d, "embedding_multiplier", 1.0, positive=True),
             residual_multiplier=_float(d, "residual_multiplier", 1.0, positive=True),
             attention_multiplier=_float(d, "attention_multiplier", positive=True),

@@ -111,3 +111,4 @@ register("granitemoe_swa", "dynamoe.models.granitemoe_swa:GraniteMoeSWAForCausal
 register("llama4", "dynamoe.models.llama4:Llama4ForCausalLM", ("Llama4ForConditionalGeneration", "Llama4ForCausalLM"),
          aliases=("llama4_text",))
 register("phimoe", "dynamoe.models.phimoe:PhimoeForCausalLM", ("PhimoeForCausalLM",))
+register("longcat_flash", "dynamoe.models.longcat_flash:LongcatFlashForCausalLM", ("LongcatFlashForCausalLM",))

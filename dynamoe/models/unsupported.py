@@ -76,8 +76,6 @@ UNSUPPORTED: dict[str, str] = {
     "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
                  "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
     "lfm2_moe": "LFM2-MoE mixes short-convolution layers with attention: convolution layers are not supported yet",
-    "longcat_flash": "LongCat-Flash is not implemented yet: two attention sublayers per layer (shortcut MoE) "
-                     "and zero-computation experts",
     "mellum": "Mellum is not implemented yet: per-layer mlp_layer_types with its attention layer kinds",
     "minimax": "MiniMax-Text-01 mixes lightning attention (linear attention with a fixed per-head decay) with "
                "softmax attention: lightning-attention layers are not implemented yet (dynamoe has Gated DeltaNet "
