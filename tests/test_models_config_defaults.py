@@ -287,7 +287,8 @@ def _compare(mt: str, d: dict):
         for key in path[:-1]:
             parent = getattr(parent, key)
         hf = getattr(parent, path[-1])
-        hf.tie_word_embeddings = parent.tie_word_embeddings  # (the level above the text model ties its lm_head)
+        if mt != "llama4":  # (the level above the text model ties its lm_head; Llama-4 ties by its text config)
+            hf.tie_word_embeddings = parent.tie_word_embeddings
     else:
         hf = getattr(transformers, cls_name).from_dict(fields)
     cfg = ModelConfig.from_dict(dict(d))

@@ -184,6 +184,19 @@ def test_server_says_images_are_not_supported(pair, tmp_path):
     assert "images are not supported by the model 'llama4-tiny' (llama4): its vision tower is not loaded" in msg
 
 
+@pytest.mark.parametrize("outer,inner", [(None, None), (False, True), (True, False), (True, True)])
+def test_wrapper_ties_by_its_text_config(outer, inner):
+    """transformers' Llama-4 language model ties its lm_head by its own (text) config, whatever the wrapper says."""
+    text = TEXT if inner is None else {**TEXT, "tie_word_embeddings": inner}
+    kw = {} if outer is None else {"tie_word_embeddings": outer}
+    hf = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=text, vision_config=VISION,
+                                                                              **kw))
+    lm = hf.language_model
+    tied = lm.lm_head.weight.data_ptr() == lm.model.embed_tokens.weight.data_ptr()
+    assert tied == bool(inner)
+    assert dm.ModelConfig.from_dict(hf.config.to_dict()).tie_word_embeddings is tied
+
+
 def test_config_refuses_chunked_layers_elsewhere_and_without_a_chunk():
     sizes = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, moe_intermediate_size=8)
     with pytest.raises(ValueError, match="layer_types"):

@@ -50,12 +50,15 @@ class TextWrapper:
     text model types it may hold (the first is the default when that config names none); ``tie_default``:
     the wrapper config class's ``tie_word_embeddings`` when the file omits it (the flag of the level right
     above the text config ties the wrapper's lm_head in transformers); ``tie_from_text``: a text config's
-    own ``tie_word_embeddings: true`` ties too (GLM-4.5V's rule for configs saved before transformers 5)."""
+    own ``tie_word_embeddings: true`` ties too (GLM-4.5V's rule for configs saved before transformers 5);
+    ``tie_by_text``: only the text config's own flag decides (default false), the wrapper's is not read
+    (Llama-4: its language model is a model of its own that ties by its own config)."""
 
     path: tuple
     text_types: tuple
     tie_default: bool = False
     tie_from_text: bool = False
+    tie_by_text: bool = False
 
 
 #: multimodal checkpoints whose config.json nests the text model (dynamoe loads the text model only):
@@ -67,7 +70,7 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "glm4v_moe": TextWrapper(("text_config",), ("glm4v_moe_text",), tie_from_text=True),
     "qwen3_omni_moe_thinker": TextWrapper(("text_config",), ("qwen3_omni_moe_text",)),
     "qwen3_omni_moe": TextWrapper(("thinker_config", "text_config"), ("qwen3_omni_moe_text",)),
-    "llama4": TextWrapper(("text_config",), ("llama4_text",)),
+    "llama4": TextWrapper(("text_config",), ("llama4_text",), tie_by_text=True),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)
@@ -985,7 +988,7 @@ def unwrap_text_config(d: dict) -> dict:
     ``kimi_k25`` around a DeepSeek-V3 text model) as one flat dict of its text model, the one path every
     wrapper takes: the text config's fields; ``architectures`` and token ids from the outermost level that
     gives them; ``tie_word_embeddings`` from the level right above the text config (else the wrapper's
-    default, :class:`TextWrapper`); ``quantization_config`` from whichever level has it (ValueError if two
+    default; or the text config's own flag alone where the wrapper says ``tie_by_text``: :class:`TextWrapper`); ``quantization_config`` from whichever level has it (ValueError if two
     differ); ``model_type`` the outer one and ``text_model_type`` the inner one (whose family defaults
     apply); ``vision_config`` kept for reference. Any other dict comes back as it is."""
     outer_type = d.get("model_type")
@@ -1012,6 +1015,8 @@ def unwrap_text_config(d: dict) -> dict:
     tie = parent.get("tie_word_embeddings")
     tie = spec.tie_default if tie is None else tie
     flat["tie_word_embeddings"] = tie or (spec.tie_from_text and text.get("tie_word_embeddings") is True)
+    if spec.tie_by_text:
+        flat["tie_word_embeddings"] = text.get("tie_word_embeddings") is True
     quant = {}
     for level, at in zip(levels, ["", *(".".join(where[:i + 1]) + "." for i in range(len(where)))]):
         if level.get("quantization_config") is not None:
