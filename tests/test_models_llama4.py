@@ -207,3 +207,20 @@ def test_config_refuses_chunked_layers_elsewhere_and_without_a_chunk():
                                   "layer_types": ["chunked_attention", "full_attention"]})
     cfg = dm.ModelConfig.from_dict({"model_type": "llama4_text", **sizes, "attention_chunk_size": None})
     assert cfg.layer_types == ("full_attention",) * 2 and cfg.layer_attention_chunk(0) is None
+
+
+def test_engine_generation_matches_generate(pair):
+    """The serving engine (continuous batching, prefill in chunks of 5 tokens that straddle the attention chunks)
+    gives transformers' greedy tokens for each prompt."""
+    from dynamoe.engine import GenerationEngine, SamplingParams
+
+    _, hf, ours, _ = pair
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 19, 30)]
+    engine = GenerationEngine(ours, None, max_seq_len=64, max_batch=3, prefill_chunk=5)
+    reqs = [engine.add_request(p, SamplingParams(temperature=0), 12, ignore_eos=True) for p in prompts]
+    engine.run_until_done()
+    for p, r in zip(prompts, reqs):
+        want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert r.output_ids == want

@@ -192,3 +192,20 @@ def test_engine_shares_no_prefix_blocks_when_the_scale_switches(pair, tmp_path):
     tok = Tokenizer.from_dir(write_tokenizer_dir(str(tmp_path / "tok")))
     engine = GenerationEngine(ours, tok, max_seq_len=64, max_batch=2)
     assert engine.prefix_caching == (name != "longrope")
+
+
+def test_engine_generation_matches_generate(pair):
+    """The serving engine (continuous batching, chunked prefill of 8 tokens) gives transformers' greedy tokens
+    for each prompt, rows passing the original length during the prefill chunks and during decoding."""
+    from dynamoe.engine import GenerationEngine, SamplingParams
+
+    _, hf, ours = pair
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (20, 27, 38)]
+    engine = GenerationEngine(ours, None, max_seq_len=64, max_batch=3, prefill_chunk=8)
+    reqs = [engine.add_request(p, SamplingParams(temperature=0), 12, ignore_eos=True) for p in prompts]
+    engine.run_until_done()
+    for p, r in zip(prompts, reqs):
+        want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert r.output_ids == want
