@@ -145,9 +145,14 @@ def test_long_prefill_attends_per_chunk_span(pair):
     torch.testing.assert_close(parts, full, atol=1e-4, rtol=0)
 
 
-def test_moe_kernel_refuses_input_scaled_experts(pair, caplog):
-    """The fused MoE kernel scales the experts' outputs: for Llama-4's blocks it must say no (and the decode
-    plan runs them as modules, naming why), not compute expert(x) * w."""
+def test_moe_kernels_and_input_scaled_experts(pair, caplog, monkeypatch):
+    """The fused MoE layer kernel scales the experts' outputs: for Llama-4's blocks it must say no (and the decode
+    plan runs them as modules, naming why), not compute expert(x) * w; a decode step's experts still run in the
+    experts' kernel, on rows prescaled by their weights."""
+    from spying import record_calls
+
+    from dynamoe.ops import moe_decode
+
     ours = pair[2]
     _, block = ours.moe_layers()[0]
     h = torch.randn(2, 64)
@@ -157,14 +162,18 @@ def test_moe_kernel_refuses_input_scaled_experts(pair, caplog):
     attn = ours.model.layers[0].self_attn.decode_fused(ours.model.layers[0].input_layernorm, torch.float32)
     assert attn.weights is None and "chunked local attention" in attn.extra
     ours.__dict__.pop("_plan", None)  # (built by an earlier test's decode steps)
-    with caplog.at_level(logging.INFO, logger="dynamoe.models.decode_plan"):
-        greedy_ids = ids(rows=1, tokens=5, seed=3)
-        cache = ours.new_cache(1, 8)
-        with torch.no_grad():
-            ours(greedy_ids, cache=cache)
-            ours(greedy_ids[:, :1], cache=cache)
+    used = record_calls(monkeypatch, moe_decode, "glu_decode")
+    x = ids(rows=2, tokens=5, seed=3)
+    with caplog.at_level(logging.INFO, logger="dynamoe.models.decode_plan"), torch.no_grad():
+        cache = ours.new_cache(2, 8)
+        ours(x, cache=cache)
+        used.clear()
+        steps = ours(x[:, :1], cache=cache)
+        assert used == [True] * len(ours.moe_layers())   # every MoE layer of the decode step
+        full = ours(torch.cat([x, x[:, :1]], dim=1))[:, -1:]
     notes = [r.getMessage() for r in caplog.records if "run as modules" in r.getMessage()]
     assert len(notes) == 1 and "chunked local attention" in notes[0], notes
+    torch.testing.assert_close(steps, full, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("pair", ["wrapper"], indirect=True)

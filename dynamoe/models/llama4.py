@@ -25,9 +25,10 @@ Checkpoint (transformers' names, no conversion): ``self_attn.{q,k,v,o}_proj``; `
 and ``lm_head``) and the vision tower under ``vision_model.`` and ``multi_modal_projector.`` (not loaded; a
 request with an image is refused by the server).
 
-No fused decode kernel: the attention kernel has no chunked mask, L2 norm after RoPE or temperature tuning,
-and the MoE kernel scales outputs (MoELayer refuses it for input-scaled experts), so every layer's attention
-and MoE block run op by op; the dense MLP layers keep their kernel.
+No fused attention or MoE-layer kernel: the attention kernel has no chunked mask, L2 norm after RoPE or
+temperature tuning, and the MoE layer kernel scales the experts' outputs (MoELayer refuses it for input-scaled
+experts); a decode step routes in torch and runs its experts in the experts' kernel on rows prescaled by their
+weights (MoELayer._prescaled_decode); the dense MLP layers keep their kernel.
 """
 from __future__ import annotations
 
