@@ -63,16 +63,25 @@ FAMILIES = {
     "mistral4": ("Mistral4Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     "flint": ("FlintConfig", {}),
     "granitemoe_swa": ("GraniteMoeSWAConfig", dict(intermediate_size=32)),
+    # Llama-4's text model, and the vision wrapper around it
+    "llama4_text": ("Llama4TextConfig", {}),
+    "llama4": ("Llama4Config", {}),
+    "phimoe": ("PhimoeConfig", dict(intermediate_size=32)),
+    # LongCat-Flash: its own names; transformers' num_hidden_layers is twice its num_layers (two sublayers each)
+    "longcat_flash": ("LongcatFlashConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
-           "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config")}
+           "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
+           "llama4": ("text_config",)}
+LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text"}
-MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4"}
+MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
+                                                                                       "longcat_flash"}
 # DeepSeek-V3's routing fields under these families' own config classes
 DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"}
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
@@ -82,16 +91,18 @@ GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
 def _hf_moe_layers(hf, mt):
     """Which layers have routed experts, by each transformers modeling file's rule."""
-    n = hf.num_hidden_layers
+    n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
     if mt in QWEN3_RULE:
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-              "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe"):
+              "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
                 for i in range(n)]
+    if mt in LLAMA4:
+        return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     return [i >= hf.first_k_dense_replace for i in range(n)]
@@ -99,8 +110,8 @@ def _hf_moe_layers(hf, mt):
 
 def _hf_windows(hf, mt):
     """The sliding window of each layer (None: full attention), as the modeling files read it."""
-    n = hf.num_hidden_layers
-    if mt in ("qwen3_moe", "mixtral"):
+    n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
+    if mt in ("qwen3_moe", "mixtral", "phimoe"):
         return [hf.sliding_window] * n
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
@@ -137,7 +148,8 @@ def _eos(v):
 FIELDS = {
     "vocab_size": (lambda hf, mt: hf.vocab_size, None, None),
     "hidden_size": (lambda hf, mt: hf.hidden_size, None, None),
-    "num_hidden_layers": (lambda hf, mt: hf.num_hidden_layers, None, None),
+    # (LongCat: dynamoe's decoder layers are its num_layers, transformers' num_hidden_layers counts the sublayers)
+    "num_hidden_layers": (lambda hf, mt: hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers, None, None),
     "num_attention_heads": (lambda hf, mt: hf.num_attention_heads, None, None),
     # MLA ignores it (keys and values have a head per query head)
     "num_key_value_heads": (lambda hf, mt: hf.num_key_value_heads, None, GQA_FAMILIES),
@@ -165,9 +177,9 @@ FIELDS = {
     "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt == "hunyuan_v1_moe" else hf.ffn_config.moe_top_k
                             if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
-    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2",
+    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-                                                                          "hunyuan_v1_moe")
+                                                                          "hunyuan_v1_moe", "phimoe"} | LLAMA4
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
@@ -200,7 +212,13 @@ FIELDS = {
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, QWEN3_RULE),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
-                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa"}),
+                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa"} | LLAMA4),
+    # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
+    "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
+                        lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, LLAMA4)
+       for name in ("attention_chunk_size", "attn_temperature_tuning", "floor_scale", "attn_scale", "use_qk_norm",
+                    "intermediate_size_mlp", "intermediate_size")},
     # Kimi-Linear: one head count and size for KDA's keys and values
     **{f"{ours}_kimi": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
                         {"kimi_linear"})
@@ -216,6 +234,14 @@ FIELDS = {
                     "linear_num_value_heads")},
     "intermediate_size": (lambda hf, mt: hf.intermediate_size, None, {"qwen3_next"} | set(WRAPPED) - {"qwen3_5_moe"}
                           | {"qwen3_vl_moe_text", "glm4v_moe_text"}),
+    # LongCat-Flash: zero-computation experts, route scale, the dense MLPs' width
+    "zero_experts": (lambda hf, mt: hf.zero_expert_num, None, {"longcat_flash"}),
+    **{f"{name}_longcat": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                           {"longcat_flash"})
+       for name in ("routed_scaling_factor", "intermediate_size")},
+    # Phi-3.5-MoE: SparseMixer's margin, the lm_head bias
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"phimoe"})
+       for name in ("router_jitter_noise", "lm_head_bias", "intermediate_size")},
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -261,7 +287,8 @@ def _compare(mt: str, d: dict):
         for key in path[:-1]:
             parent = getattr(parent, key)
         hf = getattr(parent, path[-1])
-        hf.tie_word_embeddings = parent.tie_word_embeddings  # (the level above the text model ties its lm_head)
+        if mt != "llama4":  # (the level above the text model ties its lm_head; Llama-4 ties by its text config)
+            hf.tie_word_embeddings = parent.tie_word_embeddings
     else:
         hf = getattr(transformers, cls_name).from_dict(fields)
     cfg = ModelConfig.from_dict(dict(d))
@@ -323,6 +350,20 @@ def test_omitted_fields_default_as_transformers(mt):
     ("granitemoe_swa", {"sliding_window": 32, "shared_intermediate_size": 16}),
     ("flint", {"num_hidden_layers": 9, "mlp_only_layers": [], "sliding_window": 64}),
     ("mistral4", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.2}}),
+    # LongCat-Flash: the hub's names, a YaRN RoPE, num_hidden_layers given instead of num_layers
+    ("longcat_flash", {"num_layers": 3, "moe_topk": 4, "n_routed_experts": 16, "zero_expert_num": 8,
+                       "ffn_hidden_size": 96, "expert_ffn_hidden_size": 32}),
+    ("longcat_flash", {"num_hidden_layers": 6, "zero_expert_num": 0}),
+    # Phi-3.5-MoE: a window slides every layer; the hub's longrope
+    ("phimoe", {"sliding_window": 64}),
+    ("phimoe", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                                 "short_mscale": 1.2, "long_mscale": 1.2, "original_max_position_embeddings": 1024},
+                "rope_theta": 1e4, "original_max_position_embeddings": 1024}),
+    # Llama-4: MoE every 2nd layer, NoPE every 2nd, no chunking; explicit lists; the hub's llama3 RoPE
+    ("llama4_text", {"interleave_moe_layer_step": 2, "no_rope_layer_interval": 2, "attention_chunk_size": None}),
+    ("llama4_text", {"moe_layers": [0, 3], "no_rope_layers": [0, 1, 1, 0], "use_qk_norm": False}),
+    ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                 "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))
 def test_given_fields_derive_as_transformers(mt, extra):
     _compare(mt, {"model_type": mt, **SIZES, **FAMILIES[mt][1], **extra})

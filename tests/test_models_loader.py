@@ -181,7 +181,7 @@ def test_bad_config_field(field, value):
 def test_unknown_family(qwen3_dir, tmp_path):
     path = _copy(qwen3_dir[1], tmp_path / "ck")
     cfg = json.load(open(os.path.join(path, "config.json")))
-    cfg["model_type"], cfg["architectures"] = "llama4_moe", ["Llama4ForCausalLM"]
+    cfg["model_type"], cfg["architectures"] = "llama4_moe", ["Llama4MoeForCausalLM"]
     json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
     with pytest.raises(ValueError, match=r"unsupported model_type 'llama4_moe'.*supported: ") as err:
         dm.load(path, progress=False)

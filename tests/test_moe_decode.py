@@ -1,6 +1,8 @@
 """The fused decode path of the MoE layer (dynamoe.ops.moe_decode): a decode step's routed GLU experts
 in one kernel call give what a per-token, per-expert loop in fp32 gives, report the same routing
 statistics, and run only where they are the same computation."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,6 +119,36 @@ def test_not_used_where_it_is_not_the_same_computation(monkeypatch):
         layer(x)  # training mode
     assert fast == []  # none of these is the layer's own decode path
     assert used == [False, True, False]  # autograd and fp16 weights: the kernel declined
+
+
+@needs_kernel
+@pytest.mark.parametrize("shared", [0, 1])
+@pytest.mark.parametrize("T,k", [(1, 1), (3, 2), (5, 3), (9, 2)])
+def test_input_scaled_experts(monkeypatch, shared, T, k):
+    """is_postscore=False (Llama-4: expert(w * x)): the layer kernel, which scales the experts' outputs, is refused;
+    the experts' kernel runs on one prescaled row per (token, choice) while they fit a decode batch (T * k <= 16),
+    and either way the result is the per-expert loop's prescaled sum."""
+    fast = _spy(monkeypatch)
+    used = record_calls(monkeypatch, moe_decode, "glu_decode")
+    layer = _layer(E=6, k=k, shared=shared, dtype=torch.float32)
+    layer.config = dataclasses.replace(layer.config, is_postscore=False)
+    x = torch.randn(T, 64)
+    with torch.inference_mode():
+        y = layer(x)
+    assert fast == [] and used == ([True] if T * k <= 16 else [])
+    assert layer.decode_fused(x).weights is None and "is_postscore=False" in layer.decode_fused(x).extra
+    ex = layer.experts
+    w, ids = torch.softmax(F.linear(x, layer.gates[0].wg.weight), -1).topk(k, dim=-1)
+    w = w / w.sum(-1, keepdim=True) if k > 1 else w
+    Fh = ex.gate_up_proj.size(1) // 2
+    want = torch.zeros(T, 64) if layer.shared_experts is None else layer.shared_experts(x).detach()
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            gu = ex.gate_up_proj[e] @ (w[t, j] * x[t])
+            want[t] += ex.down_proj[e] @ glu_activation(gu[:Fh], gu[Fh:], ex.activation)
+    torch.testing.assert_close(y, want, atol=1e-4 * want.abs().max().item(), rtol=1e-5)
+    assert torch.equal(y.routing_stats.load, torch.bincount(ids.flatten(), minlength=6))
 
 
 @needs_kernel

@@ -6,8 +6,9 @@ Legend: B batch rows, T new tokens, L keys attended (cache: positions 0..L-1), H
 K key/value heads (H = K * G), d head dim, D model dim.
 
 Masks come from positions, not from indices: query at position p sees key positions j with
-j <= p (causal) and j > p - W (window W). With the cache, rows sit at different positions (continuous
-batching); keys past a row's own length are never visible to it.
+j <= p (causal) and j > p - W (window W), or, with chunked local attention (Llama-4's chunk C),
+j // C == p // C (the keys of its own chunk: C positions from 0, C, 2C, ...). With the cache, rows sit at
+different positions (continuous batching); keys past a row's own length are never visible to it.
 """
 from __future__ import annotations
 
@@ -28,13 +29,16 @@ _DECODE_DTYPES = (torch.bfloat16, torch.float32)
 __all__ = ["Attention", "attention_mask", "attend", "write_kv", "cached_length"]
 
 
-def attention_mask(q_pos_BT: Tensor, k_pos_BL: Tensor, window: int | None) -> Tensor:
-    """bool [B, 1, T, L]: True where the query at q_pos may see the key at k_pos."""
+def attention_mask(q_pos_BT: Tensor, k_pos_BL: Tensor, window: int | None, chunk: int | None = None) -> Tensor:
+    """bool [B, 1, T, L]: True where the query at q_pos may see the key at k_pos (causal, within ``window``
+    positions, within the query's ``chunk`` of positions)."""
     q = q_pos_BT[:, None, :, None]
     k = k_pos_BL[:, None, None, :]
     allowed = k <= q
     if window is not None:
         allowed = allowed & (k > q - window)
+    if chunk is not None:
+        allowed = allowed & (torch.div(k, chunk, rounding_mode="floor") == torch.div(q, chunk, rounding_mode="floor"))
     return allowed
 
 
@@ -64,53 +68,73 @@ def _attend_with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: flo
 
 
 def attend(q_BHTd: Tensor, k_BKLd: Tensor, v_BKLd: Tensor, q_pos_BT: Tensor, k_pos_BL: Tensor | None,
-           scale: float, window: int | None = None, sinks_H: Tensor | None = None) -> Tensor:
+           scale: float, window: int | None = None, sinks_H: Tensor | None = None, chunk: int | None = None) -> Tensor:
     """Attention output [B, H, T, d]. ``k_pos_BL`` None means the keys are the T queries themselves at
-    consecutive positions (plain causal attention: the fast path of SDPA)."""
-    if k_pos_BL is None and window is None and sinks_H is None:
+    consecutive positions (plain causal attention: the fast path of SDPA). ``chunk``: chunked local
+    attention (each query sees the keys of its own chunk of ``chunk`` positions only)."""
+    if chunk is not None:
+        if window is not None:
+            raise ValueError("attend: a sliding window and chunked attention at once are not supported")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk must be an int >= 1 or None, got {chunk!r}")
+        if int(q_pos_BT.max()) < chunk:  # every position in the first chunk: plain causal attention
+            chunk = None
+    if k_pos_BL is None and window is None and sinks_H is None and chunk is None:
         return _sdpa(q_BHTd, k_BKLd, v_BKLd, None, scale, causal=q_BHTd.size(2) > 1)
-    if (k_pos_BL is not None and sinks_H is None and q_BHTd.size(0) == 1 and q_BHTd.size(2) == 1
+    if (k_pos_BL is not None and sinks_H is None and chunk is None and q_BHTd.size(0) == 1 and q_BHTd.size(2) == 1
             and (window is None or k_BKLd.size(2) <= window) and q_pos_BT.device.type == "cpu"
             and int(q_pos_BT[0, 0]) == k_BKLd.size(2) - 1):
         # one sequence's decode step over exactly its keys 0..position: every key is visible, so
         # no mask (building one costs more than this step's attention)
         return _sdpa(q_BHTd, k_BKLd, v_BKLd, None, scale, causal=False)
-    if window is not None and k_BKLd.size(2) > 2 * window and q_BHTd.size(2) > 1:
-        spans = _window_spans(q_pos_BT, k_pos_BL, k_BKLd.size(2), window)
-        if spans is not None:  # each block of queries over only the keys its window can reach
+    span = window or chunk
+    if span is not None and k_BKLd.size(2) > 2 * span and (q_BHTd.size(2) > 1 or chunk is not None):
+        spans = _window_spans(q_pos_BT, k_pos_BL, k_BKLd.size(2), window, chunk)
+        if spans is not None:  # each block of queries over only the keys its window (chunk) can reach
             return torch.cat([_masked(q_BHTd[:, :, a:b], k_BKLd[:, :, lo:hi], v_BKLd[:, :, lo:hi], q_pos_BT[:, a:b],
-                                      (q_pos_BT if k_pos_BL is None else k_pos_BL)[:, lo:hi], scale, window, sinks_H)
+                                      (q_pos_BT if k_pos_BL is None else k_pos_BL)[:, lo:hi], scale, window, sinks_H,
+                                      chunk)
                               for a, b, lo, hi in spans], dim=2)
-    return _masked(q_BHTd, k_BKLd, v_BKLd, q_pos_BT, q_pos_BT if k_pos_BL is None else k_pos_BL, scale, window, sinks_H)
+    return _masked(q_BHTd, k_BKLd, v_BKLd, q_pos_BT, q_pos_BT if k_pos_BL is None else k_pos_BL, scale, window, sinks_H,
+                   chunk)
 
 
 def _masked(q: Tensor, k: Tensor, v: Tensor, q_pos_BT: Tensor, k_pos_BL: Tensor, scale: float,
-            window: int | None, sinks_H: Tensor | None) -> Tensor:
-    mask = attention_mask(q_pos_BT, k_pos_BL, window)
+            window: int | None, sinks_H: Tensor | None, chunk: int | None = None) -> Tensor:
+    mask = attention_mask(q_pos_BT, k_pos_BL, window, chunk)
     if sinks_H is not None:
         return _attend_with_sinks(q, k, v, mask, scale, sinks_H)
     return _sdpa(q, k, v, mask, scale, causal=False)
 
 
-def _window_spans(q_pos_BT: Tensor, k_pos_BL: Tensor | None, L: int, window: int) -> list | None:
-    """Blocks ``(a, b, lo, hi)`` of ``window`` queries a..b-1 with the key range lo..hi-1 outside of which
-    no query of the block sees a key, so that sliding-window attention costs O(T * window), not O(T * L).
-    Keys are either the queries themselves (``k_pos_BL`` None) or a cache's positions 0..L-1. The ranges
-    come from the positions, so they are exact only where positions grow by at least one per token
-    (a plain sequence, chunked or cached); elsewhere (None) the caller attends over all keys."""
+def _window_spans(q_pos_BT: Tensor, k_pos_BL: Tensor | None, L: int, window: int | None,
+                  chunk: int | None = None) -> list | None:
+    """Blocks ``(a, b, lo, hi)`` of ``window`` (or ``chunk``) queries a..b-1 with the key range lo..hi-1 outside
+    of which no query of the block sees a key, so that sliding-window (chunked) attention costs O(T * window),
+    not O(T * L). Keys are either the queries themselves (``k_pos_BL`` None) or a cache's positions 0..L-1. The
+    ranges come from the positions, so they are exact only where positions grow by at least one per token
+    (a plain sequence, chunked or cached); elsewhere (None) the caller attends over all keys. A query at
+    position p sees back to p - window + 1 (window), or to its chunk's start C * (p // C) (chunk)."""
     T = q_pos_BT.size(1)
+    step = window or chunk
     if k_pos_BL is None:
         if T > 1 and not bool((q_pos_BT[:, 1:] > q_pos_BT[:, :-1]).all()):
             return None
-        # key index j < a - window + 1 has position <= pos[a] - window: invisible to queries a.. on
-        return [(a, min(a + window, T), max(0, a - window + 1), min(a + window, T)) for a in range(0, T, window)]
+        if window is not None:
+            # key index j < a - window + 1 has position <= pos[a] - window: invisible to queries a.. on
+            return [(a, min(a + step, T), max(0, a - window + 1), min(a + step, T)) for a in range(0, T, step)]
+        # key index j < a - (pos[a] - chunk start of pos[a]) has a position before that chunk start
+        back_T = (q_pos_BT - torch.div(q_pos_BT, chunk, rounding_mode="floor") * chunk).amax(0)
+        return [(a, min(a + step, T), max(0, a - int(back_T[a])), min(a + step, T)) for a in range(0, T, step)]
     if not torch.equal(k_pos_BL, torch.arange(L, device=k_pos_BL.device).expand_as(k_pos_BL)):
         return None
     lo_B, hi_B = q_pos_BT.amin(0), q_pos_BT.amax(0)  # per query index, over the rows
     spans = []
-    for a in range(0, T, window):
-        b = min(a + window, T)
-        lo, hi = int(lo_B[a:b].min()) - window + 1, int(hi_B[a:b].max()) + 1
+    for a in range(0, T, step):
+        b = min(a + step, T)
+        first = int(lo_B[a:b].min())
+        lo = first - window + 1 if window is not None else first // chunk * chunk
+        hi = int(hi_B[a:b].max()) + 1
         spans.append((a, b, max(0, lo), min(L, max(hi, 1))))
     return spans
 

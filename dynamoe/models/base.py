@@ -98,6 +98,11 @@ class CausalLM(nn.Module):
     #: multi-token-prediction layers plain decoding does not run): the loader skips those tensors and says so
     #: once, by prefix
     unused_checkpoint_prefixes: tuple = ()
+    def ignores_checkpoint_tensor(self, name: str) -> bool:
+        """Extension point: True for a checkpoint tensor the family knows it has no use for, though it sits among
+        the names it loads (LongCat-Flash: transformers saves gate/up rows for its zero-computation experts)."""
+        return False
+
     #: how the routed experts are stored on disk (dynamoe.models.weights.PerExpert / FusedInterleaved)
     expert_layout = None
     #: whether the routed experts have biases (GPT-OSS)

@@ -31,7 +31,10 @@ from .unsupported import refusal
 __all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
            "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config"]
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+# 'chunked_attention' (Llama-4's local attention within chunks of attention_chunk_size positions) is a layer type
+# of the families that build it only (their _FAMILY_DEFAULTS entry says "chunked_layers"): anywhere else it is
+# refused, not read as full attention
 # 'indexed_attention': DeepSeek-V3.2 / GLM-5 MLA with the sparse-attention indexer (full causal otherwise);
 # 'linear_attention': Qwen3-Next / Qwen3.5 Gated DeltaNet (a recurrent state per sequence, no KV cache)
 LAYER_TYPES = ("full_attention", "sliding_attention", "indexed_attention", "linear_attention")
@@ -47,12 +50,15 @@ class TextWrapper:
     text model types it may hold (the first is the default when that config names none); ``tie_default``:
     the wrapper config class's ``tie_word_embeddings`` when the file omits it (the flag of the level right
     above the text config ties the wrapper's lm_head in transformers); ``tie_from_text``: a text config's
-    own ``tie_word_embeddings: true`` ties too (GLM-4.5V's rule for configs saved before transformers 5)."""
+    own ``tie_word_embeddings: true`` ties too (GLM-4.5V's rule for configs saved before transformers 5);
+    ``tie_by_text``: only the text config's own flag decides (default false), the wrapper's is not read
+    (Llama-4: its language model is a model of its own that ties by its own config)."""
 
     path: tuple
     text_types: tuple
     tie_default: bool = False
     tie_from_text: bool = False
+    tie_by_text: bool = False
 
 
 #: multimodal checkpoints whose config.json nests the text model (dynamoe loads the text model only):
@@ -64,6 +70,7 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "glm4v_moe": TextWrapper(("text_config",), ("glm4v_moe_text",), tie_from_text=True),
     "qwen3_omni_moe_thinker": TextWrapper(("text_config",), ("qwen3_omni_moe_text",)),
     "qwen3_omni_moe": TextWrapper(("thinker_config", "text_config"), ("qwen3_omni_moe_text",)),
+    "llama4": TextWrapper(("text_config",), ("llama4_text",), tie_by_text=True),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)
@@ -275,6 +282,35 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "granitemoe_swa": {"num_experts": 8, "num_experts_per_tok": 2, "granite_swa_layers": True,
                        "fields": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1,
                                   "eos_token_id": 2, "attention_multiplier": 1.0, "sliding_window": 128}},
+    # Llama4TextConfig: MoE on moe_layers (else every interleave_moe_layer_step-th layer, from step - 1), dense MLPs of
+    # intermediate_size_mlp elsewhere; RoPE on the layers where no_rope_layers says 1 (else all but every
+    # no_rope_layer_interval-th), those chunked ("chunked_attention", attention_chunk_size) unless it is null, the
+    # others NoPE full attention with temperature tuning; L2 q/k norm on the RoPE layers (use_qk_norm)
+    "llama4_text": {"rope_theta": 500000.0, "num_experts": 16, "num_experts_per_tok": 1, "head_dim": 128,
+                    "llama4_layers": True, "chunked_layers": True,
+                    "fields": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                               "bos_token_id": 1, "eos_token_id": 2, "intermediate_size": 8192,
+                               "intermediate_size_mlp": 16384, "interleave_moe_layer_step": 1, "use_qk_norm": True,
+                               "no_rope_layer_interval": 4, "attention_chunk_size": 8192,
+                               "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1}},
+    # PhimoeConfig: SparseMixer routing over router_jitter_noise margins (top-2), LayerNorms (eps rms_norm_eps); a
+    # sliding_window, when set, slides every layer
+    "phimoe": {"rope_theta": 1e6, "num_experts": 16, "num_experts_per_tok": 2,
+               "fields": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                          "bos_token_id": 1, "eos_token_id": 2, "intermediate_size": 6400, "router_jitter_noise": 0.01,
+                          "lm_head_bias": False}},
+    # LongcatFlashConfig: its own names (attribute_map); num_layers decoder layers of two attention sublayers each
+    # (transformers' num_hidden_layers is twice it: "num_layers_halved"); MLA with q/kv LoRA scales; softmax routing
+    # over n_routed_experts + zero_expert_num (identity) experts with a selection bias, times routed_scaling_factor
+    "longcat_flash": {"rope_theta": 1e7, "num_experts": 512, "num_experts_per_tok": 12, "head_dim": 64,
+                      "num_layers_halved": 28,
+                      "aliases": {"num_experts_per_tok": "moe_topk", "intermediate_size": "ffn_hidden_size",
+                                  "moe_intermediate_size": "expert_ffn_hidden_size"},
+                      "fields": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                                 "bos_token_id": 1, "eos_token_id": 2, "ffn_hidden_size": 12288,
+                                 "expert_ffn_hidden_size": 2048, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                                 "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "moe_topk": 12,
+                                 "zero_expert_num": 256, "routed_scaling_factor": 6.0}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -370,6 +406,19 @@ def _indexer_types(d: dict, layers: int) -> tuple:
     return () if all(t == "full" for t in types) else types
 
 
+def _llama4_rope_layers(d: dict, layers: int) -> tuple:
+    """Llama-4's per-layer RoPE switch as Llama4TextConfig derives it: ``no_rope_layers`` (1 = RoPE, 0 = NoPE;
+    empty or null: the default), else NoPE on every ``no_rope_layer_interval``-th layer."""
+    v = d.get("no_rope_layers")
+    if not v:
+        every = _int(d, "no_rope_layer_interval")
+        return tuple(int((i + 1) % every != 0) for i in range(layers))
+    if (not isinstance(v, (list, tuple)) or len(v) < layers
+            or any(not isinstance(x, (int, float)) or x not in (0, 1) for x in v)):
+        raise _err("no_rope_layers", v, f"a list of at least {layers} entries, each 1 (RoPE) or 0 (NoPE)")
+    return tuple(int(x) for x in v[:layers])
+
+
 def _kimi_layer_types(linear_attn_config: dict, layers: int) -> tuple:
     """Kimi-Linear's layer kinds as KimiLinearConfig derives them: the 1-based ``full_attn_layers`` and
     ``kda_layers`` of ``linear_attn_config`` when it has both (every layer in one of them), else full
@@ -430,7 +479,7 @@ def _rotary_dim_factor(d: dict, head_dim: int) -> float:
 class RopeConfig:
     """Rotary embedding parameters, whichever style the config used.
 
-    rope_type: 'default' | 'linear' | 'dynamic' | 'yarn' | 'llama3'. theta: the base.
+    rope_type: 'default' | 'linear' | 'dynamic' | 'yarn' | 'llama3' | 'longrope'. theta: the base.
     factor: context scaling (linear, dynamic, yarn, llama3). original_max_position_embeddings: the
     pre-training length (yarn, llama3). beta_fast / beta_slow / truncate / mscale / mscale_all_dim /
     attention_factor: YaRN. low_freq_factor / high_freq_factor: llama3.
@@ -453,6 +502,12 @@ class RopeConfig:
     #: Llama-4's attention scaling (Mistral-4): queries times 1 + beta ln(1 + floor(position /
     #: original_max_position_embeddings)); None: not scaled
     llama_4_scaling_beta: Optional[float] = None
+    #: longrope (Phi-3.5): per-frequency divisors of the base frequencies for sequences up to
+    #: original_max_position_embeddings (short) and beyond (long), and the cos/sin scale of each (Phi-3.5-MoE)
+    short_factor: tuple = ()
+    long_factor: tuple = ()
+    short_mscale: Optional[float] = None
+    long_mscale: Optional[float] = None
 
 
 def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 10000.0,
@@ -485,6 +540,27 @@ def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 100
     orig = _int(merged, "original_max_position_embeddings", d.get("original_max_position_embeddings"))
     if rope_type in ("yarn", "llama3") and orig is None:
         orig = max_position_embeddings  # transformers' standardize_rope_params does the same
+    if rope_type == "longrope":
+        lists = {}
+        for name in ("short_factor", "long_factor"):
+            v = merged.get(name)
+            if (not isinstance(v, (list, tuple)) or not v
+                    or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in v)):
+                raise _err(name, v, "a non-empty list of numbers > 0 (one per rotary frequency) for rope_type 'longrope'")
+            lists[name] = tuple(float(x) for x in v)
+        if orig is None:
+            raise ValueError("config field 'original_max_position_embeddings' is required for rope_type 'longrope' "
+                             "but missing")
+        # transformers: factor defaults to max_position_embeddings / original, the attention factor to
+        # sqrt(1 + ln(factor) / ln(original)) (1 when factor <= 1)
+        factor = _float(merged, "factor", positive=True) or max_position_embeddings / orig
+        attention = _float(merged, "attention_factor", positive=True)
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        return RopeConfig("longrope", theta, factor, orig, attention_factor=attention,
+                          short_mscale=_float(merged, "short_mscale", positive=True),
+                          long_mscale=_float(merged, "long_mscale", positive=True),
+                          partial_rotary_factor=partial, llama_4_scaling_beta=beta, **lists)
     factor = merged.get("factor")
     if factor is None and rope_type == "yarn":
         factor = max_position_embeddings / orig
@@ -511,8 +587,8 @@ class ModelConfig:
     """What the model families read, typed and validated (see :meth:`from_dict`).
 
     Layer structure: ``layer_types[i]`` is 'full_attention', 'sliding_attention' (window
-    ``sliding_window``) or 'indexed_attention' (V3.2 / GLM-5 sparse attention, whose families build it
-    whatever the entry says); :meth:`is_moe_layer` says whether layer i has routed experts;
+    ``sliding_window``), 'chunked_attention' (Llama-4: chunks of ``attention_chunk_size``) or
+    'indexed_attention' (V3.2 / GLM-5 sparse attention, whose families build it whatever the entry says); :meth:`is_moe_layer` says whether layer i has routed experts;
     ``indexer_types`` (GLM-5) which layers run their own indexer.
     """
 
@@ -575,6 +651,13 @@ class ModelConfig:
     #: DeepSeek-V3.2 / GLM-5: per layer 'dense' or 'sparse' (overrides first_k_dense_replace when given)
     mlp_layer_types: tuple = ()
     num_nextn_predict_layers: int = 0
+    #: Phi-3.5-MoE: SparseMixer's relative margin at inference (2 * router_jitter_noise), and a bias on the lm_head
+    router_jitter_noise: float = 0.0
+    lm_head_bias: bool = False
+    #: LongCat-Flash: zero-computation experts (their output is their input) after the routed ones in the routing
+    #: pool (``zero_expert_num``); a bias on the router's logits (``router_bias``)
+    zero_experts: int = 0
+    router_bias: bool = False
     # GraniteMoE (muP): embeddings times embedding_multiplier, each sublayer's output times
     # residual_multiplier before its residual add, softmax scale attention_multiplier (None: head_dim^-1/2),
     # logits divided by logits_scaling
@@ -588,6 +671,16 @@ class ModelConfig:
     linear_value_head_dim: Optional[int] = None
     linear_num_key_heads: Optional[int] = None
     linear_num_value_heads: Optional[int] = None
+    # Llama-4: 'chunked_attention' layers see the keys of their own chunk of attention_chunk_size positions;
+    # no_rope_layers[i] 1 = RoPE in layer i, 0 = NoPE (() = RoPE everywhere); on NoPE layers with
+    # attn_temperature_tuning the queries are scaled by 1 + attn_scale * ln(1 + floor((p + 1) / floor_scale));
+    # intermediate_size_mlp: the dense layers' MLP width (the experts' and shared expert's: intermediate_size)
+    attention_chunk_size: Optional[int] = None
+    no_rope_layers: tuple = ()
+    attn_temperature_tuning: bool = False
+    floor_scale: Optional[float] = None
+    attn_scale: Optional[float] = None
+    intermediate_size_mlp: Optional[int] = None
     #: the config.json nested this model under ``text_config`` (Qwen3.5-MoE's multimodal checkpoint)
     text_config_nested: bool = False
     # tokens
@@ -602,6 +695,14 @@ class ModelConfig:
         """The sliding window of layer i, or None for full attention."""
         return self.sliding_window if self.layer_types and self.layer_types[i] == "sliding_attention" else None
 
+    def layer_attention_chunk(self, i: int) -> Optional[int]:
+        """The attention chunk of layer i (Llama-4's 'chunked_attention' layers), or None."""
+        return self.attention_chunk_size if self.layer_types and self.layer_types[i] == "chunked_attention" else None
+
+    def layer_uses_rope(self, i: int) -> bool:
+        """Whether layer i rotates its queries and keys (``no_rope_layers``; () = every layer)."""
+        return not self.no_rope_layers or bool(self.no_rope_layers[i])
+
     def kv_elements_per_position(self) -> int:
         """Cache elements one position of one sequence takes over all layers: keys and values per KV head
         (GQA), or the compressed latent and the rotary key (MLA), plus the indexer's key (DSA)."""
@@ -614,7 +715,8 @@ class ModelConfig:
             per_layer = 2 * self.num_key_value_heads * self.head_dim
         # linear-attention layers keep a fixed-size state per sequence instead (see linear_attention.py)
         linear = sum(t == "linear_attention" for t in self.layer_types)
-        return per_layer * (self.num_hidden_layers - linear)
+        sublayers = 2 if self.model_type == "longcat_flash" else 1   # (two attention sublayers per layer)
+        return per_layer * sublayers * (self.num_hidden_layers - linear)
 
     def state_elements_per_sequence(self) -> dict[str, int]:
         """Fixed-size cache elements one sequence takes over all linear-attention layers, whatever its
@@ -688,6 +790,14 @@ class ModelConfig:
 
         hidden = _int(d, "hidden_size", required=True)
         heads = _int(d, "num_attention_heads", required=True)
+        if fam.get("num_layers_halved"):  # LongCat: our layers are its num_layers (two sublayers each; default: the value)
+            given = d.get("num_hidden_layers")   # (LongcatFlashConfig sets it after num_layers: it wins)
+            if given is not None:
+                n = _int(d, "num_hidden_layers")
+                if n % 2:
+                    raise _err("num_hidden_layers", given, "an even int (twice num_layers: two sublayers per layer)")
+                d["num_layers"] = n // 2
+            d["num_hidden_layers"] = _int(d, "num_layers", fam["num_layers_halved"])
         layers = _int(d, "num_hidden_layers", required=True)
         kv_heads = _int(d, "num_key_value_heads", heads) or heads  # null: as many as the query heads
         if heads % kv_heads:
@@ -713,11 +823,17 @@ class ModelConfig:
 
         sliding = _int(d, "sliding_window", fam.get("sliding_window"), minimum=0) or None  # 0: none (Qwen2-MoE)
         layer_types = d.get("layer_types")
+        kinds = LAYER_TYPES + (("chunked_attention",) if fam.get("chunked_layers") else ())
+        chunk = _int(d, "attention_chunk_size") if fam.get("chunked_layers") else None
+        no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") else ()
         if layer_types is not None:
             if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
-                    or any(t not in LAYER_TYPES for t in layer_types)):
-                raise _err("layer_types", layer_types, f"a list of {layers} entries from {list(LAYER_TYPES)}")
+                    or any(t not in kinds for t in layer_types)):
+                raise _err("layer_types", layer_types, f"a list of {layers} entries from {list(kinds)}")
             layer_types = tuple(layer_types)
+        elif fam.get("llama4_layers"):  # the RoPE layers chunked (when there is a chunk size), the NoPE ones full
+            layer_types = tuple("chunked_attention" if r and chunk is not None else "full_attention"
+                                for r in no_rope_layers)
         elif fam.get("granite_swa_layers"):
             layer_types = tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers))
         elif fam.get("flint_layers"):
@@ -755,6 +871,8 @@ class ModelConfig:
             sliding = None  # as Qwen3MoeConfig: no window unless use_sliding_window
         if "sliding_attention" in layer_types and sliding is None:
             raise ValueError("config field 'sliding_window' is required when layer_types has 'sliding_attention'")
+        if "chunked_attention" in layer_types and chunk is None:
+            raise ValueError("config field 'attention_chunk_size' is required when layer_types has 'chunked_attention'")
         linear_sizes = {name: _int(d, name) for name in _LINEAR_ATTENTION_FIELDS}
         if "linear_attention" in layer_types:
             for name, v in linear_sizes.items():
@@ -767,6 +885,15 @@ class ModelConfig:
         mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("first_layer_dense"):
             mlp_types = ("dense",) + ("sparse",) * (layers - 1)
+        if not mlp_types and fam.get("llama4_layers"):  # moe_layers, else every step-th layer from step - 1
+            moe_ids = d.get("moe_layers")
+            if moe_ids is None:
+                step = _int(d, "interleave_moe_layer_step")
+                moe_ids = range(step - 1, layers, step)
+            elif (not isinstance(moe_ids, (list, tuple))
+                  or any(isinstance(i, bool) or not isinstance(i, int) for i in moe_ids)):
+                raise _err("moe_layers", moe_ids, "a list of layer indices")
+            mlp_types = tuple("sparse" if i in set(moe_ids) else "dense" for i in range(layers))
         if not mlp_types and fam.get("ernie_moe_layers"):
             start, every = _int(d, "moe_layer_start_index", minimum=0), _int(d, "moe_layer_interval")
             end = _int(d, "moe_layer_end_index", minimum=-1)
@@ -815,6 +942,8 @@ class ModelConfig:
             moe_intermediate_size=_int(d, "moe_intermediate_size"),
             shared_expert_intermediate_size=_int(d, "shared_expert_intermediate_size",
                                                  d.get("shared_intermediate_size"), minimum=0) or None,
+            router_jitter_noise=_float(d, "router_jitter_noise", 0.0), lm_head_bias=_bool(d, "lm_head_bias", False),
+            zero_experts=_int(d, "zero_expert_num", 0, minimum=0) or 0, router_bias=_bool(d, "router_bias", False),
             embedding_multiplier=_float(d, "embedding_multiplier", 1.0, positive=True),
             residual_multiplier=_float(d, "residual_multiplier", 1.0, positive=True),
             attention_multiplier=_float(d, "attention_multiplier", positive=True),
@@ -835,6 +964,10 @@ class ModelConfig:
             index_n_heads=_int(d, "index_n_heads"), indexer_types=indexer_types, mlp_layer_types=mlp_types,
             num_nextn_predict_layers=_int(d, "num_nextn_predict_layers", 0, minimum=0),
             **linear_sizes,
+            attention_chunk_size=chunk, no_rope_layers=no_rope_layers,
+            attn_temperature_tuning=_bool(d, "attn_temperature_tuning", False),
+            floor_scale=_float(d, "floor_scale", positive=True), attn_scale=_float(d, "attn_scale"),
+            intermediate_size_mlp=_int(d, "intermediate_size_mlp"),
             text_config_nested=text_nested,
             bos_token_id=_int(d, "bos_token_id", minimum=0), eos_token_id=eos,
             pad_token_id=_int(d, "pad_token_id", minimum=0), quantization_config=quant, raw=dict(d),
@@ -855,7 +988,7 @@ def unwrap_text_config(d: dict) -> dict:
     ``kimi_k25`` around a DeepSeek-V3 text model) as one flat dict of its text model, the one path every
     wrapper takes: the text config's fields; ``architectures`` and token ids from the outermost level that
     gives them; ``tie_word_embeddings`` from the level right above the text config (else the wrapper's
-    default, :class:`TextWrapper`); ``quantization_config`` from whichever level has it (ValueError if two
+    default; or the text config's own flag alone where the wrapper says ``tie_by_text``: :class:`TextWrapper`); ``quantization_config`` from whichever level has it (ValueError if two
     differ); ``model_type`` the outer one and ``text_model_type`` the inner one (whose family defaults
     apply); ``vision_config`` kept for reference. Any other dict comes back as it is."""
     outer_type = d.get("model_type")
@@ -882,6 +1015,8 @@ def unwrap_text_config(d: dict) -> dict:
     tie = parent.get("tie_word_embeddings")
     tie = spec.tie_default if tie is None else tie
     flat["tie_word_embeddings"] = tie or (spec.tie_from_text and text.get("tie_word_embeddings") is True)
+    if spec.tie_by_text:
+        flat["tie_word_embeddings"] = text.get("tie_word_embeddings") is True
     quant = {}
     for level, at in zip(levels, ["", *(".".join(where[:i + 1]) + "." for i in range(len(where)))]):
         if level.get("quantization_config") is not None:

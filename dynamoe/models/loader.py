@@ -244,6 +244,8 @@ def _ignorable(name: str, config: ModelConfig, model: CausalLM) -> bool:
         return True
     if config.tie_word_embeddings and name == "lm_head.weight":
         return True
+    if model.ignores_checkpoint_tensor(name):
+        return True
     m = re.match(r"model\.layers\.(\d+)\.", name)  # multi-token-prediction layers (DeepSeek): unused here
     return bool(m) and int(m.group(1)) >= config.num_hidden_layers
 

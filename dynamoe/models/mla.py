@@ -66,7 +66,9 @@ class MLAttention(nn.Module):
     Sparse attention: ``indexer`` is an :class:`Indexer` (this layer scores its keys), or
     ``shared_index`` alone (GLM-5 'shared' layers reuse the previous full indexer's selection).
     ``llama4_scaling`` (beta, L): the queries are scaled by 1 + beta ln(1 + floor(position / L)) after
-    RoPE (Mistral-4's Llama-4 attention scaling; None: not). ``rotary=None``: no position encoding at all (Kimi-Linear's MLA layers: q_rope and k_rope are
+    RoPE (Mistral-4's Llama-4 attention scaling; None: not). ``lora_scales`` (q, kv): the queries are scaled by
+    q and the normalised latent by kv before it is cached (LongCat-Flash's sqrt(D / rank) LoRA scales; None:
+    not). ``rotary=None``: no position encoding at all (Kimi-Linear's MLA layers: q_rope and k_rope are
     used as they are projected).
     """
 
@@ -74,14 +76,15 @@ class MLAttention(nn.Module):
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, layer_idx: int,
                  rotary: RotaryEmbedding | None, scale: float, rope_interleaved: bool = True, bias: bool = False,
                  norm_eps: float = 1e-6, indexer: Indexer | None = None, shared_index: SharedIndex | None = None,
-                 absorb: bool | None = None, llama4_scaling: tuple | None = None, dtype=None):
+                 absorb: bool | None = None, llama4_scaling: tuple | None = None, lora_scales: tuple | None = None,
+                 dtype=None):
         super().__init__()
         self.layer_idx, self.num_heads = layer_idx, num_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.nope, self.rope, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_dim = qk_nope_head_dim + qk_rope_head_dim
         self.scale, self.rope_interleaved, self.absorb = scale, rope_interleaved, absorb
-        self.llama4_scaling = llama4_scaling
+        self.llama4_scaling, self.lora_scales = llama4_scaling, lora_scales
         kw = dict(dtype=dtype)
         H = num_heads
         if q_lora_rank is None:
@@ -147,6 +150,9 @@ class MLAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x_BTD).split([C, r], dim=-1)
         latent = self.kv_a_layernorm(latent).unsqueeze(1)                      # [B, 1, T, C]
         k_rope = k_rope.unsqueeze(1)                                           # [B, 1, T, r]
+        if self.lora_scales is not None:  # LongCat-Flash: the queries and the latent (not k_rope) scaled
+            sq, skv = self.lora_scales
+            q_nope, q_rope, latent = q_nope * sq, q_rope * sq, latent * skv
         if self.rotary is not None:  # (None: NoPE, Kimi-Linear -- the "rope" part stays unrotated)
             cos, sin = self.rotary(positions_BT, q.dtype)
             q_rope = apply_rope(q_rope, cos, sin, self.rope_interleaved)

@@ -34,7 +34,7 @@ from .norms import RMSNorm
 
 __all__ = ["GatedMLP", "BiasedRouter", "SparseMoeBlock", "ROUTERS", "glu_kind"]
 
-ROUTERS = ("softmax", "softmax_bias", "sigmoid")
+ROUTERS = ("softmax", "softmax_bias", "sigmoid", "sparsemixer")
 # config.json's hidden_act -> dynamoe's GLU kind
 _HIDDEN_ACT = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                "relu": "relu"}
@@ -138,12 +138,15 @@ class SparseMoeBlock(nn.Module):
     routed weights' factor; None = ``cfg.routed_scaling_factor`` for 'sigmoid', 1 for the others.
     (MiniMax-M2's sigmoid router has neither groups nor a scale: it passes False and 1.)
     ``selection_bias``: the softmax router's selection-only ``e_score_correction_bias`` (ERNIE-4.5).
+    ``router`` 'sparsemixer': Phi-3.5-MoE's SparseMixer at inference (two experts, ``cfg.router_jitter_noise``).
+    ``prescale``: each routing weight scales its expert's input instead of its output (Llama-4: expert(w * x));
+    the fused decode kernels scale outputs, so such a block runs the general path (MoELayer refuses the kernel).
     """
 
     def __init__(self, cfg: ModelConfig, router: str = "softmax", normalize: bool = True, glu: str = "silu",
                  expert_bias: bool = False, num_shared_experts: int = 0, shared_hidden_size: int | None = None,
                  shared_gate: bool = False, shared_fused_gate_up: bool = False, router_groups: bool | None = None,
-                 route_scale: float | None = None, selection_bias: bool = False, dtype=None):
+                 route_scale: float | None = None, selection_bias: bool = False, prescale: bool = False, dtype=None):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
@@ -160,6 +163,12 @@ class SparseMoeBlock(nn.Module):
         if router == "softmax":
             gate = GateConfig(type="top", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize,
                               n_group=groups[0], topk_group=groups[1], route_scale=scale, selection_bias=selection_bias)
+        elif router == "sparsemixer":  # Phi-3.5-MoE: two experts, margins of cfg.router_jitter_noise
+            if K != 2 or router_groups or route_scale not in (None, 1.0) or selection_bias:
+                raise ValueError(f"router 'sparsemixer' picks exactly 2 experts (num_experts_per_tok={K}), without "
+                                 "groups, route scale or selection bias")
+            gate = GateConfig(type="sparsemixer", k=2, capacity_factor=0.0, fp32_gate=True,
+                              jitter_eps=cfg.router_jitter_noise)
         elif router == "softmax_bias":
             gate = GateConfig(type="custom", k=K, capacity_factor=0.0, normalize=normalize,
                               module=BiasedRouter(D, E, dtype=dtype))
@@ -175,7 +184,7 @@ class SparseMoeBlock(nn.Module):
         # check_finite off: the input is this model's own hidden state, and the check costs a host
         # sync per layer and step
         self.moe = MoELayer(MoEConfig(model_dim=D, gates=[gate], experts=experts, aux_loss="none", dtype=dtype,
-                                      check_finite=False))
+                                      check_finite=False, is_postscore=not prescale))
         self.last_stats = None
 
     @property

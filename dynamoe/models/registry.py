@@ -108,3 +108,7 @@ register("mimo_v2_flash", "dynamoe.models.mimo_v2_flash:MiMoV2FlashForCausalLM",
 register("mistral4", "dynamoe.models.mistral4:Mistral4ForCausalLM", ("Mistral4ForCausalLM",))
 register("flint", "dynamoe.models.flint:FlintForCausalLM", ("FlintForCausalLM",))
 register("granitemoe_swa", "dynamoe.models.granitemoe_swa:GraniteMoeSWAForCausalLM", ("GraniteMoeSWAForCausalLM",))
+register("llama4", "dynamoe.models.llama4:Llama4ForCausalLM", ("Llama4ForConditionalGeneration", "Llama4ForCausalLM"),
+         aliases=("llama4_text",))
+register("phimoe", "dynamoe.models.phimoe:PhimoeForCausalLM", ("PhimoeForCausalLM",))
+register("longcat_flash", "dynamoe.models.longcat_flash:LongcatFlashForCausalLM", ("LongcatFlashForCausalLM",))

@@ -53,7 +53,24 @@ def rope_frequencies(rope: RopeConfig, dim: int, max_position_embeddings: int,
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":
         return _yarn(rope, dim)
-    raise ValueError(f"rope_type must be one of 'default', 'linear', 'dynamic', 'yarn', 'llama3', got {kind!r}")
+    if kind == "longrope":
+        return _longrope(rope, dim, seq_len)
+    raise ValueError(f"rope_type must be one of 'default', 'linear', 'dynamic', 'yarn', 'llama3', 'longrope', got {kind!r}")
+
+
+def _longrope(rope: RopeConfig, dim: int, seq_len: int | None) -> tuple[Tensor, float]:
+    """transformers' longrope: the base frequencies divided by ``long_factor`` when ``seq_len`` passes
+    original_max_position_embeddings, else by ``short_factor``; the attention factor as parsed (see
+    dynamoe.models.config.parse_rope)."""
+    orig = rope.original_max_position_embeddings
+    ext = rope.long_factor if seq_len and seq_len > orig else rope.short_factor
+    if len(ext) != dim // 2:
+        raise ValueError(f"rope long_factor / short_factor must have {dim // 2} entries (one per rotary frequency), "
+                         f"got {len(ext)}")
+    attention = 1.0 if rope.attention_factor is None else rope.attention_factor
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (torch.tensor(ext, dtype=torch.float32) * rope.theta ** exponents)
+    return inv_freq, float(attention)
 
 
 def _yarn(rope: RopeConfig, dim: int) -> tuple[Tensor, float]:
@@ -88,10 +105,16 @@ class RotaryEmbedding(nn.Module):
     forward share them.
     """
 
+    #: extension point: a subclass that implements 'longrope' (whose tables switch with the sequence length)
+    handles_longrope = False
+
     def __init__(self, rope: RopeConfig, dim: int, max_position_embeddings: int):
         super().__init__()
         if dim % 2:
             raise ValueError(f"rotary dim must be even, got {dim}")
+        if rope.rope_type == "longrope" and not self.handles_longrope:
+            raise ValueError("rope_type 'longrope' switches with the sequence length in a family's own way (Phi-3.5-MoE: "
+                             "dynamoe.models.phimoe); this family's rotary embedding does not implement it")
         self.rope, self.dim, self.max_position_embeddings = rope, dim, max_position_embeddings
         inv_freq, self.attention_scaling = rope_frequencies(rope, dim, max_position_embeddings)
         # not part of the checkpoint; a model built on the meta device recomputes it (materialize_buffers)

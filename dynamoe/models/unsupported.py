@@ -76,12 +76,6 @@ UNSUPPORTED: dict[str, str] = {
     "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
                  "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
     "lfm2_moe": "LFM2-MoE mixes short-convolution layers with attention: convolution layers are not supported yet",
-    "llama4": _VLM,
-    "llama4_text": "Llama-4's text model is not implemented yet: its router's sigmoid top-1 score scales the "
-                   "expert's input, not its output (the MoE layer has no such combine), beside chunked local "
-                   "attention with NoPE global layers (temperature-tuned), L2 q/k norm and interleaved MoE/dense layers",
-    "longcat_flash": "LongCat-Flash is not implemented yet: two attention sublayers per layer (shortcut MoE) "
-                     "and zero-computation experts",
     "mellum": "Mellum is not implemented yet: per-layer mlp_layer_types with its attention layer kinds",
     "minimax": "MiniMax-Text-01 mixes lightning attention (linear attention with a fixed per-head decay) with "
                "softmax attention: lightning-attention layers are not implemented yet (dynamoe has Gated DeltaNet "
@@ -97,10 +91,6 @@ UNSUPPORTED: dict[str, str] = {
     "nemotron_h_omni": _OMNI + " (its language model is Nemotron-H, a Mamba-2 hybrid)",
     "nllb-moe": "NLLB-MoE is an encoder-decoder translation model, not a decoder-only causal LM",
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
-    "phimoe": "Phi-3.5-MoE is not implemented yet: its SparseMixer router (at inference: the top expert, then the "
-              "best of the rest, each weighted by a softmax over only the experts within a relative margin of it; "
-              "not a softmax top-k, so the MoE layer needs a gate type of its own), longrope RoPE whose attention "
-              "scale switches with the batch's longest position, LayerNorm with biases and an lm_head bias",
     "qwen3_omni_moe_talker_text": "the speech talker of Qwen3-Omni, not a text causal LM",
     "qwen4_exp": _VLM,
     "qwen4_exp_text": _text_of("qwen4_exp", "its layer kinds"),

@@ -82,10 +82,12 @@ class Stacked:
 @dataclass(frozen=True)
 class FusedGateUp:
     """``{prefix}.{gate_up}`` and ``{prefix}.{down}`` (no ``.weight``), stacked by expert, in->out or
-    out->in (see the module docstring)."""
+    out->in (see the module docstring); ``in_out``: in->out only, whatever the shapes (Llama-4, whose
+    transformers module holds them so: no ambiguity when 2F = D or F = D)."""
 
     gate_up: str = "gate_up_proj"
     down: str = "down_proj"
+    in_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -254,7 +256,10 @@ def _read_fused_gate_up(tensors: Mapping, qcfg, prefix: str, layout: FusedGateUp
         t = read_weight(tensors, name, qcfg)
         if isinstance(t, QuantizedWeight):
             raise ValueError(f"tensor {name!r} is quantized: fused (Qwen3-VL-MoE-style) experts load dense only")
-        if tuple(t.shape) != ours:  # in->out, as released: [E, D, 2F] / [E, F, D]
+        if layout.in_out:
+            check_shape(name, t.shape, (E, ours[2], ours[1]))
+            t = t.transpose(1, 2)
+        elif tuple(t.shape) != ours:  # in->out, as released: [E, D, 2F] / [E, F, D]
             if tuple(t.shape) != (E, ours[2], ours[1]):
                 raise ValueError(f"tensor {name!r}: expected shape {ours} (out->in) or {(E, ours[2], ours[1])} "
                                  f"(in->out), found {tuple(t.shape)}")

@@ -1,4 +1,4 @@
-"""The text model of a multimodal wrapper checkpoint (Qwen3.5-MoE, Qwen3-VL-MoE, GLM-4.5V, Qwen3-Omni):
+"""The text model of a multimodal wrapper checkpoint (Qwen3.5-MoE, Qwen3-VL-MoE, GLM-4.5V, Qwen3-Omni, Llama 4):
 where the wrapper keeps the decoder stack and the lm_head, and which of its parts the text model does not
 load (the vision tower, an audio encoder, a speech talker).
 

@@ -29,7 +29,7 @@ __all__ = [
     "AUX_LOSSES",
 ]
 
-GATE_TYPES = ("top", "cosine_top", "sigmoid", "custom")
+GATE_TYPES = ("top", "cosine_top", "sigmoid", "sparsemixer", "custom")
 EXPERT_TYPES = ("ffn", "glu", "llama_ffn", "custom")
 AUX_LOSSES = ("gshard", "switch", "load_importance", "deepseek", "none")
 
@@ -85,7 +85,9 @@ class GateConfig:
 
     type: "top" (linear logits, softmax top-k: Switch k=1, GShard k>=2), "cosine_top" (cosine
         router), "sigmoid" (DeepSeek-V3: sigmoid scores, selection bias, group-limited top-k,
-        route scale) or "custom" (``module`` returns logits [T, E]). "top" with ``n_group`` > 1 is
+        route scale), "sparsemixer" (Phi-3.5-MoE at inference: exactly 2 experts, each weighted by a softmax
+        over the experts within a relative margin ``2 * jitter_eps`` of it; dynamoe.ops.routing.sparsemixer_top2)
+        or "custom" (``module`` returns logits [T, E]). "top" with ``n_group`` > 1 is
         DeepSeek-V2's group-limited greedy (groups ranked by their best probability).
     k: experts per token. capacity_factor: see dynamoe.ops.slots (0 = dropless).
     fp32_gate: compute logits in fp32 (without changing the parameters' dtype).
@@ -107,6 +109,9 @@ class GateConfig:
     n_group: int = 1
     topk_group: int = 1
     route_scale: float = 1.0  # (also 'top': DeepSeek-V2's routed_scaling_factor)
+    # sparsemixer routing: the relative margin of the experts that share an expert's softmax (Phi-3.5-MoE's
+    # router_jitter_noise)
+    jitter_eps: float = 0.01
     # cosine router
     proj_dim: int = 256
     init_t: float = 0.5
@@ -136,6 +141,15 @@ class GateConfig:
             raise ValueError(f"n_group/topk_group (group-limited routing) need gate type 'sigmoid' or 'top', "
                              f"got type {self.type!r}")
         _check_float("route_scale", self.route_scale, positive=True)
+        _check_float("jitter_eps", self.jitter_eps)
+        if self.jitter_eps < 0:
+            raise ValueError(f"jitter_eps must be >= 0, got {self.jitter_eps}")
+        if self.type == "sparsemixer" and (self.k != 2 or self.route_scale != 1.0 or self.normalize
+                                           or self.selection_bias or self.gate_noise):
+            raise ValueError(f"gate type 'sparsemixer' picks exactly k=2 experts, unscaled, unnormalised, without "
+                             f"selection bias or noise; got k={self.k!r}, route_scale={self.route_scale!r}, "
+                             f"normalize={self.normalize!r}, selection_bias={self.selection_bias!r}, "
+                             f"gate_noise={self.gate_noise!r}")
         _check_int("proj_dim", self.proj_dim, 1)
         _check_float("init_t", self.init_t, positive=True)
         _check_dict("gate module_kwargs", self.module_kwargs)

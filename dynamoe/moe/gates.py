@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.routing import sigmoid_group_topk, softmax_group_topk, softmax_topk
+from ..ops.routing import sigmoid_group_topk, softmax_group_topk, softmax_topk, sparsemixer_top2
 from .config import GateConfig, check_capacity_factor
 
 __all__ = ["Routing", "LinearGate", "CosineGate", "build_gate", "gate_config", "set_gate_config", "route", "renormalizes"]
@@ -163,7 +163,7 @@ def build_gate(cfg: GateConfig, model_dim: int, num_experts: int, dtype=None,
     """The logits module for one gate config, and the config it routes by: ``cfg`` itself, or for a
     custom gate with ``k=None`` a new one with the module's own ``top_k`` (Tutel's protocol; 2 when
     it has none). ``cfg`` is never changed."""
-    if cfg.type in ("top", "sigmoid"):
+    if cfg.type in ("top", "sigmoid", "sparsemixer"):
         gate = LinearGate(model_dim, num_experts, cfg.fp32_gate, cfg.type == "sigmoid" or cfg.selection_bias, dtype, device)
         gate.routing_config = cfg
         return gate, cfg
@@ -212,6 +212,13 @@ def route(gate: nn.Module, cfg: GateConfig, x_TD: Tensor, num_experts: int, top_
         weights_TK, ids_TK, scores_TE = sigmoid_group_topk(
             noisy_TE, top_k, bias, cfg.n_group, cfg.topk_group, renorm, cfg.route_scale
         )
+    elif cfg.type == "sparsemixer":  # Phi-3.5-MoE: exactly two experts
+        if top_k != 2:
+            raise ValueError(f"top_k must be 2 for gate type 'sparsemixer' (it picks exactly two experts), got {top_k}")
+        if training:
+            raise ValueError("gate type 'sparsemixer' routes at inference only (training samples the experts and "
+                             "needs SparseMixer's gradient estimator, which dynamoe does not implement): call .eval()")
+        weights_TK, ids_TK, scores_TE = sparsemixer_top2(noisy_TE, cfg.jitter_eps)
     elif (cfg.n_group > 1 and cfg.topk_group < cfg.n_group) or cfg.selection_bias:  # DeepSeek-V2, ERNIE-4.5
         renorm = renormalizes(cfg, top_k, normalize_gate)
         weights_TK, ids_TK, scores_TE = softmax_group_topk(noisy_TE, top_k, cfg.n_group, cfg.topk_group, renorm,

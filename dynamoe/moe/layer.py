@@ -374,10 +374,27 @@ class MoELayer(nn.Module):
     def _fused_decode(self, x_TD: Tensor, routing, cf: float):
         """A decode step's experts in one kernel call (dynamoe.ops.moe_decode), where that is the
         same computation: inference, dropless, built-in FFN/GLU experts or packed GLU experts whole
-        on this process. None otherwise (the general path runs)."""
+        on this process. None otherwise (the general path runs). The kernel scales the experts' outputs: where
+        the weights scale their inputs instead (``is_postscore=False``), :meth:`_prescaled_decode`."""
         if self.training or cf != 0 or self.world_size > 1 or self.sharded_count > 1:
             return None
+        if not self.config.is_postscore:
+            return self._prescaled_decode(x_TD, routing.ids_TK, routing.weights_TK)
         return self._decode_experts(x_TD, routing.ids_TK, routing.weights_TK)
+
+    def _prescaled_decode(self, x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor):
+        """expert(w * x) summed over the choices (Llama-4) through the experts' kernel: each (token, choice) a row
+        of its own, w * x rounded to x's dtype as the general path's prescaled dispatch does, weight 1; None where
+        the T * K rows are more than a decode batch."""
+        T, K = ids_TK.shape
+        if T * K > MAX_ROWS:
+            return None
+        rows_ND = (x_TD.unsqueeze(1) * weights_TK.to(x_TD.dtype).unsqueeze(2)).reshape(T * K, -1)
+        got = self._decode_experts(rows_ND, ids_TK.reshape(T * K, 1), weights_TK.new_ones(T * K, 1))
+        if got is None:
+            return None
+        y_NO, load_E, max_load = got
+        return y_NO.view(T, K, -1).sum(dim=1), load_E, max_load
 
     def _decode_experts(self, x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor):
         if type(self.experts) is GLUExperts:
@@ -450,6 +467,9 @@ class MoELayer(nn.Module):
             raise Unfusable("training mode")
         if gcfg.capacity_factor != 0:
             raise Unfusable(f"capacity_factor={gcfg.capacity_factor:g} (the kernel is dropless: 0)")
+        if not cfg.is_postscore:
+            raise Unfusable("the routing weights scale the experts' inputs (is_postscore=False: Llama-4); the layer "
+                            "kernel scales their outputs, which differs for a nonlinear expert")
         if cfg.aux_loss != "none" or cfg.z_loss_coef or cfg.device_loss_groups or cfg.batch_prioritized_routing:
             raise Unfusable("auxiliary losses or batch-prioritized routing are configured")
         experts = holds.module(self, "experts")
@@ -486,7 +506,7 @@ class MoELayer(nn.Module):
         :class:`~dynamoe.ops.fused.Fused` of the old one stale); the training flag last."""
         cfg = self.config
         gates = tuple(tuple(getattr(g, f.name) for f in dataclasses.fields(g)) for g in cfg.gates)  # every field
-        return (gates, cfg.normalize_gate, cfg.aux_loss, cfg.z_loss_coef, cfg.device_loss_groups,
+        return (gates, cfg.normalize_gate, cfg.is_postscore, cfg.aux_loss, cfg.z_loss_coef, cfg.device_loss_groups,
                 cfg.batch_prioritized_routing, cfg.check_finite, self.result_func is None,
                 getattr(self._modules["gates"][0], "fp32_gate", None), self.training)
 

@@ -43,6 +43,8 @@ def _usable(t: Tensor | None, dtype: torch.dtype) -> bool:
 def _router_args(x_TD: Tensor, gate, gate_type: str, top_k: int, n_group: int, topk_group: int):
     """(W, bias, selection bias, kind) of the router kernel, or None where it does not apply."""
     fp32_linear = getattr(gate, "fp32_linear", None)
+    if gate_type not in ("top", "sigmoid", "custom"):  # the kernel's routers: softmax top-k (custom gates route so) and sigmoid
+        return None
     if (fp32_linear is None or not 1 <= x_TD.size(0) <= MAX_ROWS
             or x_TD.device.type != "cpu" or x_TD.dtype not in DTYPES or torch.is_grad_enabled()):
         return None
@@ -212,7 +214,8 @@ def moe_weights(kernels, holds: Holds, h_TD: Tensor, gate, gate_type: str, top_k
     rargs = _router_args(h_TD, gate, gate_type, top_k, n_group, topk_group)
     if rargs is None:
         raise Unfusable(f"router ({gate_type}, {type(gate).__name__}) has no kernel: logits must be an fp32 "
-                        "linear, softmax top-k without groups or selection bias, or DeepSeek's sigmoid routing")
+                        "linear, softmax top-k without groups or selection bias, or DeepSeek's sigmoid routing "
+                        "(not SparseMixer)")
     w, b, sel, router = rargs
     for m in (gate, *gate.children()):
         holds.refs.extend((m._parameters, k, v) for k, v in m._parameters.items())

@@ -18,6 +18,7 @@ __all__ = [
     "softmax_topk_reference",
     "sigmoid_group_topk",
     "softmax_group_topk",
+    "sparsemixer_top2",
     "qwen3_moe_scaled_topk",
     "deepseek_moe_sigmoid_scaled_topk",
 ]
@@ -179,6 +180,37 @@ def sigmoid_group_topk(
     if route_scale != 1.0:
         weights_TK = weights_TK * route_scale
     return weights_TK, ids_TK, scores_TE
+
+
+def _sparsemixer_pick(logits_TE: Tensor, candidates_TE: Tensor, jitter_eps: float) -> tuple[Tensor, Tensor]:
+    """(id [T, 1], weight [T, 1]) of SparseMixer's inference step over ``candidates`` (the logits, with the experts
+    chosen before at -inf): the best candidate, weighted by its softmax over only the candidates within a
+    relative margin of it, (best - logit) / max(|logit|, best) <= 2 * jitter_eps."""
+    best_T1, id_T1 = candidates_TE.max(dim=-1, keepdim=True)
+    factor_TE = logits_TE.abs().clamp(min=best_T1)
+    far_TE = ((best_T1 - logits_TE) / factor_TE) > (2 * jitter_eps)
+    probs_TE = torch.softmax(candidates_TE.masked_fill(far_TE, float("-inf")), dim=-1)
+    return id_T1, probs_TE.gather(1, id_T1)
+
+
+def sparsemixer_top2(logits_TE: Tensor, jitter_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Phi-3.5-MoE's SparseMixer router at inference (transformers' ``sparsemixer`` with training off): the best
+    expert, weighted by its softmax over the experts within a relative margin ``2 * jitter_eps`` of it; then the
+    best of the others, weighted by its softmax over the others within that margin of it. Exactly two experts,
+    weights not renormalised. (Training samples the experts and needs its own gradient estimator: not here.)
+
+    Returns (weights_TK fp32+, ids_TK int64, scores_TE = softmax of the logits, fp32+), K = 2.
+    """
+    _check_logits(logits_TE)
+    T, E = logits_TE.shape
+    if E < 2:
+        raise ValueError(f"sparsemixer_top2 needs at least 2 experts, got {E}")
+    if isinstance(jitter_eps, bool) or not isinstance(jitter_eps, (int, float)) or jitter_eps < 0:
+        raise ValueError(f"jitter_eps must be a number >= 0, got {jitter_eps!r}")
+    logits = _upcast(logits_TE)
+    id1_T1, w1_T1 = _sparsemixer_pick(logits, logits, jitter_eps)
+    id2_T1, w2_T1 = _sparsemixer_pick(logits, logits.scatter(1, id1_T1, float("-inf")), jitter_eps)
+    return torch.cat([w1_T1, w2_T1], dim=1), torch.cat([id1_T1, id2_T1], dim=1), torch.softmax(logits, dim=-1)
 
 
 def _write_out(result: Tensor, out: Tensor | None, name: str) -> Tensor:
