@@ -1,8 +1,9 @@
 """The ``dynamoe`` command line.
 
 ``dynamoe quantize --input DIR --output DIR --format {fp8,fp8-ue8m0,mxfp4,nvfp4-modelopt,nvfp4-ct,int4-ct}
-[--exclude REGEX ...]`` converts a bf16/fp32 Hugging Face checkpoint folder into a quantized one,
-tensor by tensor (memory: about one tensor), in the on-disk layouts of :mod:`dynamoe.quant.checkpoint`.
+[--modules experts,attention,mlp,lm_head] [--exclude REGEX ...]`` converts a bf16/fp32 Hugging Face checkpoint
+folder into a quantized one, tensor by tensor (memory: about one tensor), in the on-disk layouts of
+:mod:`dynamoe.quant.checkpoint`; the config's ``quantization_config`` lists the Linears left dense.
 NVFP4 output is weight-only (no ``input_scale``: that needs calibration data).
 
 ``dynamoe generate --model DIR --prompt TEXT [--chat] [--system S] [--max-tokens N] [--temperature T]
@@ -30,6 +31,15 @@ _SKIP_FILES = {"config.json", "model.safetensors.index.json", "hf_quant_config.j
                "pytorch_model.bin.index.json"}
 
 
+def _module_kinds(text: str) -> frozenset:
+    from .quant.checkpoint_writer import check_modules
+
+    try:
+        return check_modules(k.strip() for k in text.split(",") if k.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     from .quant.checkpoint import FORMATS
 
@@ -43,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--input", required=True, metavar="DIR", help="dense checkpoint folder (config.json + safetensors)")
     q.add_argument("--output", required=True, metavar="DIR", help="new folder (must not exist, or be empty)")
     q.add_argument("--format", required=True, choices=FORMATS)
+    q.add_argument("--modules", type=_module_kinds, default=None, metavar="KINDS",
+                   help="comma-separated kinds of weights to quantize: experts (routed), attention, mlp (dense MLPs, "
+                        "shared experts), lm_head (default: experts,attention,mlp for fp8/nvfp4, experts for "
+                        "mxfp4/int4-ct); routers, norms and embeddings stay dense")
     q.add_argument("--exclude", action="append", default=[], metavar="REGEX",
                    help="keep tensors whose name matches REGEX (re.search) dense; repeatable")
 
@@ -138,18 +152,24 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     args.config = config
 
 
-def quantize_checkpoint(src: str, dst: str, fmt: str, exclude=(), log=print) -> dict:
-    """Convert the checkpoint folder ``src`` into ``fmt`` under ``dst`` (see the module docstring).
-    Returns a summary: quantized and dense tensor names, output files."""
+def quantize_checkpoint(src: str, dst: str, fmt: str, exclude=(), log=print, modules=None) -> dict:
+    """Convert the checkpoint folder ``src`` into ``fmt`` under ``dst`` (see the module docstring);
+    ``modules``: the kinds of weights to quantize (dynamoe.quant.checkpoint_writer.MODULE_KINDS; None: the
+    format's default). Returns a summary: quantized and dense tensor names, output files."""
     from . import __version__
     from .quant.nvfp4 import finite_amax
     from .quant.checkpoint_files import CheckpointTensors, SafetensorsWriter
-    from .quant.checkpoint_writer import (_ROUTED_FUSED, fusion_group, is_quant_target, quant_config_entries,
-                                          write_quantized)
+    from .models.loader import load_config
+    from .quant.checkpoint_writer import (_ROUTED_FUSED, MODULE_KINDS, check_modules, default_modules, fusion_group,
+                                          is_quant_target, quant_config_entries, write_quantized)
 
     exclude = tuple(exclude)
+    modules = default_modules(fmt) if modules is None else check_modules(modules)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
+    if "lm_head" in modules and load_config(src).tie_word_embeddings:
+        log("dynamoe quantize: lm_head is tied to the embeddings (tie_word_embeddings): kept dense")
+        modules = modules - {"lm_head"}
     tensors = CheckpointTensors(src)
     sharded = os.path.exists(os.path.join(src, "model.safetensors.index.json"))
 
@@ -161,7 +181,7 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, exclude=(), log=print) -> 
             group = fusion_group(name)
             if group is not None:
                 t = tensors[name]
-                if is_quant_target(name, t, fmt, exclude):
+                if is_quant_target(name, t, fmt, exclude, modules):
                     groups.setdefault(group, []).append((name, float(finite_amax(t))))
                 del t
         for members in groups.values():
@@ -177,7 +197,7 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, exclude=(), log=print) -> 
         try:
             for name in tensors.names_in(file):
                 t = tensors[name]
-                if is_quant_target(name, t, fmt, exclude):
+                if is_quant_target(name, t, fmt, exclude, modules):
                     quantized.append(name)
                 else:
                     dense.append(name)
@@ -185,7 +205,8 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, exclude=(), log=print) -> 
                                                              or t.dim() == 3 and _ROUTED_FUSED.search(name))
                     if linear_like:
                         not_converted.append(name[: -len(".weight")] if name.endswith(".weight") else name)
-                for k, v in write_quantized({name: t}, fmt, exclude=exclude, global_amax=global_amax).items():
+                for k, v in write_quantized({name: t}, fmt, exclude=exclude, global_amax=global_amax,
+                                            modules=modules).items():
                     writer.add(k, v)
                     weight_map[k] = file
                 del t
@@ -220,7 +241,8 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, exclude=(), log=print) -> 
             copied.append(entry)
         else:
             skipped.append(entry)
-    log(f"dynamoe quantize: {fmt}: {len(quantized)} tensors quantized, {len(dense)} kept as they were; "
+    log(f"dynamoe quantize: {fmt} ({', '.join(k for k in MODULE_KINDS if k in modules)}): "
+        f"{len(quantized)} tensors quantized, {len(dense)} kept as they were; "
         f"{total / 2**20:.1f} MiB of weights in {len(tensors.files)} file(s) under {dst}")
     if fmt.startswith("nvfp4"):
         log("  weight-only NVFP4: no input_scale written (activation scales need calibration data)")
@@ -297,7 +319,7 @@ def main(argv=None) -> int:
     if args.command == "quantize":
         _check_args(p, args)
         try:
-            quantize_checkpoint(args.input, args.output, args.format, args.exclude)
+            quantize_checkpoint(args.input, args.output, args.format, args.exclude, modules=args.modules)
         except (ValueError, OSError) as err:
             print(f"dynamoe quantize: error: {err}", file=sys.stderr)
             return 1

@@ -215,32 +215,42 @@ def _dequantized_copy(qdir: str, dense_dir: str, dst) -> str:
     return str(dst)
 
 
-QUANT_CASES = [
-    ("qwen3_moe", "fp8", 128, QuantizedExperts),         # FP8 experts fused (F = one block of rows)
-    ("qwen3_moe", "fp8", 32, None),                       # F not a block multiple: dense experts, packed Linears
-    ("qwen3_moe", "mxfp4", 32, QuantizedExperts),
-    ("qwen3_moe", "nvfp4-modelopt", 32, QuantizedExperts),
-    ("qwen3_moe", "nvfp4-ct", 32, QuantizedExperts),
-    ("qwen3_moe", "int4-ct", 32, QuantizedExperts),     # compressed-tensors pack-quantized INT4, experts only
-    ("gpt_oss", "mxfp4", None, QuantizedExperts),
-    ("gpt_oss", "fp8", None, None),                       # GPT-OSS fp8: attention packed, fused experts dense
+ALL = frozenset({"experts", "attention", "mlp", "lm_head"})
+QUANT_CASES = [  # (family, format, moe_intermediate, experts class, --modules, packed Linears)
+    ("qwen3_moe", "fp8", 128, QuantizedExperts, None, 8),   # FP8 experts fused (F = one block of rows)
+    ("qwen3_moe", "fp8", 32, None, None, 8),                # F not a block multiple: dense experts, packed Linears
+    ("qwen3_moe", "mxfp4", 32, QuantizedExperts, None, 0),
+    ("qwen3_moe", "nvfp4-modelopt", 32, QuantizedExperts, None, 8),
+    ("qwen3_moe", "nvfp4-ct", 32, QuantizedExperts, None, 8),
+    ("qwen3_moe", "int4-ct", 32, QuantizedExperts, None, 0),  # compressed-tensors pack-quantized INT4, experts only
+    ("gpt_oss", "mxfp4", None, QuantizedExperts, None, 0),
+    ("gpt_oss", "fp8", None, None, None, 8),                 # GPT-OSS fp8: attention packed, fused experts dense
+    # --modules: the attention and the head too (4-bit models read about half their bytes in a bf16 head)
+    ("qwen3_moe", "mxfp4", 32, QuantizedExperts, ALL, 9),
+    ("qwen3_moe", "int4-ct", 32, QuantizedExperts, ALL, 9),
+    ("qwen3_moe", "nvfp4-ct", 32, QuantizedExperts, ALL, 9),
+    ("qwen3_moe", "fp8", 128, QuantizedExperts, {"experts", "lm_head"}, 1),
+    ("gpt_oss", "mxfp4", None, QuantizedExperts, ALL, 9),
 ]
 
 
-@pytest.mark.parametrize("family,fmt,moe_intermediate,experts_cls", QUANT_CASES)
-def test_quantized_matches_dequantized(tmp_path, family, fmt, moe_intermediate, experts_cls):
+@pytest.mark.parametrize("family,fmt,moe_intermediate,experts_cls,modules,n_linear", QUANT_CASES)
+def test_quantized_matches_dequantized(tmp_path, family, fmt, moe_intermediate, experts_cls, modules, n_linear):
     hf = qwen3(moe_intermediate) if family == "qwen3_moe" else gpt_oss()
     dense = save_tiny(hf, tmp_path / "dense")
     qdir = str(tmp_path / "q")
-    quantize_checkpoint(dense, qdir, fmt, log=lambda *a: None)
+    quantize_checkpoint(dense, qdir, fmt, log=lambda *a: None, modules=modules)
     model = dm.load(qdir, progress=False)
     experts = model.model.layers[0].mlp.moe.experts
     if experts_cls is not None:
         assert isinstance(experts, experts_cls)
     else:
         assert not isinstance(experts, QuantizedExperts)
-    n_linear = sum(isinstance(m, QuantizedLinear) for m in model.modules())
-    assert n_linear == (0 if fmt in ("mxfp4", "int4-ct") else 8 if family == "gpt_oss" else 8)
+    assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == n_linear
+    assert isinstance(model.lm_head, QuantizedLinear) == (modules is not None and "lm_head" in modules)
+    qc = json.load(open(os.path.join(qdir, "config.json")))["quantization_config"]
+    dense_list = qc.get("modules_to_not_convert", qc.get("ignore", qc.get("exclude_modules", [])))
+    assert ("lm_head" in dense_list) != isinstance(model.lm_head, QuantizedLinear)  # the config says which
     ref_dir = _dequantized_copy(qdir, dense, tmp_path / "ref")
     ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     got, want = _logits(model), _logits(ref)

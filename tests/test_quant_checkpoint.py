@@ -502,3 +502,45 @@ def test_python_m_entry_point(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dynamoe.cli", "quantize", "--input", str(tmp_path / "nope"),
                         "--output", str(tmp_path / "o"), "--format", "mxfp4"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "is not a directory" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kinds", ["lm_head", "attention,lm_head", "experts,attention,mlp,lm_head"])
+def test_modules_select_what_is_quantized(ckpts, tmp_path, fmt, kinds):
+    """--modules picks the kinds of weights (routed experts, attention projections, other layer Linears, the
+    head); routers, norms and embeddings stay dense whatever is asked, and the config lists what stayed dense."""
+    src, orig = ckpts["qwen"]
+    out, qcfg = run_quantize(src, str(tmp_path / "out"), fmt, "--modules", kinds)
+    want = set()
+    for name in orig:
+        if "lm_head" in kinds and name == "lm_head.weight":
+            want.add(name)
+        if "attention" in kinds and ".self_attn." in name and name.endswith("_proj.weight"):
+            want.add(name)
+        if "experts" in kinds and ".mlp.experts." in name:
+            want.add(name)
+    for name, w in orig.items():
+        got = read_weight(out, name, qcfg)
+        assert isinstance(got, QuantizedWeight) == (name in want), name
+        if name in want:
+            assert_close_to_original(got, w)
+    qc = json.load(open(tmp_path / "out" / "config.json"))["quantization_config"]
+    dense = set(qc.get("modules_to_not_convert", qc.get("ignore", qc.get("exclude_modules", []))))
+    assert ("lm_head" in dense) is False and "model.layers.0.mlp.gate" in dense
+    assert ("model.layers.0.self_attn.q_proj" in dense) == ("attention" not in kinds)
+
+
+def test_modules_errors_and_tied_heads(ckpts, tmp_path, capsys):
+    src, _ = ckpts["qwen"]
+    for bad in ("experts,router", "", "embeddings"):
+        with pytest.raises(SystemExit) as exc:
+            main(["quantize", "--input", src, "--output", str(tmp_path / "o"), "--format", "fp8", "--modules", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--modules" in err and "['experts', 'attention', 'mlp', 'lm_head']" in err, err
+    # a head tied to the embeddings is the embedding table: kept dense, and said so
+    tied = str(tmp_path / "tied")
+    write_checkpoint(tied, qwen3_moe_tensors(), {**QWEN_CONFIG, "tie_word_embeddings": True})
+    out, qcfg = run_quantize(tied, str(tmp_path / "tied_q"), "nvfp4-ct", "--modules", "experts,lm_head")
+    assert "lm_head is tied to the embeddings" in capsys.readouterr().out
+    assert not isinstance(read_weight(out, "lm_head.weight", qcfg), QuantizedWeight)

@@ -16,7 +16,8 @@ from .nvfp4 import NV_GROUP, NVFP4Weight
 
 from .checkpoint import CT_INT_PACKED_FORMAT, CT_NVFP4_FORMAT, DEFAULT_FP8_BLOCK, FORMATS, WEIGHT_ONLY_NOTE, _E8M0  # noqa: F401
 
-__all__ = ["is_quant_target", "fusion_group", "write_quantized", "quant_config_entries"]
+__all__ = ["MODULE_KINDS", "default_modules", "module_kind", "is_quant_target", "fusion_group", "write_quantized",
+           "quant_config_entries"]
 
 
 # ============================================================================ writing
@@ -41,39 +42,69 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"format must be one of {list(FORMATS)}, got {fmt!r}")
 
 
-def is_quant_target(name: str, tensor: Tensor, fmt: str, exclude: Iterable = ()) -> bool:
-    """Whether ``dynamoe quantize --format fmt`` quantizes this tensor (what the loaded checkpoints do):
+#: what ``dynamoe quantize --modules`` can quantize: the routed experts, the attention projections, every other
+#: Linear of the decoder layers (dense MLPs, shared experts), and the output head
+MODULE_KINDS = ("experts", "attention", "mlp", "lm_head")
 
-    * FP8 / NVFP4: every 2D Linear ``*.weight`` inside the decoder layers except routers
-      (``mlp.gate``, ``mlp.router``, ``shared_expert_gate``), norms and embeddings; lm_head and
-      the embeddings are outside the layers. GPT-OSS's fused 3D experts stay dense (no public FP8 /
-      NVFP4 layout for them: use mxfp4).
-    * MXFP4: only the routed experts (GPT-OSS fused ``experts.gate_up_proj`` / ``down_proj``, other
-      families' ``experts.{e}.*.weight``).
-    * INT4 (``int4-ct``, symmetric, group 32, bf16 scales): only the per-expert 2D routed experts
-      (``experts.{e}.*.weight``), as the Kimi-K2.5 / K2-Thinking releases; GPT-OSS's fused 3D experts
-      stay dense (no public INT4 layout for them).
 
-    ``exclude`` holds regexes searched in the tensor name. Shapes the format cannot take (MXFP4 needs
-    in % 32, NVFP4 in % 16) stay dense.
+def default_modules(fmt: str) -> frozenset:
+    """What ``fmt`` quantizes unless told otherwise: FP8 / NVFP4 every Linear of the decoder layers (as the
+    published FP8 / NVFP4 checkpoints), MXFP4 / INT4 the routed experts (GPT-OSS, Kimi-K2.5)."""
+    _check_format(fmt)
+    return frozenset(("experts",) if fmt in ("mxfp4", "int4-ct") else ("experts", "attention", "mlp"))
+
+
+def check_modules(modules: Iterable[str]) -> frozenset:
+    """``modules`` as a frozenset of :data:`MODULE_KINDS`; ValueError naming the allowed values otherwise."""
+    modules = frozenset(modules)
+    bad = sorted(modules - set(MODULE_KINDS))
+    if bad or not modules:
+        raise ValueError(f"modules must be a non-empty selection of {list(MODULE_KINDS)}, got {sorted(modules)}")
+    return modules
+
+
+def module_kind(name: str, tensor: Tensor) -> Optional[str]:
+    """Which of :data:`MODULE_KINDS` the weight ``name`` belongs to, or None (routers, norms, embeddings,
+    biases and anything outside the decoder layers but the head)."""
+    if not isinstance(tensor, Tensor) or not tensor.is_floating_point():
+        return None
+    if name == "lm_head.weight" or name.endswith(".lm_head.weight"):
+        return "lm_head" if tensor.dim() == 2 else None
+    if not _LAYER.search(name):
+        return None
+    if (tensor.dim() == 3 and _ROUTED_FUSED.search(name)) or (tensor.dim() == 2 and _ROUTED_2D.search(name)):
+        return "experts"
+    if tensor.dim() != 2 or not name.endswith(".weight") or _is_router_norm_or_embedding(name):
+        return None
+    return "attention" if ".self_attn." in name or ".attention." in name else "mlp"
+
+
+def is_quant_target(name: str, tensor: Tensor, fmt: str, exclude: Iterable = (), modules: Optional[Iterable] = None) -> bool:
+    """Whether ``dynamoe quantize --format fmt [--modules ...]`` quantizes this tensor: its
+    :func:`module_kind` is among ``modules`` (None: :func:`default_modules`), no ``exclude`` regex is found
+    in its name, and the format can take its shape:
+
+    * FP8 (blockwise) / NVFP4: 2D weights (NVFP4: in % 16). GPT-OSS's fused 3D experts stay dense (no
+      public FP8 / NVFP4 layout for them: use mxfp4).
+    * MXFP4: 2D weights and GPT-OSS's fused 3D experts (stored in->out), in % 32.
+    * INT4 (``int4-ct``, symmetric, group 32, bf16 scales): 2D weights (Kimi-K2.5's layout); GPT-OSS's fused
+      3D experts stay dense (no public INT4 layout for them).
+
+    Routers (``mlp.gate``, ``mlp.router``, ``shared_expert_gate``), norms and embeddings are never quantized.
+    Shapes the format cannot take stay dense.
     """
     _check_format(fmt)
-    if not isinstance(tensor, Tensor) or not tensor.is_floating_point() or not _LAYER.search(name):
-        return False
-    if any(re.search(p, name) for p in exclude):
+    modules = default_modules(fmt) if modules is None else check_modules(modules)
+    kind = module_kind(name, tensor)
+    if kind is None or kind not in modules or any(re.search(p, name) for p in exclude):
         return False
     if fmt == "mxfp4":
-        if tensor.dim() == 3 and _ROUTED_FUSED.search(name):
-            in_features = tensor.shape[-2]          # stored in->out
-        elif tensor.dim() == 2 and _ROUTED_2D.search(name):
-            in_features = tensor.shape[-1]
-        else:
-            return False
+        in_features = tensor.shape[-2] if tensor.dim() == 3 else tensor.shape[-1]   # fused experts: in->out
         return in_features % MX_GROUP == 0
-    if fmt == "int4-ct":
-        return tensor.dim() == 2 and bool(_ROUTED_2D.search(name))
-    if tensor.dim() != 2 or not name.endswith(".weight") or _is_router_norm_or_embedding(name):
+    if tensor.dim() != 2:
         return False
+    if fmt == "int4-ct":
+        return kind == "experts" or tensor.shape[-1] % INT4_DEFAULT_GROUP == 0
     return fmt.startswith("fp8") or tensor.shape[-1] % NV_GROUP == 0
 
 
@@ -112,9 +143,9 @@ def _quantize_one(name: str, t: Tensor, fmt: str, block: tuple, global_amax) -> 
 
 
 def write_quantized(tensors: Mapping[str, Tensor], fmt: str, *, exclude: Iterable = (), block: tuple = DEFAULT_FP8_BLOCK,
-                    global_amax: Optional[Mapping[str, float]] = None) -> dict:
+                    global_amax: Optional[Mapping[str, float]] = None, modules: Optional[Iterable] = None) -> dict:
     """The on-disk tensors of ``fmt`` for ``tensors`` (dense, logical names): quantization targets
-    (:func:`is_quant_target`) become their companion tensors, everything else passes through as is.
+    (:func:`is_quant_target` with ``modules``) become their companion tensors, everything else passes through as is.
 
     ``global_amax`` (NVFP4): name -> the amax of the weight's fused group (:func:`fusion_group`), so
     that q/k/v and gate/up share ``weight_scale_2``; without it each weight gets its own.
@@ -124,7 +155,7 @@ def write_quantized(tensors: Mapping[str, Tensor], fmt: str, *, exclude: Iterabl
     exclude = tuple(exclude)
     out: dict = {}
     for name, t in tensors.items():
-        parts = _quantize_one(name, t, fmt, tuple(block), global_amax) if is_quant_target(name, t, fmt, exclude) \
+        parts = _quantize_one(name, t, fmt, tuple(block), global_amax) if is_quant_target(name, t, fmt, exclude, modules) \
             else {name: t}
         for k, v in parts.items():
             if k in out:
