@@ -134,7 +134,8 @@ class SparseMoeBlock(nn.Module):
     ``shared_fused_gate_up`` keeps their gate and up projections in one linear (GraniteMoE-Shared).
     ``router_groups``: group-limited selection over ``cfg.n_group`` / ``cfg.topk_group``; None = the
     sigmoid router's default (DeepSeek-V3: yes) and the softmax router's (no). For 'softmax' this is
-    DeepSeek-V2's 'group_limited_greedy' (groups ranked by their best expert). ``route_scale``: the
+    DeepSeek-V2's 'group_limited_greedy' (groups ranked by their best expert; ``group_rank`` 'top2_sum': by the
+    sum of their two best, Mistral-4; see GateConfig.group_rank). ``route_scale``: the
     routed weights' factor; None = ``cfg.routed_scaling_factor`` for 'sigmoid', 1 for the others.
     (MiniMax-M2's sigmoid router has neither groups nor a scale: it passes False and 1.)
     ``selection_bias``: the softmax router's selection-only ``e_score_correction_bias`` (ERNIE-4.5).
@@ -146,7 +147,8 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, router: str = "softmax", normalize: bool = True, glu: str = "silu",
                  expert_bias: bool = False, num_shared_experts: int = 0, shared_hidden_size: int | None = None,
                  shared_gate: bool = False, shared_fused_gate_up: bool = False, router_groups: bool | None = None,
-                 route_scale: float | None = None, selection_bias: bool = False, prescale: bool = False, dtype=None):
+                 route_scale: float | None = None, selection_bias: bool = False, prescale: bool = False,
+                 group_rank: str = "max", dtype=None):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
@@ -160,9 +162,13 @@ class SparseMoeBlock(nn.Module):
         if selection_bias and router != "softmax":
             raise ValueError(f"selection_bias is an option of router 'softmax' (the sigmoid router always has one), "
                              f"got router {router!r}")
+        if group_rank != "max" and router != "softmax":
+            raise ValueError(f"group_rank is an option of router 'softmax' (the sigmoid router ranks groups by "
+                             f"DeepSeek-V3's rule), got router {router!r} with group_rank={group_rank!r}")
         if router == "softmax":
             gate = GateConfig(type="top", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize,
-                              n_group=groups[0], topk_group=groups[1], route_scale=scale, selection_bias=selection_bias)
+                              n_group=groups[0], topk_group=groups[1], route_scale=scale, selection_bias=selection_bias,
+                              group_rank=group_rank)
         elif router == "sparsemixer":  # Phi-3.5-MoE: two experts, margins of cfg.router_jitter_noise
             if K != 2 or router_groups or route_scale not in (None, 1.0) or selection_bias:
                 raise ValueError(f"router 'sparsemixer' picks exactly 2 experts (num_experts_per_tok={K}), without "

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..ops.activations import GLU_KINDS as GLU_ACTIVATIONS
+from ..ops.routing import GROUP_RANKS
 
 __all__ = [
     "GateConfig",
@@ -27,6 +28,7 @@ __all__ = [
     "GATE_TYPES",
     "EXPERT_TYPES",
     "AUX_LOSSES",
+    "GROUP_RANKS",
 ]
 
 GATE_TYPES = ("top", "cosine_top", "sigmoid", "sparsemixer", "custom")
@@ -89,6 +91,9 @@ class GateConfig:
         over the experts within a relative margin ``2 * jitter_eps`` of it; dynamoe.ops.routing.sparsemixer_top2)
         or "custom" (``module`` returns logits [T, E]). "top" with ``n_group`` > 1 is
         DeepSeek-V2's group-limited greedy (groups ranked by their best probability).
+    group_rank: how a 'top' gate with groups ranks them: "max" (a group's best probability, DeepSeek-V2)
+        or "top2_sum" (the sum of its two best probabilities, Mistral-4). Sigmoid gates keep DeepSeek-V3's
+        rule (top-2 sum of the biased scores, the max without a bias).
     k: experts per token. capacity_factor: see dynamoe.ops.slots (0 = dropless).
     fp32_gate: compute logits in fp32 (without changing the parameters' dtype).
     gate_noise: std of training-time logit noise (Tutel: noise * randn / E).
@@ -108,6 +113,7 @@ class GateConfig:
     # sigmoid (DeepSeek) routing
     n_group: int = 1
     topk_group: int = 1
+    group_rank: str = "max"  # 'top' only: see the docstring
     route_scale: float = 1.0  # (also 'top': DeepSeek-V2's routed_scaling_factor)
     # sparsemixer routing: the relative margin of the experts that share an expert's softmax (Phi-3.5-MoE's
     # router_jitter_noise)
@@ -140,6 +146,10 @@ class GateConfig:
         if self.type not in ("sigmoid", "top") and (self.n_group, self.topk_group) != (1, 1):
             raise ValueError(f"n_group/topk_group (group-limited routing) need gate type 'sigmoid' or 'top', "
                              f"got type {self.type!r}")
+        _check_choice("group_rank", self.group_rank, GROUP_RANKS)
+        if self.group_rank != "max" and self.type != "top":
+            raise ValueError(f"group_rank={self.group_rank!r} is for gate type 'top' (sigmoid gates rank groups by "
+                             f"DeepSeek-V3's rule), got type {self.type!r}; allowed there: 'max'")
         _check_float("route_scale", self.route_scale, positive=True)
         _check_float("jitter_eps", self.jitter_eps)
         if self.jitter_eps < 0:
