@@ -55,6 +55,9 @@ def test_empty_batch_returns_empty_output():
     (dict(), dict(hidden_size_per_expert=0), "hidden_size_per_expert"),
     (dict(), dict(type="glu", glu_activation="tanh"), "glu_activation"),
     (dict(), dict(activation_fn="swish"), "activation_fn"),
+    (dict(), dict(type="glu", shared_glu_activation="silu_clamp"), "need glu experts and num_shared_experts >= 1"),
+    (dict(), dict(type="glu", num_shared_experts=1, shared_glu_activation="tanh"), "shared_glu_activation"),
+    (dict(), dict(type="glu", num_shared_experts=1, shared_glu_limit=-1.0), "shared_glu_limit"),
 ])
 def test_bad_config(gate, experts, match):
     with pytest.raises(ValueError, match=match):  # from the config, or from the layer for expert counts

@@ -186,6 +186,9 @@ class ExpertConfig:
         ``shared_expert_gate``); needs shared experts.
     shared_fused_gate_up: the shared GLU's gate and up projections as one ``gate_up_proj`` linear
         [2S, D] (gate rows, then up rows: GraniteMoE-Shared's ``input_linear``) instead of two.
+    gpt_oss_limit: the clamp of the 'gpt_oss' and 'silu_clamp' GLU activations.
+    shared_glu_activation / shared_glu_limit: the shared GLU's own activation and clamp (Step-3.5 clamps its
+        shared expert at another bound than its routed ones); None = the routed experts'.
     """
 
     type: str = "ffn"
@@ -203,6 +206,8 @@ class ExpertConfig:
     shared_hidden_size: Optional[int] = None
     shared_gate: bool = False
     shared_fused_gate_up: bool = False
+    shared_glu_activation: Optional[str] = None
+    shared_glu_limit: Optional[float] = None
     module: Any = None
     module_kwargs: dict = field(default_factory=dict)
 
@@ -216,11 +221,20 @@ class ExpertConfig:
             _check_int("hidden_size_per_expert", self.hidden_size_per_expert, 1)
         if self.type == "glu":
             if self.activation_fn is not None:
-                raise ValueError("glu experts take glu_activation ('silu', 'gelu', 'gelu_tanh', 'relu', 'gpt_oss'), not activation_fn")
+                raise ValueError(f"glu experts take glu_activation ({', '.join(map(repr, GLU_ACTIVATIONS))}), not activation_fn")
             object.__setattr__(self, "glu_activation", self.glu_activation or "silu")
             _check_choice("glu_activation", self.glu_activation, GLU_ACTIVATIONS)
         elif self.glu_activation is not None:
             raise ValueError(f"glu_activation is for experts type 'glu', got type {self.type!r}")
+        if self.shared_glu_activation is not None or self.shared_glu_limit is not None:
+            if self.type != "glu" or not self.num_shared_experts:
+                raise ValueError("shared_glu_activation / shared_glu_limit set the shared GLU's activation: they need "
+                                 f"glu experts and num_shared_experts >= 1, got type {self.type!r} and "
+                                 f"num_shared_experts={self.num_shared_experts!r}")
+            if self.shared_glu_activation is not None:
+                _check_choice("shared_glu_activation", self.shared_glu_activation, GLU_ACTIVATIONS)
+            if self.shared_glu_limit is not None:
+                _check_float("shared_glu_limit", self.shared_glu_limit, positive=True)
         for name in ("has_fc1_bias", "has_fc2_bias", "glu_bias", "shared_gate", "shared_fused_gate_up"):
             _check_bool(name, getattr(self, name))
         _check_float("gpt_oss_alpha", self.gpt_oss_alpha, positive=True)
