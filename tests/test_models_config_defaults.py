@@ -71,6 +71,8 @@ FAMILIES = {
     "longcat_flash": ("LongcatFlashConfig", {}),
     # Step-3.5 (Step-3.7's text model): its own names; per-layer head counts, clamps and a RoPE per layer type
     "step3p5": ("Step3p7TextConfig", {}),
+    # Arcee AFMoE: its own names for the dense layers, shared experts and route scale
+    "afmoe": ("AfmoeConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -114,6 +116,8 @@ def _hf_moe_layers(hf, mt):
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash", "step3p5"):
         return [t == "sparse" for t in hf.mlp_layer_types]
+    if mt == "afmoe":
+        return [i >= hf.num_dense_layers for i in range(n)]
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
 
@@ -122,7 +126,8 @@ def _hf_windows(hf, mt):
     n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral", "phimoe"):
         return [hf.sliding_window] * n
-    if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5"):
+    if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
+              "afmoe"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -222,7 +227,7 @@ FIELDS = {
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, QWEN3_RULE),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
-                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5"} | LLAMA4),
+                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5", "afmoe"} | LLAMA4),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
                         lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
@@ -267,6 +272,11 @@ FIELDS = {
                            lambda cfg: _step(cfg).shared_limits, {"step3p5"}),
     "num_nextn_predict_layers_step": (lambda hf, mt: hf.num_nextn_predict_layers,
                                       lambda cfg: cfg.num_nextn_predict_layers, {"step3p5"}),
+    # AFMoE: shared experts, route scale, the dense layers' width
+    **{f"{ours}_afmoe": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
+                         {"afmoe"})
+       for ours, theirs in (("n_shared_experts", "num_shared_experts"), ("routed_scaling_factor", "route_scale"),
+                            ("intermediate_size", "intermediate_size"))},
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -405,6 +415,9 @@ def test_omitted_fields_default_as_transformers(mt):
                  "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e3,
                                                            "partial_rotary_factor": 0.5}}}),
+    ("afmoe", {"global_attn_every_n_layers": 3, "num_dense_layers": 2, "num_shared_experts": 1, "route_scale": 2.0,
+               "sliding_window": 64, "num_key_value_heads": 2}),
+    ("afmoe", {"layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 2}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

@@ -326,6 +326,15 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                 "fields": {"intermediate_size": 11264, "moe_intermediate_size": 1280, "share_expert_dims": 1280,
                            "num_attention_groups": 8, "max_position_embeddings": 128000, "rms_norm_eps": 1e-5,
                            "pad_token_id": 1, "moe_router_scaling_factor": 1.0}},
+    # AfmoeConfig (Arcee Trinity): every global_attn_every_n_layers-th layer full attention, the others sliding
+    # ("afmoe_layers"); dense MLPs on the first num_dense_layers; shared experts and route scale under its own names
+    "afmoe": {"num_experts": 64, "num_experts_per_tok": 6, "head_dim": 128, "afmoe_layers": True,
+              "ignored": ("first_k_dense_replace", "n_shared_experts", "routed_scaling_factor"),
+              "aliases": {"first_k_dense_replace": "num_dense_layers", "n_shared_experts": "num_shared_experts",
+                          "routed_scaling_factor": "route_scale"},
+              "fields": {"intermediate_size": 6144, "moe_intermediate_size": 1408, "max_position_embeddings": 16384,
+                         "rms_norm_eps": 1e-5, "sliding_window": 1024, "num_dense_layers": 1, "num_shared_experts": 2,
+                         "route_scale": 1.0, "global_attn_every_n_layers": 4}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -923,6 +932,9 @@ class ModelConfig:
         elif fam.get("llama4_layers"):  # the RoPE layers chunked (when there is a chunk size), the NoPE ones full
             layer_types = tuple("chunked_attention" if r and chunk is not None else "full_attention"
                                 for r in no_rope_layers)
+        elif fam.get("afmoe_layers"):  # every n-th layer full attention, the others sliding
+            n = _int(d, "global_attn_every_n_layers", required=True)
+            layer_types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))
         elif fam.get("step_layers"):  # every layer full attention, whatever the window
             layer_types = ("full_attention",) * layers
         elif fam.get("granite_swa_layers"):

@@ -113,3 +113,4 @@ register("llama4", "dynamoe.models.llama4:Llama4ForCausalLM", ("Llama4ForConditi
 register("phimoe", "dynamoe.models.phimoe:PhimoeForCausalLM", ("PhimoeForCausalLM",))
 register("longcat_flash", "dynamoe.models.longcat_flash:LongcatFlashForCausalLM", ("LongcatFlashForCausalLM",))
 register("step3p5", "dynamoe.models.step3p5:Step3p5ForCausalLM", ("Step3p5ForCausalLM",))
+register("afmoe", "dynamoe.models.afmoe:AfmoeForCausalLM", ("AfmoeForCausalLM",))

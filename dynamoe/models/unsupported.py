@@ -26,8 +26,6 @@ def _text_of(wrapper: str, what: str) -> str:
 
 #: model_type -> why it does not load (kept sorted)
 UNSUPPORTED: dict[str, str] = {
-    "afmoe": "Arcee AFMoE (Trinity) is not implemented yet: sliding/global attention layer pattern "
-             "(global_attn_every_n_layers) with gated attention and its token-choice router",
     "aria": _VLM,
     "aria_text": _text_of("aria", "the MoE text model's expert and shared-expert layout is not ported"),
     "axk1": "A.X-K1 is not implemented yet: MLA attention variant with its own compressed layer kinds",
