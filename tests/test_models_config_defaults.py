@@ -71,13 +71,15 @@ FAMILIES = {
     "longcat_flash": ("LongcatFlashConfig", {}),
     # Step-3.5 (Step-3.7's text model): its own names; per-layer head counts, clamps and a RoPE per layer type
     "step3p5": ("Step3p7TextConfig", {}),
+    "step3p7": ("Step3p7Config", {}),
     # Arcee AFMoE: its own names for the dense layers, shared experts and route scale
     "afmoe": ("AfmoeConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
-           "llama4": ("text_config",)}
+           "llama4": ("text_config",), "step3p7": ("text_config",)}
+STEP = {"step3p5", "step3p7"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
@@ -89,8 +91,8 @@ MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_te
 # DeepSeek-V3's routing fields under these families' own config classes
 DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"}
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "step3p5"}
-ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "step3p5"}
+NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash"} | STEP
+ROPE_PER_LAYER_TYPE = {"mimo_v2_flash"} | STEP
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
 
@@ -114,7 +116,8 @@ def _hf_moe_layers(hf, mt):
                 for i in range(n)]
     if mt in LLAMA4:
         return [i in hf.moe_layers for i in range(n)]
-    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash", "step3p5"):
+    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash", "step3p5",
+              "step3p7"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -127,7 +130,7 @@ def _hf_windows(hf, mt):
     if mt in ("qwen3_moe", "mixtral", "phimoe"):
         return [hf.sliding_window] * n
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
-              "afmoe"):
+              "step3p7", "afmoe"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -227,7 +230,7 @@ FIELDS = {
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, QWEN3_RULE),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
-                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5", "afmoe"} | LLAMA4),
+                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe"} | LLAMA4 | STEP),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
                         lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
@@ -259,19 +262,19 @@ FIELDS = {
        for name in ("router_jitter_noise", "lm_head_bias", "intermediate_size")},
     # Step-3.5: the shared expert's size, the route scale, per-layer query heads, softmax scale and clamps
     "shared_expert_intermediate_size_step": (lambda hf, mt: hf.share_expert_dim,
-                                             lambda cfg: cfg.shared_expert_intermediate_size, {"step3p5"}),
+                                             lambda cfg: cfg.shared_expert_intermediate_size, STEP),
     "routed_scaling_factor_step": (lambda hf, mt: hf.moe_router_scaling_factor, lambda cfg: cfg.routed_scaling_factor,
-                                   {"step3p5"}),
+                                   STEP),
     "step_heads": (lambda hf, mt: tuple(hf.per_layer_config[i].num_attention_heads for i in range(hf.num_hidden_layers)),
-                   lambda cfg: _step(cfg).heads, {"step3p5"}),
-    "step_scale": (lambda hf, mt: hf.query_pre_attn_scalar ** -0.5, lambda cfg: _step(cfg).scale, {"step3p5"}),
+                   lambda cfg: _step(cfg).heads, STEP),
+    "step_scale": (lambda hf, mt: hf.query_pre_attn_scalar ** -0.5, lambda cfg: _step(cfg).scale, STEP),
     "step_limits": (lambda hf, mt: tuple((hf.swiglu_limits[i] or None) if hf.swiglu_limits else None
-                                         for i in range(hf.num_hidden_layers)), lambda cfg: _step(cfg).limits, {"step3p5"}),
+                                         for i in range(hf.num_hidden_layers)), lambda cfg: _step(cfg).limits, STEP),
     "step_shared_limits": (lambda hf, mt: tuple((hf.swiglu_limits_shared[i] if hf.swiglu_limits_shared else 0) or None
                                                 for i in range(hf.num_hidden_layers)),
-                           lambda cfg: _step(cfg).shared_limits, {"step3p5"}),
+                           lambda cfg: _step(cfg).shared_limits, STEP),
     "num_nextn_predict_layers_step": (lambda hf, mt: hf.num_nextn_predict_layers,
-                                      lambda cfg: cfg.num_nextn_predict_layers, {"step3p5"}),
+                                      lambda cfg: cfg.num_nextn_predict_layers, STEP),
     # AFMoE: shared experts, route scale, the dense layers' width
     **{f"{ours}_afmoe": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
                          {"afmoe"})
@@ -323,10 +326,10 @@ def _compare(mt: str, d: dict):
             parent = getattr(parent, key)
         hf = getattr(parent, path[-1])
         if mt != "llama4":  # (the level above the text model ties its lm_head; Llama-4 ties by its text config)
-            hf.tie_word_embeddings = parent.tie_word_embeddings
+            hf.tie_word_embeddings = getattr(parent, "tie_word_embeddings", False)  # (Step3p7Config has none: false)
     else:
         hf = getattr(transformers, cls_name).from_dict(fields)
-    if mt == "step3p5":  # (num_attention_heads varies by layer: the global one is the full layers'; step_heads checks each)
+    if mt in STEP:  # (num_attention_heads varies by layer: the global one is the full layers'; step_heads checks each)
         hf.allow_global_per_layer_attribute_access = True
     cfg = ModelConfig.from_dict(dict(d))
     checked, wrong = [], {}
@@ -415,6 +418,8 @@ def test_omitted_fields_default_as_transformers(mt):
                  "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e3,
                                                            "partial_rotary_factor": 0.5}}}),
+    ("step3p7", {"moe_layers_enum": "0,3", "num_nextn_predict_layers": 2, "swiglu_limits": [0, 1, 2, 3, 4, 5],
+                 "layer_types": ["sliding_attention"] * 6, "sliding_window": 8}),
     ("afmoe", {"global_attn_every_n_layers": 3, "num_dense_layers": 2, "num_shared_experts": 1, "route_scale": 2.0,
                "sliding_window": 64, "num_key_value_heads": 2}),
     ("afmoe", {"layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 2}),

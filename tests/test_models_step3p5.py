@@ -21,7 +21,7 @@ import transformers  # a test dependency: missing is a broken install, which mus
 
 import dynamoe.models as dm  # noqa: E402
 from dynamoe.models.moe_block import GatedMLP  # noqa: E402
-from dynamoe.models.step3p5 import Step3p5Attention, Step3p5ForCausalLM  # noqa: E402
+from dynamoe.models.step3p5 import Step3p5Attention, Step3p5ForCausalLM, Step3p7ForCausalLM  # noqa: E402
 from dynamoe.ops import cpu_kernels  # noqa: E402
 
 WINDOW = 6
@@ -142,6 +142,17 @@ def test_cached_decode_equals_recompute(pair):
 
 def test_rows_at_different_lengths(pair):
     check_ragged_batch(pair[2])
+
+
+def test_step3p7_checkpoint_loads_its_text_model(pair):
+    """The Step-3.7 wrapper's own checkpoint (the hub's names, a vision tower) loads as its text model: the same
+    logits and greedy tokens as transformers' wrapper on text, the vision tensors skipped."""
+    _, hf, _, path = pair
+    ours = dm.load(os.path.join(os.path.dirname(path), "wrapper"), progress=False)
+    assert type(ours) is Step3p7ForCausalLM and ours.config.text_config_nested and ours.config.model_type == "step3p7"
+    assert not ours.config.tie_word_embeddings
+    check_logits(hf, ours, _ids())
+    check_greedy(hf, ours, _ids(seed=1), new_tokens=16)
 
 
 def test_the_test_exercises_what_it_claims(pair):

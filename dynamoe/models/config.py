@@ -71,6 +71,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "qwen3_omni_moe_thinker": TextWrapper(("text_config",), ("qwen3_omni_moe_text",)),
     "qwen3_omni_moe": TextWrapper(("thinker_config", "text_config"), ("qwen3_omni_moe_text",)),
     "llama4": TextWrapper(("text_config",), ("llama4_text",), tie_by_text=True),
+    # (Step3p7ForConditionalGeneration ties by the wrapper's flag alone, default false)
+    "step3p7": TextWrapper(("text_config",), ("step3p5",)),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)

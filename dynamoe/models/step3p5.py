@@ -1,4 +1,5 @@
-"""Step-3.5 (``model_type: step3p5``: Step-3.5-Flash, and the text model of Step-3.7's ``step3p7`` wrapper):
+"""Step-3.5 (``model_type: step3p5``: Step-3.5-Flash, and the text model of Step-3.7's ``step3p7`` wrapper,
+:class:`Step3p7ForCausalLM`):
 GQA decoder layers of two kinds (``layer_types``: 'full_attention' and 'sliding_attention' with a window of
 ``sliding_window`` keys), each kind with its own RoPE (half-split on the first ``partial_rotary_factor`` of each
 head) and the sliding layers with their own query-head count (``num_sliding_attention_heads``, the hub's
@@ -36,8 +37,9 @@ from .moe_block import GatedMLP, SparseMoeBlock
 from .norms import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
 from .weights import SplitStacked
+from .wrapped import TextOfWrapper, WrapperLayout
 
-__all__ = ["Step3p5ForCausalLM", "Step3p5Attention", "StepFields", "step_fields"]
+__all__ = ["Step3p5ForCausalLM", "Step3p7ForCausalLM", "Step3p5Attention", "StepFields", "step_fields"]
 
 
 @dataclass(frozen=True)
@@ -191,3 +193,12 @@ class Step3p5ForCausalLM(CausalLM):
             mlp = GatedMLP(D, cfg.intermediate_size, shared_glu, limit=7.0 if shared is None else shared, dtype=dtype)
         return DecoderLayer(attn, mlp, RMSNorm(D, eps, zero_centered=True, dtype=dtype),
                             RMSNorm(D, eps, zero_centered=True, dtype=dtype))
+
+
+class Step3p7ForCausalLM(TextOfWrapper, Step3p5ForCausalLM):
+    """The text model of a Step-3.7 checkpoint (``step3p7``: text only, no vision tower). transformers saves the
+    wrapper with the hub's names, the text model's where a step3p5 checkpoint keeps them (``model.*``,
+    ``lm_head``); the vision tower (``vision_model.*``) and its projector are not loaded."""
+
+    wrapper_layouts = {"step3p7": WrapperLayout("model.", unused=("vision_model.", "vit_large_projector."))}
+    text_only_reason = "its vision tower is not loaded (dynamoe serves the Step-3.7 text model only)"
