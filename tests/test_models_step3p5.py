@@ -216,3 +216,19 @@ def test_refusals(tmp_path):
         dm.ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
     with pytest.raises(ValueError, match="moe_layers_enum"):
         dm.ModelConfig.from_dict({**base, "moe_layers_enum": "1,x"})
+
+
+def test_engine_generation_matches_generate(pair):
+    """The serving engine (continuous batching, chunked prefill) gives transformers' greedy tokens per prompt."""
+    from dynamoe.engine import GenerationEngine, SamplingParams
+
+    hf, ours = pair[1], pair[2]
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 19)]
+    engine = GenerationEngine(ours, None, max_seq_len=48, max_batch=2, prefill_chunk=8)
+    reqs = [engine.add_request(p, SamplingParams(temperature=0), 10, ignore_eos=True) for p in prompts]
+    engine.run_until_done()
+    for p, r in zip(prompts, reqs):
+        want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert r.output_ids == want
