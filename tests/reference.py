@@ -27,6 +27,25 @@ def ref_softmax_choice(logits_t: torch.Tensor, k: int, renorm: bool):
     return order, w, float(probs.max().detach())
 
 
+def ref_softmax_group_choice(logits_t, k, n_group, topk_group, renorm, scale, group_rank):
+    """One token's group-limited softmax routing: groups ranked by their best probability ('max') or the
+    sum of their two best ('top2_sum'), the best topk_group kept, the k most probable experts inside."""
+    probs = [float(p) for p in torch.softmax(logits_t.double(), dim=0)]
+    size = len(probs) // n_group
+    allowed = list(range(len(probs)))
+    if topk_group < n_group:
+        def rank(g):
+            vals = sorted(probs[g * size:(g + 1) * size], reverse=True)
+            return vals[0] if group_rank == "max" else sum(vals[:2])
+        groups = sorted(range(n_group), key=lambda g: -rank(g))[:topk_group]
+        allowed = [e for g in groups for e in range(g * size, (g + 1) * size)]
+    order = sorted(allowed, key=lambda e: -probs[e])[:k]
+    w = [probs[e] for e in order]
+    if renorm:
+        w = [v / sum(w) for v in w]
+    return order, [v * scale for v in w]
+
+
 def ref_sigmoid_choice(logits_t, k, bias, n_group, topk_group, renorm, scale):
     s = torch.sigmoid(logits_t.double())
     b = s + (bias.double() if bias is not None else 0)

@@ -49,10 +49,15 @@ def test_empty_batch_returns_empty_output():
     (dict(type="sigmoid", n_group=3), dict(), "n_group"),
     (dict(type="sigmoid", n_group=2, topk_group=3), dict(), "topk_group"),
     (dict(type="custom"), dict(), "module"),
+    (dict(type="top", n_group=2, group_rank="mean"), dict(), r"group_rank must be one of \['max', 'top2_sum'\]"),
+    (dict(type="sigmoid", n_group=2, group_rank="top2_sum"), dict(), "group_rank='top2_sum' is for gate type 'top'"),
     (dict(), dict(type="moe"), "experts type"),
     (dict(), dict(hidden_size_per_expert=0), "hidden_size_per_expert"),
     (dict(), dict(type="glu", glu_activation="tanh"), "glu_activation"),
     (dict(), dict(activation_fn="swish"), "activation_fn"),
+    (dict(), dict(type="glu", shared_glu_activation="silu_clamp"), "need glu experts and num_shared_experts >= 1"),
+    (dict(), dict(type="glu", num_shared_experts=1, shared_glu_activation="tanh"), "shared_glu_activation"),
+    (dict(), dict(type="glu", num_shared_experts=1, shared_glu_limit=-1.0), "shared_glu_limit"),
 ])
 def test_bad_config(gate, experts, match):
     with pytest.raises(ValueError, match=match):  # from the config, or from the layer for expert counts

@@ -69,11 +69,17 @@ FAMILIES = {
     "phimoe": ("PhimoeConfig", dict(intermediate_size=32)),
     # LongCat-Flash: its own names; transformers' num_hidden_layers is twice its num_layers (two sublayers each)
     "longcat_flash": ("LongcatFlashConfig", {}),
+    # Step-3.5 (Step-3.7's text model): its own names; per-layer head counts, clamps and a RoPE per layer type
+    "step3p5": ("Step3p7TextConfig", {}),
+    "step3p7": ("Step3p7Config", {}),
+    # Arcee AFMoE: its own names for the dense layers, shared experts and route scale
+    "afmoe": ("AfmoeConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
-           "llama4": ("text_config",)}
+           "llama4": ("text_config",), "step3p7": ("text_config",)}
+STEP = {"step3p5", "step3p7"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
@@ -85,8 +91,15 @@ MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_te
 # DeepSeek-V3's routing fields under these families' own config classes
 DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"}
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash"}
+NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash"} | STEP
+ROPE_PER_LAYER_TYPE = {"mimo_v2_flash"} | STEP
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
+
+
+def _step(cfg):
+    from dynamoe.models.step3p5 import step_fields
+
+    return step_fields(cfg)
 
 
 def _hf_moe_layers(hf, mt):
@@ -103,8 +116,11 @@ def _hf_moe_layers(hf, mt):
                 for i in range(n)]
     if mt in LLAMA4:
         return [i in hf.moe_layers for i in range(n)]
-    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash"):
+    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash", "step3p5",
+              "step3p7"):
         return [t == "sparse" for t in hf.mlp_layer_types]
+    if mt == "afmoe":
+        return [i >= hf.num_dense_layers for i in range(n)]
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
 
@@ -113,7 +129,8 @@ def _hf_windows(hf, mt):
     n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral", "phimoe"):
         return [hf.sliding_window] * n
-    if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa"):
+    if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
+              "step3p7", "afmoe"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -159,10 +176,11 @@ FIELDS = {
     # DBRX's LayerNorms: torch's default eps (its config has no field)
     "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.rms_norm_eps, None, None),
     "rope": (lambda hf, mt: _hf_rope(hf), lambda cfg: _our_rope(cfg), set(FAMILIES) - NO_SINGLE_ROPE),
-    # (MiMo's modeling code reads each layer type's partial_rotary_factor with a default of 0.334)
-    "rope_by_layer_type": (lambda hf, mt: {k: {**_hf_rope(p), "partial_rotary_factor": p.get("partial_rotary_factor", 0.334)}
+    # (MiMo's modeling code reads each layer type's partial_rotary_factor with a default of 0.334, Step's of 1)
+    "rope_by_layer_type": (lambda hf, mt: {k: {**_hf_rope(p), "partial_rotary_factor": p.get(
+                                               "partial_rotary_factor", 0.334 if mt == "mimo_v2_flash" else 1.0)}
                                            for k, p in hf.rope_parameters.items()},
-                           lambda cfg: {k: _our_rope(r) for k, r in cfg.rope_by_layer_type}, {"mimo_v2_flash"}),
+                           lambda cfg: {k: _our_rope(r) for k, r in cfg.rope_by_layer_type}, ROPE_PER_LAYER_TYPE),
     "hidden_act": (lambda hf, mt: hf.hidden_act, None, set(FAMILIES) - {"gpt_oss", "dbrx"}),  # GPT-OSS: its own SwiGLU
     # DBRX: clip_qkv in attn_config
     "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
@@ -212,7 +230,7 @@ FIELDS = {
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, QWEN3_RULE),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
-                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa"} | LLAMA4),
+                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe"} | LLAMA4 | STEP),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
                         lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
@@ -242,6 +260,26 @@ FIELDS = {
     # Phi-3.5-MoE: SparseMixer's margin, the lm_head bias
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"phimoe"})
        for name in ("router_jitter_noise", "lm_head_bias", "intermediate_size")},
+    # Step-3.5: the shared expert's size, the route scale, per-layer query heads, softmax scale and clamps
+    "shared_expert_intermediate_size_step": (lambda hf, mt: hf.share_expert_dim,
+                                             lambda cfg: cfg.shared_expert_intermediate_size, STEP),
+    "routed_scaling_factor_step": (lambda hf, mt: hf.moe_router_scaling_factor, lambda cfg: cfg.routed_scaling_factor,
+                                   STEP),
+    "step_heads": (lambda hf, mt: tuple(hf.per_layer_config[i].num_attention_heads for i in range(hf.num_hidden_layers)),
+                   lambda cfg: _step(cfg).heads, STEP),
+    "step_scale": (lambda hf, mt: hf.query_pre_attn_scalar ** -0.5, lambda cfg: _step(cfg).scale, STEP),
+    "step_limits": (lambda hf, mt: tuple((hf.swiglu_limits[i] or None) if hf.swiglu_limits else None
+                                         for i in range(hf.num_hidden_layers)), lambda cfg: _step(cfg).limits, STEP),
+    "step_shared_limits": (lambda hf, mt: tuple((hf.swiglu_limits_shared[i] if hf.swiglu_limits_shared else 0) or None
+                                                for i in range(hf.num_hidden_layers)),
+                           lambda cfg: _step(cfg).shared_limits, STEP),
+    "num_nextn_predict_layers_step": (lambda hf, mt: hf.num_nextn_predict_layers,
+                                      lambda cfg: cfg.num_nextn_predict_layers, STEP),
+    # AFMoE: shared experts, route scale, the dense layers' width
+    **{f"{ours}_afmoe": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
+                         {"afmoe"})
+       for ours, theirs in (("n_shared_experts", "num_shared_experts"), ("routed_scaling_factor", "route_scale"),
+                            ("intermediate_size", "intermediate_size"))},
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -288,9 +326,11 @@ def _compare(mt: str, d: dict):
             parent = getattr(parent, key)
         hf = getattr(parent, path[-1])
         if mt != "llama4":  # (the level above the text model ties its lm_head; Llama-4 ties by its text config)
-            hf.tie_word_embeddings = parent.tie_word_embeddings
+            hf.tie_word_embeddings = getattr(parent, "tie_word_embeddings", False)  # (Step3p7Config has none: false)
     else:
         hf = getattr(transformers, cls_name).from_dict(fields)
+    if mt in STEP:  # (num_attention_heads varies by layer: the global one is the full layers'; step_heads checks each)
+        hf.allow_global_per_layer_attribute_access = True
     cfg = ModelConfig.from_dict(dict(d))
     checked, wrong = [], {}
     for name, (hf_get, our_get, families) in FIELDS.items():
@@ -309,7 +349,7 @@ def _compare(mt: str, d: dict):
 def test_omitted_fields_default_as_transformers(mt):
     d = {"model_type": mt, **SIZES, **FAMILIES[mt][1]}
     checked = _compare(mt, d)
-    rope = {"rope_by_layer_type"} if mt == "mimo_v2_flash" else set() if mt in NO_SINGLE_ROPE else {"rope"}
+    rope = {"rope_by_layer_type"} if mt in ROPE_PER_LAYER_TYPE else set() if mt in NO_SINGLE_ROPE else {"rope"}
     assert {"rms_norm_eps", "num_experts", "num_experts_per_tok", "max_position_embeddings"} | rope <= set(checked)
 
 
@@ -362,6 +402,27 @@ def test_omitted_fields_default_as_transformers(mt):
     # Llama-4: MoE every 2nd layer, NoPE every 2nd, no chunking; explicit lists; the hub's llama3 RoPE
     ("llama4_text", {"interleave_moe_layer_step": 2, "no_rope_layer_interval": 2, "attention_chunk_size": None}),
     ("llama4_text", {"moe_layers": [0, 3], "no_rope_layers": [0, 1, 1, 0], "use_qk_norm": False}),
+    # Step-3.5: the hub's names and per-layer lists padded with an MTP entry, a scalar rope_theta, nested RoPE
+    ("step3p5", {"moe_num_experts": 16, "moe_top_k": 4, "num_attention_groups": 2, "share_expert_dims": 48,
+                 "num_nextn_predict_layers": 1, "sliding_window": 8, "moe_layers_enum": "1,2,3,4",
+                 "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"] * 1
+                 + ["full_attention"], "attention_other_setting": {"num_attention_heads": 16},
+                 "rope_theta": [1e4, 2e4, 3e4, 4e4, 5e4], "partial_rotary_factors": [0.5, 1.0, 1.0, 0.5, 0.5],
+                 "swiglu_limits": [0, 0, 7, 7, 7], "swiglu_limits_shared": [16, 0, 0, 0, 0],
+                 "rope_scaling": {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                 "query_pre_attn_scalar": 64, "moe_router_scaling_factor": 3.0}),
+    ("step3p5", {"rope_theta": 3e4, "mlp_layer_types": ["sparse"] * 4, "num_sliding_attention_heads": 16,
+                 "layer_types": ["sliding_attention"] * 4, "sliding_window": 16}),
+    ("step3p5", {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 16,
+                 "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e3,
+                                                           "partial_rotary_factor": 0.5}}}),
+    ("step3p7", {"moe_layers_enum": "0,3", "num_nextn_predict_layers": 2, "swiglu_limits": [0, 1, 2, 3, 4, 5],
+                 "layer_types": ["sliding_attention"] * 6, "sliding_window": 8}),
+    ("afmoe", {"global_attn_every_n_layers": 3, "num_dense_layers": 2, "num_shared_experts": 1, "route_scale": 2.0,
+               "sliding_window": 64, "num_key_value_heads": 2}),
+    ("afmoe", {"layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 2}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

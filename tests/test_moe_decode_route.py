@@ -89,6 +89,10 @@ def test_router_declines_what_it_does_not_compute():
         assert moe_decode.route_decode(x, _LowPrecision(), "top", 2, True) is None
         assert moe_decode.route_decode(x, gate, "top", 5, True) is None  # k > E: the general path's error
         assert moe_decode.route_decode(x, gate, "sigmoid", 3, True, 1.0, 2, 1) is None  # 1 group of 2 < k
+        # Mistral-4's group ranking (sum of the two best) limiting the groups: no kernel; with every group kept
+        # the ranking does not matter and the kernel routes
+        assert moe_decode.route_decode(x, gate, "top", 2, True, 1.0, 2, 1, group_rank="top2_sum") is None
+        assert moe_decode.route_decode(x, gate, "top", 2, True, 1.0, 2, 2, group_rank="top2_sum") is not None
     assert moe_decode.route_decode(x, gate, "top", 2, True) is None  # autograd on
 
 
@@ -177,6 +181,10 @@ def test_layer_fast_path_only_where_it_is_the_same_computation(monkeypatch):
         _layer(GATES["softmax"], aux_loss="switch")(x)  # a loss wanted
         _layer(GateConfig(type="top", k=2, capacity_factor=1.0, fp32_gate=True))(x)  # may drop
         _layer(GateConfig(type="top", k=2, capacity_factor=0.0, fp32_gate=False))(x)  # bf16 logits
+        grouped = _layer(GateConfig(type="top", k=2, capacity_factor=0.0, fp32_gate=True, n_group=4, topk_group=2,
+                                    group_rank="top2_sum"))  # Mistral-4's group ranking: no router kernel
+        grouped(x)
+        assert "group_rank='top2_sum'" in grouped.decode_fused(x).extra
         layer(torch.randn(17, 64).bfloat16())  # not a decode batch
         layer(x.float())  # input in another dtype than the experts: the general path casts it
         layer(x)

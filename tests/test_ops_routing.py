@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from dynamoe import ops
-from reference import ref_sigmoid_choice, ref_softmax_choice
+from dynamoe.ops.routing import softmax_group_topk
+from reference import ref_sigmoid_choice, ref_softmax_choice, ref_softmax_group_choice
 
 
 @pytest.mark.parametrize("k", [1, 2, 8])
@@ -44,6 +45,35 @@ def test_sigmoid_group_topk_matches_reference(n_group, topk_group, k, with_bias,
         for e, v in zip(order, wt):
             assert got[e] == pytest.approx(float(v), rel=1e-5, abs=1e-6)
     torch.testing.assert_close(scores, torch.sigmoid(logits))
+
+
+@pytest.mark.parametrize("n_group,topk_group,k", [(1, 1, 4), (4, 2, 3), (8, 3, 8), (8, 8, 2), (32, 5, 4)])
+@pytest.mark.parametrize("group_rank", ["max", "top2_sum"])
+@pytest.mark.parametrize("renorm,scale", [(True, 2.5), (False, 1.0)])
+def test_softmax_group_topk_matches_reference(n_group, topk_group, k, group_rank, renorm, scale):
+    E, T = 32, 40
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(n_group * 10 + k)) * 2
+    w, ids, probs = softmax_group_topk(logits, k, n_group, topk_group, renorm, scale, group_rank=group_rank)
+    for t in range(T):
+        order, wt = ref_softmax_group_choice(logits[t], k, n_group, topk_group, renorm, scale, group_rank)
+        assert sorted(ids[t].tolist()) == sorted(order)
+        got = dict(zip(ids[t].tolist(), w[t].tolist()))
+        for e, v in zip(order, wt):
+            assert got[e] == pytest.approx(v, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(probs, torch.softmax(logits, -1))
+
+
+def test_group_rank_decides_the_groups():
+    """Group 0 has the single best expert, group 1 the larger sum of its two best: 'max' keeps group 0,
+    'top2_sum' (Mistral-4) group 1."""
+    probs = torch.tensor([[0.40, 0.02, 0.01, 0.005, 0.25, 0.24, 0.04, 0.035]])
+    logits = probs.log()
+    _, by_max, _ = softmax_group_topk(logits, 2, n_group=2, topk_group=1, group_rank="max")
+    _, by_sum, _ = softmax_group_topk(logits, 2, n_group=2, topk_group=1, group_rank="top2_sum")
+    assert sorted(by_max[0].tolist()) == [0, 1]
+    assert sorted(by_sum[0].tolist()) == [4, 5]
+    with pytest.raises(ValueError, match="group_rank must be one of \\['max', 'top2_sum'\\], got 'sum'"):
+        softmax_group_topk(logits, 2, n_group=2, topk_group=1, group_rank="sum")
 
 
 def test_selection_bias_changes_choice_not_weight():

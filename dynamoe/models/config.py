@@ -71,6 +71,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "qwen3_omni_moe_thinker": TextWrapper(("text_config",), ("qwen3_omni_moe_text",)),
     "qwen3_omni_moe": TextWrapper(("thinker_config", "text_config"), ("qwen3_omni_moe_text",)),
     "llama4": TextWrapper(("text_config",), ("llama4_text",), tie_by_text=True),
+    # (Step3p7ForConditionalGeneration ties by the wrapper's flag alone, default false)
+    "step3p7": TextWrapper(("text_config",), ("step3p5",)),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)
@@ -311,6 +313,30 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                  "expert_ffn_hidden_size": 2048, "q_lora_rank": 1536, "kv_lora_rank": 512,
                                  "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "moe_topk": 12,
                                  "zero_expert_num": 256, "routed_scaling_factor": 6.0}},
+    # Step3p7TextConfig (model_type step3p5: Step-3.5-Flash, and Step-3.7's text model): its own names (attribute_map);
+    # without mlp_layer_types the hub's moe_layers_enum, else layers 0-2 dense and the others MoE; every layer full
+    # attention unless layer_types; a RoPE per layer type from the nested rope_parameters, else from the hub's
+    # per-layer rope_theta / partial_rotary_factors lists with rope_scaling on the full layers; the hub's per-layer
+    # lists padded with num_nextn_predict_layers trailing MTP entries are cut to the decoder layers ("step_layers")
+    "step3p5": {"num_experts": 288, "num_experts_per_tok": 8, "head_dim": 128, "step_layers": True,
+                "ignored": ("routed_scaling_factor", "shared_expert_intermediate_size", "hidden_act"),
+                "aliases": {"num_experts": "moe_num_experts", "num_experts_per_tok": "moe_top_k",
+                            "num_key_value_heads": "num_attention_groups", "share_expert_dim": "share_expert_dims",
+                            "shared_expert_intermediate_size": "share_expert_dim",
+                            "routed_scaling_factor": "moe_router_scaling_factor",
+                            "num_nextn_predict_layers": "num_mtp_layers"},
+                "fields": {"intermediate_size": 11264, "moe_intermediate_size": 1280, "share_expert_dims": 1280,
+                           "num_attention_groups": 8, "max_position_embeddings": 128000, "rms_norm_eps": 1e-5,
+                           "pad_token_id": 1, "moe_router_scaling_factor": 1.0}},
+    # AfmoeConfig (Arcee Trinity): every global_attn_every_n_layers-th layer full attention, the others sliding
+    # ("afmoe_layers"); dense MLPs on the first num_dense_layers; shared experts and route scale under its own names
+    "afmoe": {"num_experts": 64, "num_experts_per_tok": 6, "head_dim": 128, "afmoe_layers": True,
+              "ignored": ("first_k_dense_replace", "n_shared_experts", "routed_scaling_factor"),
+              "aliases": {"first_k_dense_replace": "num_dense_layers", "n_shared_experts": "num_shared_experts",
+                          "routed_scaling_factor": "route_scale"},
+              "fields": {"intermediate_size": 6144, "moe_intermediate_size": 1408, "max_position_embeddings": 16384,
+                         "rms_norm_eps": 1e-5, "sliding_window": 1024, "num_dense_layers": 1, "num_shared_experts": 2,
+                         "route_scale": 1.0, "global_attn_every_n_layers": 4}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -459,6 +485,78 @@ def _ropes_by_layer_type(d: dict, max_pos: int, defaults: dict, layer_types: tup
     for kind, p in params.items():
         partial = defaults.get(kind, {}).get("partial_rotary_factor", 1.0)
         out.append((kind, parse_rope({"rope_parameters": p}, max_pos, 10000.0, None, partial)))
+    return tuple(out)
+
+
+_STEP_PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "swiglu_limits", "swiglu_limits_shared", "rope_theta",
+                         "partial_rotary_factors")
+
+
+def _step_trim_mtp(d: dict, layers: int) -> dict:
+    """Step-3.5: the hub's per-layer lists (:data:`_STEP_PER_LAYER_LISTS`) padded with one trailing entry per
+    multi-token-prediction layer (``num_nextn_predict_layers``), cut to the decoder layers as Step3p7TextConfig does."""
+    mtp = _int(d, "num_nextn_predict_layers", 0, minimum=0) or 0
+    if not mtp:
+        return d
+    d = dict(d)
+    for name in _STEP_PER_LAYER_LISTS:
+        v = d.get(name)
+        if isinstance(v, (list, tuple)) and len(v) == layers + mtp:
+            d[name] = list(v[:layers])
+    return d
+
+
+def _step_mlp_types(d: dict, layers: int) -> tuple:
+    """Step-3.5's MLP kinds without ``mlp_layer_types``: MoE on the hub's ``moe_layers_enum`` (a comma-separated
+    string or a list of layer indices), else on every layer from 3 (Step3p7TextConfig's rule)."""
+    enum = d.get("moe_layers_enum")
+    if enum is None:
+        moe = set(range(3, layers))
+    else:
+        items = enum.split(",") if isinstance(enum, str) else enum
+        try:
+            if not isinstance(items, (list, tuple)) or any(isinstance(i, bool) for i in items):
+                raise ValueError
+            moe = {int(i) for i in items if str(i).strip()}
+        except ValueError:
+            raise _err("moe_layers_enum", enum, "a comma-separated string or a list of layer indices") from None
+    return tuple("sparse" if i in moe else "dense" for i in range(layers))
+
+
+def _step_ropes(d: dict, max_pos: int, layer_types: tuple) -> tuple:
+    """Step-3.5's RoPE per layer type as ((layer type, RopeConfig), ...), as Step3p7TextConfig derives it:
+    ``rope_parameters`` nested by layer type (what transformers saves; one dict for every layer kind of
+    ``layer_types``), else each kind's from its first layer's entry of the hub's ``rope_theta`` (one number, or
+    one per layer; default 1e4) and ``partial_rotary_factors`` (one per layer; default: the whole head), the
+    full-attention kind updated with ``rope_scaling``. A single (not nested) rope_parameters dict is refused:
+    transformers' config class ignores it (it would read the hub's fields instead)."""
+    kinds = sorted(set(layer_types), key=layer_types.index)
+    params = d.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict) or not all(isinstance(params.get(k), dict) for k in kinds):
+            raise _err("rope_parameters", params, f"a dict of RoPE parameters for each layer type {kinds} (Step-3.5 "
+                       "nests them by layer type; a single dict is not read by transformers either)")
+        return tuple((k, parse_rope({"rope_parameters": params[k]}, max_pos)) for k in kinds)
+    n = len(layer_types)
+    theta = d.get("rope_theta", 10000.0)
+    thetas = theta if isinstance(theta, (list, tuple)) else [theta] * n
+    partials = d.get("partial_rotary_factors")
+    if len(thetas) != n:
+        raise _err("rope_theta", theta, f"a number or a list of {n} numbers (one per layer)")
+    if partials is not None and (not isinstance(partials, (list, tuple)) or len(partials) != n):
+        raise _err("partial_rotary_factors", partials, f"a list of {n} numbers (one per layer)")
+    scaling = d.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise _err("rope_scaling", scaling, "a dict or null")
+    out = []
+    for k in kinds:
+        i = layer_types.index(k)
+        p = {"rope_type": "default", "rope_theta": thetas[i]}
+        if partials is not None:
+            p["partial_rotary_factor"] = partials[i]
+        if k == "full_attention" and scaling:
+            p.update(scaling)
+        out.append((k, parse_rope({"rope_parameters": p}, max_pos)))
     return tuple(out)
 
 
@@ -799,6 +897,8 @@ class ModelConfig:
                 d["num_layers"] = n // 2
             d["num_hidden_layers"] = _int(d, "num_layers", fam["num_layers_halved"])
         layers = _int(d, "num_hidden_layers", required=True)
+        if fam.get("step_layers"):
+            d = _step_trim_mtp(d, layers)
         kv_heads = _int(d, "num_key_value_heads", heads) or heads  # null: as many as the query heads
         if heads % kv_heads:
             raise _err("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}")
@@ -834,6 +934,11 @@ class ModelConfig:
         elif fam.get("llama4_layers"):  # the RoPE layers chunked (when there is a chunk size), the NoPE ones full
             layer_types = tuple("chunked_attention" if r and chunk is not None else "full_attention"
                                 for r in no_rope_layers)
+        elif fam.get("afmoe_layers"):  # every n-th layer full attention, the others sliding
+            n = _int(d, "global_attn_every_n_layers", required=True)
+            layer_types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))
+        elif fam.get("step_layers"):  # every layer full attention, whatever the window
+            layer_types = ("full_attention",) * layers
         elif fam.get("granite_swa_layers"):
             layer_types = tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers))
         elif fam.get("flint_layers"):
@@ -883,6 +988,8 @@ class ModelConfig:
                            f"a multiple of linear_num_key_heads={linear_sizes['linear_num_key_heads']}")
 
         mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
+        if not mlp_types and fam.get("step_layers"):
+            mlp_types = _step_mlp_types(d, layers)
         if not mlp_types and fam.get("first_layer_dense"):
             mlp_types = ("dense",) + ("sparse",) * (layers - 1)
         if not mlp_types and fam.get("llama4_layers"):  # moe_layers, else every step-th layer from step - 1
@@ -915,8 +1022,9 @@ class ModelConfig:
         if topk_group > n_group:
             raise _err("topk_group", topk_group, f"<= n_group={n_group}")
 
-        if fam.get("rope_by_layer_type"):
-            layer_ropes = _ropes_by_layer_type(d, max_pos, fam["rope_by_layer_type"], layer_types)
+        if fam.get("rope_by_layer_type") or fam.get("step_layers"):
+            layer_ropes = (_step_ropes(d, max_pos, layer_types) if fam.get("step_layers") else
+                           _ropes_by_layer_type(d, max_pos, fam["rope_by_layer_type"], layer_types))
             rope = dict(layer_ropes).get("full_attention", layer_ropes[0][1])
         else:
             layer_ropes = ()

@@ -3,7 +3,9 @@
 default with its softmax-scale correction) whose queries are also scaled by Llama-4's position factor
 1 + beta ln(1 + floor(position / original_max_position_embeddings)) (``rope_parameters.llama_4_scaling_beta``,
 0.1: 1 for the first 8192 positions), and Mistral's routing: softmax over the experts (no selection
-bias), top-k, renormalised (``norm_topk_prob``), times ``routed_scaling_factor``, plus shared experts;
+bias; group-limited when ``topk_group`` < ``n_group``: the groups ranked by the sum of their two best
+probabilities, GateConfig.group_rank 'top2_sum'), top-k, renormalised (``norm_topk_prob``), times
+``routed_scaling_factor``, plus shared experts;
 dense SwiGLU MLPs in the first ``first_k_dense_replace`` layers (default none).
 
 Checkpoint: DeepSeek-V3's names (``self_attn.{q_a_proj, q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa,
@@ -12,9 +14,8 @@ kv_a_layernorm, kv_b_proj, o_proj}``, ``mlp.gate.weight`` [E, D], ``mlp.shared_e
 has no conversion for mistral4): ``mlp.experts.gate_up_proj`` [E, 2F, D] (gate rows, then up rows) and
 ``mlp.experts.down_proj`` [E, D, F].
 
-Group-limited routing (``n_group`` > ``topk_group``) is refused: Mistral-4 ranks the groups by the sum of
-their two best probabilities, which dynamoe's softmax router (DeepSeek-V2's, ranked by the best one) does
-not do; the published checkpoints use one group.
+The fused decode kernel's router has no 'top2_sum' ranking: with limited groups the MoE layers decode
+through the general path (MoELayer reports why); the published checkpoints use one group.
 """
 from __future__ import annotations
 
@@ -31,10 +32,6 @@ __all__ = ["Mistral4ForCausalLM"]
 
 
 def _check(cfg: ModelConfig) -> None:
-    if cfg.topk_group < cfg.n_group:
-        raise ValueError(f"config fields 'n_group'={cfg.n_group} / 'topk_group'={cfg.topk_group}: group-limited "
-                         "routing of mistral4 (groups ranked by their two best probabilities) is not supported; "
-                         "supported: topk_group == n_group (plain softmax top-k, as the published checkpoints)")
     if cfg.rope.llama_4_scaling_beta is None or cfg.rope.original_max_position_embeddings is None:
         raise ValueError("config fields 'rope_parameters.llama_4_scaling_beta' and "
                          "'rope_parameters.original_max_position_embeddings' are required for mistral4 (its attention "
@@ -61,7 +58,7 @@ class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
         glu = glu_kind(cfg.hidden_act)
         if cfg.is_moe_layer(i):
             mlp = SparseMoeBlock(cfg, "softmax", normalize=cfg.norm_topk_prob, glu=glu,
-                                 num_shared_experts=cfg.n_shared_experts, router_groups=False,
+                                 num_shared_experts=cfg.n_shared_experts, router_groups=True, group_rank="top2_sum",
                                  route_scale=cfg.routed_scaling_factor, dtype=dtype)
         else:
             if cfg.intermediate_size is None:

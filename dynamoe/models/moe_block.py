@@ -57,22 +57,25 @@ def _rms_spec(holds: Holds, norm: nn.Module) -> RMSNormSpec:
 
 class GatedMLP(StackedLinears, nn.Module):
     """down(act(gate(x)) * up(x)) with Hugging Face's names (``gate_proj``, ``up_proj``, ``down_proj``);
-    ``glu`` is a GLU kind of dynamoe.ops.activations ('silu' = SwiGLU). At decode a dense layer's
+    ``glu`` is a GLU kind of dynamoe.ops.activations ('silu' = SwiGLU; ``limit``: the clamp of 'gpt_oss' and
+    'silu_clamp'). At decode a dense layer's
     ``h + mlp(norm(h))`` is one kernel call (:meth:`decode_block`) over gate and up stacked into one weight."""
 
     stacked_names = ("gate_proj", "up_proj")
 
-    def __init__(self, hidden_size: int, intermediate_size: int, glu: str = "silu", bias: bool = False, dtype=None):
+    def __init__(self, hidden_size: int, intermediate_size: int, glu: str = "silu", bias: bool = False,
+                 limit: float = 7.0, dtype=None):
         super().__init__()
         if glu not in GLU_KINDS:
             raise ValueError(f"glu must be one of {list(GLU_KINDS)}, got {glu!r}")
+        self.limit = limit
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
         self.glu = glu
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(glu_activation(self.gate_proj(x), self.up_proj(x), self.glu))
+        return self.down_proj(glu_activation(self.gate_proj(x), self.up_proj(x), self.glu, limit=self.limit))
 
     def decode_fused(self, h_TD: Tensor, norm: nn.Module) -> Fused:
         """The fused kernel of ``h + self(norm(h))`` for decode steps like ``h_TD`` [T, D] (a
@@ -89,7 +92,8 @@ class GatedMLP(StackedLinears, nn.Module):
                 raise Unfusable("the CPU kernels are not available")
             spec = _rms_spec(holds, norm)
             fields = moe_decode.glu_mlp_fields(kernels, holds, h_TD.dtype, self.stacked_for(holds),
-                                               holds.module(self, "down_proj"), holds.attr(self, "glu"))
+                                               holds.module(self, "down_proj"), holds.attr(self, "glu"),
+                                               limit=holds.attr(self, "limit"))
             fused = Fused(moe_decode.dense_mlp_weights(kernels, holds, h_TD, fields, spec), holds, kernels)
         except Unfusable as exc:
             fused = Fused(None, holds, str(exc))
@@ -134,19 +138,24 @@ class SparseMoeBlock(nn.Module):
     ``shared_fused_gate_up`` keeps their gate and up projections in one linear (GraniteMoE-Shared).
     ``router_groups``: group-limited selection over ``cfg.n_group`` / ``cfg.topk_group``; None = the
     sigmoid router's default (DeepSeek-V3: yes) and the softmax router's (no). For 'softmax' this is
-    DeepSeek-V2's 'group_limited_greedy' (groups ranked by their best expert). ``route_scale``: the
+    DeepSeek-V2's 'group_limited_greedy' (groups ranked by their best expert; ``group_rank`` 'top2_sum': by the
+    sum of their two best, Mistral-4; see GateConfig.group_rank). ``route_scale``: the
     routed weights' factor; None = ``cfg.routed_scaling_factor`` for 'sigmoid', 1 for the others.
     (MiniMax-M2's sigmoid router has neither groups nor a scale: it passes False and 1.)
     ``selection_bias``: the softmax router's selection-only ``e_score_correction_bias`` (ERNIE-4.5).
     ``router`` 'sparsemixer': Phi-3.5-MoE's SparseMixer at inference (two experts, ``cfg.router_jitter_noise``).
     ``prescale``: each routing weight scales its expert's input instead of its output (Llama-4: expert(w * x));
     the fused decode kernels scale outputs, so such a block runs the general path (MoELayer refuses the kernel).
+    ``glu_limit``: the routed experts' clamp ('gpt_oss', 'silu_clamp'; None = ``cfg.swiglu_limit`` or 7);
+    ``shared_glu`` / ``shared_glu_limit``: the shared experts' own GLU kind and clamp (None = the routed ones').
     """
 
     def __init__(self, cfg: ModelConfig, router: str = "softmax", normalize: bool = True, glu: str = "silu",
                  expert_bias: bool = False, num_shared_experts: int = 0, shared_hidden_size: int | None = None,
                  shared_gate: bool = False, shared_fused_gate_up: bool = False, router_groups: bool | None = None,
-                 route_scale: float | None = None, selection_bias: bool = False, prescale: bool = False, dtype=None):
+                 route_scale: float | None = None, selection_bias: bool = False, prescale: bool = False,
+                 group_rank: str = "max", glu_limit: float | None = None, shared_glu: str | None = None,
+                 shared_glu_limit: float | None = None, dtype=None):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
@@ -160,9 +169,13 @@ class SparseMoeBlock(nn.Module):
         if selection_bias and router != "softmax":
             raise ValueError(f"selection_bias is an option of router 'softmax' (the sigmoid router always has one), "
                              f"got router {router!r}")
+        if group_rank != "max" and router != "softmax":
+            raise ValueError(f"group_rank is an option of router 'softmax' (the sigmoid router ranks groups by "
+                             f"DeepSeek-V3's rule), got router {router!r} with group_rank={group_rank!r}")
         if router == "softmax":
             gate = GateConfig(type="top", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize,
-                              n_group=groups[0], topk_group=groups[1], route_scale=scale, selection_bias=selection_bias)
+                              n_group=groups[0], topk_group=groups[1], route_scale=scale, selection_bias=selection_bias,
+                              group_rank=group_rank)
         elif router == "sparsemixer":  # Phi-3.5-MoE: two experts, margins of cfg.router_jitter_noise
             if K != 2 or router_groups or route_scale not in (None, 1.0) or selection_bias:
                 raise ValueError(f"router 'sparsemixer' picks exactly 2 experts (num_experts_per_tok={K}), without "
@@ -177,9 +190,9 @@ class SparseMoeBlock(nn.Module):
                               n_group=groups[0], topk_group=groups[1], route_scale=scale)
         experts = ExpertConfig(
             type="glu", num_experts_per_device=E, hidden_size_per_expert=F_, glu_activation=glu, glu_bias=expert_bias,
-            gpt_oss_alpha=cfg.swiglu_alpha, gpt_oss_limit=cfg.swiglu_limit or 7.0,
+            gpt_oss_alpha=cfg.swiglu_alpha, gpt_oss_limit=(cfg.swiglu_limit or 7.0) if glu_limit is None else glu_limit,
             num_shared_experts=num_shared_experts, shared_hidden_size=shared_hidden_size, shared_gate=shared_gate,
-            shared_fused_gate_up=shared_fused_gate_up,
+            shared_fused_gate_up=shared_fused_gate_up, shared_glu_activation=shared_glu, shared_glu_limit=shared_glu_limit,
         )
         # check_finite off: the input is this model's own hidden state, and the check costs a host
         # sync per layer and step

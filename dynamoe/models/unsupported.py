@@ -26,8 +26,6 @@ def _text_of(wrapper: str, what: str) -> str:
 
 #: model_type -> why it does not load (kept sorted)
 UNSUPPORTED: dict[str, str] = {
-    "afmoe": "Arcee AFMoE (Trinity) is not implemented yet: sliding/global attention layer pattern "
-             "(global_attn_every_n_layers) with gated attention and its token-choice router",
     "aria": _VLM,
     "aria_text": _text_of("aria", "the MoE text model's expert and shared-expert layout is not ported"),
     "axk1": "A.X-K1 is not implemented yet: MLA attention variant with its own compressed layer kinds",
@@ -97,8 +95,6 @@ UNSUPPORTED: dict[str, str] = {
     "sarvam_mla": "Sarvam-105B is not implemented yet: MLA with Sarvam's routing and multi-token prediction",
     "sarvam_moe": "Sarvam-30B is not implemented yet: its routing and multi-token-prediction layout",
     "solar_open": "Solar-Open is not implemented yet: its DeepSeek-like routing and attention",
-    "step3p5": "Step-3.5 / 3.7 text model is not implemented yet: sliding/full layer kinds and its routing",
-    "step3p7": _VLM,
     "switch_transformers": "Switch Transformers is an encoder-decoder (T5) model, not a decoder-only causal LM",
     "unlimited_ocr": _VLM,
     "unlimited_ocr_text": _text_of("unlimited_ocr", "the OCR model's text decoder is not ported"),

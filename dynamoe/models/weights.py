@@ -20,6 +20,9 @@ rows), ``w2`` = down [E, D, F], optional biases b1 [E, 2F], b2 [E, D]. On disk:
 * :class:`Stacked` -- our own layout on disk, one 3D tensor per projection (GraniteMoE:
   ``block_sparse_moe.input_linear.weight`` [E, 2F, D] gate rows then up rows,
   ``block_sparse_moe.output_linear.weight`` [E, D, F]); dense only.
+* :class:`SplitStacked` -- Step-3.5: one 3D tensor per projection, gate and up apart
+  (``moe.gate_proj.weight`` [E, F, D], ``moe.up_proj.weight`` [E, F, D], ``moe.down_proj.weight`` [E, D, F]);
+  dense only.
 
 Readers stream: the dense result is allocated once in the target dtype and filled one expert (or
 one tensor) at a time; packed weights stay packed (:mod:`dynamoe.quant.checkpoint`).
@@ -41,7 +44,7 @@ from torch import Tensor
 from ..quant.base import QuantizedWeight
 from ..quant.checkpoint import QuantConfig, concat_out, deinterleave_gate_up, read_weight, stack_experts
 
-__all__ = ["PerExpert", "FusedInterleaved", "FusedGateUp", "Stacked", "RowStacked", "ExpertWeights", "ExpertRows", "read_experts", "check_shape"]
+__all__ = ["PerExpert", "FusedInterleaved", "FusedGateUp", "Stacked", "SplitStacked", "RowStacked", "ExpertWeights", "ExpertRows", "read_experts", "check_shape"]
 
 log = logging.getLogger(__name__)
 Weight = Union[Tensor, QuantizedWeight]
@@ -76,6 +79,17 @@ class Stacked:
     down: str = "output_linear"
     #: after the names: ".weight" (GraniteMoE), or "" (transformers' fused experts as it saves them:
     #: ``experts.gate_up_proj`` [E, 2F, D], ``experts.down_proj`` [E, D, F] -- Mistral-4)
+    suffix: str = ".weight"
+
+
+@dataclass(frozen=True)
+class SplitStacked:
+    """``{prefix}.{gate}{suffix}`` and ``{prefix}.{up}{suffix}`` [E, F, D], ``{prefix}.{down}{suffix}`` [E, D, F]
+    (Step-3.5's ``moe.gate_proj.weight`` / ``up_proj`` / ``down_proj``)."""
+
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
     suffix: str = ".weight"
 
 
@@ -249,6 +263,20 @@ def _read_stacked(tensors: Mapping, qcfg, prefix: str, layout: Stacked, E: int, 
     return ExpertWeights(*out)
 
 
+def _read_split_stacked(tensors: Mapping, qcfg, prefix: str, layout: SplitStacked, E: int, F_: int, D: int, dtype,
+                        device) -> ExpertWeights:
+    out = []
+    for proj, want in ((layout.gate, (E, F_, D)), (layout.up, (E, F_, D)), (layout.down, (E, D, F_))):
+        name = f"{prefix}.{proj}{layout.suffix}"
+        t = read_weight(tensors, name, qcfg)
+        if isinstance(t, QuantizedWeight):
+            raise ValueError(f"tensor {name!r} is quantized: split stacked (Step-3.5-style) experts load dense only")
+        check_shape(name, t.shape, want)
+        out.append(t.to(dtype=dtype, device=device))
+    gate, up, down = out
+    return ExpertWeights(torch.cat([gate, up], dim=1).contiguous(), down.contiguous())
+
+
 def _read_fused_gate_up(tensors: Mapping, qcfg, prefix: str, layout: FusedGateUp, E: int, F_: int, D: int, dtype,
                         device) -> ExpertWeights:
     out = []
@@ -319,11 +347,17 @@ def read_experts(tensors: Mapping, qcfg: Optional[QuantConfig], prefix: str, lay
         if len(local) != E:
             tensors = ExpertRows(tensors, local, E)
         return _read_stacked(tensors, qcfg, prefix, layout, len(local), F_, D, dtype, device)
+    if isinstance(layout, SplitStacked):
+        if bias:
+            raise ValueError("split stacked expert checkpoints with expert biases are not supported")
+        if len(local) != E:
+            tensors = ExpertRows(tensors, local, E)
+        return _read_split_stacked(tensors, qcfg, prefix, layout, len(local), F_, D, dtype, device)
     if isinstance(layout, FusedGateUp):
         if bias:
             raise ValueError("fused gate_up expert checkpoints with expert biases are not supported")
         if len(local) != E:
             tensors = ExpertRows(tensors, local, E)
         return _read_fused_gate_up(tensors, qcfg, prefix, layout, len(local), F_, D, dtype, device)
-    raise ValueError(f"unknown expert layout {layout!r}; expected PerExpert, FusedInterleaved, FusedGateUp, Stacked or "
-                     "RowStacked")
+    raise ValueError(f"unknown expert layout {layout!r}; expected PerExpert, FusedInterleaved, FusedGateUp, Stacked, "
+                     "SplitStacked or RowStacked")

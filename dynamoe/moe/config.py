@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..ops.activations import GLU_KINDS as GLU_ACTIVATIONS
+from ..ops.routing import GROUP_RANKS
 
 __all__ = [
     "GateConfig",
@@ -27,6 +28,7 @@ __all__ = [
     "GATE_TYPES",
     "EXPERT_TYPES",
     "AUX_LOSSES",
+    "GROUP_RANKS",
 ]
 
 GATE_TYPES = ("top", "cosine_top", "sigmoid", "sparsemixer", "custom")
@@ -89,6 +91,9 @@ class GateConfig:
         over the experts within a relative margin ``2 * jitter_eps`` of it; dynamoe.ops.routing.sparsemixer_top2)
         or "custom" (``module`` returns logits [T, E]). "top" with ``n_group`` > 1 is
         DeepSeek-V2's group-limited greedy (groups ranked by their best probability).
+    group_rank: how a 'top' gate with groups ranks them: "max" (a group's best probability, DeepSeek-V2)
+        or "top2_sum" (the sum of its two best probabilities, Mistral-4). Sigmoid gates keep DeepSeek-V3's
+        rule (top-2 sum of the biased scores, the max without a bias).
     k: experts per token. capacity_factor: see dynamoe.ops.slots (0 = dropless).
     fp32_gate: compute logits in fp32 (without changing the parameters' dtype).
     gate_noise: std of training-time logit noise (Tutel: noise * randn / E).
@@ -108,6 +113,7 @@ class GateConfig:
     # sigmoid (DeepSeek) routing
     n_group: int = 1
     topk_group: int = 1
+    group_rank: str = "max"  # 'top' only: see the docstring
     route_scale: float = 1.0  # (also 'top': DeepSeek-V2's routed_scaling_factor)
     # sparsemixer routing: the relative margin of the experts that share an expert's softmax (Phi-3.5-MoE's
     # router_jitter_noise)
@@ -140,6 +146,10 @@ class GateConfig:
         if self.type not in ("sigmoid", "top") and (self.n_group, self.topk_group) != (1, 1):
             raise ValueError(f"n_group/topk_group (group-limited routing) need gate type 'sigmoid' or 'top', "
                              f"got type {self.type!r}")
+        _check_choice("group_rank", self.group_rank, GROUP_RANKS)
+        if self.group_rank != "max" and self.type != "top":
+            raise ValueError(f"group_rank={self.group_rank!r} is for gate type 'top' (sigmoid gates rank groups by "
+                             f"DeepSeek-V3's rule), got type {self.type!r}; allowed there: 'max'")
         _check_float("route_scale", self.route_scale, positive=True)
         _check_float("jitter_eps", self.jitter_eps)
         if self.jitter_eps < 0:
@@ -176,6 +186,9 @@ class ExpertConfig:
         ``shared_expert_gate``); needs shared experts.
     shared_fused_gate_up: the shared GLU's gate and up projections as one ``gate_up_proj`` linear
         [2S, D] (gate rows, then up rows: GraniteMoE-Shared's ``input_linear``) instead of two.
+    gpt_oss_limit: the clamp of the 'gpt_oss' and 'silu_clamp' GLU activations.
+    shared_glu_activation / shared_glu_limit: the shared GLU's own activation and clamp (Step-3.5 clamps its
+        shared expert at another bound than its routed ones); None = the routed experts'.
     """
 
     type: str = "ffn"
@@ -193,6 +206,8 @@ class ExpertConfig:
     shared_hidden_size: Optional[int] = None
     shared_gate: bool = False
     shared_fused_gate_up: bool = False
+    shared_glu_activation: Optional[str] = None
+    shared_glu_limit: Optional[float] = None
     module: Any = None
     module_kwargs: dict = field(default_factory=dict)
 
@@ -206,11 +221,20 @@ class ExpertConfig:
             _check_int("hidden_size_per_expert", self.hidden_size_per_expert, 1)
         if self.type == "glu":
             if self.activation_fn is not None:
-                raise ValueError("glu experts take glu_activation ('silu', 'gelu', 'gelu_tanh', 'relu', 'gpt_oss'), not activation_fn")
+                raise ValueError(f"glu experts take glu_activation ({', '.join(map(repr, GLU_ACTIVATIONS))}), not activation_fn")
             object.__setattr__(self, "glu_activation", self.glu_activation or "silu")
             _check_choice("glu_activation", self.glu_activation, GLU_ACTIVATIONS)
         elif self.glu_activation is not None:
             raise ValueError(f"glu_activation is for experts type 'glu', got type {self.type!r}")
+        if self.shared_glu_activation is not None or self.shared_glu_limit is not None:
+            if self.type != "glu" or not self.num_shared_experts:
+                raise ValueError("shared_glu_activation / shared_glu_limit set the shared GLU's activation: they need "
+                                 f"glu experts and num_shared_experts >= 1, got type {self.type!r} and "
+                                 f"num_shared_experts={self.num_shared_experts!r}")
+            if self.shared_glu_activation is not None:
+                _check_choice("shared_glu_activation", self.shared_glu_activation, GLU_ACTIVATIONS)
+            if self.shared_glu_limit is not None:
+                _check_float("shared_glu_limit", self.shared_glu_limit, positive=True)
         for name in ("has_fc1_bias", "has_fc2_bias", "glu_bias", "shared_gate", "shared_fused_gate_up"):
             _check_bool(name, getattr(self, name))
         _check_float("gpt_oss_alpha", self.gpt_oss_alpha, positive=True)

@@ -287,7 +287,9 @@ class SharedExperts(StackedLinears, nn.Module):
         kw = dict(dtype=dtype, device=device)
         self.is_glu = cfg.type == "glu"
         if self.is_glu:
-            self.activation, self.alpha, self.limit = cfg.glu_activation or "silu", cfg.gpt_oss_alpha, cfg.gpt_oss_limit
+            self.activation = cfg.shared_glu_activation or cfg.glu_activation or "silu"
+            self.alpha = cfg.gpt_oss_alpha
+            self.limit = cfg.gpt_oss_limit if cfg.shared_glu_limit is None else cfg.shared_glu_limit
             if cfg.shared_fused_gate_up:
                 self.gate_up_proj = nn.Linear(model_dim, 2 * hidden, bias=cfg.glu_bias, **kw)
             else:

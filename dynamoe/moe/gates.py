@@ -222,7 +222,8 @@ def route(gate: nn.Module, cfg: GateConfig, x_TD: Tensor, num_experts: int, top_
     elif (cfg.n_group > 1 and cfg.topk_group < cfg.n_group) or cfg.selection_bias:  # DeepSeek-V2, ERNIE-4.5
         renorm = renormalizes(cfg, top_k, normalize_gate)
         weights_TK, ids_TK, scores_TE = softmax_group_topk(noisy_TE, top_k, cfg.n_group, cfg.topk_group, renorm,
-                                                           cfg.route_scale, getattr(gate, "e_score_correction_bias", None))
+                                                           cfg.route_scale, getattr(gate, "e_score_correction_bias", None),
+                                                           cfg.group_rank)
     else:
         renorm = renormalizes(cfg, top_k, normalize_gate)
         weights_TK, ids_TK, scores_TE = softmax_topk(noisy_TE, top_k, renorm, need_probs=need_scores)

@@ -499,7 +499,8 @@ class MoELayer(nn.Module):
         gate = holds.module(self._modules["gates"], "0")
         k = gcfg.k
         return moe_decode.moe_weights(kernels, holds, h_TD, gate, gcfg.type, k, renormalizes(gcfg, k, cfg.normalize_gate),
-                                      gcfg.route_scale, gcfg.n_group, gcfg.topk_group, kind, experts, norm, shared), after
+                                      gcfg.route_scale, gcfg.n_group, gcfg.topk_group, kind, experts, norm, shared,
+                                      gcfg.group_rank), after
 
     def decode_key(self) -> tuple:
         """The configuration :meth:`decode_fused` decides on, by value (a new config, or a gate's, makes a

@@ -65,18 +65,31 @@ def _router_args(x_TD: Tensor, gate, gate_type: str, top_k: int, n_group: int, t
     return w, b, sel, gate_type == "sigmoid"
 
 
+def _group_rank_refusal(n_group: int, topk_group: int, group_rank: str) -> str | None:
+    """Why the router kernel cannot rank the expert groups by ``group_rank``, or None where it can: the
+    kernel knows DeepSeek's group rules only (csrc/decode_weights.h), not Mistral-4's 'top2_sum' of softmax
+    probabilities; without group limiting (topk_group >= n_group) the ranking does not matter."""
+    if group_rank == "max" or not 1 < n_group or topk_group >= n_group:
+        return None
+    return (f"group_rank={group_rank!r} (experts' groups ranked by the sum of their two best probabilities: "
+            f"Mistral-4) with n_group={n_group} > topk_group={topk_group} has no router kernel")
+
+
 def _f32(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.float().contiguous()
 
 
 def route_decode(x_TD: Tensor, gate, gate_type: str, top_k: int, renormalize: bool, scale: float = 1.0,
-                 n_group: int = 1, topk_group: int = 1) -> tuple[Tensor, Tensor] | None:
+                 n_group: int = 1, topk_group: int = 1, group_rank: str = "max") -> tuple[Tensor, Tensor] | None:
     """(ids [T, K] int64, weights [T, K] fp32) of a decode step's router in one kernel call: logits
     x W^T (+ bias) in fp32, then :func:`dynamoe.ops.routing.softmax_topk` (``gate_type`` 'top' or
     'custom', as dynamoe.moe.gates.route) or :func:`~dynamoe.ops.routing.sigmoid_group_topk` ('sigmoid', with the gate's
     ``e_score_correction_bias``), weights times ``scale``. ``gate`` must offer ``fp32_linear()`` ->
     (W, bias) (LinearGate with fp32_gate, GPT-OSS's router). None where that does not apply: other
-    gates, T outside 1..16, autograd, non-CPU, other dtypes."""
+    gates, T outside 1..16, autograd, non-CPU, other dtypes, a ``group_rank`` other than 'max' that limits
+    the groups (GateConfig.group_rank)."""
+    if _group_rank_refusal(n_group, topk_group, group_rank) is not None:
+        return None
     args = _router_args(x_TD, gate, gate_type, top_k, n_group, topk_group)
     k = None if args is None else cpu_kernels.load()
     if k is None:
@@ -204,13 +217,17 @@ def _norm_fields(h_TD: Tensor, norm: RMSNormSpec, out_dim: int) -> dict:
 
 def moe_weights(kernels, holds: Holds, h_TD: Tensor, gate, gate_type: str, top_k: int, renormalize: bool,
                 scale: float, n_group: int, topk_group: int, kind: str, experts, norm: RMSNormSpec | None = None,
-                shared: dict | None = None):
+                shared: dict | None = None, group_rank: str = "max"):
     """A ``kernels.MoEWeights`` for decode steps like ``h_TD`` [T, D] through the router ``gate`` (one that
     offers ``fp32_linear()``) and ``experts`` of ``kind`` ('glu', 'ffn', 'packed'), with ``norm`` first and
     the residual added when given (a decoder layer's MoE sub-block), and the shared experts' ``shared``
     fields (:func:`glu_mlp_fields`) added to the routed output; what it read goes into ``holds``.
+    ``group_rank``: the gate's GateConfig.group_rank (the kernel has 'max' only, where groups are limited).
     Raises :class:`~dynamoe.ops.fused.Unfusable` with the reason where the kernel does not apply."""
     _check_rows(h_TD)
+    reason = _group_rank_refusal(n_group, topk_group, group_rank)
+    if reason is not None:
+        raise Unfusable(reason)
     rargs = _router_args(h_TD, gate, gate_type, top_k, n_group, topk_group)
     if rargs is None:
         raise Unfusable(f"router ({gate_type}, {type(gate).__name__}) has no kernel: logits must be an fp32 "

@@ -18,6 +18,7 @@ __all__ = [
     "softmax_topk_reference",
     "sigmoid_group_topk",
     "softmax_group_topk",
+    "GROUP_RANKS",
     "sparsemixer_top2",
     "qwen3_moe_scaled_topk",
     "deepseek_moe_sigmoid_scaled_topk",
@@ -105,12 +106,18 @@ def _check_groups(E: int, top_k: int, n_group: int, topk_group: int) -> None:
         )
 
 
+GROUP_RANKS = ("max", "top2_sum")
+
+
 def softmax_group_topk(logits_TE: Tensor, top_k: int, n_group: int = 1, topk_group: int = 1, renormalize: bool = False,
-                       route_scale: float = 1.0, correction_bias_E: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """DeepSeek-V2's 'group_limited_greedy': probs = softmax(logits); each of ``n_group`` equal groups
-    of experts is ranked by its best probability, only the best ``topk_group`` groups stay eligible,
-    and the K most probable eligible experts are chosen, weighted by their probabilities (optionally
-    renormalised to sum to 1), times ``route_scale``. n_group == topk_group is plain softmax top-k.
+                       route_scale: float = 1.0, correction_bias_E: Tensor | None = None,
+                       group_rank: str = "max") -> tuple[Tensor, Tensor, Tensor]:
+    """Group-limited softmax routing: probs = softmax(logits); each of ``n_group`` equal groups of
+    experts is ranked -- ``group_rank`` "max": by its best probability (DeepSeek-V2's
+    'group_limited_greedy'), "top2_sum": by the sum of its two best (Mistral-4; a group of one expert
+    by that one) --, only the best ``topk_group`` groups stay eligible, and the K most probable
+    eligible experts are chosen, weighted by their probabilities (optionally renormalised to sum to
+    1), times ``route_scale``. n_group == topk_group is plain softmax top-k.
     ``correction_bias_E`` (ERNIE-4.5) is added to the probabilities to *choose* the experts (and rank
     the groups); the weights stay the unbiased probabilities.
 
@@ -120,11 +127,17 @@ def softmax_group_topk(logits_TE: Tensor, top_k: int, n_group: int = 1, topk_gro
     T, E = logits_TE.shape
     check_top_k(top_k, E)
     _check_groups(E, top_k, n_group, topk_group)
+    if group_rank not in GROUP_RANKS:
+        raise ValueError(f"group_rank must be one of {list(GROUP_RANKS)}, got {group_rank!r}")
     probs_TE = torch.softmax(_upcast(logits_TE), dim=-1)
     choice_TE = probs_TE if correction_bias_E is None else probs_TE + correction_bias_E.reshape(E).to(probs_TE.dtype)
     if topk_group < n_group:
         choice_TGe = choice_TE.view(T, n_group, E // n_group)
-        group_ids = choice_TGe.amax(dim=-1).topk(topk_group, dim=-1).indices
+        if group_rank == "max":
+            group_scores_TG = choice_TGe.amax(dim=-1)
+        else:
+            group_scores_TG = choice_TGe.topk(min(2, E // n_group), dim=-1).values.sum(dim=-1)
+        group_ids = group_scores_TG.topk(topk_group, dim=-1).indices
         keep_TG = torch.zeros(T, n_group, dtype=torch.bool, device=probs_TE.device).scatter_(1, group_ids, True)
         choice_TE = choice_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
     ids_TK = choice_TE.topk(top_k, dim=-1).indices
