@@ -2,6 +2,11 @@
 the memory-bandwidth floor of a decode step, measured in the same run.
 
     python benchmarks/decode.py [--dtypes bfloat16 float32] [--prompt 128] [--new 64] [--rounds 3]
+    python benchmarks/decode.py --quantized mxfp4 mxfp4:experts,attention,lm_head fp8 [--act-quant int8]
+
+``--quantized FORMAT[:MODULES]`` instead converts the checkpoint with ``dynamoe quantize --format FORMAT
+[--modules MODULES]`` for each variant and times them (loaded in bf16) against the bf16 model, interleaved,
+with each one's DecodePlan summary (which layers run fused).
 
 The model (random weights, same seed for both): hidden 1024, 8 layers, 64 experts, top-8,
 moe_intermediate 256, 16 heads / 4 KV heads (head_dim 64), vocab 32000. It is built once with
@@ -101,9 +106,14 @@ def main(argv=None):
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--quantized", nargs="+", metavar="FORMAT[:MODULES]", default=None,
+                   help="time dynamoe quantize variants against bf16 (see the module docstring)")
+    p.add_argument("--act-quant", choices=["int8"], default=None, help="--quantized: int8 activations (4-bit formats)")
     args = p.parse_args(argv)
     if args.prompt < 1 or args.new < 2 or args.rounds < 1:
         p.error("--prompt >= 1, --new >= 2 and --rounds >= 1 are needed")
+    if args.quantized:
+        return quantized_main(args)
     from transformers import AutoModelForCausalLM
 
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -157,6 +167,47 @@ def main(argv=None):
         if (name, "transformers") in by and (name, "dynamoe") in by:
             ratio = by[(name, "transformers")][3] / by[(name, "dynamoe")][3]
             print(f"# {name}: dynamoe decodes {ratio:.2f}x the tokens/s of transformers")
+
+
+def quantized_main(args) -> None:
+    from dynamoe.cli import quantize_checkpoint
+    from dynamoe.quant import ActQuant
+    from dynamoe.quant.checkpoint_writer import check_modules
+
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; bf16 activations, batch 1, greedy, "
+          f"prompt {args.prompt}, {args.new} new tokens")
+    prompt = torch.randint(0, CONFIG["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    with tempfile.TemporaryDirectory() as root:
+        src = os.path.join(root, "dense")
+        build_checkpoint(src)
+        models = {"bf16": dynamoe.models.load(src, dtype=torch.bfloat16, progress=False)}
+        for spec in args.quantized:
+            fmt, _, mods = spec.partition(":")
+            dst = os.path.join(root, spec.replace(":", "_").replace(",", "-"))
+            quantize_checkpoint(src, dst, fmt, log=lambda *a: None,
+                                modules=check_modules(mods.split(",")) if mods else None)
+            model = dynamoe.models.load(dst, dtype=torch.bfloat16, progress=False)
+            if args.act_quant:  # the packed modules of the 4-bit formats (FP8 has no int8 kernels)
+                for m in model.modules():
+                    if getattr(m, "format", None) in ("mxfp4", "nvfp4", "int4") and hasattr(m, "act_quant"):
+                        m.act_quant = ActQuant(args.act_quant)
+            models[spec] = model
+        for m in models.values():
+            time_dynamoe(m, prompt, 4)  # warm-up
+        times = {k: [] for k in models}
+        names = list(models)
+        for r in range(args.rounds):
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                pre, total, _ = time_dynamoe(models[k], prompt, args.new)
+                times[k].append((pre, (total - pre) / (args.new - 1)))
+    base = statistics.median(t[1] for t in times["bf16"])
+    print(f"\n{'checkpoint':<36} {'prefill tok/s':>14} {'decode ms/tok':>14} {'vs bf16':>8}  plan")
+    for k, ts in times.items():
+        dec = statistics.median(t[1] for t in ts)
+        pre = statistics.median(t[0] for t in ts)
+        plan = models[k].__dict__.get("_plan")
+        desc = plan[2].describe() if plan and plan[2] is not None else "no plan"
+        print(f"{k:<36} {args.prompt / pre:14.1f} {dec * 1e3:14.2f} {base / dec:7.2f}x  {desc}")
 
 
 if __name__ == "__main__":
