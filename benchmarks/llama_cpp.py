@@ -62,7 +62,8 @@ THREADS = 2
 CHECK_TOKENS, CHECK_NEW = 16, 8
 
 # name -> (engine, how it is made): llama.cpp: llama-quantize type (None: the converter's bf16) and extra
-# arguments; dynamoe: `dynamoe quantize` format (None: bf16 as saved) and act_quant
+# arguments; dynamoe: `dynamoe quantize` format[:modules] (None: bf16 as saved) and act_quant. "+head": the
+# attention and the head packed too (`--modules`), as llama.cpp's Q4_0 / Q8_0 pack every matrix
 FORMATS = {
     "llama.cpp:bf16": ("llama.cpp", None, ()),
     "llama.cpp:q8_0": ("llama.cpp", "Q8_0", ()),
@@ -77,12 +78,16 @@ FORMATS = {
     "dynamoe:nvfp4+int8": ("dynamoe", "nvfp4-modelopt", "int8"),
     "dynamoe:int4": ("dynamoe", "int4-ct", None),
     "dynamoe:int4+int8": ("dynamoe", "int4-ct", "int8"),
+    "dynamoe:mxfp4+head": ("dynamoe", "mxfp4:experts,attention,mlp,lm_head", None),
+    "dynamoe:nvfp4+head": ("dynamoe", "nvfp4-modelopt:experts,attention,mlp,lm_head", None),
+    "dynamoe:int4+head": ("dynamoe", "int4-ct:experts,attention,mlp,lm_head", None),
+    "dynamoe:fp8+head": ("dynamoe", "fp8:experts,attention,mlp,lm_head", None),
 }
 # the targets: (dynamoe formats, llama.cpp reference, decode ms ratio <=, prefill tok/s ratio >=)
 TARGETS = [
     (("dynamoe:mxfp4", "dynamoe:mxfp4+int8", "dynamoe:nvfp4", "dynamoe:nvfp4+int8", "dynamoe:int4",
-      "dynamoe:int4+int8"), "llama.cpp:q4_0", 0.8, 2.0),
-    (("dynamoe:fp8",), "llama.cpp:q8_0", 0.8, 2.0),
+      "dynamoe:int4+int8", "dynamoe:mxfp4+head", "dynamoe:nvfp4+head", "dynamoe:int4+head"), "llama.cpp:q4_0", 0.8, 2.0),
+    (("dynamoe:fp8", "dynamoe:fp8+head"), "llama.cpp:q8_0", 0.8, 2.0),
     (("dynamoe:bf16",), "llama.cpp:bf16", 1.0, 1.0),
     (("dynamoe:mxfp4", "dynamoe:mxfp4+int8"), "llama.cpp:mxfp4_moe", None, None),  # identical bytes: no target
 ]
@@ -282,18 +287,19 @@ def make_gguf(src: str, bins: dict, hf: str, work: str, name: str) -> str:
 def make_dynamoe(hf: str, work: str, fmt: str | None) -> str:
     if fmt is None:
         return hf
-    path = os.path.join(work, f"dynamoe-{fmt}")
+    path = os.path.join(work, "dynamoe-" + fmt.replace(":", "-").replace(",", "-"))
     if not os.path.exists(os.path.join(path, "config.json")):
         from dynamoe.cli import quantize_checkpoint
 
         shutil.rmtree(path, ignore_errors=True)
-        quantize_checkpoint(hf, path, fmt, log=log)
+        base, _, modules = fmt.partition(":")
+        quantize_checkpoint(hf, path, base, log=log, modules=frozenset(modules.split(",")) if modules else None)
     return path
 
 
 def load_dynamoe(path: str, act_quant: str | None):
     import dynamoe.models
-    from dynamoe.ops.moe_decode import INT8_ACT_FORMATS
+    from dynamoe.ops.linear_decode import INT8_ACT_FORMATS
     from dynamoe.quant.act_quant import act_quant_of
     from dynamoe.quant.modules import QuantizedExperts, QuantizedLinear
 
