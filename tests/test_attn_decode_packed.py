@@ -9,7 +9,7 @@ import torch
 from models_util import one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, save_family
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402 -- a test dependency: missing is a broken install, which must fail, not skip
 
 import dynamoe.models as dm  # noqa: E402
 from dynamoe.models.attention import Attention  # noqa: E402

@@ -247,6 +247,19 @@ class Attention(nn.Module):
         m = self._modules
         return still_stacked((m["q_proj"], m["k_proj"], m["v_proj"]), qkv)
 
+    def attend_cached(self, q_BHTd: Tensor, k_BKTd: Tensor, v_BKTd: Tensor, positions_BT: Tensor,
+                      cache: KVCache | None, slots: Tensor | None, kv_len: int | None, window: int | None = None,
+                      sinks_H: Tensor | None = None, chunk: int | None = None) -> Tensor:
+        """:func:`attend` of the queries over the new keys and values -- with a cache, written into it first and
+        read back with every earlier position of the rows' slots. [B, H, T, dv]."""
+        k_pos = None
+        if cache is not None:
+            kv_len = cached_length(positions_BT, slots, kv_len)
+            kv = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, k=k_BKTd, v=v_BKTd)
+            k_BKTd, v_BKTd = kv["k"], kv["v"]
+            k_pos = torch.arange(kv_len, device=q_BHTd.device).expand(q_BHTd.size(0), kv_len)
+        return attend(q_BHTd, k_BKTd, v_BKTd, positions_BT, k_pos, self.scale, window, sinks_H, chunk)
+
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"sliding_window={self.sliding_window}, sinks={self.sinks is not None}"
@@ -377,11 +390,5 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin, self.rope_interleaved), apply_rope(k, cos, sin, self.rope_interleaved)
         if per_head and self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
-        k_pos = None
-        if cache is not None:
-            kv_len = cached_length(positions_BT, slots, kv_len)
-            kv = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, k=k, v=v)
-            k, v = kv["k"], kv["v"]
-            k_pos = torch.arange(kv_len, device=x_BTD.device).expand(B, kv_len)
-        out = attend(q, k, v, positions_BT, k_pos, self.scale, self.sliding_window, self.sinks)
+        out = self.attend_cached(q, k, v, positions_BT, cache, slots, kv_len, self.sliding_window, self.sinks)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * d))

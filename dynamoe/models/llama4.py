@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from ..ops.fused import Unfusable
-from .attention import Attention, attend, cached_length, write_kv
+from .attention import Attention
 from .base import CausalLM, DecoderLayer
 from .cache import KVCache
 from .config import ModelConfig
@@ -99,13 +99,7 @@ class Llama4Attention(Attention):
         if self.temperature is not None:
             scales = temperature_scales(positions_BT, *self.temperature)       # [B, T]
             q = (q * scales[:, None, :, None]).to(q.dtype)
-        k_pos = None
-        if cache is not None:
-            kv_len = cached_length(positions_BT, slots, kv_len)
-            kv = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, k=k, v=v)
-            k, v = kv["k"], kv["v"]
-            k_pos = torch.arange(kv_len, device=x_BTD.device).expand(B, kv_len)
-        out = attend(q, k, v, positions_BT, k_pos, self.scale, chunk=self.chunk)  # [B, H, T, d]
+        out = self.attend_cached(q, k, v, positions_BT, cache, slots, kv_len, chunk=self.chunk)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * d))
 
 

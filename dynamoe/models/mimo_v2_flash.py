@@ -19,11 +19,10 @@ runs the op-by-op attention.
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from ..ops.fused import Unfusable
-from .attention import Attention, attend, cached_length, write_kv
+from .attention import Attention
 from .base import CausalLM, DecoderLayer
 from .cache import KVCache
 from .config import ModelConfig
@@ -72,13 +71,7 @@ class MiMoAttention(Attention):
         v = (v * self.v_scale).reshape(B, T, K, dv).transpose(1, 2)            # [B, K, T, dv]
         cos, sin = self.rotary(positions_BT, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_pos = None
-        if cache is not None:
-            kv_len = cached_length(positions_BT, slots, kv_len)
-            kv = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, k=k, v=v)
-            k, v = kv["k"], kv["v"]
-            k_pos = torch.arange(kv_len, device=x_BTD.device).expand(B, kv_len)
-        out = attend(q, k, v, positions_BT, k_pos, self.scale, self.sliding_window, self.sinks)   # [B, H, T, dv]
+        out = self.attend_cached(q, k, v, positions_BT, cache, slots, kv_len, self.sliding_window, self.sinks)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * dv))
 
 

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.fused import Unfusable
-from .attention import Attention, attend, cached_length, write_kv
+from .attention import Attention
 from .base import CausalLM
 from .cache import KVCache
 from .config import ModelConfig
@@ -78,13 +78,7 @@ class GatedAttention(Attention):
         cos, sin = self.rotary(positions_BT, q.dtype)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, d]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, K, T, d]
-        k_pos = None
-        if cache is not None:
-            kv_len = cached_length(positions_BT, slots, kv_len)
-            kv = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, k=k, v=v)
-            k, v = kv["k"], kv["v"]
-            k_pos = torch.arange(kv_len, device=x_BTD.device).expand(B, kv_len)
-        out = attend(q, k, v, positions_BT, k_pos, self.scale).transpose(1, 2).reshape(B, T, H * d)
+        out = self.attend_cached(q, k, v, positions_BT, cache, slots, kv_len).transpose(1, 2).reshape(B, T, H * d)
         return self.o_proj(out * torch.sigmoid(gate.reshape(B, T, H * d)))
 
 
