@@ -13,6 +13,14 @@ from dynamoe.ops import routed_ffn as rf
 KERNELS = rf._kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="the grouped bf16 GEMM needs AVX512-BF16 and the CPU kernels")
 bf16 = torch.bfloat16
+#: both kernel paths where this CPU has AMX tiles (else the dot-product path alone)
+PATHS = [True, False] if KERNELS is not None and KERNELS.has_grouped_gemm_amx() else [False]
+
+
+@pytest.fixture(params=PATHS, ids=lambda amx: "amx" if amx else "dot")
+def path(request, monkeypatch):
+    monkeypatch.setattr(rf, "USE_AMX", request.param)
+    return request.param
 
 
 def _problem(T, D, Fh, O, counts, bias, seed=0):
@@ -79,17 +87,44 @@ def _check(T, D, Fh, O, counts, bias, seed=0):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(16, 64, 64, 64), (37, 96, 80, 48), (20, 33, 70, 17), (300, 256, 128, 256)])
 @pytest.mark.parametrize("counts", [[5, 0, 11], [1, 19, 0, 0, 30], [64, 0, 7]])
-def test_matches_reference_and_torch_path(bias, shape, counts):
+def test_matches_reference_and_torch_path(bias, shape, counts, path):
     T, D, Fh, O = shape
     _check(T, D, Fh, O, counts, bias)
 
 
+@pytest.mark.parametrize("amx", PATHS)
 @settings(max_examples=25, deadline=None)
 @given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=6).filter(lambda c: sum(c) > 0),
        D=st.integers(1, 70), Fh=st.integers(1, 70), O=st.integers(1, 70), bias=st.booleans(), seed=st.integers(0, 99))
-def test_ragged_counts_property(counts, D, Fh, O, bias, seed):
+def test_ragged_counts_property(counts, D, Fh, O, bias, seed, amx):
     """Any ragged counts (empty experts, odd K, widths off the 16/64 grid): same as the references."""
-    _check(9, D, Fh, O, counts, bias, seed)
+    previous, rf.USE_AMX = rf.USE_AMX, amx  # (hypothesis reruns the body: no function-scoped fixture)
+    try:
+        _check(9, D, Fh, O, counts, bias, seed)
+    finally:
+        rf.USE_AMX = previous
+
+
+def test_amx_and_dot_products_agree_on_layer_sized_work():
+    """K and row counts off the tile grid (K % 32, rows % 16, a k tail in the weight gradient): the
+    two kernel paths within bf16 rounding of each other."""
+    if len(PATHS) < 2:
+        pytest.skip("this CPU has no AMX tiles: one kernel path")
+    outs, previous = [], rf.USE_AMX
+    for amx in PATHS:
+        rf.USE_AMX = amx
+        try:
+            x, token, s, w1, b1, w2, b2 = _problem(200, 100, 72, 136, [70, 0, 129, 33], True, seed=3)
+            leaves = [x, s, w1, b1, w2, b2]
+            for t in leaves:
+                t.requires_grad_()
+            y = rf.routed_ffn(x, token, s, [70, 0, 129, 33], w1, b1, w2, b2, KERNELS)
+            y.float().pow(2).sum().backward()
+            outs.append([y.detach()] + [t.grad for t in leaves])
+        finally:
+            rf.USE_AMX = previous
+    for a, b in zip(*outs):
+        assert _rel(a, b) < 2e-2
 
 
 def test_repacks_after_an_in_place_weight_update():
@@ -130,7 +165,7 @@ def _layer(bias, seed=0):
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
 @pytest.mark.parametrize("bias", [False, True])
-def test_layer_uses_the_kernels_and_agrees_with_the_torch_path(monkeypatch, capacity_factor, bias):
+def test_layer_uses_the_kernels_and_agrees_with_the_torch_path(monkeypatch, capacity_factor, bias, path):
     layer = _layer(bias)
     x = torch.randn(128, 64, dtype=bf16)
     calls = []

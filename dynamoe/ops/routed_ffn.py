@@ -5,7 +5,8 @@ Legend: T tokens, N routed rows (sorted by expert), E experts, D model dim, F hi
 ``routed_ffn(x_TD, token_N, weight_N, counts, w1_EFD, b1_EF, w2_EFO, b2_EO)`` returns
 ``y[t] = sum over t's rows n of weight_N[n] * (relu(x[t] @ w1[e].T + b1[e]) @ w2[e] + b2[e])`` --
 what dispatch_ragged -> FFNExperts.forward_ragged -> combine_ragged compute, in two kernel calls for
-all experts (csrc/grouped_gemm_bf16.cpp) instead of per-expert oneDNN matmuls and separate bf16
+all experts (csrc/grouped_gemm_bf16.cpp: AMX-BF16 tiles where the CPU has them, else AVX512-BF16 dot
+products) instead of per-expert oneDNN matmuls and separate bf16
 gather, ReLU, row scale and scatter-add passes; the backward likewise (four GEMM calls, the ReLU
 gradient and dL/dweight fused into the first). The rounding points are the torch path's; weight
 gradients are summed in fp32 over all of an expert's rows and rounded once.
@@ -32,6 +33,10 @@ from . import cpu_kernels
 from .scratch import scratch
 
 __all__ = ["routed_ffn", "routed_ffn_reference", "routed_ffn_kernels", "MIN_ROWS_PER_EXPERT"]
+
+#: run the kernels on AMX-BF16 tiles where the CPU has them (``has_grouped_gemm_amx()``); False keeps
+#: the AVX512-BF16 dot-product path (tests compare the two; benchmarks time them side by side)
+USE_AMX = True
 
 #: below this many rows per expert that got any, the per-expert path (bf16 GEMV for a few rows, idle
 #: experts skipped in the backward) stays: packing rows for a GEMM would cost more than it saves
@@ -87,6 +92,7 @@ def _packed(k, w: Tensor, k_along_rows: bool) -> Tensor:
 
 def _rows_gemm(k, **fields) -> None:
     args = k.RowsGemm()
+    args.amx = USE_AMX
     for name, value in fields.items():
         setattr(args, name, value)
     k.grouped_rows_gemm(args=args)
@@ -109,6 +115,7 @@ def _weight_grad(k, a: Tensor, b: Tensor, m: int, n: int, counts: list[int]) -> 
     out = torch.empty(len(counts), m, n, dtype=torch.bfloat16)
     args = k.WeightGrad()
     args.a, args.b, args.m, args.n, args.counts, args.out = a, b, m, n, counts, out
+    args.amx = USE_AMX
     k.weight_grad(args=args)
     return out
 

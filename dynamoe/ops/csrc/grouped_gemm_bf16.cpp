@@ -1,5 +1,6 @@
 // Grouped bf16 GEMMs for the MoE layer on CPU: all experts' rows in one call, fp32 accumulation
-// (AVX512-BF16 dot products), the gather of each row's token fused into the A loads, bias, ReLU and
+// (AMX-BF16 tiles where the CPU has them and the call allows, else AVX512-BF16 dot products), the
+// gather of each row's token fused into the A loads (AMX: into the per-thread A block), bias, ReLU and
 // the combine weight into the epilogue, the scatter-add into each token's output row into the store.
 // dynamoe/ops/routed_ffn.py composes these into an FFN-expert forward and backward.
 //
@@ -21,6 +22,11 @@
 #include <vector>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -73,6 +79,7 @@ struct RowsGemm {
   c10::optional<at::Tensor> out_index;   // [N] int64: scatter-add row n into out[out_index[n]]
   c10::optional<at::Tensor> relu_out;    // [N, cols] bf16 h (relu grad): out = (h > 0) * bf16(bf16(acc) * s)
   c10::optional<at::Tensor> row_dot;     // [N] fp32 (relu grad): sum_c bf16(bf16(acc) * h)
+  bool amx = true;                       // AMX tiles where the build and CPU have them (false: dot products)
 };
 
 struct PackRows {
@@ -90,6 +97,7 @@ struct WeightGrad {
   int64_t m = 0, n = 0;                  // M and Nc
   std::vector<int64_t> counts;           // rows (the reduction) per group
   at::Tensor out;                        // [G, M, Nc] bf16: out[g] = A_g^T B_g; groups without rows get zeros
+  bool amx = true;                       // as RowsGemm::amx
 };
 
 #if defined(__AVX512BF16__)
@@ -185,6 +193,37 @@ struct RowsPlan {
   float* row_dot;
 };
 
+// The epilogue of one output row n (group g) over columns c0 + [0, 16 nv): acc[v] holds columns c0 + 16 v.
+void store_row(const RowsPlan& P, int64_t g, int64_t n, int64_t c0, int nv, const __m512* acc) {
+  const __m512 s = _mm512_set1_ps(P.scale ? round_bf16(P.scale[n]) : 1.f);
+  float dot = 0.f;
+  for (int v = 0; v < nv; ++v) {
+    const int64_t c = c0 + 16 * v;
+    const __mmask16 mk = col_mask(P.cols - c);
+    __m512 r = acc[v];
+    if (P.bias) r = _mm512_add_ps(r, load_bf16x16(P.bias + g * P.cols + c, mk));
+    if (P.epilogue == kReluGrad) {
+      r = round16(r);
+      const __m512 h = load_bf16x16(P.h + n * P.cols + c, mk);
+      dot += _mm512_reduce_add_ps(round16(_mm512_mul_ps(r, h)));
+      r = _mm512_mul_ps(r, s);
+      r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(h, _mm512_setzero_ps(), _CMP_GT_OQ), r);
+      store_bf16x16(P.out + n * P.ldo + c, r, mk);
+      continue;
+    }
+    if (P.activation == kRelu) r = _mm512_max_ps(r, _mm512_setzero_ps());
+    if (P.scale) r = _mm512_mul_ps(round16(r), s);
+    if (P.epilogue == kScatterAdd) {
+      bf16* y = P.out + P.out_index[n] * P.ldo + c;
+      r = _mm512_add_ps(load_bf16x16(y, mk), round16(r));
+      store_bf16x16(y, r, mk);
+    } else {
+      store_bf16x16(P.out + n * P.ldo + c, r, mk);
+    }
+  }
+  if (P.epilogue == kReluGrad) P.row_dot[n] += dot;
+}
+
 // rows [n0, n0 + rows) of group g (all of them in one group) times panels [p0, p1).
 void rows_tile(const RowsPlan& P, int64_t g, int64_t n0, int64_t rows, int64_t p0, int64_t p1) {
   const bf16* bg = P.b + g * P.b_group;
@@ -216,38 +255,248 @@ void rows_tile(const RowsPlan& P, int64_t g, int64_t n0, int64_t rows, int64_t p
           _mm_prefetch(r + 64, _MM_HINT_T0);
         }
       micro_fn(mr, nv)(arow, 2, KPfull, k_tail, bp, acc);
-      for (int i = 0; i < mr; ++i) {
-        const int64_t n = n0 + m0 + i;
-        const __m512 s = _mm512_set1_ps(P.scale ? round_bf16(P.scale[n]) : 1.f);
-        float dot = 0.f;
+      for (int i = 0; i < mr; ++i) store_row(P, g, n0 + m0 + i, c0, nv, acc + i * 4);
+    }
+  }
+}
+
+
+// weight_grad's rows [r, r + rows) of out[g] = A_g^T B_g, both packed with k along the rows (count of them).
+void weight_grad_rows(const bf16* ag, const bf16* bg, int64_t count, int64_t n, int64_t r, int64_t rows, bf16* og) {
+  const int64_t KP = pairs(count), NPb = panels(n);
+  alignas(64) __m512 acc[kMR * 4];
+  for (int64_t p = 0; p < NPb; ++p) {
+    const int64_t c0 = p * kPanel, valid = std::min(kPanel, n - c0);
+    const int nv = static_cast<int>((valid + 15) / 16);
+    for (int64_t m0 = 0; m0 < rows; m0 += kMR) {
+      const int mr = static_cast<int>(std::min<int64_t>(kMR, rows - m0));
+      const bf16* arow[kMR];
+      for (int j = 0; j < mr; ++j) {
+        const int64_t m = r + m0 + j;
+        arow[j] = ag + (m / kPanel) * KP * kPairStride + (m % kPanel) * 2;
+      }
+      micro_fn(mr, nv)(arow, kPairStride, KP, false, bg + p * KP * kPairStride, acc);
+      for (int j = 0; j < mr; ++j)
         for (int v = 0; v < nv; ++v) {
           const int64_t c = c0 + 16 * v;
-          const __mmask16 mk = col_mask(P.cols - c);
-          __m512 r = acc[i * 4 + v];
-          if (P.bias) r = _mm512_add_ps(r, load_bf16x16(P.bias + g * P.cols + c, mk));
-          if (P.epilogue == kReluGrad) {
-            r = round16(r);
-            const __m512 h = load_bf16x16(P.h + n * P.cols + c, mk);
-            dot += _mm512_reduce_add_ps(round16(_mm512_mul_ps(r, h)));
-            r = _mm512_mul_ps(r, s);
-            r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(h, _mm512_setzero_ps(), _CMP_GT_OQ), r);
-            store_bf16x16(P.out + n * P.ldo + c, r, mk);
-            continue;
-          }
-          if (P.activation == kRelu) r = _mm512_max_ps(r, _mm512_setzero_ps());
-          if (P.scale) r = _mm512_mul_ps(round16(r), s);
-          if (P.epilogue == kScatterAdd) {
-            bf16* y = P.out + P.out_index[n] * P.ldo + c;
-            r = _mm512_add_ps(load_bf16x16(y, mk), round16(r));
-            store_bf16x16(y, r, mk);
-          } else {
-            store_bf16x16(P.out + n * P.ldo + c, r, mk);
-          }
+          store_bf16x16(og + (r + m0 + j) * n + c, acc[j * 4 + v], col_mask(n - c));
         }
-        if (P.epilogue == kReluGrad) P.row_dot[n] += dot;
+    }
+  }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- AMX-BF16 tiles (Sapphire Rapids and later) ---------------------------------------------------------
+// The packed panels are already AMX's B layout: one tile is 16 k pairs x 16 columns x 2 values, rows
+// kPairStride elements apart. A is copied (gathered, or transposed for weight gradients) into a
+// zero-padded row-major block per thread; results go through an fp32 tile buffer into the same
+// epilogues as the dot-product path. tmm0-3: 2 x 2 C tiles (32 rows x 32 columns), tmm4-5 A, tmm6-7 B.
+constexpr int64_t kTileK = 32;     // bf16 values along k in one A tile row (64 bytes)
+constexpr int64_t kTileRows = 16;  // rows of every tile
+constexpr int64_t kBlockRows = 2 * kTileRows, kBlockCols = 32;
+constexpr int64_t kCbufCols = kPanel;  // fp32 results of one row block of one panel
+constexpr int64_t kKBlock = 256;       // k values per pass over a panel's rows: a and b blocks stay in L1
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+// Row stride of an A block of kpad values: one cache line more than kpad, so that the 16 rows of a tile
+// do not share a few L1 sets (a power-of-two stride maps them all to one or two).
+int64_t a_stride(int64_t kpad) { return kpad + kTileK; }
+
+// Whether this process may use the tiles: the CPU has AMX-TILE and AMX-BF16, and Linux granted the
+// tile data state (asked once, for the whole process).
+bool amx_granted() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Configures this thread's tiles for its lifetime (one per parallel_for chunk) and releases them.
+struct TileScope {
+  TileScope() {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = kTileRows;
+    }
+    _tile_loadconfig(&cfg);
+  }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+// c[32 x 32] fp32 (rows ldc apart; the halves that exist) (+)= a [32 x kc] (row-major, lda apart, zero
+// padded) x b (packed pairs, rows ldb elements apart) over kc / 2 pairs, of which the first kp_valid exist
+// in b: the rest read as zero (copied to a padded tail tile, never loaded from b). accumulate: c holds
+// partial sums to add to.
+template <bool TWO_ROWS, bool TWO_COLS>
+void amx_block(const bf16* a, int64_t lda, int64_t kc, const bf16* b, int64_t ldb, int64_t kp_valid, float* c,
+               int64_t ldc, bool accumulate) {
+  alignas(64) bf16 tail[kTileRows * 2 * kBlockCols];
+  const int64_t cs = ldc * 4;
+  if (accumulate) {
+    _tile_loadd(0, c, cs);
+    if (TWO_COLS) _tile_loadd(1, c + kTileRows, cs);
+    if (TWO_ROWS) _tile_loadd(2, c + kTileRows * ldc, cs);
+    if (TWO_ROWS && TWO_COLS) _tile_loadd(3, c + kTileRows * ldc + kTileRows, cs);
+  } else {
+    _tile_zero(0);
+    if (TWO_COLS) _tile_zero(1);
+    if (TWO_ROWS) _tile_zero(2);
+    if (TWO_ROWS && TWO_COLS) _tile_zero(3);
+  }
+  const int64_t width = (TWO_COLS ? 2 : 1) * 2 * kTileRows;  // elements of one b row that the tiles read
+  for (int64_t k0 = 0; k0 < kc; k0 += kTileK) {
+    const int64_t kp0 = k0 / 2;
+    const bf16* bt = b + kp0 * ldb;
+    int64_t bstride = ldb * 2;
+    if (kp0 + kTileRows > kp_valid) {
+      const int64_t have = kp_valid - kp0;
+      std::memset(tail, 0, sizeof(tail));
+      for (int64_t r = 0; r < have; ++r) std::memcpy(tail + r * 2 * kBlockCols, bt + r * ldb, sizeof(bf16) * width);
+      bt = tail;
+      bstride = sizeof(bf16) * 2 * kBlockCols;
+    }
+    _tile_loadd(4, a + k0, lda * 2);
+    _tile_loadd(6, bt, bstride);
+    if (TWO_COLS) _tile_loadd(7, bt + 2 * kTileRows, bstride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (TWO_COLS) _tile_dpbf16ps(1, 4, 7);
+    if (TWO_ROWS) {
+      _tile_loadd(5, a + kTileRows * lda + k0, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if (TWO_COLS) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, cs);
+  if (TWO_COLS) _tile_stored(1, c + kTileRows, cs);
+  if (TWO_ROWS) _tile_stored(2, c + kTileRows * ldc, cs);
+  if (TWO_ROWS && TWO_COLS) _tile_stored(3, c + kTileRows * ldc + kTileRows, cs);
+}
+
+// cbuf [rows x kCbufCols] fp32 = a [rows x kpad] (row-major, lda apart, zero padded; rows <= kRowBlock)
+// x the 16-column groups [0, nv) of one packed panel b (kp_valid k pairs exist). k runs in blocks of
+// kKBlock, 32-row blocks inside: a block's b stays in L1 for all of them.
+void amx_panel(const bf16* a, int64_t lda, int64_t kpad, int64_t rows, const bf16* b, int64_t kp_valid, int nv,
+               float* cbuf) {
+  for (int64_t kb = 0; kb < kpad; kb += kKBlock) {
+    const int64_t kc = std::min(kKBlock, kpad - kb), kv = kp_valid - kb / 2;
+    const bool acc = kb > 0;
+    for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows) {
+      const bool two_rows = rows - m0 > kTileRows;
+      const bf16* am = a + m0 * lda + kb;
+      for (int v = 0; v < nv; v += 2) {
+        const bool two_cols = v + 1 < nv;
+        const bf16* bv = b + (kb / 2) * kPairStride + v * 2 * kTileRows;
+        float* cv = cbuf + m0 * kCbufCols + v * kTileRows;
+        if (two_rows && two_cols) amx_block<true, true>(am, lda, kc, bv, kPairStride, kv, cv, kCbufCols, acc);
+        else if (two_rows) amx_block<true, false>(am, lda, kc, bv, kPairStride, kv, cv, kCbufCols, acc);
+        else if (two_cols) amx_block<false, true>(am, lda, kc, bv, kPairStride, kv, cv, kCbufCols, acc);
+        else amx_block<false, false>(am, lda, kc, bv, kPairStride, kv, cv, kCbufCols, acc);
       }
     }
   }
+}
+
+// This thread's A block and result buffer, grown as needed.
+bf16* amx_abuf(int64_t elements) {
+  thread_local std::vector<bf16> buf;
+  if (static_cast<int64_t>(buf.size()) < elements) buf.resize(elements);
+  return buf.data();
+}
+
+// rows_tile on AMX tiles: the block's A rows gathered once into a zero-padded buffer, then every panel.
+void rows_tile_amx(const RowsPlan& P, int64_t g, int64_t n0, int64_t rows, int64_t p0, int64_t p1) {
+  const int64_t kpad = round_up(P.K, kTileK), rpad = round_up(rows, kTileRows), lda = a_stride(kpad);
+  bf16* a = amx_abuf(rpad * lda);
+  for (int64_t i = 0; i < rpad; ++i) {
+    bf16* dst = a + i * lda;
+    int64_t have = 0;
+    if (i < rows) {
+      const int64_t n = n0 + i;
+      std::memcpy(dst, P.a + (P.a_index ? P.a_index[n] : n) * P.lda, sizeof(bf16) * P.K);
+      have = P.K;
+    }
+    std::memset(dst + have, 0, sizeof(bf16) * (kpad - have));
+  }
+  alignas(64) float cbuf[kRowBlock * kCbufCols];
+  const bf16* bg = P.b + g * P.b_group;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t c0 = p * kPanel, valid = std::min(kPanel, P.cols - c0);
+    const int nv = static_cast<int>((valid + 15) / 16);
+    amx_panel(a, lda, kpad, rows, bg + p * P.KP * kPairStride, P.KP, nv, cbuf);
+    for (int64_t i = 0; i < rows; ++i) {
+      __m512 acc[4];
+      for (int v = 0; v < nv; ++v) acc[v] = _mm512_load_ps(cbuf + i * kCbufCols + v * 16);
+      store_row(P, g, n0 + i, c0, nv, acc);
+    }
+  }
+}
+// weight_grad's rows [r, r + rows) of out[g] on AMX tiles: per 32 output rows, the packed A (k along the
+// rows) transposed into a row-major [32 x kpad] block (its k pairs are dwords: a dword transpose),
+// then every panel of the packed B.
+void weight_grad_rows_amx(const bf16* ag, const bf16* bg, int64_t count, int64_t n, int64_t r, int64_t rows,
+                          bf16* og) {
+  const int64_t KP = pairs(count), kpad = round_up(count, kTileK), lda = a_stride(kpad);
+  bf16* a = amx_abuf(kBlockRows * lda);
+  alignas(64) float cbuf[kBlockRows * kCbufCols];
+  const int64_t NPb = panels(n);
+  for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows) {
+    const int64_t mr = std::min(kBlockRows, rows - m0), ma = r + m0;  // ma % 32 == 0: within one panel
+    const bf16* src = ag + (ma / kPanel) * KP * kPairStride + (ma % kPanel) * 2;
+    std::memset(a, 0, sizeof(bf16) * kBlockRows * lda);
+    for (int64_t kp = 0; kp < KP; ++kp) {
+      const bf16* row = src + kp * kPairStride;
+      for (int64_t i = 0; i < mr; ++i) std::memcpy(a + i * lda + 2 * kp, row + 2 * i, 4);
+    }
+    for (int64_t p = 0; p < NPb; ++p) {
+      const int64_t c0 = p * kPanel, valid = std::min(kPanel, n - c0);
+      const int nv = static_cast<int>((valid + 15) / 16);
+      amx_panel(a, lda, kpad, mr, bg + p * KP * kPairStride, KP, nv, cbuf);
+      for (int64_t i = 0; i < mr; ++i)
+        for (int v = 0; v < nv; ++v) {
+          const int64_t c = c0 + 16 * v;
+          store_bf16x16(og + (ma + i) * n + c, _mm512_load_ps(cbuf + i * kCbufCols + v * 16), col_mask(n - c));
+        }
+    }
+  }
+}
+#define DYNAMOE_GROUPED_AMX 1
+#endif  // AMX
+
+// Runs body with this thread's AMX tiles configured when amx (a build and CPU that have them).
+template <class F>
+void with_tiles(bool amx, F&& body) {
+#if defined(DYNAMOE_GROUPED_AMX)
+  if (amx) {
+    TileScope scope;
+    body();
+    return;
+  }
+#endif
+  (void)amx;
+  body();
+}
+
+// Whether a call asking for tiles gets them.
+bool tiles_for(bool wanted) {
+#if defined(DYNAMOE_GROUPED_AMX)
+  return wanted && amx_granted();
+#else
+  (void)wanted;
+  return false;
+#endif
 }
 
 }  // namespace
@@ -288,6 +537,14 @@ at::Tensor pack_weight(const at::Tensor& w, bool k_along_rows) {
     for (int64_t g = g0; g < g1; ++g) pack_matrix(src + g * R * C, R, C, k_along_rows, dst + g * per);
   });
   return out;
+}
+
+bool has_grouped_gemm_amx() {
+#if defined(DYNAMOE_GROUPED_AMX)
+  return amx_granted();
+#else
+  return false;
+#endif
 }
 
 int64_t packed_rows_numel(const std::vector<int64_t>& counts, int64_t cols) { return group_starts(counts, cols).back(); }
@@ -437,16 +694,24 @@ void grouped_rows_gemm(const RowsGemm& A) {
     P.row_dot = A.row_dot->data_ptr<float>();
     std::fill(P.row_dot, P.row_dot + N, 0.f);
   }
+  const bool amx = tiles_for(A.amx);
+#if defined(DYNAMOE_GROUPED_AMX)
+  const auto tile = amx ? &rows_tile_amx : &rows_tile;
+#else
+  const auto tile = &rows_tile;
+#endif
   if (A.epilogue == kScatterAdd) {
     // Rows of one token land in several groups: each thread owns a range of columns, and walks every
     // group's rows in order (index_add's order, so the same bf16 sums)
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
     const int64_t per = (P.NP + threads - 1) / threads;
     at::parallel_for(0, (P.NP + per - 1) / per, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t r = 0; r < A.counts[g]; r += kRowBlock)
-            rows_tile(P, g, offs[g] + r, std::min(kRowBlock, A.counts[g] - r), t * per, std::min(P.NP, (t + 1) * per));
+      with_tiles(amx, [&] {
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t r = 0; r < A.counts[g]; r += kRowBlock)
+              tile(P, g, offs[g] + r, std::min(kRowBlock, A.counts[g] - r), t * per, std::min(P.NP, (t + 1) * per));
+      });
     });
     return;
   }
@@ -454,10 +719,12 @@ void grouped_rows_gemm(const RowsGemm& A) {
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = 0; r < A.counts[g]; r += kRowBlock) tiles.emplace_back(g, r);
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = tiles[i].first, r = tiles[i].second;
-      rows_tile(P, g, offs[g] + r, std::min(kRowBlock, A.counts[g] - r), 0, P.NP);
-    }
+    with_tiles(amx, [&] {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t g = tiles[i].first, r = tiles[i].second;
+        tile(P, g, offs[g] + r, std::min(kRowBlock, A.counts[g] - r), 0, P.NP);
+      }
+    });
   });
 }
 
@@ -473,7 +740,6 @@ void weight_grad(const WeightGrad& A) {
   const bf16* pa = A.a.data_ptr<bf16>();
   const bf16* pb = A.b.data_ptr<bf16>();
   bf16* out = A.out.data_ptr<bf16>();
-  const int64_t NPb = panels(A.n);
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (group, first output row)
   for (int64_t g = 0; g < G; ++g) {
     if (A.counts[g] == 0) {
@@ -482,33 +748,19 @@ void weight_grad(const WeightGrad& A) {
     }
     for (int64_t r = 0; r < A.m; r += kRowBlock) tiles.emplace_back(g, r);
   }
+#if defined(DYNAMOE_GROUPED_AMX)
+  const auto rows_fn = tiles_for(A.amx) ? &weight_grad_rows_amx : &weight_grad_rows;
+#else
+  const auto rows_fn = &weight_grad_rows;
+#endif
+  const bool amx = rows_fn != &weight_grad_rows;
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t i0, int64_t i1) {
-    alignas(64) __m512 acc[kMR * 4];
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = tiles[i].first, r = tiles[i].second, rows = std::min(kRowBlock, A.m - r);
-      const int64_t KP = pairs(A.counts[g]);
-      const bf16* ag = pa + sa[g];
-      const bf16* bg = pb + sb[g];
-      bf16* og = out + g * A.m * A.n;
-      for (int64_t p = 0; p < NPb; ++p) {
-        const int64_t c0 = p * kPanel, valid = std::min(kPanel, A.n - c0);
-        const int nv = static_cast<int>((valid + 15) / 16);
-        for (int64_t m0 = 0; m0 < rows; m0 += kMR) {
-          const int mr = static_cast<int>(std::min<int64_t>(kMR, rows - m0));
-          const bf16* arow[kMR];
-          for (int j = 0; j < mr; ++j) {
-            const int64_t m = r + m0 + j;
-            arow[j] = ag + (m / kPanel) * KP * kPairStride + (m % kPanel) * 2;
-          }
-          micro_fn(mr, nv)(arow, kPairStride, KP, false, bg + p * KP * kPairStride, acc);
-          for (int j = 0; j < mr; ++j)
-            for (int v = 0; v < nv; ++v) {
-              const int64_t c = c0 + 16 * v;
-              store_bf16x16(og + (r + m0 + j) * A.n + c, acc[j * 4 + v], col_mask(A.n - c));
-            }
-        }
+    with_tiles(amx, [&] {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t g = tiles[i].first, r = tiles[i].second;
+        rows_fn(pa + sa[g], pb + sb[g], A.counts[g], A.n, r, std::min(kRowBlock, A.m - r), out + g * A.m * A.n);
       }
-    }
+    });
   });
 }
 #else
@@ -540,7 +792,8 @@ void register_grouped_gemm(pybind11::module& m) {
       .def_readwrite("out", &RowsGemm::out)
       .def_readwrite("out_index", &RowsGemm::out_index)
       .def_readwrite("relu_out", &RowsGemm::relu_out)
-      .def_readwrite("row_dot", &RowsGemm::row_dot);
+      .def_readwrite("row_dot", &RowsGemm::row_dot)
+      .def_readwrite("amx", &RowsGemm::amx);
   py::class_<PackRows>(m, "PackRows", "arguments of pack_rows")
       .def(py::init<>())
       .def_readwrite("src", &PackRows::src)
@@ -556,7 +809,10 @@ void register_grouped_gemm(pybind11::module& m) {
       .def_readwrite("m", &WeightGrad::m)
       .def_readwrite("n", &WeightGrad::n)
       .def_readwrite("counts", &WeightGrad::counts)
-      .def_readwrite("out", &WeightGrad::out);
+      .def_readwrite("out", &WeightGrad::out)
+      .def_readwrite("amx", &WeightGrad::amx);
+  m.def("has_grouped_gemm_amx", &has_grouped_gemm_amx,
+        "whether grouped_rows_gemm / weight_grad run on AMX-BF16 tiles here (built in, CPU has them, Linux granted them)");
   m.def("has_grouped_gemm_bf16", &has_grouped_gemm_bf16, "whether the grouped bf16 GEMM (AVX512-BF16) was compiled in");
   m.def("pack_weight", &pack_weight, py::arg("w"), py::arg("k_along_rows"), py::call_guard<py::gil_scoped_release>(),
         "w [G, R, C] bf16 -> packed panels [G, NP, KP, 64, 2]: B[k][c] = w[k][c] (k_along_rows) or w[c][k]");
