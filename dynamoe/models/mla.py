@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..quant.dequantize import dense
 from .attention import _sdpa, attend, cached_length, write_kv
 from .cache import KVCache
 from .indexer import Indexer, SharedIndex
@@ -52,7 +53,7 @@ def _dense_weight(linear: nn.Module, dtype: torch.dtype) -> Tensor:
     """An nn.Linear's weight, or a QuantizedLinear's dequantized."""
     if isinstance(linear, nn.Linear):
         return linear.weight.to(dtype)
-    return linear.qweight.dequantize(dtype)
+    return dense(linear.qweight, dtype)
 
 
 class MLAttention(nn.Module):

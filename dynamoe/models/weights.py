@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ..quant.base import QuantizedWeight
+from ..quant.dequantize import dense
 from ..quant.checkpoint import QuantConfig, concat_out, deinterleave_gate_up, read_weight, stack_experts
 
 __all__ = ["PerExpert", "FusedInterleaved", "FusedGateUp", "Stacked", "SplitStacked", "RowStacked", "ExpertWeights", "ExpertRows", "read_experts", "check_shape"]
@@ -171,7 +172,7 @@ class ExpertRows(Mapping):
 
 
 def _dense(w: Weight, dtype) -> Tensor:
-    return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w.to(dtype)
+    return dense(w, dtype) if isinstance(w, QuantizedWeight) else w.to(dtype)
 
 
 def _read_per_expert(tensors: Mapping, qcfg, prefix: str, layout: PerExpert, local: range, F_: int, D: int,

@@ -33,7 +33,7 @@ CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 
 SOURCES = ("packed_gemv.cpp", "bf16_gemv.cpp", "f32_gemv.cpp", "moe_decode.cpp", "moe_decode_packed.cpp", "rms_norm.cpp", "rope.cpp",
            "router_decode.cpp", "attn_decode.cpp", "moe_block_decode.cpp", "decode_stack.cpp",
-           "grouped_gemm_bf16.cpp")
+           "grouped_gemm_bf16.cpp", "dequantize.cpp")
 
 #: the most rows one fused decode call takes (one accumulator per row in registers); the built module's
 #: own MAX_ROWS (csrc/decode_weights.h) must agree -- load() checks

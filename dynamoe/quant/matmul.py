@@ -19,6 +19,7 @@ from ..ops.linear_decode import int4_kernel_applies
 from ..ops.triton import FLOAT_DTYPES, use_triton
 from .act_quant import ACT_QUANT, ActQuant, act_quant_of, fp8_activation_quant, int8_activation_quant
 from .base import QuantizedWeight
+from .dequantize import dense
 from .fp8_block import BlockFP8Weight
 from .int4 import INT4Weight
 from .mxfp4 import MXFP4Weight
@@ -85,9 +86,9 @@ def quantized_linear(x: Tensor, w: QuantizedWeight, bias: Tensor | None = None, 
             y = y if bias is None else y + bias.float()
             return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     if act_quant is ActQuant.INT8:  # the emulation of the int8 kernels: int8-rounded activations, fp32 matmul
-        y = F.linear(int8_activation_quant(x), w.dequantize(torch.float32), None if bias is None else bias.float())
+        y = F.linear(int8_activation_quant(x), dense(w, torch.float32), None if bias is None else bias.float())
         return y.to(x.dtype)
-    return F.linear(x, w.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+    return F.linear(x, dense(w, x.dtype), None if bias is None else bias.to(x.dtype))
 
 
 def _triton_grouped_mm(x_NI: Tensor, w: QuantizedWeight, counts: list, bias, row_scale, out) -> Tensor | None:
@@ -150,7 +151,7 @@ def quantized_grouped_mm(x_NI: Tensor, w: QuantizedWeight, counts: Sequence[int]
                 out.narrow(0, off, c).copy_(y_e if b_e is None else y_e + b_e)
                 continue
             if int8:  # the int8 kernels' emulation: int8-rounded activations times the fp32 weight
-                y_e = F.linear(int8_activation_quant(x_e), w[e].dequantize(torch.float32),
+                y_e = F.linear(int8_activation_quant(x_e), dense(w[e], torch.float32),
                                None if b_e is None else b_e.float()).to(x_NI.dtype)
                 if track:
                     pieces[g] = y_e
@@ -158,7 +159,7 @@ def quantized_grouped_mm(x_NI: Tensor, w: QuantizedWeight, counts: Sequence[int]
                     out.narrow(0, off, c).copy_(y_e)
                 continue
             if w_e is None:
-                w_e = w[e].dequantize(x_NI.dtype)  # one expert's weight, dropped after its groups
+                w_e = dense(w[e], x_NI.dtype)  # one expert's weight, dropped after its groups
             if track:
                 pieces[g] = F.linear(x_e, w_e, b_e)
             elif b_e is None:

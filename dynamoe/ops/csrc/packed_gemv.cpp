@@ -282,10 +282,12 @@ bool has_avx512_bf16() {
 // The ops run without the GIL (they take tensors and plain values only): the server's event loop keeps
 // streaming while the engine thread is inside a kernel.
 void register_grouped_gemm(pybind11::module& m);  // grouped_gemm_bf16.cpp
+void register_dequantize(pybind11::module& m);     // dequantize.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   register_decode_stack(m);
   register_grouped_gemm(m);
+  register_dequantize(m);
   py::enum_<PackedActs>(m, "PackedActs", "how the packed-weight kernels take their activations (csrc/packed_int8.h)")
       .value("exact", PackedActs::kExact, "as given (fp32, or bf16 where the AVX512-BF16 kernels are built): exact products")
       .value("int8", PackedActs::kInt8, "quantized to int8 per 32 elements with fp32 scales, VNNI dot products (4-bit formats)");

@@ -1,0 +1,72 @@
+"""Packed weights to dense for matmuls too large for the decode kernels (prefill, training forward).
+
+``dense(w, dtype)`` is ``w.dequantize(dtype)`` -- the same bits -- through one native pass
+(``csrc/dequantize.cpp``: code table times fp32 scale grid) where it applies (CPU, bf16 or fp32 out,
+kernels built), instead of the formats' chain of torch passes (unpack,
+table lookup, scale broadcast, multiply, cast: 30-80 ms per 2880 x 2880 weight on the SPR VM, against
+a few ms for the 128-row matmul that needs it). Elsewhere it is ``w.dequantize(dtype)`` itself.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor
+
+from ..ops import cpu_kernels
+from .base import QuantizedWeight
+from .codecs import E2M1_VALUES, _lut, e4m3_decode, e8m0_decode
+from .fp8_block import BlockFP8Weight
+from .int4 import INT4_OFFSET, INT4Weight
+from .mxfp4 import MXFP4Weight
+from .nvfp4 import NV_GROUP, NVFP4Weight
+
+__all__ = ["dense"]
+
+_INT4_VALUES = torch.arange(16, dtype=torch.float32) - INT4_OFFSET
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _parts(w: QuantizedWeight):
+    """(codes uint8 [R, row_bytes], bits, code table, fp32 scales, group, block_rows), or None for a
+    format the kernel does not take."""
+    rows, cols = w.shape
+    if isinstance(w, MXFP4Weight):
+        return w.blocks.reshape(rows, -1), 4, E2M1_VALUES, e8m0_decode(w.scales), 32, 1
+    if isinstance(w, NVFP4Weight):
+        scales = e4m3_decode(w.weight_scale) * w.weight_scale_2.reshape(1, 1)
+        return w.weight.view(torch.uint8), 4, E2M1_VALUES, scales, NV_GROUP, 1
+    if isinstance(w, BlockFP8Weight):
+        return w.weight.view(torch.uint8), 8, _lut("e4m3", torch.float32, w.weight.device), w.scales(), w.block[1], w.block[0]
+    if isinstance(w, INT4Weight):
+        return w.weight_packed.contiguous().view(torch.uint8), 4, _INT4_VALUES, w.weight_scale.float(), w.group_size, 1
+    return None
+
+
+def dense(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """The dense weight [..., out, in] in ``dtype``, equal to ``w.dequantize(dtype)`` (module docstring);
+    leading (expert) dims one matrix at a time into one output."""
+    device = getattr(w, w._tensor_fields()[0]).device
+    k = cpu_kernels.load() if device.type == "cpu" and dtype in _KERNEL_DTYPES else None
+    first = w
+    while first.num_leading:
+        first = first[0]
+    if k is None or getattr(k, "Dequantize", None) is None or _parts(first) is None:
+        return w.dequantize(dtype)
+    out = torch.empty(w.shape, dtype=dtype)
+    flat = out.view(-1, *w.shape[-2:])
+    for i, index in enumerate(itertools.product(*(range(n) for n in w.shape[:-2]))):
+        m = w
+        for e in index:
+            m = m[e]
+        _dequantize_into(k, m, flat[i])
+    return out
+
+
+def _dequantize_into(k, w: QuantizedWeight, out: Tensor) -> None:
+    codes, bits, lut, scales, group, block_rows = _parts(w)
+    args = k.Dequantize()
+    args.codes, args.bits, args.lut = codes.contiguous(), bits, lut.contiguous()
+    args.scales, args.group, args.block_rows = scales.float().contiguous(), int(group), int(block_rows)
+    args.out = out
+    k.dequantize(args=args)
