@@ -113,6 +113,16 @@ def main(argv=None):
     if args.prompt < 1 or args.new < 2 or args.rounds < 1:
         p.error("--prompt >= 1, --new >= 2 and --rounds >= 1 are needed")
     if args.quantized:
+        from dynamoe.quant.checkpoint_writer import FORMATS, check_modules
+        for spec in args.quantized:  # before minutes of model building, not after
+            fmt, _, mods = spec.partition(":")
+            if fmt not in FORMATS:
+                p.error(f"--quantized: format must be one of {list(FORMATS)}, got {fmt!r}")
+            try:
+                if mods:
+                    check_modules(mods.split(","))
+            except ValueError as e:
+                p.error(f"--quantized {spec}: {e}")
         return quantized_main(args)
     from transformers import AutoModelForCausalLM
 
