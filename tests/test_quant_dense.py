@@ -43,10 +43,7 @@ def _spy(monkeypatch):
 @pytest.mark.parametrize("shape", [(64, 256), (3, 48, 160), (2, 2, 16, 64), (33, 320)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_equals_torch_dequantize(fmt, shape, dtype, monkeypatch):
-    try:
-        w = _weights(shape, 1)[fmt]()
-    except ValueError as e:  # a width this format cannot take: it says so
-        pytest.skip(f"{fmt} refuses {shape}: {e}")
+    w = _weights(shape, 1)[fmt]()  # (every width here is whole groups of every format)
     calls = _spy(monkeypatch)
     _same(dense(w, dtype), w.dequantize(dtype))
     assert calls, "the native dequantize did not run"
