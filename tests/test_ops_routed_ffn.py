@@ -1,5 +1,7 @@
 """routed_ffn (the grouped bf16 GEMM kernels) against a plain fp32 loop and against the torch path,
 forward and gradients; and MoELayer picking it on CPU in bf16."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,6 +105,16 @@ def test_ragged_counts_property(counts, D, Fh, O, bias, seed, amx):
         _check(9, D, Fh, O, counts, bias, seed)
     finally:
         rf.USE_AMX = previous
+
+
+def test_amx_runs_where_the_cpu_has_it():
+    """Under make test (kernels required) a CPU that reports AMX-BF16 must get the tile path: a build
+    without it, or a refused tile permission, fails here instead of the AMX cases quietly dropping out."""
+    from dynamoe.ops import cpu_kernels
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    if not (cpu_kernels.required() and "amx_bf16" in flags and "amx_tile" in flags):
+        pytest.skip("no AMX-BF16 on this CPU, or the kernels are not required (DYNAMOE_REQUIRE_CPU_KERNELS unset)")
+    assert KERNELS.has_grouped_gemm_amx(), "this CPU has AMX-BF16 but the grouped GEMM kernels cannot use it"
 
 
 def test_amx_and_dot_products_agree_on_layer_sized_work():

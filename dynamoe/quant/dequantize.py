@@ -3,7 +3,7 @@
 ``dense(w, dtype)`` is ``w.dequantize(dtype)`` -- the same bits -- through one native pass
 (``csrc/dequantize.cpp``: code table times fp32 scale grid) where it applies (CPU, bf16 or fp32 out,
 kernels built), instead of the formats' chain of torch passes (unpack,
-table lookup, scale broadcast, multiply, cast: 30-80 ms per 2880 x 2880 weight on the SPR VM, against
+table lookup, scale broadcast, multiply, cast: 38-153 ms per 2880 x 2880 weight on the SPR VM, against
 a few ms for the 128-row matmul that needs it). Elsewhere it is ``w.dequantize(dtype)`` itself.
 """
 from __future__ import annotations
@@ -25,12 +25,13 @@ __all__ = ["dense"]
 
 _INT4_VALUES = torch.arange(16, dtype=torch.float32) - INT4_OFFSET
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+_KERNEL_FORMATS = (MXFP4Weight, NVFP4Weight, BlockFP8Weight, INT4Weight)
 
 
 def _parts(w: QuantizedWeight):
-    """(codes uint8 [R, row_bytes], bits, code table, fp32 scales, group, block_rows), or None for a
-    format the kernel does not take."""
-    rows, cols = w.shape
+    """(codes uint8 [R, row_bytes], bits, code table, fp32 scales, group, block_rows) of one of the
+    _KERNEL_FORMATS' [out, in] weights."""
+    rows = w.shape[0]
     if isinstance(w, MXFP4Weight):
         return w.blocks.reshape(rows, -1), 4, E2M1_VALUES, e8m0_decode(w.scales), 32, 1
     if isinstance(w, NVFP4Weight):
@@ -38,9 +39,7 @@ def _parts(w: QuantizedWeight):
         return w.weight.view(torch.uint8), 4, E2M1_VALUES, scales, NV_GROUP, 1
     if isinstance(w, BlockFP8Weight):
         return w.weight.view(torch.uint8), 8, _lut("e4m3", torch.float32, w.weight.device), w.scales(), w.block[1], w.block[0]
-    if isinstance(w, INT4Weight):
-        return w.weight_packed.contiguous().view(torch.uint8), 4, _INT4_VALUES, w.weight_scale.float(), w.group_size, 1
-    return None
+    return w.weight_packed.contiguous().view(torch.uint8), 4, _INT4_VALUES, w.weight_scale.float(), w.group_size, 1
 
 
 def dense(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -48,10 +47,7 @@ def dense(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     leading (expert) dims one matrix at a time into one output."""
     device = getattr(w, w._tensor_fields()[0]).device
     k = cpu_kernels.load() if device.type == "cpu" and dtype in _KERNEL_DTYPES else None
-    first = w
-    while first.num_leading:
-        first = first[0]
-    if k is None or getattr(k, "Dequantize", None) is None or _parts(first) is None:
+    if k is None or getattr(k, "Dequantize", None) is None or not isinstance(w, _KERNEL_FORMATS):
         return w.dequantize(dtype)
     out = torch.empty(w.shape, dtype=dtype)
     flat = out.view(-1, *w.shape[-2:])
