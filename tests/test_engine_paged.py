@@ -82,6 +82,35 @@ def test_block_pool_evicts_the_least_recently_released_prefix():
         pool.release([b, b])
 
 
+def test_new_runs_start_in_the_middle_of_the_largest_free_run():
+    pool = BlockPool(100)
+    assert pool.allocate_many(3) == [0, 1, 2]             # an empty pool: from its start
+    assert pool.allocate() == 51                          # free 3..99: its middle
+    assert pool.allocate(prefer=3) == 3                   # a free preferred block is taken as asked
+    assert pool.allocate(prefer=3) == 76                  # a taken one: the middle of the largest run (52..99)
+    pool.release([0, 1, 2, 3])
+    assert pool.allocate() == 0                           # 0..50 is now the largest run: it starts at the pool's start
+    pool.check()
+
+
+def test_sequences_growing_side_by_side_stay_one_run_each():
+    # a long prompt prefilling in chunks beside decoding streams: none gathers on read (each new run starts in the
+    # middle of the largest free one: the fifth sequence's room is an eighth of the pool, 160 blocks, here)
+    cache = KVCache(5, 4096, 1, block_size=16)
+    lengths = [0] * 5
+    for step in range(150):
+        grow = [(s, 1) for s in range(4)] + [(4, 16)]       # four streams decode, slot 4 prefills 16 a step
+        for s, n in grow:
+            cache.check_room(torch.tensor([s]), n)
+            lengths[s] += n
+            cache.advance(torch.tensor([s]), n)
+    pool = cache.kv_pool(0, "k", 1, 2)
+    for s in range(5):
+        assert cache._consecutive[s] == len(cache.blocks(s)), f"slot {s} is scattered: {cache.blocks(s)}"
+        view = cache.rows(pool, torch.tensor([s]), lengths[s])
+        assert view.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()   # a view, no copy
+
+
 def test_prefix_keys_name_whole_prefixes():
     t = _ids(0, 40)
     k = prefix_keys(t, 8)
@@ -99,7 +128,9 @@ def test_prefix_keys_name_whole_prefixes():
 
 def test_paged_reads_equal_a_dense_reference():
     g = torch.Generator().manual_seed(0)
-    cache = KVCache(3, 40, 1, block_size=4, num_blocks=30)
+    cache = KVCache(3, 40, 1, block_size=4, num_blocks=60)
+    for b in range(0, 60, 2):   # every other block held elsewhere: runs of one free block, reads must gather
+        assert cache.pool.allocate(prefer=b) == b
     dense = torch.zeros(3, 2, 40, 5)
     lengths = [0, 0, 0]
     # interleaved growth: the slots' blocks end up scattered over the pool

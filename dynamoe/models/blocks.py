@@ -4,10 +4,16 @@ counted, and full blocks remembered by the tokens they hold so that other sequen
 A block is *in use* while some sequence's block table holds it (refcount > 0). When its last user lets
 go it becomes *free* -- or, when it is full and registered under its prefix key (:func:`prefix_keys`),
 *cached*: still free for allocation, but it keeps its contents and can be taken back by
-:meth:`BlockPool.lookup` until it is evicted. Allocation takes uncached free blocks first -- the one
-asked for when it is free (the block after a sequence's last: sequences that grow side by side keep
-consecutive runs, which the cache reads as one view instead of gathering them), else the lowest index --
-then evicts the least recently released cached block.
+:meth:`BlockPool.lookup` until it is evicted. Allocation takes uncached free blocks first, then evicts the
+least recently released cached block.
+
+Placement keeps each sequence's blocks consecutive where it can, because the cache reads a consecutive run
+as one view and must gather (copy) anything else on every forward -- at an 11k-token context that copy cost
+as much as the attention itself. A sequence's next block is the one after its last when that is free; a
+new run (a sequence's first block, or the next one when its neighbour took the block after it) starts in the
+middle of the largest run of free blocks (at its start when nothing precedes it), leaving room on both sides:
+for whoever ends just before that run, and for the new sequence to grow. Sequences that grow side by side --
+a long prompt prefilling in chunks beside decoding streams -- then each stay one run.
 
 Pure Python, no tensors: the KV cache (:mod:`dynamoe.models.cache`) owns the storage and the block tables.
 """
@@ -15,11 +21,13 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import heapq
+import re
 from array import array
 from typing import Iterable, Sequence
 
 __all__ = ["BlockPool", "OutOfBlocks", "prefix_keys"]
+
+_FREE_RUN = re.compile(rb"\x01+")   # a run of set bytes in BlockPool._is_free
 
 
 class OutOfBlocks(RuntimeError):
@@ -47,8 +55,7 @@ class BlockPool:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks))            # a heap, lowest index first; entries may be stale
-        self._is_free = [True] * num_blocks             # (an entry is current while this says so)
+        self._is_free = bytearray(b"\x01") * num_blocks  # 1 for each uncached free block
         self._n_free = num_blocks
         self._refs = [0] * num_blocks
         self._key_of: dict[int, bytes] = {}
@@ -76,14 +83,13 @@ class BlockPool:
 
     # --- allocation ---------------------------------------------------------------------------------
     def allocate(self, prefer: int | None = None) -> int:
-        """A block for new contents (refcount 1): ``prefer`` when it is free and uncached, else the lowest free
-        one, else the least recently released cached one; :class:`OutOfBlocks` when none is free."""
+        """A block for new contents (refcount 1): ``prefer`` when it is free and uncached, else the start of a new
+        run in the largest run of free blocks (see the module docstring), else the least recently released cached
+        one; :class:`OutOfBlocks` when none is free."""
         if prefer is not None and 0 <= prefer < self.num_blocks and self._is_free[prefer]:
             b = prefer
         elif self._n_free:
-            b = heapq.heappop(self._free)
-            while not self._is_free[b]:   # taken as someone's preferred block since it was pushed
-                b = heapq.heappop(self._free)
+            b = self._new_run_start()
         elif self._cached:
             b, _ = self._cached.popitem(last=False)   # evict the least recently released prefix
             del self._block_of[self._key_of.pop(b)]
@@ -91,16 +97,27 @@ class BlockPool:
             return b
         else:
             raise OutOfBlocks(f"all {self.num_blocks} KV cache blocks are in use")
-        self._is_free[b] = False
+        self._is_free[b] = 0
         self._n_free -= 1
         self._refs[b] = 1
         return b
 
+    def _new_run_start(self) -> int:
+        """Where a new run of blocks starts: the middle of the largest run of uncached free blocks (the first of the
+        largest), or its start when it begins at block 0. (Called only when a free block exists.)"""
+        best = max(_FREE_RUN.finditer(self._is_free), key=lambda m: m.end() - m.start())
+        a, z = best.span()
+        return a if a == 0 else a + (z - a) // 2
+
     def allocate_many(self, n: int) -> list[int]:
-        """``n`` blocks, or none at all (:class:`OutOfBlocks`) when fewer are free."""
+        """``n`` blocks, as one run where the pool has one free (see :meth:`allocate`), or none at all
+        (:class:`OutOfBlocks`) when fewer are free."""
         if n > self.num_free:
             raise OutOfBlocks(f"{n} KV cache blocks needed, {self.num_free} of {self.num_blocks} free")
-        return [self.allocate() for _ in range(n)]
+        out: list[int] = []
+        for _ in range(n):
+            out.append(self.allocate(prefer=out[-1] + 1 if out else None))
+        return out
 
     def retain(self, block: int) -> None:
         """One more user of ``block`` (a cached block is taken out of the evictable set)."""
@@ -167,16 +184,12 @@ class BlockPool:
         return n
 
     def _push_free(self, b: int) -> None:
-        self._is_free[b] = True
+        self._is_free[b] = 1
         self._n_free += 1
-        heapq.heappush(self._free, b)
-        if len(self._free) > 2 * self.num_blocks:   # drop the stale entries now and then
-            self._free = [x for x in range(self.num_blocks) if self._is_free[x]]
 
     def check(self) -> None:
         """Assert the invariants (tests): every block exactly one of held / cached / free, keys consistent."""
         free = {b for b in range(self.num_blocks) if self._is_free[b]}
-        assert free <= set(self._free), "a free block is missing from the free heap"
         assert self._n_free == len(free)
         for b in range(self.num_blocks):
             states = (self._refs[b] > 0) + (b in self._cached) + (b in free)
