@@ -62,11 +62,27 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, ca
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
 
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _attend_with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, sinks_H: Tensor) -> Tensor:
-    """softmax over [scores | sink] per head, the sink's column dropped (GPT-OSS). fp32 softmax."""
+    """softmax over [scores | sink] per head, the sink's column dropped (GPT-OSS). fp32 softmax.
+
+    A sink only adds exp(sink) to the softmax's denominator, so the output is plain attention's times
+    Z / (Z + exp(sink)) = sigmoid(lse - sink), lse = log Z the log-sum-exp of the visible scores: on the CPU,
+    inference runs the flash kernel that returns lse (memory O(T d), not the [heads, T, L] scores: 1 GB per
+    full-attention layer of gpt-oss-20b at a 2048-token prefill); elsewhere the scores are materialized."""
     B, H, T, d = q.shape
     K = k.size(1)
     G = H // K
+    if (_FLASH_LSE is not None and q.device.type == "cpu" and v.size(-1) == d and q.dtype == k.dtype == v.dtype
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks_H)))):
+        # the G query heads of a key/value head as G*T rows over its keys (as _sdpa), an additive mask
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        bias = bias.expand(B, 1, T, bias.size(-1)).repeat(1, 1, G, 1) if G > 1 else bias
+        out, lse = _FLASH_LSE(q.reshape(B, K, G * T, d), k, v, 0.0, False, attn_mask=bias, scale=scale)
+        sink = sinks_H.float().reshape(1, K, G, 1).expand(1, K, G, T).reshape(1, K, G * T)
+        return (out.float() * torch.sigmoid(lse - sink).unsqueeze(-1)).to(q.dtype).view(B, H, T, d)
     q_BKGTd = q.reshape(B, K, G, T, d)
     scores = torch.matmul(q_BKGTd, k.unsqueeze(2).transpose(-1, -2)).float() * scale  # [B, K, G, T, L]
     scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))

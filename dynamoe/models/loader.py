@@ -37,7 +37,7 @@ from torch import nn
 
 from ..quant.base import QuantizedWeight
 from ..quant.checkpoint import quant_config_from_dir, read_weight
-from ..quant.checkpoint_files import CheckpointTensors
+from ..quant.checkpoint_files import CheckpointTensors, release_unreferenced_pages
 from ..quant.modules import QuantizedExperts, QuantizedLinear
 from .base import CausalLM
 from .config import ModelConfig
@@ -112,8 +112,11 @@ class _Recording(Mapping):
 
 
 class _Filler:
-    def __init__(self, model: CausalLM, tensors: _Recording, qcfg, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: CausalLM, tensors: _Recording, qcfg, dtype: torch.dtype, device: torch.device,
+                 file_paths: list[str] = ()):
         self.model, self.tensors, self.qcfg, self.dtype, self.device = model, tensors, qcfg, dtype, device
+        self.file_paths = file_paths
+        self.released = 0
         # expert parallelism: checkpoint prefix of a block's per-expert tensors -> (E, this rank's experts)
         self.partial_experts: dict[str, tuple[int, range]] = {}
 
@@ -188,6 +191,7 @@ class _Filler:
                 if isinstance(module, SparseMoeBlock):
                     self.experts(name, module)
                     skip.append(name + ".moe.experts")
+                    self.release_copied_pages()   # the bulk of the bytes: keep the resident set at what is kept
                 elif isinstance(module, nn.Linear):
                     if not (tied and module is model.lm_head):
                         self.linear(name, module)
@@ -202,6 +206,13 @@ class _Filler:
         left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
         if left:
             raise ValueError(f"not loaded (no rule maps them to checkpoint tensors): {left[:8]}")
+
+
+    def release_copied_pages(self) -> None:
+        """Unmap the checkpoint pages read so far that no loaded tensor reads in place (copies' sources)."""
+        if self.file_paths:
+            self.released += release_unreferenced_pages(
+                self.file_paths, [t for t in (*self.model.parameters(), *self.model.buffers()) if not t.is_meta])
 
 
 class _NoBar:
@@ -297,6 +308,7 @@ def load(path, dtype: Union[torch.dtype, str] = torch.float32, device=None, prog
     qcfg = quant_config_from_dir(path)
     builder = builder_for(config)
     files = CheckpointTensors(path)
+    file_paths = files.file_paths()
     try:
         with torch.device("meta"):
             model = builder(config, dtype=dtype)
@@ -311,7 +323,7 @@ def load(path, dtype: Union[torch.dtype, str] = torch.float32, device=None, prog
         raise
     tensors = _Recording(files)
     try:
-        filler = _Filler(model, tensors, qcfg, dtype, device)
+        filler = _Filler(model, tensors, qcfg, dtype, device, file_paths)
         filler.run(progress)
         unused = _unused_parts(model, files, family_for(config))
         unexpected = sorted(n for n in files if n not in tensors.read and n not in unused
@@ -324,4 +336,8 @@ def load(path, dtype: Union[torch.dtype, str] = torch.float32, device=None, prog
         raise ValueError(f"unexpected tensors in {path!r}, not used by the {family_for(config)} model: "
                          f"{unexpected[:8]}{more}")
     use_fast_linears_(model)  # bf16 decode GEMV on CPU (dynamoe.ops.linear)
+    # the mapped pages of tensors copied while loading (stacked, de-interleaved, converted) leave the resident set
+    filler.release_copied_pages()
+    if filler.released:
+        log.info("released %.2f GB of checkpoint pages the model does not read in place", filler.released / 1e9)
     return model.eval()

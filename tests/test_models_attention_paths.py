@@ -1,0 +1,71 @@
+"""The attention paths of dynamoe.models.attention against one plain float64 reference (explicit scores, a
+boolean mask, softmax over the scores and, with sinks, one more logit per head that takes probability and gives
+no value): GQA query heads folded into rows per key/value head (_sdpa), sinks through the flash kernel's
+log-sum-exp (inference on the CPU) and through materialized scores (with autograd)."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynamoe.models.attention import attend
+
+
+def reference(q, k, v, q_pos, k_pos, scale, window=None, sinks=None):
+    """[B, H, T, dv] in float64."""
+    B, H, T, d = q.shape
+    K = k.size(1)
+    G = H // K
+    kk = k.double().repeat_interleave(G, 1)
+    vv = v.double().repeat_interleave(G, 1)
+    s = torch.einsum("bhtd,bhld->bhtl", q.double(), kk) * scale
+    allowed = k_pos[:, None, None, :] <= q_pos[:, None, :, None]
+    if window is not None:
+        allowed &= k_pos[:, None, None, :] > q_pos[:, None, :, None] - window
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().view(1, H, 1, 1).expand(B, H, T, 1)], -1)
+    p = torch.softmax(s, -1)
+    if sinks is not None:
+        p = p[..., :-1]
+    return torch.einsum("bhtl,bhld->bhtd", p, vv)
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 3), K=st.sampled_from([1, 2, 4]), G=st.sampled_from([1, 2, 4]), T=st.integers(1, 9),
+       past=st.integers(0, 40), window=st.sampled_from([None, 3, 16]), sinks=st.booleans(), seed=st.integers(0, 99))
+def test_cached_attention_equals_the_reference(B, K, G, T, past, window, sinks, seed):
+    g = torch.Generator().manual_seed(seed)
+    H, d, L = K * G, 8, past + T
+    q = torch.randn(B, H, T, d, generator=g)
+    k = torch.randn(B, K, L, d, generator=g)
+    v = torch.randn(B, K, L, d, generator=g)
+    starts = torch.randint(0, past + 1, (B,), generator=g)       # rows at their own positions (continuous batching)
+    q_pos = starts[:, None] + torch.arange(T)
+    k_pos = torch.arange(L).expand(B, L)
+    s_H = torch.randn(H, generator=g) if sinks else None
+    with torch.inference_mode():
+        got = attend(q, k, v, q_pos, k_pos, 0.3, window, s_H)
+    want = reference(q, k, v, q_pos, k_pos, 0.3, window, s_H)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_with_autograd_take_the_materialized_path_and_agree(dtype):
+    g = torch.Generator().manual_seed(1)
+    B, K, G, T, L, d = 2, 2, 4, 5, 12, 16
+    q = torch.randn(B, K * G, T, d, generator=g).to(dtype)
+    k = torch.randn(B, K, L, d, generator=g).to(dtype)
+    v = torch.randn(B, K, L, d, generator=g).to(dtype)
+    q_pos = torch.tensor([[7, 8, 9, 10, 11], [3, 4, 5, 6, 7]])
+    k_pos = torch.arange(L).expand(B, L)
+    sinks = torch.randn(K * G, generator=g)
+    with torch.inference_mode():
+        fast = attend(q, k, v, q_pos, k_pos, 0.25, None, sinks)           # flash kernel + log-sum-exp
+    qg = q.clone().requires_grad_(True)
+    slow = attend(qg, k, v, q_pos, k_pos, 0.25, None, sinks)              # scores materialized (autograd)
+    slow.float().sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    want = reference(q, k, v, q_pos, k_pos, 0.25, None, sinks)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(fast.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(slow.detach().double(), want, atol=tol, rtol=tol)
