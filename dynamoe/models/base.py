@@ -208,14 +208,13 @@ class CausalLM(nn.Module):
         if plan is None:
             for layer in self.model.layers:
                 h = layer(h, positions, cache, slots, kv_len)
-        if return_hidden:
-            # the final-normed states of every position fed (the MTP heads read each one), logits of the kept
-            hidden = self.model.norm(h)
-            logits = self.lm_head(hidden[:, -logits_to_keep:] if 0 < logits_to_keep < T else hidden)
+        # with return_hidden, the final-normed states of every position fed (the MTP heads read each one); the
+        # logits as without (the same ops on the same rows: bit for bit the same numbers)
+        hidden = self.model.norm(h) if return_hidden else None
+        if 0 < logits_to_keep < T:
+            logits = self.lm_head(self.model.norm(h[:, -logits_to_keep:]))
         else:
-            if 0 < logits_to_keep < T:
-                h = h[:, -logits_to_keep:]
-            logits = self.lm_head(self.model.norm(h))
+            logits = self.lm_head(self.model.norm(h) if hidden is None else hidden)
         if cache is not None:
             cache.advance(slots.to(cache.lengths.device), T)
         return (logits, hidden) if return_hidden else logits
