@@ -15,7 +15,7 @@ the prefix cache remembers, per registered block, the token that followed it whe
 entries (none when the head did not run there: a sampled request's blocks, say). A request that runs the head
 takes a cached block only where that token is its own next one (the block's key says the rest), and computes
 the other positions itself: it never reads head entries that were not written, or written for another
-continuation.
+continuation. A block with head entries takes over the key of an equal block without them.
 """
 from __future__ import annotations
 
@@ -75,8 +75,13 @@ class PrefixCache:
                 continue
             keys, blocks = self._keys(r, full), self.cache.blocks(r.slot)
             for i in range(r._registered, full):
-                if pool.register(blocks[i], keys[i]):
-                    if r._head_len >= (i + 1) * bs:   # the head ran over its last position too
+                head = r._head_len >= (i + 1) * bs   # the MTP head ran over the block, its last position too
+                held = pool.holder(keys[i])
+                # a block with head entries takes the key from one without (requests drafting with the head can
+                # use it; the others, whatever block it is)
+                replace = head and held is not None and held != blocks[i] and held not in self._head_next
+                if pool.register(blocks[i], keys[i], replace=replace):
+                    if head:
                         self._head_next[blocks[i]] = r.tokens((i + 1) * bs, (i + 1) * bs + 1)[0]
                     else:
                         self._head_next.pop(blocks[i], None)

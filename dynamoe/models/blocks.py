@@ -123,17 +123,30 @@ class BlockPool:
                     self._push_free(b)
 
     # --- the prefix cache ---------------------------------------------------------------------------
-    def register(self, block: int, key: bytes) -> bool:
+    def register(self, block: int, key: bytes, replace: bool = False) -> bool:
         """Remember that held block ``block`` is full and holds the prefix ``key``. A key already held by
-        another block keeps that one (the new block stays a private copy). True when ``block`` is now the one
+        another block keeps that one (the new block stays a private copy) unless ``replace``: then the other block
+        just loses its key (its holders keep it; unheld, it is free). True when ``block`` is now the one
         :meth:`lookup` finds for ``key``."""
         if self._refs[block] <= 0:
             raise ValueError(f"block {block} is not held; only a sequence's own full blocks are registered")
-        if key in self._block_of or block in self._key_of:
-            return self._block_of.get(key) == block
+        if block in self._key_of:
+            return self._key_of[block] == key
+        old = self._block_of.get(key)
+        if old is not None:
+            if not replace:
+                return False
+            del self._key_of[old]
+            if old in self._cached:
+                del self._cached[old]
+                self._push_free(old)
         self._key_of[block] = key
         self._block_of[key] = block
         return True
+
+    def holder(self, key: bytes) -> int | None:
+        """The block :meth:`lookup` finds for ``key`` (None), without retaining it."""
+        return self._block_of.get(key)
 
     def shared(self, block: int) -> bool:
         """Whether writing into ``block`` would change what others read: another sequence holds it too, or it
