@@ -28,6 +28,13 @@ FAMILIES = {
     "deepseek_v32": lambda: (transformers.DeepseekV32ForCausalLM, transformers.DeepseekV32Config(
         **{**BASE, **MLA, "mlp_layer_types": ["dense", "sparse", "sparse"], "index_topk": 6, "index_head_dim": 16,
            "index_n_heads": 4})),
+    # GLM-5: the last decoder layer reuses the previous indexer's selection; the head's layer runs its own
+    "glm_moe_dsa": lambda: (transformers.GlmMoeDsaForCausalLM, transformers.GlmMoeDsaConfig(
+        **{**BASE, **MLA, "index_topk": 6, "index_head_dim": 16, "index_n_heads": 4,
+           "indexer_types": ["full", "full", "shared"]})),
+    # GLM-4.7-Flash: DeepSeek-V3's layout under GLM's defaults (only layer 0 dense)
+    "glm4_moe_lite": lambda: (transformers.Glm4MoeLiteForCausalLM, transformers.Glm4MoeLiteConfig(
+        **{k: v for k, v in BASE.items() if k != "first_k_dense_replace"}, **MLA, n_group=2, topk_group=1)),
 }
 
 
@@ -48,6 +55,9 @@ def test_heads_load_share_and_leave_the_model_alone(family, tmp_path):
     head = model.mtp[0]
     assert isinstance(head.block.mlp, SparseMoeBlock)   # DeepSeek's and GLM's MTP layers are MoE layers
     assert head.block.self_attn.layer_idx == 3
+    # sparse attention: the head's layer runs an indexer where the checkpoint has one for it (here: copied from the
+    # last decoder layer, which has its own in V3.2 and shares the previous one's in this GLM-5 config)
+    assert (getattr(head.block.self_attn, "indexer", None) is not None) == (name == "deepseek_v32")
     # the checkpoint's copies of the embedding and lm_head are the model's own tensors after loading
     assert head.embed_tokens is model.model.embed_tokens and head.shared_head.head is model.lm_head
     assert len(plain.new_cache(1, 16).layers) == 3 and len(model.new_cache(1, 16).layers) == 4

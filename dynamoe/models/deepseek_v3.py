@@ -20,6 +20,7 @@ whose ``text_config`` is this architecture: :mod:`dynamoe.models.kimi_k25` loads
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from .base import CausalLM, DecoderLayer
@@ -33,6 +34,8 @@ from .rope import RotaryEmbedding
 from .weights import PerExpert
 
 __all__ = ["DeepseekV3ForCausalLM", "deepseek_mlp"]
+
+log = logging.getLogger(__name__)
 
 # the names of the DeepSeek-style MoE block (also GLM-4.5, V3.2, GLM-5)
 DEEPSEEK_RENAMES = ((".mlp.moe.gates.0.wg.", ".mlp.gate."), (".mlp.moe.gates.0.", ".mlp.gate."), (".mlp.moe.", ".mlp."))
@@ -100,6 +103,19 @@ class DeepseekV3ForCausalLM(MTPHeads, CausalLM):
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         return DecoderLayer(self.build_attention(cfg, i, rotary, dtype), deepseek_mlp(cfg, i, dtype),
                             RMSNorm(D, eps, dtype=dtype), RMSNorm(D, eps, dtype=dtype))
+
+    def build_mtp_layer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype, names: set) -> DecoderLayer:
+        """The MTP depth's layer i; with sparse attention (V3.2, GLM-5) it runs its own indexer when the checkpoint
+        has one for it, else it attends to every earlier key (no earlier layer of its forward to share a
+        selection with)."""
+        layer = self.build_layer(cfg, i, rotary, dtype)
+        attn = layer.self_attn
+        if attn.indexer is not None and f"model.layers.{i}.self_attn.indexer.wk.weight" not in names:
+            log.info("%s: the multi-token-prediction layer model.layers.%d has no indexer tensors: its attention "
+                     "is dense", cfg.model_type, i)
+            attn.indexer = None
+        object.__setattr__(attn, "shared_index", None)
+        return layer
 
     def set_absorb(self, absorb: Optional[bool]) -> None:
         """MLA weight absorption for every layer: None = by cost (decode absorbs, prefill expands),

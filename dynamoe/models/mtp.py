@@ -79,8 +79,9 @@ class MTPHeads:
     :class:`NextTokenPredictor`) when the checkpoint has them, maps their names, gives the cache a layer per
     depth and runs the first depth for the engine (:meth:`mtp_fill`, :meth:`mtp_drafts`)."""
 
-    def build_mtp_layer(self, cfg, i: int, rotary, dtype) -> nn.Module:
-        """The decoder layer of the MTP depth at layer index ``i`` >= num_hidden_layers (the family's layer i)."""
+    def build_mtp_layer(self, cfg, i: int, rotary, dtype, names: set) -> nn.Module:
+        """The decoder layer of the MTP depth at layer index ``i`` >= num_hidden_layers: the family's layer i
+        (``names``: the checkpoint's tensor names, for a family whose MTP layer may lack optional parts)."""
         return self.build_layer(cfg, i, rotary, dtype)
 
     def adapt_to_checkpoint(self, names) -> None:
@@ -104,7 +105,7 @@ class MTPHeads:
                              f"'num_nextn_predict_layers' says {want}")
         dtype, heads = self.dtype, []
         for i in layers:
-            head = NextTokenPredictor(self.build_mtp_layer(cfg, i, self.model.rotary_emb, dtype), cfg.hidden_size,
+            head = NextTokenPredictor(self.build_mtp_layer(cfg, i, self.model.rotary_emb, dtype, present), cfg.hidden_size,
                                       cfg.vocab_size, cfg.rms_norm_eps, dtype=dtype)
             if f"model.layers.{i}.embed_tokens.weight" not in present:   # a conversion that keeps one copy
                 head.embed_tokens = self.model.embed_tokens
