@@ -281,6 +281,13 @@ def test_mtp_draft_needs_a_head(model):
                            speculative_draft="mtp")
     with pytest.raises(ValueError, match="--speculative-draft mtp needs a model with multi-token-prediction heads"):
         serve_cli.build_engine(args, model, None)
+    from dynamoe import cli
+
+    args = cli._parser().parse_args(["serve", "--num-speculative-tokens", "3", "--speculative-draft", "mtp"])
+    assert (args.speculative_tokens, args.speculative_draft) == (3, "mtp")
+    assert cli._parser().parse_args(["serve"]).speculative_draft == "ngram"
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["serve", "--speculative-draft", "eagle"])
 
 
 def test_mtp_needs_tokens_and_metrics_by_source(mtp_model):
@@ -293,3 +300,8 @@ def test_mtp_needs_tokens_and_metrics_by_source(mtp_model):
     assert 'dynamoe_spec_draft_tokens_total{source="mtp"} 7' in text
     assert 'dynamoe_spec_accepted_tokens_total{source="mtp"} 3' in text
     assert 'dynamoe_spec_draft_tokens_total{source="ngram"} 0' in text
+    # the KV cache's share of memory holds fewer blocks when the head's layer takes its part of each
+    from dynamoe.serve.cli import kv_cache_blocks
+
+    plain, mtp = (kv_cache_blocks(mtp_model, 4096, 8, 16, memory=1 << 20, extra_layers=n) for n in (0, 1))
+    assert mtp == plain * 3 // 4

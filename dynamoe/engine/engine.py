@@ -532,6 +532,16 @@ class GenerationEngine:
                 rows.remove(i)
         if not rows:
             return
+        try:
+            self._mtp_run(reqs, rows, starts, next_ids, hidden_BTD, last)
+        except Exception:   # drafts only propose: a failing head stops them for these requests, not the requests
+            log.exception("the MTP head failed; requests %s draft no more", [reqs[i].id for i in rows])
+            for i in rows:
+                reqs[i]._mtp_draft = None
+
+    def _mtp_run(self, reqs: list[Request], rows: list[int], starts: list[int], next_ids: list[list[int]],
+                 hidden_BTD: Tensor, last: list[int | None]) -> None:
+        """:meth:`_mtp_pass` for the rows of ``reqs`` listed in ``rows``."""
         dev = hidden_BTD.device
         T = hidden_BTD.size(1)
         sel = torch.tensor(rows, device=dev)
