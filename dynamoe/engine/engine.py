@@ -63,6 +63,7 @@ def _speculates(p: SamplingParams) -> bool:
     depends on nothing but the logits)."""
     return p.greedy and not p.uses_repetition_penalty and not p.uses_output_penalties
 
+
 def _model_device(model) -> torch.device:
     for p in itertools.chain(model.parameters(), model.buffers()):
         return p.device
@@ -404,7 +405,7 @@ class GenerationEngine:
         hidden = None
         if K == 0:
             starts = [r._computed for r in ready]
-            logits = self._forward(ready, [[r.output_ids[-1]] for r in ready], hidden=self._mtp)
+            logits = self._forward(ready, [[r.output_ids[-1]] for r in ready], with_hidden=self._mtp)
             if self._mtp:
                 logits, hidden = logits
             for r in ready:
@@ -417,7 +418,7 @@ class GenerationEngine:
             # every row K + 1 tokens: its draft padded with its last token (a pad the model agrees with is a
             # correct token like any other; the rest is cut off below)
             ids = [[r.output_ids[-1], *rows[id(r)], *[r.output_ids[-1]] * (K - len(rows[id(r)]))] for r in ready]
-            logits = self._forward(ready, ids, keep=K + 1, hidden=self._mtp)
+            logits = self._forward(ready, ids, keep=K + 1, with_hidden=self._mtp)
             if self._mtp:
                 logits, hidden = logits
             self._verify(ready, ids, logits, events, hidden)
@@ -505,8 +506,8 @@ class GenerationEngine:
         if hidden is not None:
             # the head over every fed position (after the last accepted one: filler, overwritten next time); next
             # tokens are the accepted drafts and the model's choice after them
-            nxt = [[*ids[i][1:accepted[i] + 1], r.output_ids[-1] if r.output_ids else 0,
-                    *ids[i][accepted[i] + 1:]] for i, r in enumerate(reqs)]
+            nxt = [[*ids[i][1:accepted[i] + 1], r.output_ids[-1], *ids[i][accepted[i] + 1:]]
+                   for i, r in enumerate(reqs)]
             self._mtp_pass(reqs, starts, nxt, hidden, accepted)
         with self._lock:
             for r in reqs:
@@ -604,7 +605,7 @@ class GenerationEngine:
             t0 = time.perf_counter()
             head = any(r._mtp_draft is not None for r in group)
             starts = [r._computed for r in group]
-            logits = self._forward(group, [r.tokens(r._computed, r._computed + n) for r in group], hidden=head)
+            logits = self._forward(group, [r.tokens(r._computed, r._computed + n) for r in group], with_hidden=head)
             if head:
                 logits, hidden = logits
             done = []
@@ -647,13 +648,13 @@ class GenerationEngine:
         self._free_slots.sort()
         r.slot = None
 
-    def _forward(self, reqs: list[Request], ids: list[list[int]], keep: int = 1, hidden: bool = False):
+    def _forward(self, reqs: list[Request], ids: list[list[int]], keep: int = 1, with_hidden: bool = False):
         """Logits of the last ``keep`` positions of each row (all, for a model without ``logits_to_keep``);
-        with ``hidden``, (logits, the final-normed hidden states of every position) for the MTP head."""
+        ``with_hidden``: (logits, the final-normed hidden states of every position), for the MTP head."""
         ids_BT = torch.tensor(ids, dtype=torch.long, device=self.device)
         slots_B = torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
         kw = {"logits_to_keep": keep} if self._keeps_last and ids_BT.size(1) > keep else {}
-        if hidden:
+        if with_hidden:
             kw["return_hidden"] = True
         try:
             with torch.inference_mode():
@@ -665,7 +666,7 @@ class GenerationEngine:
                     if r.state != FINISHED:
                         self._finish(r, "error", error=f"{type(err).__name__}: {err}")
             raise
-        return out if hidden else getattr(out, "logits", out)
+        return out if with_hidden else getattr(out, "logits", out)
 
     def _penalty_state(self, reqs: list[Request], V: int, device) -> tuple[Tensor | None, Tensor | None]:
         seen = counts = None
