@@ -200,3 +200,31 @@ def add_mtp_layers(path: str, depths: int = 1, seed: int = 0, *, copies: bool = 
             tensors[own + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
             tensors[own + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, weights, metadata={"format": "pt"})
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def reference_mtp_drafts(model, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor]:
+    """An MTP model's first head's k drafts after ``tokens`` (and the head's output at their last position),
+    recomputed from scratch for every draft, without a cache, the head's input written out by hand (pass a
+    float64 copy of the model for a reference)."""
+    head, eps = model.mtp[0], model.config.rms_norm_eps
+    with torch.no_grad():
+        logits, h = model(torch.tensor([tokens]), return_hidden=True)
+        nxt = tokens[1:] + [int(logits[0, -1].argmax())]        # the token after each position
+        hid = [h[0, p] for p in range(len(tokens))]            # what each position's head input reads
+        drafts, g_last = [], None
+        for _ in range(k):
+            e = head.embed_tokens.weight[torch.tensor(nxt)].clone()
+            e[0] = 0                                              # position 0: no embedding
+            inp = torch.cat([_rms(e, head.enorm.weight, eps), _rms(torch.stack(hid), head.hnorm.weight, eps)], -1)
+            g = head.block((inp @ head.eh_proj.weight.T)[None], torch.arange(len(nxt))[None])[0]
+            out = _rms(g[-1], head.shared_head.norm.weight, eps) @ head.shared_head.head.weight.T
+            if g_last is None:
+                g_last = g[-1]
+            drafts.append(int(out.argmax()))
+            nxt.append(drafts[-1])
+            hid.append(g[-1])                                     # a further draft reads the head's own output
+    return drafts, g_last

@@ -230,6 +230,39 @@ def test_mtp_drafts_same_tokens_as_plain(mtp_model):
     engine.cache.pool.check()
 
 
+def test_mtp_head_cache_stays_consistent(mtp_model):
+    """After every step, each request's drafts for the next one equal the head's drafts recomputed from scratch
+    (float64, no cache) over its tokens so far: the head's cache entries are right after rejections (a random head:
+    most drafts fail), in batches at different lengths, for a request that continues a cached prefix, and after
+    preemption (a small pool)."""
+    import copy
+
+    from models_mla_util import reference_mtp_drafts
+
+    from dynamoe.engine.request import RUNNING
+
+    ref = copy.deepcopy(mtp_model).double()
+    g = torch.Generator().manual_seed(4)
+    base = torch.randint(0, 128, (10,), generator=g).tolist()
+    prompts = [base + [3, 1], torch.randint(0, 128, (7,), generator=g).tolist(), base * 2]
+    e = GenerationEngine(mtp_model, max_seq_len=160, max_batch=3, block_size=4, speculative_tokens=3, draft="mtp",
+                         kv_cache_blocks=16)
+    reqs = [e.add_request(p, GREEDY, 14, ignore_eos=True) for p in prompts]
+    checked = 0
+    while e.has_work():
+        e.step()
+        if len(reqs) == 3 and reqs[0].finished:   # then one that continues request 0's blocks
+            reqs.append(e.add_request(reqs[0].prompt_ids + reqs[0].output_ids + [8], GREEDY, 8, ignore_eos=True))
+        for r in reqs:
+            if r._mtp_draft and r.state == RUNNING and r._decoding:
+                tokens = (r.prompt_ids + r.output_ids)[:r._computed]
+                assert r._mtp_draft == reference_mtp_drafts(ref, tokens, len(r._mtp_draft))[0], (r.id, tokens)
+                checked += 1
+    assert checked > 20 and e.totals["preempted"] > 0 and reqs[3].stats.cached_tokens > 0
+    assert e.totals["spec_accepted_mtp"] < e.totals["spec_drafted_mtp"] / 2   # (mostly rejected)
+    e.cache.pool.check()
+
+
 def test_mtp_requests_reuse_only_blocks_with_their_head_entries(mtp_model):
     """The head's entry at a block's last position depends on the token after the block: a request that drafts
     with the head takes a cached block only where its head entries were written for its own next token -- none of

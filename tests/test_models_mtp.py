@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models_util import one_thread  # noqa: F401 (autouse fixture)
-from models_mla_util import BASE, MLA, add_mtp_layers, edit_config, ids, make_pair
+from models_mla_util import BASE, MLA, add_mtp_layers, edit_config, ids, make_pair, reference_mtp_drafts
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,36 +78,6 @@ def test_heads_load_share_and_leave_the_model_alone(family, tmp_path):
     assert m2.mtp[0].embed_tokens is m2.model.embed_tokens and m2.mtp[0].shared_head.head is m2.lm_head
 
 
-def _rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _reference_drafts(model, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor]:
-    """The head's k drafts after ``tokens`` (and its output at the last position), recomputed from scratch for
-    every draft, without a cache, in float64, the head's input written out by hand."""
-    m = copy.deepcopy(model).double()
-    head, eps = m.mtp[0], model.config.rms_norm_eps
-    x = torch.tensor([tokens])
-    with torch.no_grad():
-        logits, h = m(x, return_hidden=True)
-        nxt = tokens[1:] + [int(logits[0, -1].argmax())]        # the token after each position
-        hid = [h[0, p] for p in range(len(tokens))]            # what each position's head input reads
-        drafts, g_last = [], None
-        for _ in range(k):
-            T = len(nxt)
-            e = head.embed_tokens.weight[torch.tensor(nxt)].clone()
-            e[0] = 0                                              # position 0: no embedding
-            inp = torch.cat([_rms(e, head.enorm.weight, eps), _rms(torch.stack(hid), head.hnorm.weight, eps)], -1)
-            g = head.block((inp @ head.eh_proj.weight.T)[None], torch.arange(T)[None])[0]
-            out = _rms(g[-1], head.shared_head.norm.weight, eps) @ head.shared_head.head.weight.T
-            if g_last is None:
-                g_last = g[-1]
-            drafts.append(int(out.argmax()))
-            nxt.append(drafts[-1])
-            hid.append(g[-1])                                     # a further draft reads the head's own output
-    return drafts, g_last
-
-
 def test_drafts_match_a_float64_recomputation(family):
     """mtp_fill over a batch of rows at different lengths (one prefill, then a second chunk that continues the
     cache), then mtp_drafts: the same tokens and head output as the reference."""
@@ -135,8 +105,9 @@ def test_drafts_match_a_float64_recomputation(family):
         g_BD = torch.stack(outs)
         drafts = model.mtp_drafts(g_BD, torch.tensor([len(r) - 1 for r in rows]), cache, slots, [k, k - 1])
     assert T == 13
+    ref = copy.deepcopy(model).double()
     for b, r in enumerate(rows):
-        want, g_ref = _reference_drafts(model, r, k)
+        want, g_ref = reference_mtp_drafts(ref, r, k)
         torch.testing.assert_close(g_BD[b].double(), g_ref, atol=2e-4, rtol=2e-4)
         assert drafts[b] == want[:k - b], (name, b)
 
