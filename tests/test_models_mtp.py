@@ -134,3 +134,23 @@ def test_bad_mtp_layouts_are_refused(family, tmp_path):
     save_file(t, missing + "/model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.3\.enorm\.weight"):
         dm.load(missing, progress=False)
+
+
+def test_layers_past_the_decoder_without_a_head_are_logged(family, tmp_path, caplog):
+    """Tensors of a layer past num_hidden_layers that makes no head (no eh_proj: not an MTP layer this model
+    runs) are left unread and said so, by count and layer -- not dropped silently."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    name, plain, _, path = family
+    other = str(tmp_path / "partial")
+    shutil.copytree(path, other)
+    t = load_file(other + "/model.safetensors")
+    del t["model.layers.3.eh_proj.weight"]
+    left = sum(k.startswith("model.layers.3.") for k in t)
+    save_file(t, other + "/model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="dynamoe.models.loader"):
+        model = dm.load(other, progress=False)
+    assert not model.has_mtp
+    assert f"not loading {left} tensors of the multi-token-prediction layers model.layers.[3]" in caplog.text

@@ -100,7 +100,8 @@ class GenerationEngine:
     come from -- 'ngram' (default): lookup in the request's own context (:mod:`dynamoe.engine.speculative`);
     'mtp': the model's multi-token-prediction head (:mod:`dynamoe.models.mtp`; DeepSeek-V3 / R1, Kimi-K2,
     GLM-4.5 checkpoints that ship it), run after each forward over the positions just computed (keeping its own
-    cache entries in step) to draft the next k tokens.
+    cache entries in step) to draft the next k tokens; a request that drafts with it reuses only cached prefix
+    blocks whose head entries were written for its own continuation (:mod:`dynamoe.engine.prefix`).
     """
 
     #: the most tokens per step while requests decode (their rows plus prefill chunks of new prompts) when the
