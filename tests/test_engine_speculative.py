@@ -154,7 +154,7 @@ def test_real_model_speculative_equals_plain(tmp_path):
 
 # --- drafts from the model's multi-token-prediction head (draft="mtp") -------------------------------------------
 
-def _mtp_checkpoint(path, seed: int = 1, exact_head: bool = False) -> str:
+def _mtp_checkpoint(path, seed: int = 1, exact_head: bool = False, family: str = "deepseek_v3") -> str:
     """A tiny DeepSeek-V3 checkpoint with one MTP layer (random). ``exact_head``: every layer's attention and MLP
     output zeroed, so that the model is a bigram model (the next token depends on the last one only), and a head
     that computes that same function of its input token (eh_proj = [I, 0], enorm = 1, shared_head = the model's
@@ -163,8 +163,17 @@ def _mtp_checkpoint(path, seed: int = 1, exact_head: bool = False) -> str:
     from models_mla_util import BASE, MLA, add_mtp_layers, make_pair
     from safetensors.torch import load_file, save_file
 
-    cfg = transformers.DeepseekV3Config(**{**BASE, **MLA, "n_group": 2, "topk_group": 1})
-    _, path = make_pair(transformers.DeepseekV3ForCausalLM, cfg, path, seed=seed)
+    if family == "glm4_moe":   # GQA with q/k/v biases and q/k norms (the head's decode steps: the fused kernel)
+        cls, cfg = transformers.Glm4MoeForCausalLM, transformers.Glm4MoeConfig(
+            **{k: BASE[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                                    "num_hidden_layers", "num_attention_heads", "n_routed_experts",
+                                    "num_experts_per_tok", "first_k_dense_replace", "n_shared_experts",
+                                    "max_position_embeddings", "bos_token_id", "eos_token_id")},
+            num_key_value_heads=2, head_dim=16, attention_bias=True, use_qk_norm=True)
+    else:
+        cls, cfg = transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(
+            **{**BASE, **MLA, "n_group": 2, "topk_group": 1})
+    _, path = make_pair(cls, cfg, path, seed=seed)
     add_mtp_layers(path, seed=seed)
     if exact_head:
         t = load_file(path + "/model.safetensors")
@@ -230,7 +239,8 @@ def test_mtp_drafts_same_tokens_as_plain(mtp_model):
     engine.cache.pool.check()
 
 
-def test_mtp_head_cache_stays_consistent(mtp_model):
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_mtp_head_cache_stays_consistent(mtp_model, family, tmp_path):
     """After every step, each request's drafts for the next one equal the head's drafts recomputed from scratch
     (float64, no cache) over its tokens so far: the head's cache entries are right after rejections (a random head:
     most drafts fail), in batches at different lengths, for a request that continues a cached prefix, and after
@@ -241,11 +251,14 @@ def test_mtp_head_cache_stays_consistent(mtp_model):
 
     from dynamoe.engine.request import RUNNING
 
-    ref = copy.deepcopy(mtp_model).double()
+    from dynamoe.models import load
+
+    model = mtp_model if family == "deepseek_v3" else load(_mtp_checkpoint(tmp_path, family=family), progress=False)
+    ref = copy.deepcopy(model).double()
     g = torch.Generator().manual_seed(4)
     base = torch.randint(0, 128, (10,), generator=g).tolist()
     prompts = [base + [3, 1], torch.randint(0, 128, (7,), generator=g).tolist(), base * 2]
-    e = GenerationEngine(mtp_model, max_seq_len=160, max_batch=3, block_size=4, speculative_tokens=3, draft="mtp",
+    e = GenerationEngine(model, max_seq_len=160, max_batch=3, block_size=4, speculative_tokens=3, draft="mtp",
                          kv_cache_blocks=16)
     reqs = [e.add_request(p, GREEDY, 14, ignore_eos=True) for p in prompts]
     checked = 0
