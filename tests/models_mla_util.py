@@ -8,7 +8,7 @@ import os
 import shutil
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from models_util import VOCAB, ids, randomize_, save_tiny  # noqa: F401 (ids: for the MLA tests)
 
@@ -171,3 +171,60 @@ def dequantized_reference(qdir: str, dense_dir: str, dst: str) -> str:
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(os.path.join(dense_dir, "config.json"), dst)
     return dst
+
+
+def add_mtp_layers(path: str, depths: int = 1, seed: int = 0, *, copies: bool = True, std: float = 0.2) -> None:
+    """Write multi-token-prediction layers ``model.layers.{N + j}`` into a saved DeepSeek-style checkpoint
+    (transformers saves none): a random decoder layer shaped like the last one (an MoE layer), ``enorm``,
+    ``hnorm``, ``eh_proj`` [D, 2 D], ``shared_head.norm``, and ``embed_tokens`` / ``shared_head.head`` -- copies of
+    the model's, as DeepSeek's checkpoints store them (``copies=False``: left out, as some conversions do)."""
+    with open(os.path.join(path, "config.json")) as f:
+        N = json.load(f)["num_hidden_layers"]
+    weights = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights)
+    g = torch.Generator().manual_seed(seed)
+    D = tensors["model.embed_tokens.weight"].shape[1]
+    for j in range(depths):
+        for k in [k for k in tensors if k.startswith(f"model.layers.{N - 1}.")]:
+            t = tensors[k]
+            is_norm = "norm" in k and k.endswith("weight")
+            noise = torch.randn(t.shape, generator=g)
+            new = 1 + 0.2 * noise if is_norm else noise * std
+            tensors[k.replace(f"model.layers.{N - 1}.", f"model.layers.{N + j}.")] = new.to(t.dtype)
+        own = f"model.layers.{N + j}."
+        tensors[own + "enorm.weight"] = 1 + 0.2 * torch.randn(D, generator=g)
+        tensors[own + "hnorm.weight"] = 1 + 0.2 * torch.randn(D, generator=g)
+        tensors[own + "eh_proj.weight"] = std * torch.randn(D, 2 * D, generator=g)
+        tensors[own + "shared_head.norm.weight"] = 1 + 0.2 * torch.randn(D, generator=g)
+        if copies:
+            tensors[own + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+            tensors[own + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def reference_mtp_drafts(model, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor]:
+    """An MTP model's first head's k drafts after ``tokens`` (and the head's output at their last position),
+    recomputed from scratch for every draft, without a cache, the head's input written out by hand (pass a
+    float64 copy of the model for a reference)."""
+    head, eps = model.mtp[0], model.config.rms_norm_eps
+    with torch.no_grad():
+        logits, h = model(torch.tensor([tokens]), return_hidden=True)
+        nxt = tokens[1:] + [int(logits[0, -1].argmax())]        # the token after each position
+        hid = [h[0, p] for p in range(len(tokens))]            # what each position's head input reads
+        drafts, g_last = [], None
+        for _ in range(k):
+            e = head.embed_tokens.weight[torch.tensor(nxt)].clone()
+            e[0] = 0                                              # position 0: no embedding
+            inp = torch.cat([_rms(e, head.enorm.weight, eps), _rms(torch.stack(hid), head.hnorm.weight, eps)], -1)
+            g = head.block((inp @ head.eh_proj.weight.T)[None], torch.arange(len(nxt))[None])[0]
+            out = _rms(g[-1], head.shared_head.norm.weight, eps) @ head.shared_head.head.weight.T
+            if g_last is None:
+                g_last = g[-1]
+            drafts.append(int(out.argmax()))
+            nxt.append(drafts[-1])
+            hid.append(g[-1])                                     # a further draft reads the head's own output
+    return drafts, g_last

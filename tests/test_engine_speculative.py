@@ -150,3 +150,204 @@ def test_real_model_speculative_equals_plain(tmp_path):
         e.run_until_done()
         out[k] = [r.output_ids for r in reqs]
     assert out[4] == out[0]
+
+
+# --- drafts from the model's multi-token-prediction head (draft="mtp") -------------------------------------------
+
+def _mtp_checkpoint(path, seed: int = 1, exact_head: bool = False, family: str = "deepseek_v3") -> str:
+    """A tiny DeepSeek-V3 checkpoint with one MTP layer (random). ``exact_head``: every layer's attention and MLP
+    output zeroed, so that the model is a bigram model (the next token depends on the last one only), and a head
+    that computes that same function of its input token (eh_proj = [I, 0], enorm = 1, shared_head = the model's
+    norm and lm_head): its drafts are the model's own next tokens."""
+    import transformers
+    from models_mla_util import BASE, MLA, add_mtp_layers, make_pair
+    from safetensors.torch import load_file, save_file
+
+    if family == "glm4_moe":   # GQA with q/k/v biases and q/k norms (the head's decode steps: the fused kernel)
+        cls, cfg = transformers.Glm4MoeForCausalLM, transformers.Glm4MoeConfig(
+            **{k: BASE[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                                    "num_hidden_layers", "num_attention_heads", "n_routed_experts",
+                                    "num_experts_per_tok", "first_k_dense_replace", "n_shared_experts",
+                                    "max_position_embeddings", "bos_token_id", "eos_token_id")},
+            num_key_value_heads=2, head_dim=16, attention_bias=True, use_qk_norm=True)
+    else:
+        cls, cfg = transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(
+            **{**BASE, **MLA, "n_group": 2, "topk_group": 1})
+    _, path = make_pair(cls, cfg, path, seed=seed)
+    add_mtp_layers(path, seed=seed)
+    if exact_head:
+        t = load_file(path + "/model.safetensors")
+        for k in t:
+            if k.endswith(("o_proj.weight", "down_proj.weight")):
+                t[k] = torch.zeros_like(t[k])
+        D = t["model.embed_tokens.weight"].shape[1]
+        t["model.layers.3.eh_proj.weight"] = torch.cat([torch.eye(D), torch.zeros(D, D)], 1)
+        t["model.layers.3.enorm.weight"] = torch.ones(D)
+        t["model.layers.3.shared_head.norm.weight"] = t["model.norm.weight"].clone()
+        save_file(t, path + "/model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    from dynamoe.models import load
+
+    torch.set_num_threads(1)
+    return load(_mtp_checkpoint(tmp_path_factory.mktemp("dsv3_mtp")), progress=False)
+
+
+def _mtp_run(model, batches, params, n, **kw):
+    """Run ``batches`` (lists of prompts) one after the other on one engine; the outputs and the engine."""
+    engine = GenerationEngine(model, max_seq_len=160, max_batch=4, block_size=4, **kw)
+    out, reqs = [], []
+    for prompts in batches:
+        rs = [engine.add_request(p, sp, n, ignore_eos=True) for p, sp in zip(prompts, params)]
+        engine.run_until_done()
+        out += [r.output_ids for r in rs]
+        reqs += rs
+    return out, engine, reqs
+
+
+def test_mtp_drafts_same_tokens_as_plain(mtp_model):
+    """Greedy requests draft with the head beside sampled and penalised ones; a later request continues a cached
+    prefix (blocks whose head entries an earlier greedy request wrote); a small pool preempts. The tokens are
+    those of plain decoding throughout, and the counters say where the drafts came from."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 128, (14,), generator=g).tolist()
+    first = [base + [5, 6], torch.randint(0, 128, (9,), generator=g).tolist(), base + [7], base[:6]]
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=3), GREEDY, SamplingParams(temperature=0, repetition_penalty=1.3)]
+    plain, _, _ = _mtp_run(mtp_model, [first], params, 12)
+    spec, engine, reqs = _mtp_run(mtp_model, [first], params, 12, speculative_tokens=3, draft="mtp")
+    assert spec == plain
+    t = engine.totals
+    assert t["spec_drafted_mtp"] > 0 and t["spec_drafted_ngram"] == 0 and t["spec_drafted"] == t["spec_drafted_mtp"]
+    assert t["spec_accepted"] == t["spec_accepted_mtp"]
+    engine.cache.pool.check()
+    assert engine.cache_stats()["blocks_used"] == 0
+    # continuing what request 0 computed: its blocks are reused, head entries included
+    cont = [first[0] + spec[0] + [9, 9, 9], first[1] + [4]]
+    plain, _, _ = _mtp_run(mtp_model, [first, cont], params[:2], 10)
+    spec, engine, reqs = _mtp_run(mtp_model, [first, cont], params[:2], 10, speculative_tokens=3, draft="mtp")
+    assert spec == plain
+    assert reqs[2].stats.cached_tokens >= 24
+    # a pool too small for all of them at once: preemption, recomputation, the same tokens
+    prompts = [base * 2, first[1] * 3, base + first[1]]
+    plain, _, _ = _mtp_run(mtp_model, [prompts], [GREEDY] * 3, 20)
+    spec, engine, _ = _mtp_run(mtp_model, [prompts], [GREEDY] * 3, 20, speculative_tokens=4, draft="mtp",
+                               kv_cache_blocks=24)
+    assert spec == plain and engine.totals["preempted"] > 0
+    engine.cache.pool.check()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_mtp_head_cache_stays_consistent(mtp_model, family, tmp_path):
+    """After every step, each request's drafts for the next one equal the head's drafts recomputed from scratch
+    (float64, no cache) over its tokens so far: the head's cache entries are right after rejections (a random head:
+    most drafts fail), in batches at different lengths, for a request that continues a cached prefix, and after
+    preemption (a small pool)."""
+    import copy
+
+    from models_mla_util import reference_mtp_drafts
+
+    from dynamoe.engine.request import RUNNING
+
+    from dynamoe.models import load
+
+    model = mtp_model if family == "deepseek_v3" else load(_mtp_checkpoint(tmp_path, family=family), progress=False)
+    ref = copy.deepcopy(model).double()
+    g = torch.Generator().manual_seed(4)
+    base = torch.randint(0, 128, (10,), generator=g).tolist()
+    prompts = [base + [3, 1], torch.randint(0, 128, (7,), generator=g).tolist(), base * 2]
+    e = GenerationEngine(model, max_seq_len=160, max_batch=3, block_size=4, speculative_tokens=3, draft="mtp",
+                         kv_cache_blocks=16)
+    reqs = [e.add_request(p, GREEDY, 14, ignore_eos=True) for p in prompts]
+    checked = 0
+    while e.has_work():
+        e.step()
+        if len(reqs) == 3 and reqs[0].finished:   # then one that continues request 0's blocks
+            reqs.append(e.add_request(reqs[0].prompt_ids + reqs[0].output_ids + [8], GREEDY, 8, ignore_eos=True))
+        for r in reqs:
+            if r._mtp_draft and r.state == RUNNING and r._decoding:
+                tokens = (r.prompt_ids + r.output_ids)[:r._computed]
+                assert r._mtp_draft == reference_mtp_drafts(ref, tokens, len(r._mtp_draft))[0], (r.id, tokens)
+                checked += 1
+    assert checked > 20 and e.totals["preempted"] > 0 and reqs[3].stats.cached_tokens > 0
+    assert e.totals["spec_accepted_mtp"] < e.totals["spec_drafted_mtp"] / 2   # (mostly rejected)
+    e.cache.pool.check()
+
+
+def test_mtp_requests_reuse_only_blocks_with_their_head_entries(mtp_model):
+    """The head's entry at a block's last position depends on the token after the block: a request that drafts
+    with the head takes a cached block only where its head entries were written for its own next token -- none of
+    a sampled request's blocks (the head did not run there), and not the last block of a greedy request that
+    went on differently. n-gram drafting takes them all."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(0, 128, (16,), generator=g).tolist()
+    sampled = SamplingParams(temperature=0.9, seed=1)
+    for draft, want in (("ngram", [0, 16, 16]), ("mtp", [0, 0, 12])):
+        e = GenerationEngine(mtp_model, max_seq_len=160, max_batch=2, block_size=4, speculative_tokens=2, draft=draft)
+        plain = GenerationEngine(mtp_model, max_seq_len=160, max_batch=2, block_size=4)
+        got = []
+        for prompt, sp in ((base + [1, 2], sampled), (base + [3], GREEDY), (base + [1, 4], GREEDY)):
+            r, p = (x.add_request(prompt, sp, 6, ignore_eos=True) for x in (e, plain))
+            e.run_until_done()
+            plain.run_until_done()
+            assert r.output_ids == p.output_ids
+            got.append(r.stats.cached_tokens)
+        assert got == want, draft
+        e.cache.pool.check()
+
+
+def test_mtp_head_that_predicts_the_model_is_accepted(tmp_path):
+    """A bigram model and a head that computes its next token: nearly every draft is accepted, a step makes
+    several tokens, and the tokens are still those of plain decoding (broken verification would show here)."""
+    from dynamoe.models import load
+
+    torch.set_num_threads(1)
+    model = load(_mtp_checkpoint(tmp_path / "exact", seed=2, exact_head=True), progress=False)
+    prompts = [_ids(7, 11), _ids(8, 6)]
+    plain, e0, _ = _mtp_run(model, [prompts], [GREEDY, GREEDY], 30)
+    spec, engine, _ = _mtp_run(model, [prompts], [GREEDY, GREEDY], 30, speculative_tokens=4, draft="mtp")
+    assert spec == plain
+    t = engine.totals
+    assert t["spec_accepted_mtp"] >= 0.9 * t["spec_drafted_mtp"] > 0
+    assert t["steps"] < e0.totals["steps"] / 2
+
+
+def test_mtp_draft_needs_a_head(model):
+    from types import SimpleNamespace
+
+    from dynamoe.serve import cli as serve_cli
+
+    with pytest.raises(ValueError, match="draft='mtp' needs a model with multi-token-prediction heads"):
+        GenerationEngine(model, max_seq_len=64, speculative_tokens=2, draft="mtp")
+    with pytest.raises(ValueError, match="draft must be one of"):
+        GenerationEngine(model, max_seq_len=64, speculative_tokens=2, draft="eagle")
+    args = SimpleNamespace(max_seq_len=64, max_num_seqs=1, prefix_caching=True, speculative_tokens=2,
+                           speculative_draft="mtp")
+    with pytest.raises(ValueError, match="--speculative-draft mtp needs a model with multi-token-prediction heads"):
+        serve_cli.build_engine(args, model, None)
+    from dynamoe import cli
+
+    args = cli._parser().parse_args(["serve", "--num-speculative-tokens", "3", "--speculative-draft", "mtp"])
+    assert (args.speculative_tokens, args.speculative_draft) == (3, "mtp")
+    assert cli._parser().parse_args(["serve"]).speculative_draft == "ngram"
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["serve", "--speculative-draft", "eagle"])
+
+
+def test_mtp_needs_tokens_and_metrics_by_source(mtp_model):
+    from dynamoe.serve.metrics import Metrics
+
+    with pytest.raises(ValueError, match="speculative_tokens >= 1"):
+        GenerationEngine(mtp_model, max_seq_len=64, draft="mtp")
+    totals = {"spec_drafted_mtp": 7, "spec_accepted_mtp": 3}
+    text = Metrics().render(model_name="m", waiting=0, running=0, max_num_seqs=1, expert_load={}, engine_totals=totals)
+    assert 'dynamoe_spec_draft_tokens_total{source="mtp"} 7' in text
+    assert 'dynamoe_spec_accepted_tokens_total{source="mtp"} 3' in text
+    assert 'dynamoe_spec_draft_tokens_total{source="ngram"} 0' in text
+    # the KV cache's share of memory holds fewer blocks when the head's layer takes its part of each
+    from dynamoe.serve.cli import kv_cache_blocks
+
+    plain, mtp = (kv_cache_blocks(mtp_model, 4096, 8, 16, memory=1 << 20, extra_layers=n) for n in (0, 1))
+    assert mtp == plain * 3 // 4

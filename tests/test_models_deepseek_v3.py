@@ -1,19 +1,18 @@
 """DeepSeek-V3 (and Kimi-K2) against transformers on tiny random checkpoints: MLA with q_lora_rank and
 without, interleaved and half-split RoPE, YaRN with both mscales, a dense first layer, sigmoid routing
 with a selection bias and group-limited top-k, shared experts; the latent-only KV cache and weight
-absorption; MTP tensors ignored; a blockwise-FP8 checkpoint with unaligned shapes."""
+absorption; MTP layers loaded as heads; a blockwise-FP8 checkpoint with unaligned shapes."""
 import json
 import os
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from models_util import one_thread  # noqa: F401 (autouse fixture)
-from models_util import VOCAB, check_cached_decode, check_greedy, check_logits, check_ragged_batch
-from models_mla_util import (BASE, GROUPS, MLA, YARN, check_absorption, check_group_routing_differs, dequantized_reference,
-                             edit_config, ids, make_pair)
+from models_util import check_cached_decode, check_greedy, check_logits, check_ragged_batch
+from models_mla_util import (BASE, GROUPS, MLA, YARN, add_mtp_layers, check_absorption, check_group_routing_differs,
+                             dequantized_reference, edit_config, ids, make_pair)
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,23 +95,19 @@ def test_weight_absorption_equals_expansion(pair):
 
 
 def test_kimi_k2_and_mtp_layers(pair, tmp_path):
-    """``model_type: kimi_k2`` is DeepSeek-V3; multi-token-prediction layers past num_hidden_layers are
-    skipped by the loader."""
+    """``model_type: kimi_k2`` is DeepSeek-V3; a multi-token-prediction layer past num_hidden_layers loads as the
+    ``mtp`` head (its embedding / lm_head copies shared with the model's) and leaves the model's output as is."""
     _, _, ours, path = pair
     kimi = str(tmp_path / "kimi")
     shutil.copytree(path, kimi)
     edit_config(kimi, model_type="kimi_k2", num_nextn_predict_layers=1)
-    weights = os.path.join(kimi, "model.safetensors")
-    tensors = load_file(weights)
-    for k in [k for k in tensors if k.startswith("model.layers.2.")]:  # an MTP layer 3: a copy of layer 2, plus extras
-        tensors[k.replace("model.layers.2.", "model.layers.3.")] = tensors[k].clone()
-    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
-    tensors["model.layers.3.shared_head.head.weight"] = torch.zeros(VOCAB, 64)
-    save_file(tensors, weights, metadata={"format": "pt"})
+    add_mtp_layers(kimi)
     cfg = dm.load_config(kimi)
     assert (cfg.model_type, dm.family_for(cfg), cfg.num_nextn_predict_layers) == ("kimi_k2", "deepseek_v3", 1)
     model = dm.load(kimi, progress=False)
-    assert type(model) is DeepseekV3ForCausalLM and len(model.model.layers) == 3
+    assert type(model) is DeepseekV3ForCausalLM and len(model.model.layers) == 3 and len(model.mtp) == 1
+    assert model.mtp[0].embed_tokens is model.model.embed_tokens and model.mtp[0].shared_head.head is model.lm_head
+    assert not ours.has_mtp
     x = ids()
     with torch.no_grad():
         torch.testing.assert_close(model(x), ours(x), atol=0, rtol=0)

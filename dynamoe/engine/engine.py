@@ -50,9 +50,19 @@ from .request import FINISHED, RUNNING, WAITING, Request, RequestStats, TokenEve
 from .sampling import SamplingParams, TokenLogprob, sample
 from .speculative import NgramIndex
 
-__all__ = ["GenerationEngine", "Request", "TokenEvent", "RequestStats", "encode_prompt"]  # encode_prompt: .prompts
+__all__ = ["GenerationEngine", "Request", "TokenEvent", "RequestStats", "encode_prompt", "DRAFT_SOURCES"]
 
 log = logging.getLogger(__name__)
+
+#: where speculative drafts come from: n-gram lookup in the request's context, or the model's MTP head
+DRAFT_SOURCES = ("ngram", "mtp")
+
+
+def _speculates(p: SamplingParams) -> bool:
+    """Whether requests with these parameters speculate: greedy ones without penalties (whose next choice
+    depends on nothing but the logits)."""
+    return p.greedy and not p.uses_repetition_penalty and not p.uses_output_penalties
+
 
 def _model_device(model) -> torch.device:
     for p in itertools.chain(model.parameters(), model.buffers()):
@@ -86,8 +96,12 @@ class GenerationEngine:
     decodes. eos_token_ids: stop tokens of every request; default the tokenizer's and the model config's.
     prefix_caching: share the blocks of equal prefixes across requests (a chat's next turn, a common
     system prompt, concurrent requests with one context). speculative_tokens: k > 0 drafts up to k tokens per
-    greedy request and step by n-gram lookup in its own context and verifies them in one forward
-    (:mod:`dynamoe.engine.speculative`; the same tokens as without).
+    greedy request and step and verifies them in one forward (the same tokens as without). draft: where drafts
+    come from -- 'ngram' (default): lookup in the request's own context (:mod:`dynamoe.engine.speculative`);
+    'mtp': the model's multi-token-prediction head (:mod:`dynamoe.models.mtp`; DeepSeek-V3 / R1, Kimi-K2,
+    GLM-4.5 checkpoints that ship it), run after each forward over the positions just computed (keeping its own
+    cache entries in step) to draft the next k tokens; a request that drafts with it reuses only cached prefix
+    blocks whose head entries were written for its own continuation (:mod:`dynamoe.engine.prefix`).
     """
 
     #: the most tokens per step while requests decode (their rows plus prefill chunks of new prompts) when the
@@ -100,7 +114,7 @@ class GenerationEngine:
                  cache_dtype: torch.dtype | None = None, device=None, prefill_chunk: int | None = None,
                  eos_token_ids: Sequence[int] | None = None, prefix_caching: bool = True,
                  kv_cache_blocks: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 token_budget: int | None = None, speculative_tokens: int = 0):
+                 token_budget: int | None = None, speculative_tokens: int = 0, draft: str = "ngram"):
         config = getattr(model, "config", None)
         if max_seq_len is None:
             mpe = getattr(config, "max_position_embeddings", None)
@@ -112,6 +126,14 @@ class GenerationEngine:
         _check_int("block_size", block_size)
         _check_int("token_budget", token_budget, none=True)
         _check_int("speculative_tokens", speculative_tokens, low=0)
+        if draft not in DRAFT_SOURCES:
+            raise ValueError(f"draft must be one of {list(DRAFT_SOURCES)}, got {draft!r}")
+        if draft == "mtp" and not (getattr(model, "has_mtp", False) and callable(getattr(model, "mtp_fill", None))):
+            raise ValueError(f"draft='mtp' needs a model with multi-token-prediction heads, and "
+                             f"{type(model).__name__} has none (its checkpoint has no MTP layers, or its family "
+                             f"does not run them); use draft='ngram'")
+        if draft == "mtp" and not speculative_tokens:
+            raise ValueError("draft='mtp' drafts nothing with speculative_tokens=0: pass speculative_tokens >= 1")
         self.model = model
         # models that can skip the lm_head over all but the last prompt position (dynamoe's do)
         try:
@@ -125,6 +147,7 @@ class GenerationEngine:
         self.adaptive_budget = token_budget is None
         self.token_budget = token_budget if token_budget is not None else self.default_token_budget
         self.speculative_tokens = speculative_tokens
+        self.draft = draft
         self._decode_s: float | None = None      # moving average: seconds of a decode step
         self._chunk_cost = ChunkCost()           # prefill chunk seconds = a + b * tokens, while requests decode
         self.device = torch.device(device) if device is not None else _model_device(model)
@@ -157,6 +180,7 @@ class GenerationEngine:
             log.info("speculative decoding is off: the model's recurrent state cannot be rolled back past "
                      "rejected drafts")
             self.speculative_tokens = 0
+        self._mtp = draft == "mtp" and self.speculative_tokens > 0
         self._prefix = PrefixCache(self.cache, self.prefix_caching)
 
         # waiting queue, free slots, request states, cancel flags; re-entrant so that an on_event callback
@@ -173,7 +197,8 @@ class GenerationEngine:
         self._loop_thread: threading.Thread | None = None
         self.totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0,
                        "output_tokens": 0, "steps": 0, "preempted": 0, "prefill_s": 0.0, "decode_s": 0.0,
-                       "spec_drafted": 0, "spec_accepted": 0}
+                       "spec_drafted": 0, "spec_accepted": 0, **{f"spec_{what}_{src}": 0 for src in DRAFT_SOURCES
+                                                                  for what in ("drafted", "accepted")}}
 
     def cache_stats(self) -> dict:
         """The KV cache's pool now: blocks (total, in use, cached = free but holding a prefix, free),
@@ -320,6 +345,8 @@ class GenerationEngine:
             req.state = RUNNING
             if req.stats.scheduled is None:
                 req.stats.scheduled = time.perf_counter()
+            if self._mtp and _speculates(req.params):
+                req._mtp_draft = []   # it runs the MTP head (and takes cached blocks only with head entries)
             cached = self._prefix.attach(req)
             if not req._preempted:
                 req.stats.cached_tokens = cached
@@ -336,6 +363,9 @@ class GenerationEngine:
         victim.state, victim._preempted = WAITING, True
         victim._computed = victim._registered = 0
         victim._decoding = False
+        victim._head_len = 0
+        if victim._mtp_draft is not None:
+            victim._mtp_draft = []
         self._waiting.appendleft(victim)
         self.totals["preempted"] += 1
 
@@ -373,18 +403,26 @@ class GenerationEngine:
         if not ready:
             return 0
         t0 = time.perf_counter()
+        hidden = None
         if K == 0:
-            logits = self._forward(ready, [[r.output_ids[-1]] for r in ready])
+            starts = [r._computed for r in ready]
+            logits = self._forward(ready, [[r.output_ids[-1]] for r in ready], with_hidden=self._mtp)
+            if self._mtp:
+                logits, hidden = logits
             for r in ready:
                 r._computed += 1
             self._sample_and_emit(ready, logits[:, -1], events)
+            if hidden is not None:   # the head at each row's position, with the token just chosen
+                self._mtp_pass(ready, starts, [[r.output_ids[-1]] for r in ready], hidden, [0] * len(ready))
         else:
             rows = {id(r): d for r, d in zip(batch, drafts)}
             # every row K + 1 tokens: its draft padded with its last token (a pad the model agrees with is a
             # correct token like any other; the rest is cut off below)
             ids = [[r.output_ids[-1], *rows[id(r)], *[r.output_ids[-1]] * (K - len(rows[id(r)]))] for r in ready]
-            logits = self._forward(ready, ids, keep=K + 1)
-            self._verify(ready, ids, logits, events)
+            logits = self._forward(ready, ids, keep=K + 1, with_hidden=self._mtp)
+            if self._mtp:
+                logits, hidden = logits
+            self._verify(ready, ids, logits, events, hidden)
         self._prefix.register(ready)
         self._trim(ready)
         dt = time.perf_counter() - t0
@@ -416,22 +454,26 @@ class GenerationEngine:
         k = min(k, room)
         for r in reqs:
             d = []
-            p = r.params
-            if k > 0 and p.greedy and not p.uses_repetition_penalty and not p.uses_output_penalties:
+            if k > 0 and _speculates(r.params):
                 left = r.max_tokens - len(r.output_ids) - 1   # tokens it may add after the next one
-                if left > 0:
+                if left > 0 and self._mtp:
+                    d = (r._mtp_draft or [])[:min(k, left)]   # made by the head after the last forward
+                elif left > 0:
                     if r._ngram is None:
                         r._ngram = NgramIndex()
                     d = r._ngram.draft(r.prompt_ids + r.output_ids, min(k, left))
             out.append(d)
         return out if any(out) else [[] for _ in reqs]
 
-    def _verify(self, reqs: list[Request], ids: list[list[int]], logits: Tensor, events: list[TokenEvent]) -> None:
+    def _verify(self, reqs: list[Request], ids: list[list[int]], logits: Tensor, events: list[TokenEvent],
+                hidden: Tensor | None = None) -> None:
         """Emit, per row, the model's choices after each of its fed tokens as long as they equal the next fed
-        token (the accepted draft), then its choice after the last accepted one; cut the cache back to the
+        token (the accepted draft), then its choice after the last accepted one; run the MTP head over the
+        accepted positions (``hidden``: the main model's states, with draft='mtp'); cut the cache back to the
         tokens fed and accepted."""
         K = len(ids[0]) - 1
-        spec = [i for i, r in enumerate(reqs) if r._ngram is not None and r.params.greedy]
+        spec = [i for i, r in enumerate(reqs)
+                if (r._ngram is not None or r._mtp_draft is not None) and r.params.greedy]
         speculating = set(spec)
         plain = [i for i in range(len(reqs)) if i not in speculating]
         if plain:
@@ -450,16 +492,89 @@ class GenerationEngine:
                     while a < K and row[a] == ids[i][a + 1]:
                         a += 1
                     accepted[i] = a
-                    self.totals["spec_drafted"] += K
-                    self.totals["spec_accepted"] += a
+                    src = "mtp" if r._mtp_draft is not None else "ngram"
+                    for key in ("spec_drafted", f"spec_drafted_{src}"):
+                        self.totals[key] += K
+                    for key in ("spec_accepted", f"spec_accepted_{src}"):
+                        self.totals[key] += a
                     for t in range(a + 1):
                         if not self._emit(r, row[t], lps[j * (K + 1) + t], now, events):
                             break
+        starts = [r._computed for r in reqs]
         with self._lock:
             for i, r in enumerate(reqs):
                 r._computed += 1 + accepted[i]
+        if hidden is not None:
+            # the head over every fed position (after the last accepted one: filler, overwritten next time); next
+            # tokens are the accepted drafts and the model's choice after them
+            nxt = [[*ids[i][1:accepted[i] + 1], r.output_ids[-1], *ids[i][accepted[i] + 1:]]
+                   for i, r in enumerate(reqs)]
+            self._mtp_pass(reqs, starts, nxt, hidden, accepted)
+        with self._lock:
+            for r in reqs:
                 if r.slot is not None:
                     self.cache.truncate(r.slot, r._computed)
+
+    def _mtp_pass(self, reqs: list[Request], starts: list[int], next_ids: list[list[int]], hidden_BTD: Tensor,
+                  last: list[int | None]) -> None:
+        """Run the MTP head after a forward, for the rows of ``reqs`` that use it: over the positions
+        ``starts[i]``.. that the forward computed (``hidden_BTD``: its final-normed states; ``next_ids``: the
+        token after each position), writing the head's cache entries there; then, for rows whose
+        ``last[i]`` is not None (the index of their last real position), draft their next step's tokens from
+        there (as many as ``speculative_tokens``, the row's ``max_tokens`` and the context allow)."""
+        rows = [i for i, r in enumerate(reqs)
+                if r._mtp_draft is not None and r.slot is not None and r.state == RUNNING and not r._cancel]
+        for i in list(rows):
+            r = reqs[i]
+            r._mtp_draft = []
+            if r._head_len != starts[i]:   # (never expected: the head ran over every earlier position)
+                log.warning("request %s: its MTP head entries end at %d, not %d: it drafts no more", r.id,
+                            r._head_len, starts[i])
+                r._mtp_draft = None
+                rows.remove(i)
+        if not rows:
+            return
+        try:
+            self._mtp_run(reqs, rows, starts, next_ids, hidden_BTD, last)
+        except Exception:   # drafts only propose: a failing head stops them for these requests, not the requests
+            log.exception("the MTP head failed; requests %s draft no more", [reqs[i].id for i in rows])
+            for i in rows:
+                reqs[i]._mtp_draft = None
+
+    def _mtp_run(self, reqs: list[Request], rows: list[int], starts: list[int], next_ids: list[list[int]],
+                 hidden_BTD: Tensor, last: list[int | None]) -> None:
+        """:meth:`_mtp_pass` for the rows of ``reqs`` listed in ``rows``."""
+        dev = hidden_BTD.device
+        T = hidden_BTD.size(1)
+        sel = torch.tensor(rows, device=dev)
+        slots = torch.tensor([reqs[i].slot for i in rows], dtype=torch.long, device=self.device)
+        positions = torch.tensor([starts[i] for i in rows], device=dev)[:, None] + torch.arange(T, device=dev)
+        nxt = torch.tensor([next_ids[i] for i in rows], dtype=torch.long, device=dev)
+        g = self.model.mtp_fill(nxt, hidden_BTD[sel], positions, self.cache, slots)
+        draft_rows, ks = [], []
+        bs = self.cache.block_size
+        for j, i in enumerate(rows):
+            r = reqs[i]
+            r._head_len = r._computed
+            if last[i] is None:
+                continue
+            C = r._computed   # the next step feeds position C (its last token) and the drafts after it
+            k = min(self.speculative_tokens, r.max_tokens - len(r.output_ids) - 1, self.capacity - C - 1)
+            if k > 1:   # drafts 2..k write head entries at positions C..C+k-2
+                try:
+                    self.cache.reserve(r.slot, C + k - 1)
+                except OutOfBlocks:
+                    k = min(k, len(self.cache.blocks(r.slot)) * bs - C + 1)
+            if k >= 1:
+                draft_rows.append(j)
+                ks.append(k)
+        if not draft_rows:
+            return
+        idx = torch.tensor(draft_rows, device=dev)
+        at = torch.tensor([last[rows[j]] for j in draft_rows], device=dev)
+        drafts = self.model.mtp_drafts(g[idx, at], positions[idx, at], self.cache, slots[idx.to(slots.device)], ks)
+        for j, d in zip(draft_rows, drafts):
+            reqs[rows[j]]._mtp_draft = d
 
     def _prefill(self, events: list[TokenEvent], decoded: int) -> None:
         """Prefill chunks, oldest request first, within the step's token budget: ``token_budget`` minus the
@@ -489,7 +604,11 @@ class GenerationEngine:
             if not group:
                 continue
             t0 = time.perf_counter()
-            logits = self._forward(group, [r.tokens(r._computed, r._computed + n) for r in group])
+            head = any(r._mtp_draft is not None for r in group)
+            starts = [r._computed for r in group]
+            logits = self._forward(group, [r.tokens(r._computed, r._computed + n) for r in group], with_hidden=head)
+            if head:
+                logits, hidden = logits
             done = []
             for r in group:
                 r._computed += n
@@ -499,6 +618,10 @@ class GenerationEngine:
             if done:
                 rows = torch.tensor([group.index(r) for r in done], device=logits.device)
                 self._sample_and_emit(done, logits[rows, -1], events)
+            if head:   # the head over the chunk (the token after its last position: the prompt's, or the one chosen)
+                self._mtp_pass(group, starts, [r.tokens(s + 1, s + n + 1) if r.num_tokens > s + n else [0] * n
+                                               for r, s in zip(group, starts)],
+                               hidden, [n - 1 if r in done else None for r in group])
             self._prefix.register(group)
             self._trim(group)
             dt = time.perf_counter() - t0
@@ -526,11 +649,14 @@ class GenerationEngine:
         self._free_slots.sort()
         r.slot = None
 
-    def _forward(self, reqs: list[Request], ids: list[list[int]], keep: int = 1) -> Tensor:
-        """Logits of the last ``keep`` positions of each row (all, for a model without ``logits_to_keep``)."""
+    def _forward(self, reqs: list[Request], ids: list[list[int]], keep: int = 1, with_hidden: bool = False):
+        """Logits of the last ``keep`` positions of each row (all, for a model without ``logits_to_keep``);
+        ``with_hidden``: (logits, the final-normed hidden states of every position), for the MTP head."""
         ids_BT = torch.tensor(ids, dtype=torch.long, device=self.device)
         slots_B = torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
         kw = {"logits_to_keep": keep} if self._keeps_last and ids_BT.size(1) > keep else {}
+        if with_hidden:
+            kw["return_hidden"] = True
         try:
             with torch.inference_mode():
                 out = self.model(ids_BT, cache=self.cache, slots=slots_B, **kw)
@@ -541,7 +667,7 @@ class GenerationEngine:
                     if r.state != FINISHED:
                         self._finish(r, "error", error=f"{type(err).__name__}: {err}")
             raise
-        return getattr(out, "logits", out)
+        return out if with_hidden else getattr(out, "logits", out)
 
     def _penalty_state(self, reqs: list[Request], V: int, device) -> tuple[Tensor | None, Tensor | None]:
         seen = counts = None

@@ -8,6 +8,14 @@ admitted looks its keys up and starts on the blocks found (held, never written: 
 positions after them). A block nobody holds stays cached until the pool needs it (least recently
 released first). The last token of a request's tokens is always computed -- its logits start the output --
 so at most ``(n - 1) // block_size`` blocks are taken from the cache.
+
+Multi-token-prediction heads (the engine's ``draft="mtp"``, :mod:`dynamoe.models.mtp`) keep cache entries of
+their own in the same blocks, and the head's entry at position p depends on the token *after* p as well. So
+the prefix cache remembers, per registered block, the token that followed it when the head wrote the block's
+entries (none when the head did not run there: a sampled request's blocks, say). A request that runs the head
+takes a cached block only where that token is its own next one (the block's key says the rest), and computes
+the other positions itself: it never reads head entries that were not written, or written for another
+continuation. A block with head entries takes over the key of an equal block without them.
 """
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ class PrefixCache:
 
     def __init__(self, cache, enabled: bool):
         self.cache, self.enabled = cache, bool(enabled)
+        # registered block -> the token after it when its MTP head entries were written (absent: not written)
+        self._head_next: dict[int, int] = {}
 
     def _keys(self, r: Request, blocks: int) -> list[bytes]:
         """``r``'s first ``blocks`` prefix keys (computed once, extended as it grows)."""
@@ -34,15 +44,24 @@ class PrefixCache:
 
     def attach(self, r: Request) -> int:
         """Start the newly admitted ``r`` (in its empty slot) on the cached blocks of its longest cached
-        prefix; returns the positions it need not compute."""
+        prefix; returns the positions it need not compute. A request that runs the MTP head (``r._mtp_draft``
+        not None) takes only blocks whose head entries were written for its own next token."""
+        r._head_len = 0
         if not self.enabled:
             r._computed = r._registered = 0
             return 0
-        blocks = self.cache.pool.lookup(self._keys(r, (r.num_tokens - 1) // self.cache.block_size))
-        n = len(blocks) * self.cache.block_size
+        bs = self.cache.block_size
+        usable = None
+        if r._mtp_draft is not None:
+            def usable(i: int, block: int) -> bool:
+                return self._head_next.get(block) == r.tokens((i + 1) * bs, (i + 1) * bs + 1)[0]
+        blocks = self.cache.pool.lookup(self._keys(r, (r.num_tokens - 1) // bs), usable)
+        n = len(blocks) * bs
         self.cache.attach(r.slot, blocks, n)
         r._computed = n
         r._registered = len(blocks)
+        if r._mtp_draft is not None:
+            r._head_len = n
         return n
 
     def register(self, reqs: list[Request]) -> None:
@@ -56,5 +75,14 @@ class PrefixCache:
                 continue
             keys, blocks = self._keys(r, full), self.cache.blocks(r.slot)
             for i in range(r._registered, full):
-                pool.register(blocks[i], keys[i])
+                head = r._head_len >= (i + 1) * bs   # the MTP head ran over the block, its last position too
+                held = pool.holder(keys[i])
+                # a block with head entries takes the key from one without (requests drafting with the head can
+                # use it; the others, whatever block it is)
+                replace = head and held is not None and held != blocks[i] and held not in self._head_next
+                if pool.register(blocks[i], keys[i], replace=replace):
+                    if head:
+                        self._head_next[blocks[i]] = r.tokens((i + 1) * bs, (i + 1) * bs + 1)[0]
+                    else:
+                        self._head_next.pop(blocks[i], None)
             r._registered = full

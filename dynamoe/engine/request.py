@@ -116,6 +116,10 @@ class Request:
         self._keys: list[bytes] = []
         self._registered = 0
         self._ngram = None   # its n-gram index, once it drafts (dynamoe.engine.speculative)
+        # with MTP drafts (draft="mtp"): its drafts for the next step (None: it does not run the head), and the
+        # positions whose head cache entries are written (dynamoe.models.mtp)
+        self._mtp_draft: list[int] | None = None
+        self._head_len = 0
 
     @property
     def num_tokens(self) -> int:

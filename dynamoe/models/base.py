@@ -82,7 +82,9 @@ class MoELayerStats:
 class CausalLM(nn.Module):
     """Decoder-only LM over a :class:`ModelConfig`.
 
-    ``forward(input_ids [B, T], cache=None, slots=None, logits_to_keep=0) -> logits [B, T, V]``. With a
+    ``forward(input_ids [B, T], cache=None, slots=None, logits_to_keep=0, return_hidden=False) -> logits [B, T, V]``
+    (with ``return_hidden``: ``(logits, hidden [B, T, D])``, the final-normed hidden states of every position
+    fed, whatever ``logits_to_keep`` -- what multi-token-prediction heads read, :mod:`dynamoe.models.mtp`). With a
     cache, row b continues slot ``slots[b]`` (default: slots 0..B-1) at position
     ``cache.lengths[slot]``, and the cache advances by T once, after all layers. ``logits_to_keep``
     n > 0 computes the logits of the last n positions only ([B, n, V]): a prefill needs just the
@@ -168,7 +170,7 @@ class CausalLM(nn.Module):
         return max(a.sliding_window for a in wins)
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
-                logits_to_keep: int = 0) -> Tensor:
+                logits_to_keep: int = 0, return_hidden: bool = False):
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
             got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be an int64 (or int32) tensor [batch, tokens], got {got}")
@@ -206,12 +208,16 @@ class CausalLM(nn.Module):
         if plan is None:
             for layer in self.model.layers:
                 h = layer(h, positions, cache, slots, kv_len)
+        # with return_hidden, the final-normed states of every position fed (the MTP heads read each one); the
+        # logits as without (the same ops on the same rows: bit for bit the same numbers)
+        hidden = self.model.norm(h) if return_hidden else None
         if 0 < logits_to_keep < T:
-            h = h[:, -logits_to_keep:]
-        logits = self.lm_head(self.model.norm(h))
+            logits = self.lm_head(self.model.norm(h[:, -logits_to_keep:]))
+        else:
+            logits = self.lm_head(self.model.norm(h) if hidden is None else hidden)
         if cache is not None:
             cache.advance(slots.to(cache.lengths.device), T)
-        return logits
+        return (logits, hidden) if return_hidden else logits
 
     def _decode_plan(self, h_BTD: Tensor, cache: KVCache, slots: Tensor) -> DecodePlan | None:
         """The :class:`~dynamoe.models.decode_plan.DecodePlan` for this decode step, or None (the layers

@@ -23,7 +23,7 @@ import collections
 import hashlib
 import re
 from array import array
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 __all__ = ["BlockPool", "OutOfBlocks", "prefix_keys"]
 
@@ -140,15 +140,30 @@ class BlockPool:
                     self._push_free(b)
 
     # --- the prefix cache ---------------------------------------------------------------------------
-    def register(self, block: int, key: bytes) -> None:
+    def register(self, block: int, key: bytes, replace: bool = False) -> bool:
         """Remember that held block ``block`` is full and holds the prefix ``key``. A key already held by
-        another block keeps that one (the new block stays a private copy)."""
+        another block keeps that one (the new block stays a private copy) unless ``replace``: then the other block
+        just loses its key (its holders keep it; unheld, it is free). True when ``block`` is now the one
+        :meth:`lookup` finds for ``key``."""
         if self._refs[block] <= 0:
             raise ValueError(f"block {block} is not held; only a sequence's own full blocks are registered")
-        if key in self._block_of or block in self._key_of:
-            return
+        if block in self._key_of:
+            return self._key_of[block] == key
+        old = self._block_of.get(key)
+        if old is not None:
+            if not replace:
+                return False
+            del self._key_of[old]
+            if old in self._cached:
+                del self._cached[old]
+                self._push_free(old)
         self._key_of[block] = key
         self._block_of[key] = block
+        return True
+
+    def holder(self, key: bytes) -> int | None:
+        """The block :meth:`lookup` finds for ``key`` (None), without retaining it."""
+        return self._block_of.get(key)
 
     def shared(self, block: int) -> bool:
         """Whether writing into ``block`` would change what others read: another sequence holds it too, or it
@@ -161,12 +176,14 @@ class BlockPool:
         if key is not None:
             del self._block_of[key]
 
-    def lookup(self, keys: Sequence[bytes]) -> list[int]:
-        """The blocks holding the longest run of ``keys`` from the first, each retained for the caller."""
+    def lookup(self, keys: Sequence[bytes], usable: Callable[[int, int], bool] | None = None) -> list[int]:
+        """The blocks holding the longest run of ``keys`` from the first, each retained for the caller;
+        ``usable(i, block)`` False for the i-th block found ends the run there (a caller that needs more of a
+        block than its key says)."""
         found = []
         for k in keys:
             b = self._block_of.get(k)
-            if b is None:
+            if b is None or (usable is not None and not usable(len(found), b)):
                 break
             self.retain(b)
             found.append(b)

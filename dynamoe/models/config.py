@@ -833,7 +833,8 @@ class ModelConfig:
         if self.num_experts == 0:
             return False
         if self.mlp_layer_types:
-            return self.mlp_layer_types[i] == "sparse"
+            # a multi-token-prediction layer (past the list, i >= num_hidden_layers) is sparse, as DeepSeek's are
+            return i >= len(self.mlp_layer_types) or self.mlp_layer_types[i] == "sparse"
         if i in self.mlp_only_layers or i < self.first_k_dense_replace:
             return False
         return (i + 1) % self.decoder_sparse_step == 0

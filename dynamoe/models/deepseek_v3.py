@@ -8,9 +8,10 @@ top-k (``n_group`` / ``topk_group``), renormalised if ``norm_topk_prob``, times
 Checkpoint: ``self_attn.{q_a_proj, q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa,
 kv_a_layernorm, kv_b_proj, o_proj}``; ``mlp.gate.weight`` [E, D] + ``mlp.gate.e_score_correction_bias``
 [E]; ``mlp.experts.{e}.gate_proj|up_proj|down_proj.weight``; ``mlp.shared_experts.*``; dense layers
-``mlp.gate_proj|up_proj|down_proj``. Multi-token-prediction layers (``model.layers.{N}`` for
-N >= num_hidden_layers, ``num_nextn_predict_layers``) are not used by plain decoding: the loader
-skips them. Blockwise-FP8 checkpoints load every Linear of the layers packed (QuantizedLinear); MLA's
+``mlp.gate_proj|up_proj|down_proj``. Multi-token-prediction layers (``model.layers.{N + j}`` past the
+``num_hidden_layers`` N, ``num_nextn_predict_layers`` of them) load as the model's ``mtp`` heads when the
+checkpoint has them (:mod:`dynamoe.models.mtp`): plain decoding does not run them, the engine drafts with
+them (``draft="mtp"``). Blockwise-FP8 checkpoints load every Linear of the layers packed (QuantizedLinear); MLA's
 weight absorption dequantizes ``kv_b_proj`` once per layer on first use.
 
 Kimi-K2 (and K2-Thinking) checkpoints say ``model_type: kimi_k2`` with architecture
@@ -19,6 +20,7 @@ whose ``text_config`` is this architecture: :mod:`dynamoe.models.kimi_k25` loads
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from .base import CausalLM, DecoderLayer
@@ -26,11 +28,14 @@ from .config import ModelConfig
 from .indexer import Indexer, SharedIndex
 from .mla import MLAttention, mla_softmax_scale
 from .moe_block import GatedMLP, SparseMoeBlock, glu_kind
+from .mtp import MTPHeads
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
 from .weights import PerExpert
 
 __all__ = ["DeepseekV3ForCausalLM", "deepseek_mlp"]
+
+log = logging.getLogger(__name__)
 
 # the names of the DeepSeek-style MoE block (also GLM-4.5, V3.2, GLM-5)
 DEEPSEEK_RENAMES = ((".mlp.moe.gates.0.wg.", ".mlp.gate."), (".mlp.moe.gates.0.", ".mlp.gate."), (".mlp.moe.", ".mlp."))
@@ -53,7 +58,7 @@ def _need(cfg: ModelConfig, *names: str) -> None:
         raise ValueError(f"config fields {missing} are required for {cfg.model_type!r} (Multi-head Latent Attention)")
 
 
-class DeepseekV3ForCausalLM(CausalLM):
+class DeepseekV3ForCausalLM(MTPHeads, CausalLM):
     checkpoint_renames = DEEPSEEK_RENAMES
     expert_layout = PerExpert("gate_proj", "up_proj", "down_proj")
     #: RoPE layout of MLA: None = the config's ``rope_interleave``; V3.2 / GLM-5 always interleave
@@ -74,7 +79,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         return RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
 
     def build_indexer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype) -> Optional[Indexer]:
-        if self.indexer_rope_interleaved is None or (cfg.indexer_types and cfg.indexer_types[i] == "shared"):
+        # (a multi-token-prediction layer, past the config's list, runs its own indexer)
+        if self.indexer_rope_interleaved is None or (i < len(cfg.indexer_types) and cfg.indexer_types[i] == "shared"):
             return None
         return Indexer(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim,
                        cfg.index_topk, i, rotary, self.indexer_rope_interleaved, self.shared_index, dtype=dtype)
@@ -97,6 +103,19 @@ class DeepseekV3ForCausalLM(CausalLM):
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         return DecoderLayer(self.build_attention(cfg, i, rotary, dtype), deepseek_mlp(cfg, i, dtype),
                             RMSNorm(D, eps, dtype=dtype), RMSNorm(D, eps, dtype=dtype))
+
+    def build_mtp_layer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype, names: set) -> DecoderLayer:
+        """The MTP depth's layer i; with sparse attention (V3.2, GLM-5) it runs its own indexer when the checkpoint
+        has one for it, else it attends to every earlier key (no earlier layer of its forward to share a
+        selection with)."""
+        layer = self.build_layer(cfg, i, rotary, dtype)
+        attn = layer.self_attn
+        if attn.indexer is not None and f"model.layers.{i}.self_attn.indexer.wk.weight" not in names:
+            log.info("%s: the multi-token-prediction layer model.layers.%d has no indexer tensors: its attention "
+                     "is dense", cfg.model_type, i)
+            attn.indexer = None
+        object.__setattr__(attn, "shared_index", None)
+        return layer
 
     def set_absorb(self, absorb: Optional[bool]) -> None:
         """MLA weight absorption for every layer: None = by cost (decode absorbs, prefill expands),

@@ -6,7 +6,9 @@ on the first ``qk_rope_head_dim`` dims) ranks best among the causal ones. MLA's 
 says which layers are dense.
 
 Checkpoint: DeepSeek-V3's names plus ``self_attn.indexer.{wq_b, wk, k_norm (weight, bias), weights_proj}``.
-The cache keeps, per layer and position, MLA's latent and roped key and the indexer's key ("index_k").
+The cache keeps, per layer and position, MLA's latent and roped key and the indexer's key ("index_k"). The
+multi-token-prediction layer (``model.layers.{num_hidden_layers}``, an MoE layer with its own indexer) loads as
+the ``mtp`` head when present (:mod:`dynamoe.models.mtp`).
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ experts).
 Checkpoint: as DeepSeek-V3's MoE names (``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``,
 ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``); attention ``q_proj``/``k_proj``/``v_proj`` (+ bias),
 ``o_proj``, ``q_norm``/``k_norm``. The multi-token-prediction layer (``model.layers.{num_hidden_layers}``)
-is skipped by the loader.
+loads as the model's ``mtp`` head when the checkpoint has it (:mod:`dynamoe.models.mtp`; the engine drafts
+with it).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .attention import Attention
 from .base import CausalLM, DecoderLayer
 from .config import ModelConfig
 from .deepseek_v3 import DEEPSEEK_RENAMES, deepseek_mlp
+from .mtp import MTPHeads
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
 from .weights import PerExpert
@@ -23,7 +25,7 @@ from .weights import PerExpert
 __all__ = ["Glm4MoeForCausalLM"]
 
 
-class Glm4MoeForCausalLM(CausalLM):
+class Glm4MoeForCausalLM(MTPHeads, CausalLM):
     checkpoint_renames = DEEPSEEK_RENAMES
     expert_layout = PerExpert("gate_proj", "up_proj", "down_proj")
 

@@ -5,7 +5,7 @@ Multi-head Latent Attention (:mod:`dynamoe.models.mla`, RoPE on interleaved pair
 experts; ``mlp_layer_types`` says which layers are dense (default: only layer 0).
 
 Checkpoint: DeepSeek-V3's names (see :mod:`dynamoe.models.deepseek_v3`); the multi-token-prediction
-layer (``model.layers.{num_hidden_layers}``) is skipped by the loader.
+layer (``model.layers.{num_hidden_layers}``) loads as the ``mtp`` head when present (:mod:`dynamoe.models.mtp`).
 """
 from __future__ import annotations
 

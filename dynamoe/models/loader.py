@@ -13,7 +13,9 @@ hooks: ``model.adapt_to_checkpoint(names)`` (called on the meta-device model wit
 tensor names before any is read: e.g. Qwen3-Next builds its ``mtp`` module when there are ``mtp.*``
 tensors) and ``unused_checkpoint_prefixes`` (tensors the family knowingly does not load, such as a
 multimodal checkpoint's vision tower for a text model: named in the family's docstring, never guessed,
-logged once by prefix).
+logged once by prefix). Multi-token-prediction layers (``model.layers.{i}``, i >= num_hidden_layers) load as
+the DeepSeek-style families' ``mtp`` heads (:mod:`dynamoe.models.mtp`); other families' are left unread and
+logged with their count.
 
 Expert parallelism (``group`` of W ranks): every MoE block keeps E/W routed experts -- rank r the
 global experts [r*E/W, (r+1)*E/W), as the MoE layer's all-to-all expects -- and reads only theirs
@@ -234,6 +236,7 @@ def _progress(total: int, enabled: bool):
 
 
 _EXPERT_NAME = re.compile(r"(.*)\.(\d+)\.")   # "<prefix>.<expert>." -- the last numeric component
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def _other_ranks_expert(name: str, partial: dict) -> bool:
@@ -255,10 +258,28 @@ def _ignorable(name: str, config: ModelConfig, model: CausalLM) -> bool:
         return True
     if config.tie_word_embeddings and name == "lm_head.weight":
         return True
-    if model.ignores_checkpoint_tensor(name):
-        return True
-    m = re.match(r"model\.layers\.(\d+)\.", name)  # multi-token-prediction layers (DeepSeek): unused here
-    return bool(m) and int(m.group(1)) >= config.num_hidden_layers
+    return model.ignores_checkpoint_tensor(name)
+
+
+def _unloaded_mtp_layers(model: CausalLM, names, read: set, family: str) -> set:
+    """The checkpoint tensors of ``model.layers.{i}`` past ``num_hidden_layers`` that were not read: a family's
+    multi-token-prediction layers it builds no head for (families with :class:`~dynamoe.models.mtp.MTPHeads`
+    load them); logged once with their count."""
+    prefix, N = model.checkpoint_prefix, model.config.num_hidden_layers
+    if getattr(model, "has_mtp", False):
+        N += len(model.mtp)   # (an unread tensor of a layer it built a head for is unexpected)
+    left, layers = set(), set()
+    for n in names:
+        if n in read or not n.startswith(prefix):
+            continue
+        m = _LAYER.match(n, len(prefix))
+        if m and int(m.group(1)) >= N:
+            left.add(n)
+            layers.add(int(m.group(1)))
+    if left:
+        log.info("%s: not loading %d tensors of the multi-token-prediction layers model.layers.%s: this model "
+                 "builds no head for them", family, len(left), sorted(layers))
+    return left
 
 
 def _unused_parts(model: CausalLM, names, family: str) -> set:
@@ -326,6 +347,7 @@ def load(path, dtype: Union[torch.dtype, str] = torch.float32, device=None, prog
         filler = _Filler(model, tensors, qcfg, dtype, device, file_paths)
         filler.run(progress)
         unused = _unused_parts(model, files, family_for(config))
+        unused |= _unloaded_mtp_layers(model, files, tensors.read, family_for(config))
         unexpected = sorted(n for n in files if n not in tensors.read and n not in unused
                             and not _ignorable(n, config, model)
                             and not _other_ranks_expert(n, filler.partial_experts))
@@ -335,6 +357,10 @@ def load(path, dtype: Union[torch.dtype, str] = torch.float32, device=None, prog
         more = f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""
         raise ValueError(f"unexpected tensors in {path!r}, not used by the {family_for(config)} model: "
                          f"{unexpected[:8]}{more}")
+    share = getattr(model, "share_mtp_tensors_", None)
+    if share is not None and share():
+        log.info("%s: the multi-token-prediction heads share the model's embeddings / lm_head (equal copies)",
+                 family_for(config))
     use_fast_linears_(model)  # bf16 decode GEMV on CPU (dynamoe.ops.linear)
     # the mapped pages of tensors copied while loading (stacked, de-interleaved, converted) leave the resident set
     filler.release_copied_pages()

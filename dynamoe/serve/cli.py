@@ -120,8 +120,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "requests may override it")
     s.add_argument("--num-speculative-tokens", "--num_speculative_tokens", dest="speculative_tokens",
                    type=_nonnegative_int, default=0, metavar="K",
-                   help="speculative decoding with n-gram (prompt lookup) drafts: up to K tokens per greedy request "
-                        "and step, verified in one forward; the same output as without (default 0: off)")
+                   help="speculative decoding: up to K draft tokens per greedy request and step (from "
+                        "--speculative-draft), verified in one forward; the same output as without (default 0: off)")
+    s.add_argument("--speculative-draft", "--speculative_draft", dest="speculative_draft", choices=["ngram", "mtp"],
+                   default="ngram",
+                   help="where drafts come from: ngram (prompt lookup in the request's context, default) or mtp (the "
+                        "model's multi-token-prediction head: DeepSeek-V3/R1, Kimi-K2, GLM-4.5 checkpoints that "
+                        "ship MTP layers)")
     s.add_argument("--prefix-caching", "--prefix_caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
                    default=True, help="share the KV cache blocks of equal prompt prefixes across requests, running ones "
                                       "included (a chat's next turn, a common system prompt)")
@@ -268,15 +273,22 @@ def build_engine(args, model, tokenizer, err=None):
     from ..models.cache import DEFAULT_BLOCK_SIZE
 
     block_size = getattr(args, "block_size", DEFAULT_BLOCK_SIZE)
+    draft = getattr(args, "speculative_draft", "ngram")
+    if draft == "mtp" and not getattr(model, "has_mtp", False):
+        raise ValueError(f"--speculative-draft mtp needs a model with multi-token-prediction heads, and this "
+                         f"{type(model).__name__} has none (its checkpoint has no MTP layers, or its family does "
+                         f"not run them): use --speculative-draft ngram")
+    if draft == "mtp" and not getattr(args, "speculative_tokens", 0):
+        raise ValueError("--speculative-draft mtp needs --num-speculative-tokens K >= 1")
     blocks = kv_cache_blocks(model, max_seq_len, args.max_num_seqs, block_size, getattr(args, "kv_cache_memory", None),
-                             getattr(args, "kv_cache_fraction", KV_CACHE_SHARE))
+                             getattr(args, "kv_cache_fraction", KV_CACHE_SHARE), extra_layers=int(draft == "mtp"))
     if blocks is not None and blocks * block_size < max_seq_len:
         print(f"dynamoe serve: warning: the KV cache holds {blocks * block_size} positions, fewer than max_seq_len "
               f"{max_seq_len}: a request gets at most that many (raise --kv-cache-memory)", file=err)
     engine = GenerationEngine(model, tokenizer, max_seq_len=max_seq_len, max_batch=args.max_num_seqs, prefill_chunk=2048,
                               prefix_caching=getattr(args, "prefix_caching", True), kv_cache_blocks=blocks,
                               block_size=block_size, token_budget=getattr(args, "token_budget", None),
-                              speculative_tokens=getattr(args, "speculative_tokens", 0))
+                              speculative_tokens=getattr(args, "speculative_tokens", 0), draft=draft)
     return engine, max_seq_len
 
 
@@ -294,7 +306,7 @@ def default_max_seq_len(model) -> int:
 
 
 def kv_cache_blocks(model, max_seq_len: int, num_slots: int, block_size: int, memory: int | None = None,
-                    fraction: float = KV_CACHE_SHARE) -> int | None:
+                    fraction: float = KV_CACHE_SHARE, extra_layers: int = 0) -> int | None:
     """Blocks of the KV cache's pool: ``memory`` bytes (default ``fraction`` of the RAM, or of the GPU's
     memory) over the bytes of a block, at most what ``num_slots`` sequences at ``max_seq_len`` need and at
     least one block per slot; None (every slot can fill up) where the model does not say its KV size."""
@@ -307,7 +319,10 @@ def kv_cache_blocks(model, max_seq_len: int, num_slots: int, block_size: int, me
     param = next(iter(model.parameters()), None)
     dtype = getattr(model, "dtype", None) or (param.dtype if param is not None else torch.float32)
     device = param.device if param is not None else torch.device("cpu")
-    block_bytes = per_position() * torch.empty((), dtype=dtype).element_size() * block_size
+    per = per_position()
+    if extra_layers:   # attention layers beside the config's (the MTP head's, drafting): as many elements as one
+        per += extra_layers * per // max(1, getattr(cfg, "num_hidden_layers", 1))
+    block_bytes = per * torch.empty((), dtype=dtype).element_size() * block_size
     budget = memory if memory is not None else int(_memory_bytes(device) * fraction)
     full = num_slots * -(-max_seq_len // block_size)
     return max(num_slots, min(full, budget // max(1, block_bytes)))

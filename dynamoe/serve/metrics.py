@@ -179,10 +179,15 @@ class Metrics:
             L.append(f"dynamoe_prompt_cached_tokens_total {engine_totals.get('cached_tokens', 0)}")
             head("dynamoe_preemptions_total", "counter", "Requests preempted (recomputed later) when the KV cache was full.")
             L.append(f"dynamoe_preemptions_total {engine_totals.get('preempted', 0)}")
-            head("dynamoe_spec_draft_tokens_total", "counter", "Speculative (n-gram) draft tokens verified.")
-            L.append(f"dynamoe_spec_draft_tokens_total {engine_totals.get('spec_drafted', 0)}")
-            head("dynamoe_spec_accepted_tokens_total", "counter", "Speculative draft tokens accepted.")
-            L.append(f"dynamoe_spec_accepted_tokens_total {engine_totals.get('spec_accepted', 0)}")
+            head("dynamoe_spec_draft_tokens_total", "counter", "Speculative draft tokens verified, by where the "
+                 "drafts came from (ngram: prompt lookup; mtp: the model's multi-token-prediction head).")
+            for src in ("ngram", "mtp"):
+                L.append(f"dynamoe_spec_draft_tokens_total{_labels(source=src)} "
+                         f"{engine_totals.get('spec_drafted_' + src, 0)}")
+            head("dynamoe_spec_accepted_tokens_total", "counter", "Speculative draft tokens accepted, by source.")
+            for src in ("ngram", "mtp"):
+                L.append(f"dynamoe_spec_accepted_tokens_total{_labels(source=src)} "
+                         f"{engine_totals.get('spec_accepted_' + src, 0)}")
         if kv_cache:
             head("dynamoe_kv_cache_blocks", "gauge", "KV cache blocks by state: used (held by running requests), "
                  "cached (free, holding a shared prefix) and free (uncached).")
