@@ -74,6 +74,8 @@ FAMILIES = {
     "step3p7": ("Step3p7Config", {}),
     # Arcee AFMoE: its own names for the dense layers, shared experts and route scale
     "afmoe": ("AfmoeConfig", {}),
+    # Cohere2-MoE: LayerNorms unless rms_norm_eps, its own layer patterns, shared-expert combination, logit scale
+    "cohere2_moe": ("Cohere2MoeConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -117,7 +119,7 @@ def _hf_moe_layers(hf, mt):
     if mt in LLAMA4:
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash", "step3p5",
-              "step3p7"):
+              "step3p7", "cohere2_moe"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -130,7 +132,7 @@ def _hf_windows(hf, mt):
     if mt in ("qwen3_moe", "mixtral", "phimoe"):
         return [hf.sliding_window] * n
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
-              "step3p7", "afmoe"):
+              "step3p7", "afmoe", "cohere2_moe"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -174,7 +176,10 @@ FIELDS = {
     "head_dim": (lambda hf, mt: getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads, None, None),
     "max_position_embeddings": (lambda hf, mt: hf.max_position_embeddings, None, None),
     # DBRX's LayerNorms: torch's default eps (its config has no field)
-    "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.rms_norm_eps, None, None),
+    # (Cohere2-MoE: LayerNorms of layer_norm_eps when rms_norm_eps is null)
+    "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.layer_norm_eps if getattr(hf, "rms_norm_eps", 0) is None
+                     else hf.rms_norm_eps, None, None),
+    "layer_norm": (lambda hf, mt: getattr(hf, "rms_norm_eps", 0) is None, None, None),
     "rope": (lambda hf, mt: _hf_rope(hf), lambda cfg: _our_rope(cfg), set(FAMILIES) - NO_SINGLE_ROPE),
     # (MiMo's modeling code reads each layer type's partial_rotary_factor with a default of 0.334, Step's of 1)
     "rope_by_layer_type": (lambda hf, mt: {k: {**_hf_rope(p), "partial_rotary_factor": p.get(
@@ -197,7 +202,7 @@ FIELDS = {
     # Mixtral and GPT-OSS size their experts with intermediate_size
     "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-                                                                          "hunyuan_v1_moe", "phimoe"} | LLAMA4
+                                                                          "hunyuan_v1_moe", "phimoe", "cohere2_moe"} | LLAMA4
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
@@ -230,7 +235,8 @@ FIELDS = {
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, QWEN3_RULE),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
-                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe"} | LLAMA4 | STEP),
+                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "cohere2_moe"} | LLAMA4
+                    | STEP),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
                         lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
@@ -280,6 +286,19 @@ FIELDS = {
                          {"afmoe"})
        for ours, theirs in (("n_shared_experts", "num_shared_experts"), ("routed_scaling_factor", "route_scale"),
                             ("intermediate_size", "intermediate_size"))},
+    # Cohere2-MoE: RoPE on the sliding layers and (prefix pattern 1) the dense ones; its own names and switches
+    "layer_uses_rope_cohere": (lambda hf, mt: [t == "sliding_attention" or (m == "dense" and
+                                                                           hf.prefix_dense_sliding_window_pattern == 1)
+                                               for t, m in zip(hf.layer_types, hf.mlp_layer_types)],
+                               lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], {"cohere2_moe"}),
+    "n_shared_experts_cohere": (lambda hf, mt: hf.num_shared_experts, lambda cfg: cfg.n_shared_experts, {"cohere2_moe"}),
+    **{f"{name}_cohere": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
+                          {"cohere2_moe"})
+       for name in ("logit_scale", "expert_selection_fn", "shared_expert_combination_strategy",
+                    "prefix_dense_intermediate_size")},
+    **{f"{name}_cohere": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                          {"cohere2_moe"})
+       for name in ("norm_topk_prob", "intermediate_size")},
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -423,6 +442,11 @@ def test_omitted_fields_default_as_transformers(mt):
     ("afmoe", {"global_attn_every_n_layers": 3, "num_dense_layers": 2, "num_shared_experts": 1, "route_scale": 2.0,
                "sliding_window": 64, "num_key_value_heads": 2}),
     ("afmoe", {"layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 2}),
+    # Cohere2-MoE: a dense prefix by its own pattern (first_k_dense_replace is read, not kept), RMSNorms
+    ("cohere2_moe", {"first_k_dense_replace": 3, "prefix_dense_sliding_window_pattern": 2, "sliding_window_pattern": 1,
+                     "rms_norm_eps": 1e-6, "num_shared_experts": 2, "prefix_dense_intermediate_size": 48}),
+    ("cohere2_moe", {"first_k_dense_replace": 1, "sliding_window": 64, "num_key_value_heads": 2, "layer_norm_eps": 1e-6}),
+    ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

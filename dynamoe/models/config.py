@@ -337,6 +337,20 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
               "fields": {"intermediate_size": 6144, "moe_intermediate_size": 1408, "max_position_embeddings": 16384,
                          "rms_norm_eps": 1e-5, "sliding_window": 1024, "num_dense_layers": 1, "num_shared_experts": 2,
                          "route_scale": 1.0, "global_attn_every_n_layers": 4}},
+    # Cohere2MoeConfig (Command A): LayerNorms (weight only, eps layer_norm_eps) unless rms_norm_eps is set
+    # ("layer_norm_unless_rms"); without layer_types, the first first_k_dense_replace layers (a constructor argument
+    # transformers does not keep) follow prefix_dense_sliding_window_pattern, the others sliding_window_pattern (every
+    # n-th full), and they are the dense ones; RoPE on the sliding layers (and the dense ones when the prefix pattern
+    # is 1: "cohere_layers"); the experts are intermediate_size wide, the dense prefix prefix_dense_intermediate_size
+    "cohere2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "head_dim": 128, "cohere_layers": True,
+                    "layer_norm_unless_rms": True, "ignored": ("moe_intermediate_size", "n_shared_experts"),
+                    "aliases": {"n_shared_experts": "num_shared_experts"},
+                    "fields": {"intermediate_size": 22528, "max_position_embeddings": 8192, "layer_norm_eps": 1e-5,
+                               "pad_token_id": 0, "bos_token_id": 5, "eos_token_id": 255001, "tie_word_embeddings": True,
+                               "sliding_window": 4096, "num_shared_experts": 0, "norm_topk_prob": True,
+                               "shared_expert_combination_strategy": "average", "expert_selection_fn": "softmax",
+                               "prefix_dense_sliding_window_pattern": 1, "sliding_window_pattern": 4,
+                               "logit_scale": 0.0625}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -700,6 +714,9 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     rope: RopeConfig
+    #: Cohere2-MoE: the norms are LayerNorms (mean subtracted; weight, no bias) with eps ``rms_norm_eps`` (read from
+    #: ``layer_norm_eps``), not RMSNorms
+    layer_norm: bool = False
     architectures: tuple = ()
     #: ((layer type, RopeConfig), ...) where the RoPE differs per layer type (MiMo-V2-Flash; ``rope`` is the
     #: full-attention one); () = ``rope`` for every layer
@@ -934,6 +951,14 @@ class ModelConfig:
         elif fam.get("llama4_layers"):  # the RoPE layers chunked (when there is a chunk size), the NoPE ones full
             layer_types = tuple("chunked_attention" if r and chunk is not None else "full_attention"
                                 for r in no_rope_layers)
+        elif fam.get("cohere_layers"):  # the dense prefix by its own pattern, the others every n-th full
+            k = _int(d, "first_k_dense_replace", 0, minimum=0)
+            if k > layers:
+                raise _err("first_k_dense_replace", k, f"an int in [0, num_hidden_layers={layers}]")
+            p, n = _int(d, "prefix_dense_sliding_window_pattern", required=True), _int(d, "sliding_window_pattern",
+                                                                                       required=True)
+            layer_types = tuple("sliding_attention" if (i + 1) % p else "full_attention" for i in range(k)) + tuple(
+                "sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers - k))
         elif fam.get("afmoe_layers"):  # every n-th layer full attention, the others sliding
             n = _int(d, "global_attn_every_n_layers", required=True)
             layer_types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))
@@ -1006,6 +1031,14 @@ class ModelConfig:
             end = _int(d, "moe_layer_end_index", minimum=-1)
             end = layers - 1 if end == -1 else end
             mlp_types = tuple("sparse" if (i + 1) % every == 0 and start <= i <= end else "dense" for i in range(layers))
+        if fam.get("cohere_layers"):  # the first first_k_dense_replace layers dense; RoPE on the sliding layers and,
+            # with a prefix pattern of 1 (all full), on the dense ones
+            if not mlp_types:
+                k = _int(d, "first_k_dense_replace", 0, minimum=0)
+                mlp_types = tuple("dense" if i < k else "sparse" for i in range(layers))
+            prefix_rope = _int(d, "prefix_dense_sliding_window_pattern", required=True) == 1
+            no_rope_layers = tuple(int(t == "sliding_attention" or (m == "dense" and prefix_rope))
+                                   for t, m in zip(layer_types, mlp_types))
         indexer_types = _indexer_types(d, layers)
         mlp_only = _int_list(d, "mlp_only_layers")
         if any(not 0 <= i < layers for i in mlp_only):
@@ -1035,11 +1068,15 @@ class ModelConfig:
                 partial = _int(d, "qk_rope_head_dim") / head_dim
             rope = parse_rope(d, max_pos, fam.get("rope_theta", 10000.0), fam.get("rope"), partial)
 
+        layer_norm = bool(fam.get("layer_norm_unless_rms")) and d.get("rms_norm_eps") is None
+        if layer_norm and d.get("layer_norm_eps") is None:
+            raise ValueError("config field 'layer_norm_eps' is required (a number > 0) when 'rms_norm_eps' is null")
         cfg = cls(
             model_type=model_type, architectures=tuple(archs),
             vocab_size=_int(d, "vocab_size", required=True), hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
-            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6, positive=True),
+            rms_norm_eps=(_float(d, "layer_norm_eps", positive=True) if layer_norm
+                          else _float(d, "rms_norm_eps", 1e-6, positive=True)), layer_norm=layer_norm,
             rope=rope, rope_by_layer_type=layer_ropes,
             intermediate_size=_int(d, "intermediate_size"), hidden_act=_str(d, "hidden_act", "silu"),
             tie_word_embeddings=_bool(d, "tie_word_embeddings", False),

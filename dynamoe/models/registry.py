@@ -114,4 +114,5 @@ register("phimoe", "dynamoe.models.phimoe:PhimoeForCausalLM", ("PhimoeForCausalL
 register("longcat_flash", "dynamoe.models.longcat_flash:LongcatFlashForCausalLM", ("LongcatFlashForCausalLM",))
 register("step3p5", "dynamoe.models.step3p5:Step3p5ForCausalLM", ("Step3p5ForCausalLM",))
 register("afmoe", "dynamoe.models.afmoe:AfmoeForCausalLM", ("AfmoeForCausalLM",))
+register("cohere2_moe", "dynamoe.models.cohere2_moe:Cohere2MoeForCausalLM", ("Cohere2MoeForCausalLM",))
 register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForConditionalGeneration",))

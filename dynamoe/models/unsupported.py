@@ -33,8 +33,6 @@ UNSUPPORTED: dict[str, str] = {
     "bailing_hybrid": "Ling hybrid (bailing_hybrid) mixes MLA with linear-attention / convolution layers: "
                       "recurrent layers are not supported yet",
     "beam": "Beam is not implemented yet: per-layer mlp_layer_types and attention layer_types of its own",
-    "cohere2_moe": "Cohere2-MoE is not implemented yet: one norm feeding attention and MLP in parallel (one residual), "
-                   "dense/sparse mlp_layer_types, a sliding-window layer pattern and logit_scale",
     "deepseek_ocr2": _VLM,
     "deepseek_ocr2_text": _text_of("deepseek_ocr2", "the OCR model's text decoder is not ported"),
     "deepseek_v4": "DeepSeek-V4 is not implemented yet: compressed sparse attention with hash routing, sinks "
