@@ -76,6 +76,8 @@ FAMILIES = {
     "afmoe": ("AfmoeConfig", {}),
     # Cohere2-MoE: LayerNorms unless rms_norm_eps, its own layer patterns, shared-expert combination, logit scale
     "cohere2_moe": ("Cohere2MoeConfig", {}),
+    # Solar-Open: GLM-4.5's routing on every layer, no dense layers or q/k norms
+    "solar_open": ("SolarOpenConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -91,7 +93,7 @@ DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
                                                                                        "longcat_flash"}
 # DeepSeek-V3's routing fields under these families' own config classes
-DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"}
+DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "solar_open"}
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
 NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash"} | STEP
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash"} | STEP
@@ -111,7 +113,7 @@ def _hf_moe_layers(hf, mt):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-              "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash"):
+              "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash", "solar_open"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
@@ -446,6 +448,9 @@ def test_omitted_fields_default_as_transformers(mt):
     ("cohere2_moe", {"first_k_dense_replace": 3, "prefix_dense_sliding_window_pattern": 2, "sliding_window_pattern": 1,
                      "rms_norm_eps": 1e-6, "num_shared_experts": 2, "prefix_dense_intermediate_size": 48}),
     ("cohere2_moe", {"first_k_dense_replace": 1, "sliding_window": 64, "num_key_value_heads": 2, "layer_norm_eps": 1e-6}),
+    # Solar-Open: a hub config's GLM-only fields are not read; the RoPE base given
+    ("solar_open", {"first_k_dense_replace": 2, "use_qk_norm": True, "intermediate_size": 96, "rope_theta": 5e5,
+                    "n_group": 2, "topk_group": 1, "num_local_experts": 16}),
     ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),

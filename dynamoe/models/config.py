@@ -351,6 +351,15 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                "shared_expert_combination_strategy": "average", "expert_selection_fn": "softmax",
                                "prefix_dense_sliding_window_pattern": 1, "sliding_window_pattern": 4,
                                "logit_scale": 0.0625}},
+    # SolarOpenConfig: GLM-4.5's routing on every layer, Llama's attention (no q/k norm, no window), whole-head RoPE
+    # at 1e6; the GLM fields it removes are not read when a hub config has them ("ignored")
+    "solar_open": {"rope_theta": 1e6, "num_experts": 128, "num_experts_per_tok": 8, "head_dim": 128,
+                   "ignored": ("first_k_dense_replace", "use_qk_norm", "mlp_layer_types", "mlp_only_layers",
+                               "decoder_sparse_step", "num_nextn_predict_layers", "intermediate_size", "sliding_window",
+                               "layer_types", "use_sliding_window"),
+                   "fields": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                              "moe_intermediate_size": 1280, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+                              "n_group": 1, "topk_group": 1, "norm_topk_prob": True}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,

@@ -115,4 +115,5 @@ register("longcat_flash", "dynamoe.models.longcat_flash:LongcatFlashForCausalLM"
 register("step3p5", "dynamoe.models.step3p5:Step3p5ForCausalLM", ("Step3p5ForCausalLM",))
 register("afmoe", "dynamoe.models.afmoe:AfmoeForCausalLM", ("AfmoeForCausalLM",))
 register("cohere2_moe", "dynamoe.models.cohere2_moe:Cohere2MoeForCausalLM", ("Cohere2MoeForCausalLM",))
+register("solar_open", "dynamoe.models.solar_open:SolarOpenForCausalLM", ("SolarOpenForCausalLM",))
 register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForConditionalGeneration",))
