@@ -78,6 +78,8 @@ FAMILIES = {
     "cohere2_moe": ("Cohere2MoeConfig", {}),
     # Solar-Open: GLM-4.5's routing on every layer, no dense layers or q/k norms
     "solar_open": ("SolarOpenConfig", {}),
+    # Hy3: its own names for the shared experts and route scale, a dense first layer, mlp_bias
+    "hy_v3": ("HYV3Config", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -121,7 +123,7 @@ def _hf_moe_layers(hf, mt):
     if mt in LLAMA4:
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash", "step3p5",
-              "step3p7", "cohere2_moe"):
+              "step3p7", "cohere2_moe", "hy_v3"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -301,6 +303,13 @@ FIELDS = {
     **{f"{name}_cohere": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
                           {"cohere2_moe"})
        for name in ("norm_topk_prob", "intermediate_size")},
+    # Hy3
+    "n_shared_experts_hy": (lambda hf, mt: hf.num_shared_experts, lambda cfg: cfg.n_shared_experts, {"hy_v3"}),
+    "routed_scaling_factor_hy": (lambda hf, mt: hf.router_scaling_factor, lambda cfg: cfg.routed_scaling_factor,
+                                 {"hy_v3"}),
+    "intermediate_size_hy": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, {"hy_v3"}),
+    **{f"{name}_hy": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name), {"hy_v3"})
+       for name in ("mlp_bias", "enable_moe_fp32_combine")},
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -451,6 +460,10 @@ def test_omitted_fields_default_as_transformers(mt):
     # Solar-Open: a hub config's GLM-only fields are not read; the RoPE base given
     ("solar_open", {"first_k_dense_replace": 2, "use_qk_norm": True, "intermediate_size": 96, "rope_theta": 5e5,
                     "n_group": 2, "topk_group": 1, "num_local_experts": 16}),
+    # Hy3: the hub's names; dense layers by mlp_layer_types; DeepSeek's routing switches are not read
+    ("hy_v3", {"num_shared_experts": 2, "router_scaling_factor": 1.0, "mlp_bias": True, "num_local_experts": 16,
+               "mlp_layer_types": ["dense", "dense", "sparse", "sparse"], "n_group": 4, "topk_group": 2,
+               "norm_topk_prob": False, "n_shared_experts": 3, "routed_scaling_factor": 9.0}),
     ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),

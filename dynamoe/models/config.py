@@ -360,6 +360,17 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                    "fields": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                               "moe_intermediate_size": 1280, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
                               "n_group": 1, "topk_group": 1, "norm_topk_prob": True}},
+    # HYV3Config (Hy3): its own names for the shared experts and route scale; without mlp_layer_types layer 0 dense;
+    # the routing always renormalises and has no groups (norm_topk_prob, n_group: not read); no sliding window
+    "hy_v3": {"rope_theta": 11_158_840.0, "num_experts": 192, "num_experts_per_tok": 8, "head_dim": 128,
+              "first_layer_dense": True,
+              "ignored": ("n_shared_experts", "routed_scaling_factor", "first_k_dense_replace", "norm_topk_prob",
+                          "n_group", "topk_group", "sliding_window", "layer_types", "use_sliding_window"),
+              "aliases": {"n_shared_experts": "num_shared_experts", "routed_scaling_factor": "router_scaling_factor"},
+              "fields": {"intermediate_size": 13312, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                         "rms_norm_eps": 1e-5, "num_shared_experts": 1, "moe_intermediate_size": 1536,
+                         "router_scaling_factor": 2.826, "enable_moe_fp32_combine": True, "mlp_bias": False,
+                         "norm_topk_prob": True}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,

@@ -148,6 +148,7 @@ class SparseMoeBlock(nn.Module):
     the fused decode kernels scale outputs, so such a block runs the general path (MoELayer refuses the kernel).
     ``glu_limit``: the routed experts' clamp ('gpt_oss', 'silu_clamp'; None = ``cfg.swiglu_limit`` or 7);
     ``shared_glu`` / ``shared_glu_limit``: the shared experts' own GLU kind and clamp (None = the routed ones').
+    ``shared_bias``: biases on the shared experts' projections (None = as the routed experts: ``expert_bias``).
     """
 
     def __init__(self, cfg: ModelConfig, router: str = "softmax", normalize: bool = True, glu: str = "silu",
@@ -155,7 +156,7 @@ class SparseMoeBlock(nn.Module):
                  shared_gate: bool = False, shared_fused_gate_up: bool = False, router_groups: bool | None = None,
                  route_scale: float | None = None, selection_bias: bool = False, prescale: bool = False,
                  group_rank: str = "max", glu_limit: float | None = None, shared_glu: str | None = None,
-                 shared_glu_limit: float | None = None, dtype=None):
+                 shared_glu_limit: float | None = None, shared_bias: bool | None = None, dtype=None):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
@@ -193,6 +194,7 @@ class SparseMoeBlock(nn.Module):
             gpt_oss_alpha=cfg.swiglu_alpha, gpt_oss_limit=(cfg.swiglu_limit or 7.0) if glu_limit is None else glu_limit,
             num_shared_experts=num_shared_experts, shared_hidden_size=shared_hidden_size, shared_gate=shared_gate,
             shared_fused_gate_up=shared_fused_gate_up, shared_glu_activation=shared_glu, shared_glu_limit=shared_glu_limit,
+            shared_glu_bias=shared_bias,
         )
         # check_finite off: the input is this model's own hidden state, and the check costs a host
         # sync per layer and step

@@ -116,4 +116,5 @@ register("step3p5", "dynamoe.models.step3p5:Step3p5ForCausalLM", ("Step3p5ForCau
 register("afmoe", "dynamoe.models.afmoe:AfmoeForCausalLM", ("AfmoeForCausalLM",))
 register("cohere2_moe", "dynamoe.models.cohere2_moe:Cohere2MoeForCausalLM", ("Cohere2MoeForCausalLM",))
 register("solar_open", "dynamoe.models.solar_open:SolarOpenForCausalLM", ("SolarOpenForCausalLM",))
+register("hy_v3", "dynamoe.models.hy_v3:HYV3ForCausalLM", ("HYV3ForCausalLM",))
 register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForConditionalGeneration",))

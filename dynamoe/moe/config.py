@@ -189,6 +189,8 @@ class ExpertConfig:
     gpt_oss_limit: the clamp of the 'gpt_oss' and 'silu_clamp' GLU activations.
     shared_glu_activation / shared_glu_limit: the shared GLU's own activation and clamp (Step-3.5 clamps its
         shared expert at another bound than its routed ones); None = the routed experts'.
+    shared_glu_bias: biases on the shared GLU's projections (HY-V3's ``mlp_bias`` shared MLP beside bias-free routed
+        experts); None = ``glu_bias``.
     """
 
     type: str = "ffn"
@@ -208,6 +210,7 @@ class ExpertConfig:
     shared_fused_gate_up: bool = False
     shared_glu_activation: Optional[str] = None
     shared_glu_limit: Optional[float] = None
+    shared_glu_bias: Optional[bool] = None
     module: Any = None
     module_kwargs: dict = field(default_factory=dict)
 
@@ -237,6 +240,12 @@ class ExpertConfig:
                 _check_float("shared_glu_limit", self.shared_glu_limit, positive=True)
         for name in ("has_fc1_bias", "has_fc2_bias", "glu_bias", "shared_gate", "shared_fused_gate_up"):
             _check_bool(name, getattr(self, name))
+        if self.shared_glu_bias is not None:
+            _check_bool("shared_glu_bias", self.shared_glu_bias)
+            if self.type != "glu" or not self.num_shared_experts:
+                raise ValueError("shared_glu_bias sets the shared GLU's biases: it needs glu experts and "
+                                 f"num_shared_experts >= 1, got type {self.type!r} and "
+                                 f"num_shared_experts={self.num_shared_experts!r}")
         _check_float("gpt_oss_alpha", self.gpt_oss_alpha, positive=True)
         _check_float("gpt_oss_limit", self.gpt_oss_limit, positive=True)
         if self.shared_hidden_size is not None:
