@@ -80,6 +80,8 @@ FAMILIES = {
     "solar_open": ("SolarOpenConfig", {}),
     # Hy3: its own names for the shared experts and route scale, a dense first layer, mlp_bias
     "hy_v3": ("HYV3Config", {}),
+    # JetMoE: query heads = KV heads x top-k (the file's num_attention_heads is not read), kv_channels, its activation
+    "jetmoe": ("JetMoeConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -115,7 +117,8 @@ def _hf_moe_layers(hf, mt):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-              "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash", "solar_open"):
+              "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash", "solar_open",
+              "jetmoe"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
@@ -173,7 +176,9 @@ FIELDS = {
     "hidden_size": (lambda hf, mt: hf.hidden_size, None, None),
     # (LongCat: dynamoe's decoder layers are its num_layers, transformers' num_hidden_layers counts the sublayers)
     "num_hidden_layers": (lambda hf, mt: hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers, None, None),
-    "num_attention_heads": (lambda hf, mt: hf.num_attention_heads, None, None),
+    # (JetMoE's modeling code runs num_key_value_heads heads per chosen attention expert, whatever the attribute says)
+    "num_attention_heads": (lambda hf, mt: hf.num_key_value_heads * hf.num_experts_per_tok if mt == "jetmoe"
+                            else hf.num_attention_heads, None, None),
     # MLA ignores it (keys and values have a head per query head)
     "num_key_value_heads": (lambda hf, mt: hf.num_key_value_heads, None, GQA_FAMILIES),
     # the modeling files: getattr(config, "head_dim", None) or hidden // heads; MLA configs set qk_rope_head_dim
@@ -190,7 +195,9 @@ FIELDS = {
                                                "partial_rotary_factor", 0.334 if mt == "mimo_v2_flash" else 1.0)}
                                            for k, p in hf.rope_parameters.items()},
                            lambda cfg: {k: _our_rope(r) for k, r in cfg.rope_by_layer_type}, ROPE_PER_LAYER_TYPE),
-    "hidden_act": (lambda hf, mt: hf.hidden_act, None, set(FAMILIES) - {"gpt_oss", "dbrx"}),  # GPT-OSS: its own SwiGLU
+    # (JetMoE: activation_function)
+    "hidden_act": (lambda hf, mt: hf.activation_function if mt == "jetmoe" else hf.hidden_act, None,
+                   set(FAMILIES) - {"gpt_oss", "dbrx"}),  # GPT-OSS: its own SwiGLU
     # DBRX: clip_qkv in attn_config
     "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
     "tie_word_embeddings": (lambda hf, mt: hf.tie_word_embeddings, None, None),
@@ -206,7 +213,8 @@ FIELDS = {
     # Mixtral and GPT-OSS size their experts with intermediate_size
     "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-                                                                          "hunyuan_v1_moe", "phimoe", "cohere2_moe"} | LLAMA4
+                                                                          "hunyuan_v1_moe", "phimoe", "cohere2_moe", "jetmoe"}
+                           | LLAMA4
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
@@ -464,6 +472,9 @@ def test_omitted_fields_default_as_transformers(mt):
     ("hy_v3", {"num_shared_experts": 2, "router_scaling_factor": 1.0, "mlp_bias": True, "num_local_experts": 16,
                "mlp_layer_types": ["dense", "dense", "sparse", "sparse"], "n_group": 4, "topk_group": 2,
                "norm_topk_prob": False, "n_shared_experts": 3, "routed_scaling_factor": 9.0}),
+    # JetMoE: the hub's names; the file's num_attention_heads is not what transformers uses
+    ("jetmoe", {"num_key_value_heads": 4, "num_experts_per_tok": 3, "num_local_experts": 6, "kv_channels": 16,
+                "activation_function": "gelu", "num_attention_heads": 5, "rms_norm_eps": 1e-5}),
     ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),

@@ -371,6 +371,15 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                          "rms_norm_eps": 1e-5, "num_shared_experts": 1, "moe_intermediate_size": 1536,
                          "router_scaling_factor": 2.826, "enable_moe_fp32_combine": True, "mlp_bias": False,
                          "norm_topk_prob": True}},
+    # JetMoeConfig: mixture-of-attention-heads layers with num_key_value_heads heads per chosen attention expert, so
+    # num_attention_heads = num_key_value_heads * num_experts_per_tok whatever the file says ("heads_kv_times_top_k");
+    # head_dim is kv_channels, the activation activation_function
+    "jetmoe": {"num_experts": 8, "num_experts_per_tok": 2, "heads_kv_times_top_k": True,
+               "ignored": ("num_attention_heads", "hidden_act"),
+               "aliases": {"head_dim": "kv_channels", "hidden_act": "activation_function"},
+               "fields": {"num_key_value_heads": 16, "kv_channels": 128, "intermediate_size": 5632,
+                          "max_position_embeddings": 4096, "activation_function": "silu", "bos_token_id": 1,
+                          "eos_token_id": 2, "tie_word_embeddings": True, "rms_norm_eps": 1e-6}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -923,6 +932,9 @@ class ModelConfig:
         if not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs):
             raise _err("architectures", archs, "a list of strings")
 
+        if fam.get("heads_kv_times_top_k"):  # JetMoE: K heads per chosen attention expert
+            d["num_attention_heads"] = (_int(d, "num_key_value_heads", required=True)
+                                        * _int(d, "num_experts_per_tok", fam["num_experts_per_tok"], required=True))
         hidden = _int(d, "hidden_size", required=True)
         heads = _int(d, "num_attention_heads", required=True)
         if fam.get("num_layers_halved"):  # LongCat: our layers are its num_layers (two sublayers each; default: the value)
