@@ -82,6 +82,8 @@ FAMILIES = {
     "hy_v3": ("HYV3Config", {}),
     # JetMoE: query heads = KV heads x top-k (the file's num_attention_heads is not read), kv_channels, its activation
     "jetmoe": ("JetMoeConfig", {}),
+    # Sarvam-30B (run as GLM-4.5): its own names for expert counts, shared experts, MTP layers and q/k/v bias
+    "sarvam_moe": ("SarvamMoEConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -97,7 +99,7 @@ DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
                                                                                        "longcat_flash"}
 # DeepSeek-V3's routing fields under these families' own config classes
-DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "solar_open"}
+DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "solar_open", "sarvam_moe"}
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
 NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash"} | STEP
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash"} | STEP
@@ -268,7 +270,7 @@ FIELDS = {
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, HYBRID)
        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                     "linear_num_value_heads")},
-    "intermediate_size": (lambda hf, mt: hf.intermediate_size, None, {"qwen3_next"} | set(WRAPPED) - {"qwen3_5_moe"}
+    "intermediate_size": (lambda hf, mt: hf.intermediate_size, None, {"qwen3_next", "sarvam_moe"} | set(WRAPPED) - {"qwen3_5_moe"}
                           | {"qwen3_vl_moe_text", "glm4v_moe_text"}),
     # LongCat-Flash: zero-computation experts, route scale, the dense MLPs' width
     "zero_experts": (lambda hf, mt: hf.zero_expert_num, None, {"longcat_flash"}),
@@ -332,10 +334,10 @@ FIELDS = {
     # MiMo-V2-Flash has no shared experts (and no such field)
     "n_shared_experts": (lambda hf, mt: getattr(hf, "n_shared_experts", 0), None, DEEPSEEK_ROUTING),
     "first_k_dense_replace": (lambda hf, mt: hf.first_k_dense_replace, None,
-                              (DEEPSEEK_LIKE - {"glm4_moe_lite"}) | {"mistral4"}),
-    "use_qk_norm": (lambda hf, mt: hf.use_qk_norm, None, {"glm4_moe"}),
+                              (DEEPSEEK_LIKE - {"glm4_moe_lite"}) | {"mistral4", "sarvam_moe"}),
+    "use_qk_norm": (lambda hf, mt: hf.use_qk_norm, None, {"glm4_moe", "sarvam_moe"}),
     "num_nextn_predict_layers": (lambda hf, mt: hf.num_nextn_predict_layers, None,
-                                 {"deepseek_v3", "kimi_k2", "glm4_moe"}),
+                                 {"deepseek_v3", "kimi_k2", "glm4_moe", "sarvam_moe"}),
     # MLA
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, MLA_FAMILIES)
        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
@@ -475,6 +477,9 @@ def test_omitted_fields_default_as_transformers(mt):
     # JetMoE: the hub's names; the file's num_attention_heads is not what transformers uses
     ("jetmoe", {"num_key_value_heads": 4, "num_experts_per_tok": 3, "num_local_experts": 6, "kv_channels": 16,
                 "activation_function": "gelu", "num_attention_heads": 5, "rms_norm_eps": 1e-5}),
+    # Sarvam-30B: the hub's names (attribute_map)
+    ("sarvam_moe", {"num_experts": 16, "num_shared_experts": 2, "use_qkv_bias": True, "num_mtp_layers": 1,
+                    "first_k_dense_replace": 2, "use_qk_norm": False, "rope_theta": 1e6}),
     ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),

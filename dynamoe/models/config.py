@@ -380,6 +380,16 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                "fields": {"num_key_value_heads": 16, "kv_channels": 128, "intermediate_size": 5632,
                           "max_position_embeddings": 4096, "activation_function": "silu", "bos_token_id": 1,
                           "eos_token_id": 2, "tie_word_embeddings": True, "rms_norm_eps": 1e-6}},
+    # SarvamMoEConfig (run as GLM-4.5): whole-head RoPE at 8e6, q/k norms, one dense layer, scale 2.5; its own names
+    # for the expert counts, shared experts, MTP layers and q/k/v bias (attribute_map)
+    "sarvam_moe": {"rope_theta": 8e6, "num_experts": 128, "num_experts_per_tok": 6, "head_dim": 64,
+                   "aliases": {"n_shared_experts": "num_shared_experts", "attention_bias": "use_qkv_bias",
+                               "num_nextn_predict_layers": "num_mtp_layers"},
+                   "fields": {"intermediate_size": 8192, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+                              "rms_norm_eps": 1e-6, "moe_intermediate_size": 1024, "num_shared_experts": 1,
+                              "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+                              "norm_topk_prob": True, "use_qk_norm": True, "eos_token_id": 1, "pad_token_id": 0,
+                              "num_mtp_layers": 0}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,

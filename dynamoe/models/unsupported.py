@@ -89,7 +89,6 @@ UNSUPPORTED: dict[str, str] = {
     "qwen4_exp": _VLM,
     "qwen4_exp_text": _text_of("qwen4_exp", "its layer kinds"),
     "sarvam_mla": "Sarvam-105B is not implemented yet: MLA with Sarvam's routing and multi-token prediction",
-    "sarvam_moe": "Sarvam-30B is not implemented yet: its routing and multi-token-prediction layout",
     "switch_transformers": "Switch Transformers is an encoder-decoder (T5) model, not a decoder-only causal LM",
     "unlimited_ocr": _VLM,
     "unlimited_ocr_text": _text_of("unlimited_ocr", "the OCR model's text decoder is not ported"),
