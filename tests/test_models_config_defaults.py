@@ -84,6 +84,8 @@ FAMILIES = {
     "jetmoe": ("JetMoeConfig", {}),
     # Sarvam-30B (run as GLM-4.5): its own names for expert counts, shared experts, MTP layers and q/k/v bias
     "sarvam_moe": ("SarvamMoEConfig", {}),
+    # Laguna: full layers unless layer_types, a RoPE per layer type, heads per layer, softplus gates, its routing
+    "laguna": ("LagunaConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -101,8 +103,8 @@ MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_te
 # DeepSeek-V3's routing fields under these families' own config classes
 DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "solar_open", "sarvam_moe"}
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash"} | STEP
-ROPE_PER_LAYER_TYPE = {"mimo_v2_flash"} | STEP
+NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "laguna"} | STEP
+ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna"} | STEP
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
 
@@ -128,7 +130,7 @@ def _hf_moe_layers(hf, mt):
     if mt in LLAMA4:
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash", "step3p5",
-              "step3p7", "cohere2_moe", "hy_v3"):
+              "step3p7", "cohere2_moe", "hy_v3", "laguna"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -141,7 +143,7 @@ def _hf_windows(hf, mt):
     if mt in ("qwen3_moe", "mixtral", "phimoe"):
         return [hf.sliding_window] * n
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
-              "step3p7", "afmoe", "cohere2_moe"):
+              "step3p7", "afmoe", "cohere2_moe", "laguna"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -232,9 +234,10 @@ FIELDS = {
     # GraniteMoE (a shared MLP only in granitemoeshared, and only when its size is > 0)
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared", "granitemoe_swa"})
        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
-    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt in {"qwen2_moe", "flint"} | HYBRID
+    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt in {"qwen2_moe", "flint", "laguna"} | HYBRID
                                         else hf.shared_intermediate_size or None, None,
-                                        {"qwen2_moe", "granitemoeshared", "flint", "granitemoe_swa"} | HYBRID),
+                                        {"qwen2_moe", "granitemoeshared", "flint", "granitemoe_swa", "laguna"}
+                                        | HYBRID),
     # K-EXAONE: DeepSeek routing, shared experts under their own name
     # (keys of their own: the DeepSeek entries above keep theirs)
     **{f"{name}_exaone": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
@@ -249,7 +252,7 @@ FIELDS = {
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, QWEN3_RULE),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
-                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "cohere2_moe"} | LLAMA4
+                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "cohere2_moe", "laguna"} | LLAMA4
                     | STEP),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
@@ -320,6 +323,16 @@ FIELDS = {
     "intermediate_size_hy": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, {"hy_v3"}),
     **{f"{name}_hy": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name), {"hy_v3"})
        for name in ("mlp_bias", "enable_moe_fp32_combine")},
+    # Laguna: the route scale under its own name, the dense layers' width, per-layer heads and its switches
+    "routed_scaling_factor_laguna": (lambda hf, mt: hf.moe_routed_scaling_factor, lambda cfg: cfg.routed_scaling_factor,
+                                     {"laguna"}),
+    "intermediate_size_laguna": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, {"laguna"}),
+    "heads_laguna": (lambda hf, mt: list(hf.num_attention_heads_per_layer),
+                     lambda cfg: cfg.raw.get("num_attention_heads_per_layer") or [cfg.num_attention_heads]
+                     * cfg.num_hidden_layers, {"laguna"}),
+    **{f"{name}_laguna": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
+                          {"laguna"})
+       for name in ("gating", "moe_router_logit_softcapping", "moe_apply_router_weight_on_input")},
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -480,6 +493,12 @@ def test_omitted_fields_default_as_transformers(mt):
     # Sarvam-30B: the hub's names (attribute_map)
     ("sarvam_moe", {"num_experts": 16, "num_shared_experts": 2, "use_qkv_bias": True, "num_mtp_layers": 1,
                     "first_k_dense_replace": 2, "use_qk_norm": False, "rope_theta": 1e6}),
+    # Laguna: sliding layers, RoPE dicts without a partial factor (1), Qwen2-MoE's routing fields not read
+    ("laguna", {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 64,
+                "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}},
+                "num_attention_heads_per_layer": [8, 16, 8, 16], "norm_topk_prob": False,
+                "moe_routed_scaling_factor": 2.0, "routed_scaling_factor": 5.0, "mlp_layer_types": ["sparse"] * 4}),
     ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),

@@ -390,6 +390,22 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                               "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
                               "norm_topk_prob": True, "use_qk_norm": True, "eos_token_id": 1, "pad_token_id": 0,
                               "num_mtp_layers": 0}},
+    # LagunaConfig: every layer full attention unless layer_types ("full_layers_by_default"; sliding_window is for the
+    # sliding ones); a RoPE per layer type (a missing partial factor is 1); layer 0 dense; sigmoid routing always
+    # renormalised (Qwen2-MoE's routing fields are not read), scaled by moe_routed_scaling_factor
+    "laguna": {"num_experts": 256, "num_experts_per_tok": 8, "head_dim": 128, "first_layer_dense": True,
+               "full_layers_by_default": True, "rope_partial_default": 1.0,
+               "rope_by_layer_type": {
+                   "full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}},
+               "ignored": ("routed_scaling_factor", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                           "qkv_bias", "use_sliding_window", "max_window_layers", "n_group", "topk_group"),
+               "aliases": {"routed_scaling_factor": "moe_routed_scaling_factor"},
+               "fields": {"intermediate_size": 8192, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                          "rms_norm_eps": 1e-6, "sliding_window": 512, "moe_intermediate_size": 512,
+                          "shared_expert_intermediate_size": 512, "gating": True, "moe_routed_scaling_factor": 1.0,
+                          "moe_apply_router_weight_on_input": False, "moe_router_logit_softcapping": 0.0,
+                          "norm_topk_prob": True}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -520,11 +536,13 @@ def _kimi_layer_types(linear_attn_config: dict, layers: int) -> tuple:
     return tuple(types)
 
 
-def _ropes_by_layer_type(d: dict, max_pos: int, defaults: dict, layer_types: tuple) -> tuple:
+def _ropes_by_layer_type(d: dict, max_pos: int, defaults: dict, layer_types: tuple,
+                         partial_default: float | None = None) -> tuple:
     """MiMo-V2-Flash: ``rope_parameters`` nested by layer type (``{"full_attention": {...}, "sliding_attention":
     {...}}``; absent or null: ``defaults``) as ((layer type, RopeConfig), ...), each parsed from its own dict
     alone (top-level rope_theta / partial_rotary_factor are not read, as MiMoV2FlashConfig), the partial
-    factor defaulting to the family's; every layer type in ``layer_types`` must have one."""
+    factor defaulting to the family's (``partial_default`` when given: Laguna reads a missing one as 1, whatever
+    its defaults say); every layer type in ``layer_types`` must have one."""
     params = d.get("rope_parameters")
     if params is None:
         params = defaults
@@ -536,7 +554,8 @@ def _ropes_by_layer_type(d: dict, max_pos: int, defaults: dict, layer_types: tup
         raise _err("rope_parameters", params, f"RoPE parameters for every layer type in layer_types (missing {missing})")
     out = []
     for kind, p in params.items():
-        partial = defaults.get(kind, {}).get("partial_rotary_factor", 1.0)
+        partial = (defaults.get(kind, {}).get("partial_rotary_factor", 1.0) if partial_default is None
+                   else partial_default)
         out.append((kind, parse_rope({"rope_parameters": p}, max_pos, 10000.0, None, partial)))
     return tuple(out)
 
@@ -1004,7 +1023,7 @@ class ModelConfig:
         elif fam.get("afmoe_layers"):  # every n-th layer full attention, the others sliding
             n = _int(d, "global_attn_every_n_layers", required=True)
             layer_types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))
-        elif fam.get("step_layers"):  # every layer full attention, whatever the window
+        elif fam.get("step_layers") or fam.get("full_layers_by_default"):  # every layer full, whatever the window
             layer_types = ("full_attention",) * layers
         elif fam.get("granite_swa_layers"):
             layer_types = tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers))
@@ -1099,7 +1118,8 @@ class ModelConfig:
 
         if fam.get("rope_by_layer_type") or fam.get("step_layers"):
             layer_ropes = (_step_ropes(d, max_pos, layer_types) if fam.get("step_layers") else
-                           _ropes_by_layer_type(d, max_pos, fam["rope_by_layer_type"], layer_types))
+                           _ropes_by_layer_type(d, max_pos, fam["rope_by_layer_type"], layer_types,
+                                                fam.get("rope_partial_default")))
             rope = dict(layer_ropes).get("full_attention", layer_ropes[0][1])
         else:
             layer_ropes = ()

@@ -119,4 +119,5 @@ register("solar_open", "dynamoe.models.solar_open:SolarOpenForCausalLM", ("Solar
 register("hy_v3", "dynamoe.models.hy_v3:HYV3ForCausalLM", ("HYV3ForCausalLM",))
 register("jetmoe", "dynamoe.models.jetmoe:JetMoeForCausalLM", ("JetMoeForCausalLM",))
 register("sarvam_moe", "dynamoe.models.sarvam_moe:SarvamMoeForCausalLM")
+register("laguna", "dynamoe.models.laguna:LagunaForCausalLM", ("LagunaForCausalLM",))
 register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForConditionalGeneration",))
