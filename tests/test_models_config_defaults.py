@@ -86,6 +86,8 @@ FAMILIES = {
     "sarvam_moe": ("SarvamMoEConfig", {}),
     # Laguna: full layers unless layer_types, a RoPE per layer type, heads per layer, softplus gates, its routing
     "laguna": ("LagunaConfig", {}),
+    # Mellum 2: Qwen3-MoE's with full layers unless layer_types, a RoPE per layer type, dense layers by mlp_layer_types
+    "mellum": ("MellumConfig", dict(moe_intermediate_size=32)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -103,8 +105,8 @@ MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_te
 # DeepSeek-V3's routing fields under these families' own config classes
 DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "solar_open", "sarvam_moe"}
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "laguna"} | STEP
-ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna"} | STEP
+NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "laguna", "mellum"} | STEP
+ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum"} | STEP
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
 
@@ -130,7 +132,7 @@ def _hf_moe_layers(hf, mt):
     if mt in LLAMA4:
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash", "step3p5",
-              "step3p7", "cohere2_moe", "hy_v3", "laguna"):
+              "step3p7", "cohere2_moe", "hy_v3", "laguna", "mellum"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -143,7 +145,7 @@ def _hf_windows(hf, mt):
     if mt in ("qwen3_moe", "mixtral", "phimoe"):
         return [hf.sliding_window] * n
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
-              "step3p7", "afmoe", "cohere2_moe", "laguna"):
+              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -227,7 +229,8 @@ FIELDS = {
     "pad_token_id": (lambda hf, mt: hf.pad_token_id, None, None),
     # Qwen3-MoE
     "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo",
-                                                                  "qwen3_next", "qwen3_omni_moe_thinker", "qwen3_omni_moe", "flint"}
+                                                                  "qwen3_next", "qwen3_omni_moe_thinker", "qwen3_omni_moe", "flint",
+                                                                  "mellum"}
                        | DEEPSEEK_ROUTING),
     # Qwen3-VL-MoE's router has no norm_topk_prob: it always renormalises
     "norm_topk_prob_vl": (lambda hf, mt: True, lambda cfg: cfg.norm_topk_prob, {"qwen3_vl_moe", "qwen3_vl_moe_text"}),
@@ -252,7 +255,8 @@ FIELDS = {
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, QWEN3_RULE),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
-                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "cohere2_moe", "laguna"} | LLAMA4
+                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "cohere2_moe", "laguna",
+                             "mellum"} | LLAMA4
                     | STEP),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
@@ -273,7 +277,7 @@ FIELDS = {
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, HYBRID)
        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                     "linear_num_value_heads")},
-    "intermediate_size": (lambda hf, mt: hf.intermediate_size, None, {"qwen3_next", "sarvam_moe"} | set(WRAPPED) - {"qwen3_5_moe"}
+    "intermediate_size": (lambda hf, mt: hf.intermediate_size, None, {"qwen3_next", "sarvam_moe", "mellum"} | set(WRAPPED) - {"qwen3_5_moe"}
                           | {"qwen3_vl_moe_text", "glm4v_moe_text"}),
     # LongCat-Flash: zero-computation experts, route scale, the dense MLPs' width
     "zero_experts": (lambda hf, mt: hf.zero_expert_num, None, {"longcat_flash"}),
@@ -499,6 +503,12 @@ def test_omitted_fields_default_as_transformers(mt):
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}},
                 "num_attention_heads_per_layer": [8, 16, 8, 16], "norm_topk_prob": False,
                 "moe_routed_scaling_factor": 2.0, "routed_scaling_factor": 5.0, "mlp_layer_types": ["sparse"] * 4}),
+    # Mellum 2: sliding layers with their RoPEs, dense layers, an MTP layer (not loaded), Qwen3's switches not read
+    ("mellum", {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 64,
+                "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}},
+                "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "num_mtp_layers": 1,
+                "use_sliding_window": False, "mlp_only_layers": [1], "decoder_sparse_step": 2, "intermediate_size": 96}),
     ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),

@@ -406,6 +406,17 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                           "shared_expert_intermediate_size": 512, "gating": True, "moe_routed_scaling_factor": 1.0,
                           "moe_apply_router_weight_on_input": False, "moe_router_logit_softcapping": 0.0,
                           "norm_topk_prob": True}},
+    # MellumConfig: Qwen3-MoE's with every layer full attention unless layer_types, a RoPE per layer type (whole head
+    # unless a kind's dict says otherwise), every layer MoE unless mlp_layer_types; Qwen3's layer switches not read
+    "mellum": {"num_experts": 64, "num_experts_per_tok": 8, "head_dim": 128, "full_layers_by_default": True,
+               "rope_partial_default": 1.0,
+               "rope_by_layer_type": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+               "ignored": ("use_sliding_window", "decoder_sparse_step", "mlp_only_layers", "max_window_layers"),
+               "aliases": {"num_nextn_predict_layers": "num_mtp_layers"},
+               "fields": {"intermediate_size": 7168, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+                          "rms_norm_eps": 1e-6, "sliding_window": 1024, "moe_intermediate_size": 896,
+                          "norm_topk_prob": True}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
