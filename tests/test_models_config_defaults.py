@@ -88,6 +88,8 @@ FAMILIES = {
     "laguna": ("LagunaConfig", {}),
     # Mellum 2: Qwen3-MoE's with full layers unless layer_types, a RoPE per layer type, dense layers by mlp_layer_types
     "mellum": ("MellumConfig", dict(moe_intermediate_size=32)),
+    # Kolibri-1: every 5th layer full (NoPE), the others sliding; every layer MoE with a shared expert
+    "kolibri1": ("Kolibri1Config", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -124,7 +126,7 @@ def _hf_moe_layers(hf, mt):
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
               "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash", "solar_open",
-              "jetmoe"):
+              "jetmoe", "kolibri1"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
@@ -145,7 +147,7 @@ def _hf_windows(hf, mt):
     if mt in ("qwen3_moe", "mixtral", "phimoe"):
         return [hf.sliding_window] * n
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
-              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum"):
+              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -208,7 +210,8 @@ FIELDS = {
     "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
     "tie_word_embeddings": (lambda hf, mt: hf.tie_word_embeddings, None, None),
     # Mixtral's attention has no biases (and no attention_bias field)
-    "attention_bias": (lambda hf, mt: getattr(hf, "attention_bias", False), None, None),
+    # (Kolibri-1's attention has no biases, whatever a config attribute says)
+    "attention_bias": (lambda hf, mt: mt != "kolibri1" and getattr(hf, "attention_bias", False), None, None),
     "layer_windows": (lambda hf, mt: _hf_windows(hf, mt),
                       lambda cfg: [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)], None),
     "num_experts": (lambda hf, mt: hf.ffn_config.moe_num_experts if mt == "dbrx" else
@@ -230,16 +233,17 @@ FIELDS = {
     # Qwen3-MoE
     "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo",
                                                                   "qwen3_next", "qwen3_omni_moe_thinker", "qwen3_omni_moe", "flint",
-                                                                  "mellum"}
+                                                                  "mellum", "kolibri1"}
                        | DEEPSEEK_ROUTING),
     # Qwen3-VL-MoE's router has no norm_topk_prob: it always renormalises
     "norm_topk_prob_vl": (lambda hf, mt: True, lambda cfg: cfg.norm_topk_prob, {"qwen3_vl_moe", "qwen3_vl_moe_text"}),
     # GraniteMoE (a shared MLP only in granitemoeshared, and only when its size is > 0)
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared", "granitemoe_swa"})
        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
-    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt in {"qwen2_moe", "flint", "laguna"} | HYBRID
+    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt in {"qwen2_moe", "flint", "laguna", "kolibri1"} | HYBRID
                                         else hf.shared_intermediate_size or None, None,
-                                        {"qwen2_moe", "granitemoeshared", "flint", "granitemoe_swa", "laguna"}
+                                        {"qwen2_moe", "granitemoeshared", "flint", "granitemoe_swa", "laguna",
+                                         "kolibri1"}
                                         | HYBRID),
     # K-EXAONE: DeepSeek routing, shared experts under their own name
     # (keys of their own: the DeepSeek entries above keep theirs)
@@ -256,7 +260,7 @@ FIELDS = {
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
                     HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "cohere2_moe", "laguna",
-                             "mellum"} | LLAMA4
+                             "mellum", "kolibri1"} | LLAMA4
                     | STEP),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
@@ -509,6 +513,10 @@ def test_omitted_fields_default_as_transformers(mt):
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}},
                 "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "num_mtp_layers": 1,
                 "use_sliding_window": False, "mlp_only_layers": [1], "decoder_sparse_step": 2, "intermediate_size": 96}),
+    # Kolibri-1: a pattern of its own; Qwen3's dense-layer switches and attention bias are not read
+    ("kolibri1", {"layer_types": ["full_attention", "sliding_attention"] * 2, "sliding_window": 64,
+                  "mlp_only_layers": [0], "decoder_sparse_step": 2, "attention_bias": True, "intermediate_size": 96,
+                  "norm_topk_prob": True, "num_key_value_heads": 2}),
     ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),

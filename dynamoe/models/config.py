@@ -417,6 +417,15 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                "fields": {"intermediate_size": 7168, "num_key_value_heads": 4, "max_position_embeddings": 131072,
                           "rms_norm_eps": 1e-6, "sliding_window": 1024, "moe_intermediate_size": 896,
                           "norm_topk_prob": True}},
+    # Kolibri1Config: without layer_types every 5th layer full attention (NoPE while a window is set), the others
+    # sliding; every layer MoE with a shared expert; Qwen3's dense-layer switches and attention bias are not read
+    "kolibri1": {"num_experts": 384, "num_experts_per_tok": 6, "head_dim": 128, "full_attention_every": 5,
+                 "ignored": ("intermediate_size", "use_sliding_window", "decoder_sparse_step", "mlp_only_layers",
+                             "attention_bias", "first_k_dense_replace", "mlp_layer_types", "routed_scaling_factor",
+                             "n_group", "topk_group", "max_window_layers"),
+                 "fields": {"num_key_value_heads": 4, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+                            "sliding_window": 513, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                            "norm_topk_prob": False}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -1031,6 +1040,9 @@ class ModelConfig:
                                                                                        required=True)
             layer_types = tuple("sliding_attention" if (i + 1) % p else "full_attention" for i in range(k)) + tuple(
                 "sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers - k))
+        elif fam.get("full_attention_every"):  # every n-th layer full attention, the others sliding (Kolibri-1)
+            n = fam["full_attention_every"]
+            layer_types = tuple("full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers))
         elif fam.get("afmoe_layers"):  # every n-th layer full attention, the others sliding
             n = _int(d, "global_attn_every_n_layers", required=True)
             layer_types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))

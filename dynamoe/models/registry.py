@@ -121,4 +121,5 @@ register("jetmoe", "dynamoe.models.jetmoe:JetMoeForCausalLM", ("JetMoeForCausalL
 register("sarvam_moe", "dynamoe.models.sarvam_moe:SarvamMoeForCausalLM")
 register("laguna", "dynamoe.models.laguna:LagunaForCausalLM", ("LagunaForCausalLM",))
 register("mellum", "dynamoe.models.mellum:MellumForCausalLM", ("MellumForCausalLM",))
+register("kolibri1", "dynamoe.models.kolibri1:Kolibri1ForCausalLM", ("Kolibri1ForCausalLM",))
 register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForConditionalGeneration",))

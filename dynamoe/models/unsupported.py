@@ -65,7 +65,6 @@ UNSUPPORTED: dict[str, str] = {
     "inkling_mm_model": _VLM,
     "inkling_text": _text_of("inkling", "short-convolution layers and multi-token prediction"),
     "jamba": "Jamba mixes Mamba layers with attention: state-space layers are not supported yet",
-    "kolibri1": "Kolibri-1 is not implemented yet: sliding/full attention layer pattern of its own",
     "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
                  "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
     "lfm2_moe": "LFM2-MoE mixes short-convolution layers with attention: convolution layers are not supported yet",

@@ -99,6 +99,8 @@ class GateConfig:
     gate_noise: std of training-time logit noise (Tutel: noise * randn / E).
     normalize: renormalise the top-k weights; None = the layer's ``normalize_gate`` for softmax
         gates (only when k > 1, as Switch keeps the raw probability), True for sigmoid gates.
+    bias_on_logits: a sigmoid gate's selection bias is added to the logits, not to the sigmoid scores, to choose
+        the experts (Kolibri-1); the weights are the chosen logits' sigmoids either way.
     """
 
     type: str = "top"
@@ -115,6 +117,7 @@ class GateConfig:
     topk_group: int = 1
     group_rank: str = "max"  # 'top' only: see the docstring
     route_scale: float = 1.0  # (also 'top': DeepSeek-V2's routed_scaling_factor)
+    bias_on_logits: bool = False  # 'sigmoid' only: see the docstring
     # sparsemixer routing: the relative margin of the experts that share an expert's softmax (Phi-3.5-MoE's
     # router_jitter_noise)
     jitter_eps: float = 0.01
@@ -151,6 +154,10 @@ class GateConfig:
             raise ValueError(f"group_rank={self.group_rank!r} is for gate type 'top' (sigmoid gates rank groups by "
                              f"DeepSeek-V3's rule), got type {self.type!r}; allowed there: 'max'")
         _check_float("route_scale", self.route_scale, positive=True)
+        _check_bool("bias_on_logits", self.bias_on_logits)
+        if self.bias_on_logits and self.type != "sigmoid":
+            raise ValueError(f"bias_on_logits is for gate type 'sigmoid' (where the selection bias goes), got type "
+                             f"{self.type!r}")
         _check_float("jitter_eps", self.jitter_eps)
         if self.jitter_eps < 0:
             raise ValueError(f"jitter_eps must be >= 0, got {self.jitter_eps}")
