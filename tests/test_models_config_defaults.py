@@ -90,6 +90,8 @@ FAMILIES = {
     "mellum": ("MellumConfig", dict(moe_intermediate_size=32)),
     # Kolibri-1: every 5th layer full (NoPE), the others sliding; every layer MoE with a shared expert
     "kolibri1": ("Kolibri1Config", {}),
+    # Beam: every 6th and the last layer full (NoPE), 3 dense layers, DeepSeek routing without shared experts
+    "beam": ("BeamConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -105,10 +107,10 @@ DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
                                                                                        "longcat_flash"}
 # DeepSeek-V3's routing fields under these families' own config classes
-DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "solar_open", "sarvam_moe"}
+DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "solar_open", "sarvam_moe", "beam"}
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "laguna", "mellum"} | STEP
-ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum"} | STEP
+NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam"} | STEP
+ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum", "beam"} | STEP
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
 
@@ -134,7 +136,7 @@ def _hf_moe_layers(hf, mt):
     if mt in LLAMA4:
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash", "step3p5",
-              "step3p7", "cohere2_moe", "hy_v3", "laguna", "mellum"):
+              "step3p7", "cohere2_moe", "hy_v3", "laguna", "mellum", "beam"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -147,7 +149,7 @@ def _hf_windows(hf, mt):
     if mt in ("qwen3_moe", "mixtral", "phimoe"):
         return [hf.sliding_window] * n
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
-              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1"):
+              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -201,7 +203,7 @@ FIELDS = {
     # (MiMo's modeling code reads each layer type's partial_rotary_factor with a default of 0.334, Step's of 1)
     "rope_by_layer_type": (lambda hf, mt: {k: {**_hf_rope(p), "partial_rotary_factor": p.get(
                                                "partial_rotary_factor", 0.334 if mt == "mimo_v2_flash" else 1.0)}
-                                           for k, p in hf.rope_parameters.items()},
+                                           for k, p in hf.rope_parameters.items() if p is not None},  # (Beam: NoPE)
                            lambda cfg: {k: _our_rope(r) for k, r in cfg.rope_by_layer_type}, ROPE_PER_LAYER_TYPE),
     # (JetMoE: activation_function)
     "hidden_act": (lambda hf, mt: hf.activation_function if mt == "jetmoe" else hf.hidden_act, None,
@@ -260,7 +262,7 @@ FIELDS = {
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
                     HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "cohere2_moe", "laguna",
-                             "mellum", "kolibri1"} | LLAMA4
+                             "mellum", "kolibri1", "beam"} | LLAMA4
                     | STEP),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
@@ -341,6 +343,12 @@ FIELDS = {
     **{f"{name}_laguna": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
                           {"laguna"})
        for name in ("gating", "moe_router_logit_softcapping", "moe_apply_router_weight_on_input")},
+    # Beam: NoPE on the layer types without RoPE parameters, the dense layers' width, the logit softcap
+    "layer_uses_rope_beam": (lambda hf, mt: [hf.rope_parameters[t] is not None for t in hf.layer_types],
+                             lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], {"beam"}),
+    "intermediate_size_beam": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, {"beam"}),
+    "final_logit_softcapping_beam": (lambda hf, mt: hf.final_logit_softcapping,
+                                     lambda cfg: cfg.raw.get("final_logit_softcapping"), {"beam"}),
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -517,6 +525,13 @@ def test_omitted_fields_default_as_transformers(mt):
     ("kolibri1", {"layer_types": ["full_attention", "sliding_attention"] * 2, "sliding_window": 64,
                   "mlp_only_layers": [0], "decoder_sparse_step": 2, "attention_bias": True, "intermediate_size": 96,
                   "norm_topk_prob": True, "num_key_value_heads": 2}),
+    # Beam: RoPE on the full layers too, its own layer and MLP patterns, no softcap, Qwen3's switches not read
+    ("beam", {"layer_types": ["full_attention", "sliding_attention"] * 2, "sliding_window": 64,
+              "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}},
+              "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "final_logit_softcapping": None,
+              "n_group": 2, "topk_group": 1, "mlp_only_layers": [1], "decoder_sparse_step": 2}),
+    ("beam", {"num_hidden_layers": 2}),   # fewer layers than the dense prefix: all dense; the last layer full
     ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),

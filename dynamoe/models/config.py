@@ -426,6 +426,19 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                  "fields": {"num_key_value_heads": 4, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
                             "sliding_window": 513, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
                             "norm_topk_prob": False}},
+    # BeamConfig: every 6th layer and the last full attention, the others sliding ("beam_layers"); RoPE by layer type
+    # with the full layers' null (NoPE: "nope_kinds"); the first 3 layers dense; DeepSeek-V3 routing (8 groups, 4
+    # kept, scale 2.5) without shared experts; logits softcapped at 30; Qwen3's layer switches are not read
+    "beam": {"num_experts": 256, "num_experts_per_tok": 8, "head_dim": 128, "beam_layers": True, "dense_prefix": 3,
+             "nope_kinds": True, "rope_partial_default": 1.0,
+             "rope_by_layer_type": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": None},
+             "ignored": ("use_sliding_window", "decoder_sparse_step", "mlp_only_layers", "max_window_layers",
+                         "first_k_dense_replace", "n_shared_experts"),
+             "fields": {"intermediate_size": 20480, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+                        "rms_norm_eps": 1e-6, "sliding_window": 512, "moe_intermediate_size": 2560,
+                        "norm_topk_prob": True, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+                        "final_logit_softcapping": 30.0}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -557,23 +570,26 @@ def _kimi_layer_types(linear_attn_config: dict, layers: int) -> tuple:
 
 
 def _ropes_by_layer_type(d: dict, max_pos: int, defaults: dict, layer_types: tuple,
-                         partial_default: float | None = None) -> tuple:
+                         partial_default: float | None = None, nope_kinds: bool = False) -> tuple:
     """MiMo-V2-Flash: ``rope_parameters`` nested by layer type (``{"full_attention": {...}, "sliding_attention":
     {...}}``; absent or null: ``defaults``) as ((layer type, RopeConfig), ...), each parsed from its own dict
     alone (top-level rope_theta / partial_rotary_factor are not read, as MiMoV2FlashConfig), the partial
     factor defaulting to the family's (``partial_default`` when given: Laguna reads a missing one as 1, whatever
-    its defaults say); every layer type in ``layer_types`` must have one."""
+    its defaults say); every layer type in ``layer_types`` must have one. ``nope_kinds``: a kind may map to null (no
+    RoPE on its layers: Beam's full layers), left out of the result."""
     params = d.get("rope_parameters")
     if params is None:
         params = defaults
-    if not isinstance(params, dict) or not params or any(t not in LAYER_TYPES or not isinstance(p, dict)
-                                                         for t, p in params.items()):
+    if not isinstance(params, dict) or not params or any(t not in LAYER_TYPES or not (
+            isinstance(p, dict) or (nope_kinds and p is None)) for t, p in params.items()):
         raise _err("rope_parameters", params, f"a dict of RoPE parameters per layer type ({list(defaults)})")
     missing = sorted(set(layer_types) - set(params))
     if missing:
         raise _err("rope_parameters", params, f"RoPE parameters for every layer type in layer_types (missing {missing})")
     out = []
     for kind, p in params.items():
+        if p is None:
+            continue
         partial = (defaults.get(kind, {}).get("partial_rotary_factor", 1.0) if partial_default is None
                    else partial_default)
         out.append((kind, parse_rope({"rope_parameters": p}, max_pos, 10000.0, None, partial)))
@@ -1043,6 +1059,9 @@ class ModelConfig:
         elif fam.get("full_attention_every"):  # every n-th layer full attention, the others sliding (Kolibri-1)
             n = fam["full_attention_every"]
             layer_types = tuple("full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers))
+        elif fam.get("beam_layers"):  # every 6th layer and the last full attention, the others sliding
+            layer_types = tuple("full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention"
+                                for i in range(layers))
         elif fam.get("afmoe_layers"):  # every n-th layer full attention, the others sliding
             n = _int(d, "global_attn_every_n_layers", required=True)
             layer_types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))
@@ -1099,6 +1118,9 @@ class ModelConfig:
         mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("step_layers"):
             mlp_types = _step_mlp_types(d, layers)
+        if not mlp_types and fam.get("dense_prefix"):  # the first n layers dense (Beam: 3)
+            n = min(fam["dense_prefix"], layers)
+            mlp_types = ("dense",) * n + ("sparse",) * (layers - n)
         if not mlp_types and fam.get("first_layer_dense"):
             mlp_types = ("dense",) + ("sparse",) * (layers - 1)
         if not mlp_types and fam.get("llama4_layers"):  # moe_layers, else every step-th layer from step - 1
@@ -1142,8 +1164,13 @@ class ModelConfig:
         if fam.get("rope_by_layer_type") or fam.get("step_layers"):
             layer_ropes = (_step_ropes(d, max_pos, layer_types) if fam.get("step_layers") else
                            _ropes_by_layer_type(d, max_pos, fam["rope_by_layer_type"], layer_types,
-                                                fam.get("rope_partial_default")))
+                                                fam.get("rope_partial_default"), bool(fam.get("nope_kinds"))))
+            if not layer_ropes:
+                raise _err("rope_parameters", d.get("rope_parameters"), "RoPE parameters for at least one layer type")
             rope = dict(layer_ropes).get("full_attention", layer_ropes[0][1])
+            if fam.get("nope_kinds"):  # the layers of a kind without RoPE parameters are NoPE
+                kinds = dict(layer_ropes)
+                no_rope_layers = tuple(int(t in kinds) for t in layer_types)
         else:
             layer_ropes = ()
             partial = fam.get("partial_rotary_factor", 1.0)

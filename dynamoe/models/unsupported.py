@@ -32,7 +32,6 @@ UNSUPPORTED: dict[str, str] = {
     "axk2": "A.X-K2 is not implemented yet: MLA with a sparse-attention indexer and gated RMSNorm / gated MLPs",
     "bailing_hybrid": "Ling hybrid (bailing_hybrid) mixes MLA with linear-attention / convolution layers: "
                       "recurrent layers are not supported yet",
-    "beam": "Beam is not implemented yet: per-layer mlp_layer_types and attention layer_types of its own",
     "deepseek_ocr2": _VLM,
     "deepseek_ocr2_text": _text_of("deepseek_ocr2", "the OCR model's text decoder is not ported"),
     "deepseek_v4": "DeepSeek-V4 is not implemented yet: compressed sparse attention with hash routing, sinks "
