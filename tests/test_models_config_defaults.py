@@ -92,6 +92,8 @@ FAMILIES = {
     "kolibri1": ("Kolibri1Config", {}),
     # Beam: every 6th and the last layer full (NoPE), 3 dense layers, DeepSeek routing without shared experts
     "beam": ("BeamConfig", {}),
+    # ZAYA1: its own layer kind names ('hybrid', 'hybrid_sliding'), a RoPE per kind, the router's and CCA's sizes
+    "zaya": ("ZayaConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -109,8 +111,10 @@ MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_te
 # DeepSeek-V3's routing fields under these families' own config classes
 DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "solar_open", "sarvam_moe", "beam"}
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam"} | STEP
-ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum", "beam"} | STEP
+NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam", "zaya"} | STEP
+ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum", "beam", "zaya"} | STEP
+# ZAYA's layer kind names -> dynamoe's
+ZAYA_KINDS = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
 
@@ -128,7 +132,7 @@ def _hf_moe_layers(hf, mt):
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
               "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash", "solar_open",
-              "jetmoe", "kolibri1"):
+              "jetmoe", "kolibri1", "zaya"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
@@ -148,6 +152,8 @@ def _hf_windows(hf, mt):
     n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral", "phimoe"):
         return [hf.sliding_window] * n
+    if mt == "zaya":
+        return [hf.sliding_window if t == "hybrid_sliding" else None for t in hf.layer_types]
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
               "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
@@ -203,7 +209,9 @@ FIELDS = {
     # (MiMo's modeling code reads each layer type's partial_rotary_factor with a default of 0.334, Step's of 1)
     "rope_by_layer_type": (lambda hf, mt: {k: {**_hf_rope(p), "partial_rotary_factor": p.get(
                                                "partial_rotary_factor", 0.334 if mt == "mimo_v2_flash" else 1.0)}
-                                           for k, p in hf.rope_parameters.items() if p is not None},  # (Beam: NoPE)
+                                           for k, p in hf.rope_parameters.items() if p is not None}  # (Beam: NoPE)
+                           if mt != "zaya" else {ZAYA_KINDS[k]: {**_hf_rope(p), "partial_rotary_factor": p.get(
+                               "partial_rotary_factor", 1.0)} for k, p in hf.rope_parameters.items()},
                            lambda cfg: {k: _our_rope(r) for k, r in cfg.rope_by_layer_type}, ROPE_PER_LAYER_TYPE),
     # (JetMoE: activation_function)
     "hidden_act": (lambda hf, mt: hf.activation_function if mt == "jetmoe" else hf.hidden_act, None,
@@ -349,6 +357,11 @@ FIELDS = {
     "intermediate_size_beam": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, {"beam"}),
     "final_logit_softcapping_beam": (lambda hf, mt: hf.final_logit_softcapping,
                                      lambda cfg: cfg.raw.get("final_logit_softcapping"), {"beam"}),
+    # ZAYA1: its layer kinds under dynamoe's names, the router's and the convolutions' sizes, the lm_head bias
+    "layer_types_zaya": (lambda hf, mt: tuple(ZAYA_KINDS[t] for t in hf.layer_types), lambda cfg: cfg.layer_types,
+                         {"zaya"}),
+    **{f"{name}_zaya": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name), {"zaya"})
+       for name in ("router_hidden_size", "cca_time0", "cca_time1", "lm_head_bias")},
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -532,6 +545,12 @@ def test_omitted_fields_default_as_transformers(mt):
               "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "final_logit_softcapping": None,
               "n_group": 2, "topk_group": 1, "mlp_only_layers": [1], "decoder_sparse_step": 2}),
     ("beam", {"num_hidden_layers": 2}),   # fewer layers than the dense prefix: all dense; the last layer full
+    # ZAYA1: sliding kinds, RoPE dicts by ZAYA's names (a missing partial factor: 1)
+    ("zaya", {"layer_types": ["hybrid_sliding", "hybrid"] * 2, "sliding_window": 64, "cca_time0": 3,
+              "rope_parameters": {"hybrid": {"rope_type": "default", "rope_theta": 1e6},
+                                  "hybrid_sliding": {"rope_type": "default", "rope_theta": 1e3,
+                                                     "partial_rotary_factor": 0.25}},
+              "router_hidden_size": 32, "lm_head_bias": True}),
     ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),

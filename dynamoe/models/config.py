@@ -439,6 +439,18 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                         "rms_norm_eps": 1e-6, "sliding_window": 512, "moe_intermediate_size": 2560,
                         "norm_topk_prob": True, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
                         "final_logit_softcapping": 30.0}},
+    # ZayaConfig (ZAYA1): layer kinds 'hybrid' (full attention, the default) and 'hybrid_sliding' ("layer_type_names"),
+    # a RoPE per kind on half of each head (5e6 / 1e4); top-1 routing over 16 experts
+    "zaya": {"num_experts": 16, "num_experts_per_tok": 1, "head_dim": 128, "full_layers_by_default": True,
+             "layer_type_names": {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"},
+             "rope_partial_default": 1.0,
+             "rope_by_layer_type": {
+                 "full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.5},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}},
+             "fields": {"num_key_value_heads": 2, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                        "tie_word_embeddings": True, "moe_intermediate_size": 2048, "pad_token_id": 0,
+                        "bos_token_id": 2, "eos_token_id": 106, "lm_head_bias": False, "router_hidden_size": 256,
+                        "cca_time0": 2, "cca_time1": 2}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -989,6 +1001,16 @@ class ModelConfig:
         for ours, theirs in fam.get("aliases", {}).items():
             if d.get(ours) is None and d.get(theirs) is not None:
                 d[ours] = d[theirs]
+        names = fam.get("layer_type_names")
+        if names:  # a family's own layer kind names (ZAYA's 'hybrid' / 'hybrid_sliding') -> ours, also as RoPE keys
+            lt = d.get("layer_types")
+            if lt is not None:
+                if not isinstance(lt, (list, tuple)) or any(not isinstance(t, str) or t not in names for t in lt):
+                    raise _err("layer_types", lt, f"a list of entries from {list(names)}")
+                d["layer_types"] = [names[t] for t in lt]
+            rp = d.get("rope_parameters")
+            if isinstance(rp, dict) and rp and all(k in names for k in rp):
+                d["rope_parameters"] = {names[k]: v for k, v in rp.items()}
         if fam.get("window_size_plus_one") and d.get("sliding_window_size") is not None:
             d["sliding_window"] = _int(d, "sliding_window_size") + 1
         if d.get("routed_scaling_factor", 0) is None:

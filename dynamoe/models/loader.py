@@ -199,6 +199,9 @@ class _Filler:
                 elif isinstance(module, nn.Linear):
                     if not (tied and module is model.lm_head):
                         self.linear(name, module)
+                    elif module.bias is not None:  # a tied lm_head's own bias (ZAYA's lm_head_bias)
+                        module.bias = nn.Parameter(self.read(name + ".bias", module.bias.shape).to(
+                            device=self.device, dtype=module.bias.dtype), requires_grad=False)
                 else:
                     self.direct(name, module)
         finally:

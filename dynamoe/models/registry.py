@@ -123,4 +123,5 @@ register("laguna", "dynamoe.models.laguna:LagunaForCausalLM", ("LagunaForCausalL
 register("mellum", "dynamoe.models.mellum:MellumForCausalLM", ("MellumForCausalLM",))
 register("kolibri1", "dynamoe.models.kolibri1:Kolibri1ForCausalLM", ("Kolibri1ForCausalLM",))
 register("beam", "dynamoe.models.beam:BeamForCausalLM", ("BeamForCausalLM",))
+register("zaya", "dynamoe.models.zaya:ZayaForCausalLM", ("ZayaForCausalLM",))
 register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForConditionalGeneration",))

@@ -90,7 +90,6 @@ UNSUPPORTED: dict[str, str] = {
     "unlimited_ocr_text": _text_of("unlimited_ocr", "the OCR model's text decoder is not ported"),
     "vitpose": "a pose-estimation vision model, not a causal LM",
     "vitpose_backbone": "a vision backbone (ViTPose), not a causal LM",
-    "zaya": "ZAYA1 is not implemented yet: CCA attention projections, residual scaling and an MLP router",
 }
 
 
