@@ -94,6 +94,8 @@ FAMILIES = {
     "beam": ("BeamConfig", {}),
     # ZAYA1: its own layer kind names ('hybrid', 'hybrid_sliding'), a RoPE per kind, the router's and CCA's sizes
     "zaya": ("ZayaConfig", {}),
+    # Doge: dense unless is_moe, dynamic-mask attention's keep_window_size, a window on every layer when set
+    "doge": ("DogeConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -144,13 +146,15 @@ def _hf_moe_layers(hf, mt):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
+    if mt == "doge":
+        return [hf.is_moe] * n
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
 
 def _hf_windows(hf, mt):
     """The sliding window of each layer (None: full attention), as the modeling files read it."""
     n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
-    if mt in ("qwen3_moe", "mixtral", "phimoe"):
+    if mt in ("qwen3_moe", "mixtral", "phimoe", "doge"):
         return [hf.sliding_window] * n
     if mt == "zaya":
         return [hf.sliding_window if t == "hybrid_sliding" else None for t in hf.layer_types]
@@ -232,7 +236,8 @@ FIELDS = {
     # Mixtral and GPT-OSS size their experts with intermediate_size
     "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-                                                                          "hunyuan_v1_moe", "phimoe", "cohere2_moe", "jetmoe"}
+                                                                          "hunyuan_v1_moe", "phimoe", "cohere2_moe", "jetmoe",
+                                                                          "doge"}
                            | LLAMA4
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
@@ -362,6 +367,10 @@ FIELDS = {
                          {"zaya"}),
     **{f"{name}_zaya": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name), {"zaya"})
        for name in ("router_hidden_size", "cca_time0", "cca_time1", "lm_head_bias")},
+    # Doge
+    **{f"{name}_doge": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
+                        {"doge"})
+       for name in ("keep_window_size", "is_moe", "mlp_bias")},
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -551,6 +560,9 @@ def test_omitted_fields_default_as_transformers(mt):
                                   "hybrid_sliding": {"rope_type": "default", "rope_theta": 1e3,
                                                      "partial_rotary_factor": 0.25}},
               "router_hidden_size": 32, "lm_head_bias": True}),
+    # Doge: a window on every layer, the CDMoE switch (parsed; the model refuses it), GQA
+    ("doge", {"sliding_window": 64, "keep_window_size": 16, "num_key_value_heads": 2, "mlp_bias": True}),
+    ("doge", {"is_moe": True, "num_experts": 64, "num_experts_per_tok": 4, "intermediate_size": 96}),
     ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),

@@ -451,6 +451,10 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                         "tie_word_embeddings": True, "moe_intermediate_size": 2048, "pad_token_id": 0,
                         "bos_token_id": 2, "eos_token_id": 106, "lm_head_bias": False, "router_hidden_size": 256,
                         "cca_time0": 2, "cca_time1": 2}},
+    # DogeConfig: dense unless is_moe (which dynamoe refuses: see models/doge.py); a window slides every layer
+    "doge": {"num_experts": 16384, "num_experts_per_tok": 64, "moe_switch": "is_moe",
+             "fields": {"intermediate_size": 2048, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                        "keep_window_size": 2048, "is_moe": False, "mlp_bias": False, "norm_topk_prob": False}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -1140,6 +1144,8 @@ class ModelConfig:
         mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("step_layers"):
             mlp_types = _step_mlp_types(d, layers)
+        if not mlp_types and fam.get("moe_switch"):  # one switch for every layer (Doge's is_moe)
+            mlp_types = ("sparse" if _bool(d, fam["moe_switch"], False) else "dense",) * layers
         if not mlp_types and fam.get("dense_prefix"):  # the first n layers dense (Beam: 3)
             n = min(fam["dense_prefix"], layers)
             mlp_types = ("dense",) * n + ("sparse",) * (layers - n)

@@ -124,4 +124,5 @@ register("mellum", "dynamoe.models.mellum:MellumForCausalLM", ("MellumForCausalL
 register("kolibri1", "dynamoe.models.kolibri1:Kolibri1ForCausalLM", ("Kolibri1ForCausalLM",))
 register("beam", "dynamoe.models.beam:BeamForCausalLM", ("BeamForCausalLM",))
 register("zaya", "dynamoe.models.zaya:ZayaForCausalLM", ("ZayaForCausalLM",))
+register("doge", "dynamoe.models.doge:DogeForCausalLM", ("DogeForCausalLM",))
 register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForConditionalGeneration",))
