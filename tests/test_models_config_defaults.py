@@ -96,11 +96,15 @@ FAMILIES = {
     "zaya": ("ZayaConfig", {}),
     # Doge: dense unless is_moe, dynamic-mask attention's keep_window_size, a window on every layer when set
     "doge": ("DogeConfig", {}),
+    # Aria's text model, alone and in its vision-language wrapper: its own names for the experts and top-k
+    "aria_text": ("AriaTextConfig", {}),
+    "aria": ("AriaConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
-           "llama4": ("text_config",), "step3p7": ("text_config",)}
+           "llama4": ("text_config",), "step3p7": ("text_config",), "aria": ("text_config",)}
+ARIA = {"aria", "aria_text"}
 STEP = {"step3p5", "step3p7"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
@@ -134,7 +138,7 @@ def _hf_moe_layers(hf, mt):
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
               "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash", "solar_open",
-              "jetmoe", "kolibri1", "zaya"):
+              "jetmoe", "kolibri1", "zaya", "aria", "aria_text"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
@@ -228,16 +232,17 @@ FIELDS = {
     "attention_bias": (lambda hf, mt: mt != "kolibri1" and getattr(hf, "attention_bias", False), None, None),
     "layer_windows": (lambda hf, mt: _hf_windows(hf, mt),
                       lambda cfg: [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)], None),
-    "num_experts": (lambda hf, mt: hf.ffn_config.moe_num_experts if mt == "dbrx" else
-                    next(getattr(hf, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if hasattr(hf, k)),
+    "num_experts": (lambda hf, mt: hf.ffn_config.moe_num_experts if mt == "dbrx" else hf.moe_num_experts if mt in ARIA
+                    else next(getattr(hf, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                              if hasattr(hf, k)),
                     None, None),
-    "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt == "hunyuan_v1_moe" else hf.ffn_config.moe_top_k
+    "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt in {"hunyuan_v1_moe"} | ARIA else hf.ffn_config.moe_top_k
                             if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
     "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
                                                                           "hunyuan_v1_moe", "phimoe", "cohere2_moe", "jetmoe",
-                                                                          "doge"}
+                                                                          "doge"} | ARIA
                            | LLAMA4
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
@@ -371,6 +376,9 @@ FIELDS = {
     **{f"{name}_doge": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
                         {"doge"})
        for name in ("keep_window_size", "is_moe", "mlp_bias")},
+    # Aria: shared experts under its own name, the bias switch of the shared experts, the dense width
+    "n_shared_experts_aria": (lambda hf, mt: hf.moe_num_shared_experts, lambda cfg: cfg.n_shared_experts, ARIA),
+    "mlp_bias_aria": (lambda hf, mt: hf.mlp_bias, lambda cfg: cfg.raw.get("mlp_bias"), ARIA),
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -563,6 +571,10 @@ def test_omitted_fields_default_as_transformers(mt):
     # Doge: a window on every layer, the CDMoE switch (parsed; the model refuses it), GQA
     ("doge", {"sliding_window": 64, "keep_window_size": 16, "num_key_value_heads": 2, "mlp_bias": True}),
     ("doge", {"is_moe": True, "num_experts": 64, "num_experts_per_tok": 4, "intermediate_size": 96}),
+    # Aria: its names, the generic expert names not read
+    ("aria_text", {"moe_num_experts": 16, "moe_topk": 4, "moe_num_shared_experts": 1, "num_experts": 3,
+                   "num_experts_per_tok": 1, "mlp_bias": True, "num_key_value_heads": 2, "head_dim": 16}),
+    ("aria", {"moe_num_experts": 4, "moe_topk": 1, "rope_theta": 5e5}),
     ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),

@@ -73,6 +73,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "llama4": TextWrapper(("text_config",), ("llama4_text",), tie_by_text=True),
     # (Step3p7ForConditionalGeneration ties by the wrapper's flag alone, default false)
     "step3p7": TextWrapper(("text_config",), ("step3p5",)),
+    # (AriaForConditionalGeneration ties by the wrapper's flag alone, default false)
+    "aria": TextWrapper(("text_config",), ("aria_text",)),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)
@@ -455,6 +457,15 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "doge": {"num_experts": 16384, "num_experts_per_tok": 64, "moe_switch": "is_moe",
              "fields": {"intermediate_size": 2048, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                         "keep_window_size": 2048, "is_moe": False, "mlp_bias": False, "norm_topk_prob": False}},
+    # AriaTextConfig: its own names for the expert count, top-k and shared experts (intermediate_size wide each)
+    "aria_text": {"num_experts": 8, "num_experts_per_tok": 2,
+                  "ignored": ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+                              "n_shared_experts", "moe_intermediate_size"),
+                  "aliases": {"num_experts": "moe_num_experts", "num_experts_per_tok": "moe_topk",
+                              "n_shared_experts": "moe_num_shared_experts"},
+                  "fields": {"intermediate_size": 4096, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                             "pad_token_id": 2, "bos_token_id": 1, "eos_token_id": 2, "mlp_bias": False,
+                             "moe_num_experts": 8, "moe_topk": 2, "moe_num_shared_experts": 2}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,

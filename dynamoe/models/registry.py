@@ -125,4 +125,6 @@ register("kolibri1", "dynamoe.models.kolibri1:Kolibri1ForCausalLM", ("Kolibri1Fo
 register("beam", "dynamoe.models.beam:BeamForCausalLM", ("BeamForCausalLM",))
 register("zaya", "dynamoe.models.zaya:ZayaForCausalLM", ("ZayaForCausalLM",))
 register("doge", "dynamoe.models.doge:DogeForCausalLM", ("DogeForCausalLM",))
+register("aria", "dynamoe.models.aria:AriaTextForCausalLM", ("AriaForConditionalGeneration", "AriaTextForCausalLM"),
+         aliases=("aria_text",))
 register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForConditionalGeneration",))
