@@ -419,7 +419,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                "fields": {"intermediate_size": 7168, "num_key_value_heads": 4, "max_position_embeddings": 131072,
                           "rms_norm_eps": 1e-6, "sliding_window": 1024, "moe_intermediate_size": 896,
                           "norm_topk_prob": True}},
-    # Kolibri1Config: without layer_types every 5th layer full attention (NoPE while a window is set), the others
+    # Kolibri1Config: without layer_types every 5th layer full attention (NoPE; a window is required), the others
     # sliding; every layer MoE with a shared expert; Qwen3's dense-layer switches and attention bias are not read
     "kolibri1": {"num_experts": 384, "num_experts_per_tok": 6, "head_dim": 128, "full_attention_every": 5,
                  "ignored": ("intermediate_size", "use_sliding_window", "decoder_sparse_step", "mlp_only_layers",
