@@ -74,11 +74,37 @@ FAMILIES = {
     "step3p7": ("Step3p7Config", {}),
     # Arcee AFMoE: its own names for the dense layers, shared experts and route scale
     "afmoe": ("AfmoeConfig", {}),
+    # Cohere2-MoE: LayerNorms unless rms_norm_eps, its own layer patterns, shared-expert combination, logit scale
+    "cohere2_moe": ("Cohere2MoeConfig", {}),
+    # Solar-Open: GLM-4.5's routing on every layer, no dense layers or q/k norms
+    "solar_open": ("SolarOpenConfig", {}),
+    # Hy3: its own names for the shared experts and route scale, a dense first layer, mlp_bias
+    "hy_v3": ("HYV3Config", {}),
+    # JetMoE: query heads = KV heads x top-k (the file's num_attention_heads is not read), kv_channels, its activation
+    "jetmoe": ("JetMoeConfig", {}),
+    # Sarvam-30B (run as GLM-4.5): its own names for expert counts, shared experts, MTP layers and q/k/v bias
+    "sarvam_moe": ("SarvamMoEConfig", {}),
+    # Laguna: full layers unless layer_types, a RoPE per layer type, heads per layer, softplus gates, its routing
+    "laguna": ("LagunaConfig", {}),
+    # Mellum 2: Qwen3-MoE's with full layers unless layer_types, a RoPE per layer type, dense layers by mlp_layer_types
+    "mellum": ("MellumConfig", dict(moe_intermediate_size=32)),
+    # Kolibri-1: every 5th layer full (NoPE), the others sliding; every layer MoE with a shared expert
+    "kolibri1": ("Kolibri1Config", {}),
+    # Beam: every 6th and the last layer full (NoPE), 3 dense layers, DeepSeek routing without shared experts
+    "beam": ("BeamConfig", {}),
+    # ZAYA1: its own layer kind names ('hybrid', 'hybrid_sliding'), a RoPE per kind, the router's and CCA's sizes
+    "zaya": ("ZayaConfig", {}),
+    # Doge: dense unless is_moe, dynamic-mask attention's keep_window_size, a window on every layer when set
+    "doge": ("DogeConfig", {}),
+    # Aria's text model, alone and in its vision-language wrapper: its own names for the experts and top-k
+    "aria_text": ("AriaTextConfig", {}),
+    "aria": ("AriaConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
-           "llama4": ("text_config",), "step3p7": ("text_config",)}
+           "llama4": ("text_config",), "step3p7": ("text_config",), "aria": ("text_config",)}
+ARIA = {"aria", "aria_text"}
 STEP = {"step3p5", "step3p7"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
@@ -89,10 +115,12 @@ DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
                                                                                        "longcat_flash"}
 # DeepSeek-V3's routing fields under these families' own config classes
-DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"}
+DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "solar_open", "sarvam_moe", "beam"}
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash"} | STEP
-ROPE_PER_LAYER_TYPE = {"mimo_v2_flash"} | STEP
+NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam", "zaya"} | STEP
+ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum", "beam", "zaya"} | STEP
+# ZAYA's layer kind names -> dynamoe's
+ZAYA_KINDS = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
 
@@ -109,7 +137,8 @@ def _hf_moe_layers(hf, mt):
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
     if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-              "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash"):
+              "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash", "solar_open",
+              "jetmoe", "kolibri1", "zaya", "aria", "aria_text"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
@@ -117,20 +146,24 @@ def _hf_moe_layers(hf, mt):
     if mt in LLAMA4:
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash", "step3p5",
-              "step3p7"):
+              "step3p7", "cohere2_moe", "hy_v3", "laguna", "mellum", "beam"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
+    if mt == "doge":
+        return [hf.is_moe] * n
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
 
 def _hf_windows(hf, mt):
     """The sliding window of each layer (None: full attention), as the modeling files read it."""
     n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
-    if mt in ("qwen3_moe", "mixtral", "phimoe"):
+    if mt in ("qwen3_moe", "mixtral", "phimoe", "doge"):
         return [hf.sliding_window] * n
+    if mt == "zaya":
+        return [hf.sliding_window if t == "hybrid_sliding" else None for t in hf.layer_types]
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
-              "step3p7", "afmoe"):
+              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam"):
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -167,37 +200,50 @@ FIELDS = {
     "hidden_size": (lambda hf, mt: hf.hidden_size, None, None),
     # (LongCat: dynamoe's decoder layers are its num_layers, transformers' num_hidden_layers counts the sublayers)
     "num_hidden_layers": (lambda hf, mt: hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers, None, None),
-    "num_attention_heads": (lambda hf, mt: hf.num_attention_heads, None, None),
+    # (JetMoE's modeling code runs num_key_value_heads heads per chosen attention expert, whatever the attribute says)
+    "num_attention_heads": (lambda hf, mt: hf.num_key_value_heads * hf.num_experts_per_tok if mt == "jetmoe"
+                            else hf.num_attention_heads, None, None),
     # MLA ignores it (keys and values have a head per query head)
     "num_key_value_heads": (lambda hf, mt: hf.num_key_value_heads, None, GQA_FAMILIES),
     # the modeling files: getattr(config, "head_dim", None) or hidden // heads; MLA configs set qk_rope_head_dim
     "head_dim": (lambda hf, mt: getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads, None, None),
     "max_position_embeddings": (lambda hf, mt: hf.max_position_embeddings, None, None),
     # DBRX's LayerNorms: torch's default eps (its config has no field)
-    "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.rms_norm_eps, None, None),
+    # (Cohere2-MoE: LayerNorms of layer_norm_eps when rms_norm_eps is null)
+    "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.layer_norm_eps if getattr(hf, "rms_norm_eps", 0) is None
+                     else hf.rms_norm_eps, None, None),
+    "layer_norm": (lambda hf, mt: getattr(hf, "rms_norm_eps", 0) is None, None, None),
     "rope": (lambda hf, mt: _hf_rope(hf), lambda cfg: _our_rope(cfg), set(FAMILIES) - NO_SINGLE_ROPE),
     # (MiMo's modeling code reads each layer type's partial_rotary_factor with a default of 0.334, Step's of 1)
     "rope_by_layer_type": (lambda hf, mt: {k: {**_hf_rope(p), "partial_rotary_factor": p.get(
                                                "partial_rotary_factor", 0.334 if mt == "mimo_v2_flash" else 1.0)}
-                                           for k, p in hf.rope_parameters.items()},
+                                           for k, p in hf.rope_parameters.items() if p is not None}  # (Beam: NoPE)
+                           if mt != "zaya" else {ZAYA_KINDS[k]: {**_hf_rope(p), "partial_rotary_factor": p.get(
+                               "partial_rotary_factor", 1.0)} for k, p in hf.rope_parameters.items()},
                            lambda cfg: {k: _our_rope(r) for k, r in cfg.rope_by_layer_type}, ROPE_PER_LAYER_TYPE),
-    "hidden_act": (lambda hf, mt: hf.hidden_act, None, set(FAMILIES) - {"gpt_oss", "dbrx"}),  # GPT-OSS: its own SwiGLU
+    # (JetMoE: activation_function)
+    "hidden_act": (lambda hf, mt: hf.activation_function if mt == "jetmoe" else hf.hidden_act, None,
+                   set(FAMILIES) - {"gpt_oss", "dbrx"}),  # GPT-OSS: its own SwiGLU
     # DBRX: clip_qkv in attn_config
     "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
     "tie_word_embeddings": (lambda hf, mt: hf.tie_word_embeddings, None, None),
     # Mixtral's attention has no biases (and no attention_bias field)
-    "attention_bias": (lambda hf, mt: getattr(hf, "attention_bias", False), None, None),
+    # (Kolibri-1's attention has no biases, whatever a config attribute says)
+    "attention_bias": (lambda hf, mt: mt != "kolibri1" and getattr(hf, "attention_bias", False), None, None),
     "layer_windows": (lambda hf, mt: _hf_windows(hf, mt),
                       lambda cfg: [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)], None),
-    "num_experts": (lambda hf, mt: hf.ffn_config.moe_num_experts if mt == "dbrx" else
-                    next(getattr(hf, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if hasattr(hf, k)),
+    "num_experts": (lambda hf, mt: hf.ffn_config.moe_num_experts if mt == "dbrx" else hf.moe_num_experts if mt in ARIA
+                    else next(getattr(hf, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                              if hasattr(hf, k)),
                     None, None),
-    "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt == "hunyuan_v1_moe" else hf.ffn_config.moe_top_k
+    "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt in {"hunyuan_v1_moe"} | ARIA else hf.ffn_config.moe_top_k
                             if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
     "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-                                                                          "hunyuan_v1_moe", "phimoe"} | LLAMA4
+                                                                          "hunyuan_v1_moe", "phimoe", "cohere2_moe", "jetmoe",
+                                                                          "doge"} | ARIA
+                           | LLAMA4
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
@@ -206,16 +252,19 @@ FIELDS = {
     "pad_token_id": (lambda hf, mt: hf.pad_token_id, None, None),
     # Qwen3-MoE
     "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo",
-                                                                  "qwen3_next", "qwen3_omni_moe_thinker", "qwen3_omni_moe", "flint"}
+                                                                  "qwen3_next", "qwen3_omni_moe_thinker", "qwen3_omni_moe", "flint",
+                                                                  "mellum", "kolibri1"}
                        | DEEPSEEK_ROUTING),
     # Qwen3-VL-MoE's router has no norm_topk_prob: it always renormalises
     "norm_topk_prob_vl": (lambda hf, mt: True, lambda cfg: cfg.norm_topk_prob, {"qwen3_vl_moe", "qwen3_vl_moe_text"}),
     # GraniteMoE (a shared MLP only in granitemoeshared, and only when its size is > 0)
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared", "granitemoe_swa"})
        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
-    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt in {"qwen2_moe", "flint"} | HYBRID
+    "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt in {"qwen2_moe", "flint", "laguna", "kolibri1"} | HYBRID
                                         else hf.shared_intermediate_size or None, None,
-                                        {"qwen2_moe", "granitemoeshared", "flint", "granitemoe_swa"} | HYBRID),
+                                        {"qwen2_moe", "granitemoeshared", "flint", "granitemoe_swa", "laguna",
+                                         "kolibri1"}
+                                        | HYBRID),
     # K-EXAONE: DeepSeek routing, shared experts under their own name
     # (keys of their own: the DeepSeek entries above keep theirs)
     **{f"{name}_exaone": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
@@ -230,7 +279,9 @@ FIELDS = {
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, QWEN3_RULE),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
-                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe"} | LLAMA4 | STEP),
+                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "cohere2_moe", "laguna",
+                             "mellum", "kolibri1", "beam"} | LLAMA4
+                    | STEP),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
                         lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
@@ -250,7 +301,7 @@ FIELDS = {
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, HYBRID)
        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                     "linear_num_value_heads")},
-    "intermediate_size": (lambda hf, mt: hf.intermediate_size, None, {"qwen3_next"} | set(WRAPPED) - {"qwen3_5_moe"}
+    "intermediate_size": (lambda hf, mt: hf.intermediate_size, None, {"qwen3_next", "sarvam_moe", "mellum"} | set(WRAPPED) - {"qwen3_5_moe"}
                           | {"qwen3_vl_moe_text", "glm4v_moe_text"}),
     # LongCat-Flash: zero-computation experts, route scale, the dense MLPs' width
     "zero_experts": (lambda hf, mt: hf.zero_expert_num, None, {"longcat_flash"}),
@@ -280,6 +331,54 @@ FIELDS = {
                          {"afmoe"})
        for ours, theirs in (("n_shared_experts", "num_shared_experts"), ("routed_scaling_factor", "route_scale"),
                             ("intermediate_size", "intermediate_size"))},
+    # Cohere2-MoE: RoPE on the sliding layers and (prefix pattern 1) the dense ones; its own names and switches
+    "layer_uses_rope_cohere": (lambda hf, mt: [t == "sliding_attention" or (m == "dense" and
+                                                                           hf.prefix_dense_sliding_window_pattern == 1)
+                                               for t, m in zip(hf.layer_types, hf.mlp_layer_types)],
+                               lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], {"cohere2_moe"}),
+    "n_shared_experts_cohere": (lambda hf, mt: hf.num_shared_experts, lambda cfg: cfg.n_shared_experts, {"cohere2_moe"}),
+    **{f"{name}_cohere": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
+                          {"cohere2_moe"})
+       for name in ("logit_scale", "expert_selection_fn", "shared_expert_combination_strategy",
+                    "prefix_dense_intermediate_size")},
+    **{f"{name}_cohere": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                          {"cohere2_moe"})
+       for name in ("norm_topk_prob", "intermediate_size")},
+    # Hy3
+    "n_shared_experts_hy": (lambda hf, mt: hf.num_shared_experts, lambda cfg: cfg.n_shared_experts, {"hy_v3"}),
+    "routed_scaling_factor_hy": (lambda hf, mt: hf.router_scaling_factor, lambda cfg: cfg.routed_scaling_factor,
+                                 {"hy_v3"}),
+    "intermediate_size_hy": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, {"hy_v3"}),
+    **{f"{name}_hy": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name), {"hy_v3"})
+       for name in ("mlp_bias", "enable_moe_fp32_combine")},
+    # Laguna: the route scale under its own name, the dense layers' width, per-layer heads and its switches
+    "routed_scaling_factor_laguna": (lambda hf, mt: hf.moe_routed_scaling_factor, lambda cfg: cfg.routed_scaling_factor,
+                                     {"laguna"}),
+    "intermediate_size_laguna": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, {"laguna"}),
+    "heads_laguna": (lambda hf, mt: list(hf.num_attention_heads_per_layer),
+                     lambda cfg: cfg.raw.get("num_attention_heads_per_layer") or [cfg.num_attention_heads]
+                     * cfg.num_hidden_layers, {"laguna"}),
+    **{f"{name}_laguna": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
+                          {"laguna"})
+       for name in ("gating", "moe_router_logit_softcapping", "moe_apply_router_weight_on_input")},
+    # Beam: NoPE on the layer types without RoPE parameters, the dense layers' width, the logit softcap
+    "layer_uses_rope_beam": (lambda hf, mt: [hf.rope_parameters[t] is not None for t in hf.layer_types],
+                             lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], {"beam"}),
+    "intermediate_size_beam": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, {"beam"}),
+    "final_logit_softcapping_beam": (lambda hf, mt: hf.final_logit_softcapping,
+                                     lambda cfg: cfg.raw.get("final_logit_softcapping"), {"beam"}),
+    # ZAYA1: its layer kinds under dynamoe's names, the router's and the convolutions' sizes, the lm_head bias
+    "layer_types_zaya": (lambda hf, mt: tuple(ZAYA_KINDS[t] for t in hf.layer_types), lambda cfg: cfg.layer_types,
+                         {"zaya"}),
+    **{f"{name}_zaya": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name), {"zaya"})
+       for name in ("router_hidden_size", "cca_time0", "cca_time1", "lm_head_bias")},
+    # Doge
+    **{f"{name}_doge": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
+                        {"doge"})
+       for name in ("keep_window_size", "is_moe", "mlp_bias")},
+    # Aria: shared experts under its own name, the bias switch of the shared experts, the dense width
+    "n_shared_experts_aria": (lambda hf, mt: hf.moe_num_shared_experts, lambda cfg: cfg.n_shared_experts, ARIA),
+    "mlp_bias_aria": (lambda hf, mt: hf.mlp_bias, lambda cfg: cfg.raw.get("mlp_bias"), ARIA),
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -294,10 +393,10 @@ FIELDS = {
     # MiMo-V2-Flash has no shared experts (and no such field)
     "n_shared_experts": (lambda hf, mt: getattr(hf, "n_shared_experts", 0), None, DEEPSEEK_ROUTING),
     "first_k_dense_replace": (lambda hf, mt: hf.first_k_dense_replace, None,
-                              (DEEPSEEK_LIKE - {"glm4_moe_lite"}) | {"mistral4"}),
-    "use_qk_norm": (lambda hf, mt: hf.use_qk_norm, None, {"glm4_moe"}),
+                              (DEEPSEEK_LIKE - {"glm4_moe_lite"}) | {"mistral4", "sarvam_moe"}),
+    "use_qk_norm": (lambda hf, mt: hf.use_qk_norm, None, {"glm4_moe", "sarvam_moe"}),
     "num_nextn_predict_layers": (lambda hf, mt: hf.num_nextn_predict_layers, None,
-                                 {"deepseek_v3", "kimi_k2", "glm4_moe"}),
+                                 {"deepseek_v3", "kimi_k2", "glm4_moe", "sarvam_moe"}),
     # MLA
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, MLA_FAMILIES)
        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
@@ -423,6 +522,60 @@ def test_omitted_fields_default_as_transformers(mt):
     ("afmoe", {"global_attn_every_n_layers": 3, "num_dense_layers": 2, "num_shared_experts": 1, "route_scale": 2.0,
                "sliding_window": 64, "num_key_value_heads": 2}),
     ("afmoe", {"layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 2}),
+    # Cohere2-MoE: a dense prefix by its own pattern (first_k_dense_replace is read, not kept), RMSNorms
+    ("cohere2_moe", {"first_k_dense_replace": 3, "prefix_dense_sliding_window_pattern": 2, "sliding_window_pattern": 1,
+                     "rms_norm_eps": 1e-6, "num_shared_experts": 2, "prefix_dense_intermediate_size": 48}),
+    ("cohere2_moe", {"first_k_dense_replace": 1, "sliding_window": 64, "num_key_value_heads": 2, "layer_norm_eps": 1e-6}),
+    # Solar-Open: a hub config's GLM-only fields are not read; the RoPE base given
+    ("solar_open", {"first_k_dense_replace": 2, "use_qk_norm": True, "intermediate_size": 96, "rope_theta": 5e5,
+                    "n_group": 2, "topk_group": 1, "num_local_experts": 16}),
+    # Hy3: the hub's names; dense layers by mlp_layer_types; DeepSeek's routing switches are not read
+    ("hy_v3", {"num_shared_experts": 2, "router_scaling_factor": 1.0, "mlp_bias": True, "num_local_experts": 16,
+               "mlp_layer_types": ["dense", "dense", "sparse", "sparse"], "n_group": 4, "topk_group": 2,
+               "norm_topk_prob": False, "n_shared_experts": 3, "routed_scaling_factor": 9.0}),
+    # JetMoE: the hub's names; the file's num_attention_heads is not what transformers uses
+    ("jetmoe", {"num_key_value_heads": 4, "num_experts_per_tok": 3, "num_local_experts": 6, "kv_channels": 16,
+                "activation_function": "gelu", "num_attention_heads": 5, "rms_norm_eps": 1e-5}),
+    # Sarvam-30B: the hub's names (attribute_map)
+    ("sarvam_moe", {"num_experts": 16, "num_shared_experts": 2, "use_qkv_bias": True, "num_mtp_layers": 1,
+                    "first_k_dense_replace": 2, "use_qk_norm": False, "rope_theta": 1e6}),
+    # Laguna: sliding layers, RoPE dicts without a partial factor (1), Qwen2-MoE's routing fields not read
+    ("laguna", {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 64,
+                "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}},
+                "num_attention_heads_per_layer": [8, 16, 8, 16], "norm_topk_prob": False,
+                "moe_routed_scaling_factor": 2.0, "routed_scaling_factor": 5.0, "mlp_layer_types": ["sparse"] * 4}),
+    # Mellum 2: sliding layers with their RoPEs, dense layers, an MTP layer (not loaded), Qwen3's switches not read
+    ("mellum", {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 64,
+                "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}},
+                "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "num_mtp_layers": 1,
+                "use_sliding_window": False, "mlp_only_layers": [1], "decoder_sparse_step": 2, "intermediate_size": 96}),
+    # Kolibri-1: a pattern of its own; Qwen3's dense-layer switches and attention bias are not read
+    ("kolibri1", {"layer_types": ["full_attention", "sliding_attention"] * 2, "sliding_window": 64,
+                  "mlp_only_layers": [0], "decoder_sparse_step": 2, "attention_bias": True, "intermediate_size": 96,
+                  "norm_topk_prob": True, "num_key_value_heads": 2}),
+    # Beam: RoPE on the full layers too, its own layer and MLP patterns, no softcap, Qwen3's switches not read
+    ("beam", {"layer_types": ["full_attention", "sliding_attention"] * 2, "sliding_window": 64,
+              "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}},
+              "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "final_logit_softcapping": None,
+              "n_group": 2, "topk_group": 1, "mlp_only_layers": [1], "decoder_sparse_step": 2}),
+    ("beam", {"num_hidden_layers": 2}),   # fewer layers than the dense prefix: all dense; the last layer full
+    # ZAYA1: sliding kinds, RoPE dicts by ZAYA's names (a missing partial factor: 1)
+    ("zaya", {"layer_types": ["hybrid_sliding", "hybrid"] * 2, "sliding_window": 64, "cca_time0": 3,
+              "rope_parameters": {"hybrid": {"rope_type": "default", "rope_theta": 1e6},
+                                  "hybrid_sliding": {"rope_type": "default", "rope_theta": 1e3,
+                                                     "partial_rotary_factor": 0.25}},
+              "router_hidden_size": 32, "lm_head_bias": True}),
+    # Doge: a window on every layer, the CDMoE switch (parsed; the model refuses it), GQA
+    ("doge", {"sliding_window": 64, "keep_window_size": 16, "num_key_value_heads": 2, "mlp_bias": True}),
+    ("doge", {"is_moe": True, "num_experts": 64, "num_experts_per_tok": 4, "intermediate_size": 96}),
+    # Aria: its names, the generic expert names not read
+    ("aria_text", {"moe_num_experts": 16, "moe_topk": 4, "moe_num_shared_experts": 1, "num_experts": 3,
+                   "num_experts_per_tok": 1, "mlp_bias": True, "num_key_value_heads": 2, "head_dim": 16}),
+    ("aria", {"moe_num_experts": 4, "moe_topk": 1, "rope_theta": 5e5}),
+    ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

@@ -112,7 +112,7 @@ def test_refused_types_raise_before_parsing(moe_types):
 
 
 @pytest.mark.parametrize("mt,why", [
-    ("aria", "wrapper"),                                  # was: 'hidden_size' is required
+    ("deepseek_ocr2", "wrapper"),                         # was: 'hidden_size' is required
     ("jamba", "Mamba"),                                   # was: a complaint about layer_types
     ("minimax", "lightning"),                             # a hybrid with linear attention
 ])

@@ -257,6 +257,13 @@ class CausalLM(nn.Module):
         return out
 
     # ---- checkpoint names -------------------------------------------------------------------------
+    def checkpoint_rows(self, name: str) -> tuple[int, int, int] | None:
+        """Extension point: (start, stop, total) when our tensor ``name`` is rows start..stop-1 (dim 0) of the
+        checkpoint's tensor of ``total`` rows that :meth:`checkpoint_name` gives -- one tensor on disk for several of
+        ours (Sarvam's fused ``query_key_value`` [q | k | v]) --, else None (the whole tensor). Dense checkpoints
+        only: the loader refuses a packed one."""
+        return None
+
     def checkpoint_name(self, name: str) -> str:
         """Our parameter name -> the checkpoint's (first matching rename of ``checkpoint_renames``, after
         ``checkpoint_prefix``)."""

@@ -73,6 +73,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "llama4": TextWrapper(("text_config",), ("llama4_text",), tie_by_text=True),
     # (Step3p7ForConditionalGeneration ties by the wrapper's flag alone, default false)
     "step3p7": TextWrapper(("text_config",), ("step3p5",)),
+    # (AriaForConditionalGeneration ties by the wrapper's flag alone, default false)
+    "aria": TextWrapper(("text_config",), ("aria_text",)),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)
@@ -337,6 +339,133 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
               "fields": {"intermediate_size": 6144, "moe_intermediate_size": 1408, "max_position_embeddings": 16384,
                          "rms_norm_eps": 1e-5, "sliding_window": 1024, "num_dense_layers": 1, "num_shared_experts": 2,
                          "route_scale": 1.0, "global_attn_every_n_layers": 4}},
+    # Cohere2MoeConfig (Command A): LayerNorms (weight only, eps layer_norm_eps) unless rms_norm_eps is set
+    # ("layer_norm_unless_rms"); without layer_types, the first first_k_dense_replace layers (a constructor argument
+    # transformers does not keep) follow prefix_dense_sliding_window_pattern, the others sliding_window_pattern (every
+    # n-th full), and they are the dense ones; RoPE on the sliding layers (and the dense ones when the prefix pattern
+    # is 1: "cohere_layers"); the experts are intermediate_size wide, the dense prefix prefix_dense_intermediate_size
+    "cohere2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "head_dim": 128, "cohere_layers": True,
+                    "layer_norm_unless_rms": True, "ignored": ("moe_intermediate_size", "n_shared_experts"),
+                    "aliases": {"n_shared_experts": "num_shared_experts"},
+                    "fields": {"intermediate_size": 22528, "max_position_embeddings": 8192, "layer_norm_eps": 1e-5,
+                               "pad_token_id": 0, "bos_token_id": 5, "eos_token_id": 255001, "tie_word_embeddings": True,
+                               "sliding_window": 4096, "num_shared_experts": 0, "norm_topk_prob": True,
+                               "shared_expert_combination_strategy": "average", "expert_selection_fn": "softmax",
+                               "prefix_dense_sliding_window_pattern": 1, "sliding_window_pattern": 4,
+                               "logit_scale": 0.0625}},
+    # SolarOpenConfig: GLM-4.5's routing on every layer, Llama's attention (no q/k norm, no window), whole-head RoPE
+    # at 1e6; the GLM fields it removes are not read when a hub config has them ("ignored")
+    "solar_open": {"rope_theta": 1e6, "num_experts": 128, "num_experts_per_tok": 8, "head_dim": 128,
+                   "ignored": ("first_k_dense_replace", "use_qk_norm", "mlp_layer_types", "mlp_only_layers",
+                               "decoder_sparse_step", "num_nextn_predict_layers", "intermediate_size", "sliding_window",
+                               "layer_types", "use_sliding_window"),
+                   "fields": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                              "moe_intermediate_size": 1280, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+                              "n_group": 1, "topk_group": 1, "norm_topk_prob": True}},
+    # HYV3Config (Hy3): its own names for the shared experts and route scale; without mlp_layer_types layer 0 dense;
+    # the routing always renormalises and has no groups (norm_topk_prob, n_group: not read); no sliding window
+    "hy_v3": {"rope_theta": 11_158_840.0, "num_experts": 192, "num_experts_per_tok": 8, "head_dim": 128,
+              "first_layer_dense": True,
+              "ignored": ("n_shared_experts", "routed_scaling_factor", "first_k_dense_replace", "norm_topk_prob",
+                          "n_group", "topk_group", "sliding_window", "layer_types", "use_sliding_window"),
+              "aliases": {"n_shared_experts": "num_shared_experts", "routed_scaling_factor": "router_scaling_factor"},
+              "fields": {"intermediate_size": 13312, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                         "rms_norm_eps": 1e-5, "num_shared_experts": 1, "moe_intermediate_size": 1536,
+                         "router_scaling_factor": 2.826, "enable_moe_fp32_combine": True, "mlp_bias": False,
+                         "norm_topk_prob": True}},
+    # JetMoeConfig: mixture-of-attention-heads layers with num_key_value_heads heads per chosen attention expert, so
+    # num_attention_heads = num_key_value_heads * num_experts_per_tok whatever the file says ("heads_kv_times_top_k");
+    # head_dim is kv_channels, the activation activation_function
+    "jetmoe": {"num_experts": 8, "num_experts_per_tok": 2, "heads_kv_times_top_k": True,
+               "ignored": ("num_attention_heads", "hidden_act"),
+               "aliases": {"head_dim": "kv_channels", "hidden_act": "activation_function"},
+               "fields": {"num_key_value_heads": 16, "kv_channels": 128, "intermediate_size": 5632,
+                          "max_position_embeddings": 4096, "activation_function": "silu", "bos_token_id": 1,
+                          "eos_token_id": 2, "tie_word_embeddings": True, "rms_norm_eps": 1e-6}},
+    # SarvamMoEConfig (run as GLM-4.5): whole-head RoPE at 8e6, q/k norms, one dense layer, scale 2.5; its own names
+    # for the expert counts, shared experts, MTP layers and q/k/v bias (attribute_map)
+    "sarvam_moe": {"rope_theta": 8e6, "num_experts": 128, "num_experts_per_tok": 6, "head_dim": 64,
+                   "aliases": {"n_shared_experts": "num_shared_experts", "attention_bias": "use_qkv_bias",
+                               "num_nextn_predict_layers": "num_mtp_layers"},
+                   "fields": {"intermediate_size": 8192, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+                              "rms_norm_eps": 1e-6, "moe_intermediate_size": 1024, "num_shared_experts": 1,
+                              "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+                              "norm_topk_prob": True, "use_qk_norm": True, "eos_token_id": 1, "pad_token_id": 0,
+                              "num_mtp_layers": 0}},
+    # LagunaConfig: every layer full attention unless layer_types ("full_layers_by_default"; sliding_window is for the
+    # sliding ones); a RoPE per layer type (a missing partial factor is 1); layer 0 dense; sigmoid routing always
+    # renormalised (Qwen2-MoE's routing fields are not read), scaled by moe_routed_scaling_factor
+    "laguna": {"num_experts": 256, "num_experts_per_tok": 8, "head_dim": 128, "first_layer_dense": True,
+               "full_layers_by_default": True, "rope_partial_default": 1.0,
+               "rope_by_layer_type": {
+                   "full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}},
+               "ignored": ("routed_scaling_factor", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                           "qkv_bias", "use_sliding_window", "max_window_layers", "n_group", "topk_group"),
+               "aliases": {"routed_scaling_factor": "moe_routed_scaling_factor"},
+               "fields": {"intermediate_size": 8192, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                          "rms_norm_eps": 1e-6, "sliding_window": 512, "moe_intermediate_size": 512,
+                          "shared_expert_intermediate_size": 512, "gating": True, "moe_routed_scaling_factor": 1.0,
+                          "moe_apply_router_weight_on_input": False, "moe_router_logit_softcapping": 0.0,
+                          "norm_topk_prob": True}},
+    # MellumConfig: Qwen3-MoE's with every layer full attention unless layer_types, a RoPE per layer type (whole head
+    # unless a kind's dict says otherwise), every layer MoE unless mlp_layer_types; Qwen3's layer switches not read
+    "mellum": {"num_experts": 64, "num_experts_per_tok": 8, "head_dim": 128, "full_layers_by_default": True,
+               "rope_partial_default": 1.0,
+               "rope_by_layer_type": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+               "ignored": ("use_sliding_window", "decoder_sparse_step", "mlp_only_layers", "max_window_layers"),
+               "aliases": {"num_nextn_predict_layers": "num_mtp_layers"},
+               "fields": {"intermediate_size": 7168, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+                          "rms_norm_eps": 1e-6, "sliding_window": 1024, "moe_intermediate_size": 896,
+                          "norm_topk_prob": True}},
+    # Kolibri1Config: without layer_types every 5th layer full attention (NoPE; a window is required), the others
+    # sliding; every layer MoE with a shared expert; Qwen3's dense-layer switches and attention bias are not read
+    "kolibri1": {"num_experts": 384, "num_experts_per_tok": 6, "head_dim": 128, "full_attention_every": 5,
+                 "ignored": ("intermediate_size", "use_sliding_window", "decoder_sparse_step", "mlp_only_layers",
+                             "attention_bias", "first_k_dense_replace", "mlp_layer_types", "routed_scaling_factor",
+                             "n_group", "topk_group", "max_window_layers"),
+                 "fields": {"num_key_value_heads": 4, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+                            "sliding_window": 513, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                            "norm_topk_prob": False}},
+    # BeamConfig: every 6th layer and the last full attention, the others sliding ("beam_layers"); RoPE by layer type
+    # with the full layers' null (NoPE: "nope_kinds"); the first 3 layers dense; DeepSeek-V3 routing (8 groups, 4
+    # kept, scale 2.5) without shared experts; logits softcapped at 30; Qwen3's layer switches are not read
+    "beam": {"num_experts": 256, "num_experts_per_tok": 8, "head_dim": 128, "beam_layers": True, "dense_prefix": 3,
+             "nope_kinds": True, "rope_partial_default": 1.0,
+             "rope_by_layer_type": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": None},
+             "ignored": ("use_sliding_window", "decoder_sparse_step", "mlp_only_layers", "max_window_layers",
+                         "first_k_dense_replace", "n_shared_experts"),
+             "fields": {"intermediate_size": 20480, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+                        "rms_norm_eps": 1e-6, "sliding_window": 512, "moe_intermediate_size": 2560,
+                        "norm_topk_prob": True, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+                        "final_logit_softcapping": 30.0}},
+    # ZayaConfig (ZAYA1): layer kinds 'hybrid' (full attention, the default) and 'hybrid_sliding' ("layer_type_names"),
+    # a RoPE per kind on half of each head (5e6 / 1e4); top-1 routing over 16 experts
+    "zaya": {"num_experts": 16, "num_experts_per_tok": 1, "head_dim": 128, "full_layers_by_default": True,
+             "layer_type_names": {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"},
+             "rope_partial_default": 1.0,
+             "rope_by_layer_type": {
+                 "full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.5},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}},
+             "fields": {"num_key_value_heads": 2, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                        "tie_word_embeddings": True, "moe_intermediate_size": 2048, "pad_token_id": 0,
+                        "bos_token_id": 2, "eos_token_id": 106, "lm_head_bias": False, "router_hidden_size": 256,
+                        "cca_time0": 2, "cca_time1": 2}},
+    # DogeConfig: dense unless is_moe (which dynamoe refuses: see models/doge.py); a window slides every layer
+    "doge": {"num_experts": 16384, "num_experts_per_tok": 64, "moe_switch": "is_moe",
+             "fields": {"intermediate_size": 2048, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                        "keep_window_size": 2048, "is_moe": False, "mlp_bias": False, "norm_topk_prob": False}},
+    # AriaTextConfig: its own names for the expert count, top-k and shared experts (intermediate_size wide each)
+    "aria_text": {"num_experts": 8, "num_experts_per_tok": 2,
+                  "ignored": ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+                              "n_shared_experts", "moe_intermediate_size"),
+                  "aliases": {"num_experts": "moe_num_experts", "num_experts_per_tok": "moe_topk",
+                              "n_shared_experts": "moe_num_shared_experts"},
+                  "fields": {"intermediate_size": 4096, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                             "pad_token_id": 2, "bos_token_id": 1, "eos_token_id": 2, "mlp_bias": False,
+                             "moe_num_experts": 8, "moe_topk": 2, "moe_num_shared_experts": 2}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -467,23 +596,29 @@ def _kimi_layer_types(linear_attn_config: dict, layers: int) -> tuple:
     return tuple(types)
 
 
-def _ropes_by_layer_type(d: dict, max_pos: int, defaults: dict, layer_types: tuple) -> tuple:
+def _ropes_by_layer_type(d: dict, max_pos: int, defaults: dict, layer_types: tuple,
+                         partial_default: float | None = None, nope_kinds: bool = False) -> tuple:
     """MiMo-V2-Flash: ``rope_parameters`` nested by layer type (``{"full_attention": {...}, "sliding_attention":
     {...}}``; absent or null: ``defaults``) as ((layer type, RopeConfig), ...), each parsed from its own dict
     alone (top-level rope_theta / partial_rotary_factor are not read, as MiMoV2FlashConfig), the partial
-    factor defaulting to the family's; every layer type in ``layer_types`` must have one."""
+    factor defaulting to the family's (``partial_default`` when given: Laguna reads a missing one as 1, whatever
+    its defaults say); every layer type in ``layer_types`` must have one. ``nope_kinds``: a kind may map to null (no
+    RoPE on its layers: Beam's full layers), left out of the result."""
     params = d.get("rope_parameters")
     if params is None:
         params = defaults
-    if not isinstance(params, dict) or not params or any(t not in LAYER_TYPES or not isinstance(p, dict)
-                                                         for t, p in params.items()):
+    if not isinstance(params, dict) or not params or any(t not in LAYER_TYPES or not (
+            isinstance(p, dict) or (nope_kinds and p is None)) for t, p in params.items()):
         raise _err("rope_parameters", params, f"a dict of RoPE parameters per layer type ({list(defaults)})")
     missing = sorted(set(layer_types) - set(params))
     if missing:
         raise _err("rope_parameters", params, f"RoPE parameters for every layer type in layer_types (missing {missing})")
     out = []
     for kind, p in params.items():
-        partial = defaults.get(kind, {}).get("partial_rotary_factor", 1.0)
+        if p is None:
+            continue
+        partial = (defaults.get(kind, {}).get("partial_rotary_factor", 1.0) if partial_default is None
+                   else partial_default)
         out.append((kind, parse_rope({"rope_parameters": p}, max_pos, 10000.0, None, partial)))
     return tuple(out)
 
@@ -700,6 +835,9 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     rope: RopeConfig
+    #: Cohere2-MoE: the norms are LayerNorms (mean subtracted; weight, no bias) with eps ``rms_norm_eps`` (read from
+    #: ``layer_norm_eps``), not RMSNorms
+    layer_norm: bool = False
     architectures: tuple = ()
     #: ((layer type, RopeConfig), ...) where the RoPE differs per layer type (MiMo-V2-Flash; ``rope`` is the
     #: full-attention one); () = ``rope`` for every layer
@@ -879,6 +1017,16 @@ class ModelConfig:
         for ours, theirs in fam.get("aliases", {}).items():
             if d.get(ours) is None and d.get(theirs) is not None:
                 d[ours] = d[theirs]
+        names = fam.get("layer_type_names")
+        if names:  # a family's own layer kind names (ZAYA's 'hybrid' / 'hybrid_sliding') -> ours, also as RoPE keys
+            lt = d.get("layer_types")
+            if lt is not None:
+                if not isinstance(lt, (list, tuple)) or any(not isinstance(t, str) or t not in names for t in lt):
+                    raise _err("layer_types", lt, f"a list of entries from {list(names)}")
+                d["layer_types"] = [names[t] for t in lt]
+            rp = d.get("rope_parameters")
+            if isinstance(rp, dict) and rp and all(k in names for k in rp):
+                d["rope_parameters"] = {names[k]: v for k, v in rp.items()}
         if fam.get("window_size_plus_one") and d.get("sliding_window_size") is not None:
             d["sliding_window"] = _int(d, "sliding_window_size") + 1
         if d.get("routed_scaling_factor", 0) is None:
@@ -887,6 +1035,9 @@ class ModelConfig:
         if not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs):
             raise _err("architectures", archs, "a list of strings")
 
+        if fam.get("heads_kv_times_top_k"):  # JetMoE: K heads per chosen attention expert
+            d["num_attention_heads"] = (_int(d, "num_key_value_heads", required=True)
+                                        * _int(d, "num_experts_per_tok", fam["num_experts_per_tok"], required=True))
         hidden = _int(d, "hidden_size", required=True)
         heads = _int(d, "num_attention_heads", required=True)
         if fam.get("num_layers_halved"):  # LongCat: our layers are its num_layers (two sublayers each; default: the value)
@@ -935,10 +1086,24 @@ class ModelConfig:
         elif fam.get("llama4_layers"):  # the RoPE layers chunked (when there is a chunk size), the NoPE ones full
             layer_types = tuple("chunked_attention" if r and chunk is not None else "full_attention"
                                 for r in no_rope_layers)
+        elif fam.get("cohere_layers"):  # the dense prefix by its own pattern, the others every n-th full
+            k = _int(d, "first_k_dense_replace", 0, minimum=0)
+            if k > layers:
+                raise _err("first_k_dense_replace", k, f"an int in [0, num_hidden_layers={layers}]")
+            p, n = _int(d, "prefix_dense_sliding_window_pattern", required=True), _int(d, "sliding_window_pattern",
+                                                                                       required=True)
+            layer_types = tuple("sliding_attention" if (i + 1) % p else "full_attention" for i in range(k)) + tuple(
+                "sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers - k))
+        elif fam.get("full_attention_every"):  # every n-th layer full attention, the others sliding (Kolibri-1)
+            n = fam["full_attention_every"]
+            layer_types = tuple("full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers))
+        elif fam.get("beam_layers"):  # every 6th layer and the last full attention, the others sliding
+            layer_types = tuple("full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention"
+                                for i in range(layers))
         elif fam.get("afmoe_layers"):  # every n-th layer full attention, the others sliding
             n = _int(d, "global_attn_every_n_layers", required=True)
             layer_types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))
-        elif fam.get("step_layers"):  # every layer full attention, whatever the window
+        elif fam.get("step_layers") or fam.get("full_layers_by_default"):  # every layer full, whatever the window
             layer_types = ("full_attention",) * layers
         elif fam.get("granite_swa_layers"):
             layer_types = tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers))
@@ -991,6 +1156,11 @@ class ModelConfig:
         mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("step_layers"):
             mlp_types = _step_mlp_types(d, layers)
+        if not mlp_types and fam.get("moe_switch"):  # one switch for every layer (Doge's is_moe)
+            mlp_types = ("sparse" if _bool(d, fam["moe_switch"], False) else "dense",) * layers
+        if not mlp_types and fam.get("dense_prefix"):  # the first n layers dense (Beam: 3)
+            n = min(fam["dense_prefix"], layers)
+            mlp_types = ("dense",) * n + ("sparse",) * (layers - n)
         if not mlp_types and fam.get("first_layer_dense"):
             mlp_types = ("dense",) + ("sparse",) * (layers - 1)
         if not mlp_types and fam.get("llama4_layers"):  # moe_layers, else every step-th layer from step - 1
@@ -1007,6 +1177,14 @@ class ModelConfig:
             end = _int(d, "moe_layer_end_index", minimum=-1)
             end = layers - 1 if end == -1 else end
             mlp_types = tuple("sparse" if (i + 1) % every == 0 and start <= i <= end else "dense" for i in range(layers))
+        if fam.get("cohere_layers"):  # the first first_k_dense_replace layers dense; RoPE on the sliding layers and,
+            # with a prefix pattern of 1 (all full), on the dense ones
+            if not mlp_types:
+                k = _int(d, "first_k_dense_replace", 0, minimum=0)
+                mlp_types = tuple("dense" if i < k else "sparse" for i in range(layers))
+            prefix_rope = _int(d, "prefix_dense_sliding_window_pattern", required=True) == 1
+            no_rope_layers = tuple(int(t == "sliding_attention" or (m == "dense" and prefix_rope))
+                                   for t, m in zip(layer_types, mlp_types))
         indexer_types = _indexer_types(d, layers)
         mlp_only = _int_list(d, "mlp_only_layers")
         if any(not 0 <= i < layers for i in mlp_only):
@@ -1025,8 +1203,14 @@ class ModelConfig:
 
         if fam.get("rope_by_layer_type") or fam.get("step_layers"):
             layer_ropes = (_step_ropes(d, max_pos, layer_types) if fam.get("step_layers") else
-                           _ropes_by_layer_type(d, max_pos, fam["rope_by_layer_type"], layer_types))
+                           _ropes_by_layer_type(d, max_pos, fam["rope_by_layer_type"], layer_types,
+                                                fam.get("rope_partial_default"), bool(fam.get("nope_kinds"))))
+            if not layer_ropes:
+                raise _err("rope_parameters", d.get("rope_parameters"), "RoPE parameters for at least one layer type")
             rope = dict(layer_ropes).get("full_attention", layer_ropes[0][1])
+            if fam.get("nope_kinds"):  # the layers of a kind without RoPE parameters are NoPE
+                kinds = dict(layer_ropes)
+                no_rope_layers = tuple(int(t in kinds) for t in layer_types)
         else:
             layer_ropes = ()
             partial = fam.get("partial_rotary_factor", 1.0)
@@ -1036,11 +1220,15 @@ class ModelConfig:
                 partial = _int(d, "qk_rope_head_dim") / head_dim
             rope = parse_rope(d, max_pos, fam.get("rope_theta", 10000.0), fam.get("rope"), partial)
 
+        layer_norm = bool(fam.get("layer_norm_unless_rms")) and d.get("rms_norm_eps") is None
+        if layer_norm and d.get("layer_norm_eps") is None:
+            raise ValueError("config field 'layer_norm_eps' is required (a number > 0) when 'rms_norm_eps' is null")
         cfg = cls(
             model_type=model_type, architectures=tuple(archs),
             vocab_size=_int(d, "vocab_size", required=True), hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
-            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6, positive=True),
+            rms_norm_eps=(_float(d, "layer_norm_eps", positive=True) if layer_norm
+                          else _float(d, "rms_norm_eps", 1e-6, positive=True)), layer_norm=layer_norm,
             rope=rope, rope_by_layer_type=layer_ropes,
             intermediate_size=_int(d, "intermediate_size"), hidden_act=_str(d, "hidden_act", "silu"),
             tie_word_embeddings=_bool(d, "tie_word_embeddings", False),

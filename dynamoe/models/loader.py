@@ -124,6 +124,7 @@ class _Filler:
 
     def read(self, ours: str, expected_shape, allow_quantized: bool = False):
         name = self.model.checkpoint_name(ours)
+        rows = self.model.checkpoint_rows(ours)
         try:
             t = read_weight(self.tensors, name, self.qcfg if allow_quantized else None)
         except ValueError as err:
@@ -131,6 +132,13 @@ class _Filler:
                 raise ValueError(f"missing tensor {name!r} in the checkpoint (for {ours!r}, expected shape "
                                  f"{tuple(expected_shape)})") from None
             raise
+        if rows is not None:  # our tensor is a row range of the checkpoint's (a fused q/k/v on disk)
+            if isinstance(t, QuantizedWeight):
+                raise ValueError(f"tensor {name!r} is quantized: dynamoe reads {ours!r} as rows {rows[0]}..{rows[1] - 1} "
+                                 "of it, which it does for dense tensors only")
+            start, stop, total = rows
+            check_shape(name, t.shape, (total, *expected_shape[1:]))
+            t = t[start:stop]
         check_shape(name, t.shape, expected_shape)
         return t
 
@@ -197,6 +205,9 @@ class _Filler:
                 elif isinstance(module, nn.Linear):
                     if not (tied and module is model.lm_head):
                         self.linear(name, module)
+                    elif module.bias is not None:  # a tied lm_head's own bias (ZAYA's lm_head_bias)
+                        module.bias = nn.Parameter(self.read(name + ".bias", module.bias.shape).to(
+                            device=self.device, dtype=module.bias.dtype), requires_grad=False)
                 else:
                     self.direct(name, module)
         finally:

@@ -148,6 +148,8 @@ class SparseMoeBlock(nn.Module):
     the fused decode kernels scale outputs, so such a block runs the general path (MoELayer refuses the kernel).
     ``glu_limit``: the routed experts' clamp ('gpt_oss', 'silu_clamp'; None = ``cfg.swiglu_limit`` or 7);
     ``shared_glu`` / ``shared_glu_limit``: the shared experts' own GLU kind and clamp (None = the routed ones').
+    ``shared_bias``: biases on the shared experts' projections (None = as the routed experts: ``expert_bias``).
+    ``bias_on_logits``: the sigmoid router's selection bias goes on the logits, not the scores (Kolibri-1).
     """
 
     def __init__(self, cfg: ModelConfig, router: str = "softmax", normalize: bool = True, glu: str = "silu",
@@ -155,7 +157,8 @@ class SparseMoeBlock(nn.Module):
                  shared_gate: bool = False, shared_fused_gate_up: bool = False, router_groups: bool | None = None,
                  route_scale: float | None = None, selection_bias: bool = False, prescale: bool = False,
                  group_rank: str = "max", glu_limit: float | None = None, shared_glu: str | None = None,
-                 shared_glu_limit: float | None = None, dtype=None):
+                 shared_glu_limit: float | None = None, shared_bias: bool | None = None, bias_on_logits: bool = False,
+                 dtype=None):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
@@ -169,6 +172,8 @@ class SparseMoeBlock(nn.Module):
         if selection_bias and router != "softmax":
             raise ValueError(f"selection_bias is an option of router 'softmax' (the sigmoid router always has one), "
                              f"got router {router!r}")
+        if bias_on_logits and router != "sigmoid":
+            raise ValueError(f"bias_on_logits is an option of router 'sigmoid' (its selection bias), got router {router!r}")
         if group_rank != "max" and router != "softmax":
             raise ValueError(f"group_rank is an option of router 'softmax' (the sigmoid router ranks groups by "
                              f"DeepSeek-V3's rule), got router {router!r} with group_rank={group_rank!r}")
@@ -187,12 +192,13 @@ class SparseMoeBlock(nn.Module):
                               module=BiasedRouter(D, E, dtype=dtype))
         else:
             gate = GateConfig(type="sigmoid", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize,
-                              n_group=groups[0], topk_group=groups[1], route_scale=scale)
+                              n_group=groups[0], topk_group=groups[1], route_scale=scale, bias_on_logits=bias_on_logits)
         experts = ExpertConfig(
             type="glu", num_experts_per_device=E, hidden_size_per_expert=F_, glu_activation=glu, glu_bias=expert_bias,
             gpt_oss_alpha=cfg.swiglu_alpha, gpt_oss_limit=(cfg.swiglu_limit or 7.0) if glu_limit is None else glu_limit,
             num_shared_experts=num_shared_experts, shared_hidden_size=shared_hidden_size, shared_gate=shared_gate,
             shared_fused_gate_up=shared_fused_gate_up, shared_glu_activation=shared_glu, shared_glu_limit=shared_glu_limit,
+            shared_glu_bias=shared_bias,
         )
         # check_finite off: the input is this model's own hidden state, and the check costs a host
         # sync per layer and step

@@ -11,7 +11,7 @@ from ..ops import cpu_kernels
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
-__all__ = ["RMSNorm", "GatedRMSNorm"]
+__all__ = ["RMSNorm", "GatedRMSNorm", "LayerNorm"]
 
 
 class RMSNorm(nn.Module):
@@ -86,3 +86,22 @@ class GatedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """y = (weight * (x - mean(x)) / sqrt(var(x) + eps) [+ bias]) over the last dim, all in fp32, cast back to x's
+    dtype once (Cohere's LayerNorm: weight only, ``bias=False``). The fused decode kernels take RMSNorm only: they
+    refuse this one by its type."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = False, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), (x.size(-1),), self.weight.float(), bias, self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, bias={self.bias is not None}"

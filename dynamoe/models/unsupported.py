@@ -26,23 +26,16 @@ def _text_of(wrapper: str, what: str) -> str:
 
 #: model_type -> why it does not load (kept sorted)
 UNSUPPORTED: dict[str, str] = {
-    "aria": _VLM,
-    "aria_text": _text_of("aria", "the MoE text model's expert and shared-expert layout is not ported"),
     "axk1": "A.X-K1 is not implemented yet: MLA attention variant with its own compressed layer kinds",
     "axk2": "A.X-K2 is not implemented yet: MLA with a sparse-attention indexer and gated RMSNorm / gated MLPs",
     "bailing_hybrid": "Ling hybrid (bailing_hybrid) mixes MLA with linear-attention / convolution layers: "
                       "recurrent layers are not supported yet",
-    "beam": "Beam is not implemented yet: per-layer mlp_layer_types and attention layer_types of its own",
-    "cohere2_moe": "Cohere2-MoE is not implemented yet: one norm feeding attention and MLP in parallel (one residual), "
-                   "dense/sparse mlp_layer_types, a sliding-window layer pattern and logit_scale",
     "deepseek_ocr2": _VLM,
     "deepseek_ocr2_text": _text_of("deepseek_ocr2", "the OCR model's text decoder is not ported"),
     "deepseek_v4": "DeepSeek-V4 is not implemented yet: compressed sparse attention with hash routing, sinks "
                    "and a sqrtsoftplus router",
     "diffusion_gemma": _VLM + " (and a diffusion, not autoregressive, decoder)",
     "diffusion_gemma_text": "a bidirectional diffusion language model, not an autoregressive causal LM",
-    "doge": "Doge is not implemented yet: dynamic-mask attention (keep_window_size) and CDMoE "
-            "(cross-domain MoE with product-key expert retrieval)",
     "dots3_note": _VLM,
     "dots3_note_text": _text_of("dots3_note", "MLA with bidirectional/sliding layer kinds"),
     "dots3_note_vision_encoder": "a vision encoder (part of dots3_note), not a causal LM",
@@ -57,7 +50,6 @@ UNSUPPORTED: dict[str, str] = {
     "glm5_next_text": _text_of("glm5_next", "MLA mixed with linear-attention / convolution layers"),
     "granitemoehybrid": "GraniteMoE-Hybrid mixes Mamba-2 layers with attention: state-space layers are not "
                         "supported yet",
-    "hy_v3": "Hy3 is not implemented yet: its router_scaling_factor routing and layer kinds",
     "hy_v4": "Hy4 is not implemented yet: MLA with attention sinks",
     "hy_v4_vl": _VLM,
     "hy_v4_vl_text": _text_of("hy_v4_vl", "MLA with attention sinks"),
@@ -68,13 +60,9 @@ UNSUPPORTED: dict[str, str] = {
     "inkling_mm_model": _VLM,
     "inkling_text": _text_of("inkling", "short-convolution layers and multi-token prediction"),
     "jamba": "Jamba mixes Mamba layers with attention: state-space layers are not supported yet",
-    "jetmoe": "JetMoE is not implemented yet: mixture-of-attention-heads (MoA) experts in attention",
-    "kolibri1": "Kolibri-1 is not implemented yet: sliding/full attention layer pattern of its own",
-    "laguna": "Laguna is not implemented yet: softplus output gates on attention (gating) and its layer kinds",
     "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
                  "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
     "lfm2_moe": "LFM2-MoE mixes short-convolution layers with attention: convolution layers are not supported yet",
-    "mellum": "Mellum is not implemented yet: per-layer mlp_layer_types with its attention layer kinds",
     "minimax": "MiniMax-Text-01 mixes lightning attention (linear attention with a fixed per-head decay) with "
                "softmax attention: lightning-attention layers are not implemented yet (dynamoe has Gated DeltaNet "
                "and Kimi Delta Attention, not lightning attention)",
@@ -93,14 +81,11 @@ UNSUPPORTED: dict[str, str] = {
     "qwen4_exp": _VLM,
     "qwen4_exp_text": _text_of("qwen4_exp", "its layer kinds"),
     "sarvam_mla": "Sarvam-105B is not implemented yet: MLA with Sarvam's routing and multi-token prediction",
-    "sarvam_moe": "Sarvam-30B is not implemented yet: its routing and multi-token-prediction layout",
-    "solar_open": "Solar-Open is not implemented yet: its DeepSeek-like routing and attention",
     "switch_transformers": "Switch Transformers is an encoder-decoder (T5) model, not a decoder-only causal LM",
     "unlimited_ocr": _VLM,
     "unlimited_ocr_text": _text_of("unlimited_ocr", "the OCR model's text decoder is not ported"),
     "vitpose": "a pose-estimation vision model, not a causal LM",
     "vitpose_backbone": "a vision backbone (ViTPose), not a causal LM",
-    "zaya": "ZAYA1 is not implemented yet: CCA attention projections, residual scaling and an MLP router",
 }
 
 

@@ -99,6 +99,8 @@ class GateConfig:
     gate_noise: std of training-time logit noise (Tutel: noise * randn / E).
     normalize: renormalise the top-k weights; None = the layer's ``normalize_gate`` for softmax
         gates (only when k > 1, as Switch keeps the raw probability), True for sigmoid gates.
+    bias_on_logits: a sigmoid gate's selection bias is added to the logits, not to the sigmoid scores, to choose
+        the experts (Kolibri-1); the weights are the chosen logits' sigmoids either way.
     """
 
     type: str = "top"
@@ -115,6 +117,7 @@ class GateConfig:
     topk_group: int = 1
     group_rank: str = "max"  # 'top' only: see the docstring
     route_scale: float = 1.0  # (also 'top': DeepSeek-V2's routed_scaling_factor)
+    bias_on_logits: bool = False  # 'sigmoid' only: see the docstring
     # sparsemixer routing: the relative margin of the experts that share an expert's softmax (Phi-3.5-MoE's
     # router_jitter_noise)
     jitter_eps: float = 0.01
@@ -151,6 +154,10 @@ class GateConfig:
             raise ValueError(f"group_rank={self.group_rank!r} is for gate type 'top' (sigmoid gates rank groups by "
                              f"DeepSeek-V3's rule), got type {self.type!r}; allowed there: 'max'")
         _check_float("route_scale", self.route_scale, positive=True)
+        _check_bool("bias_on_logits", self.bias_on_logits)
+        if self.bias_on_logits and self.type != "sigmoid":
+            raise ValueError(f"bias_on_logits is for gate type 'sigmoid' (where the selection bias goes), got type "
+                             f"{self.type!r}")
         _check_float("jitter_eps", self.jitter_eps)
         if self.jitter_eps < 0:
             raise ValueError(f"jitter_eps must be >= 0, got {self.jitter_eps}")
@@ -189,6 +196,8 @@ class ExpertConfig:
     gpt_oss_limit: the clamp of the 'gpt_oss' and 'silu_clamp' GLU activations.
     shared_glu_activation / shared_glu_limit: the shared GLU's own activation and clamp (Step-3.5 clamps its
         shared expert at another bound than its routed ones); None = the routed experts'.
+    shared_glu_bias: biases on the shared GLU's projections (HY-V3's ``mlp_bias`` shared MLP beside bias-free routed
+        experts); None = ``glu_bias``.
     """
 
     type: str = "ffn"
@@ -208,6 +217,7 @@ class ExpertConfig:
     shared_fused_gate_up: bool = False
     shared_glu_activation: Optional[str] = None
     shared_glu_limit: Optional[float] = None
+    shared_glu_bias: Optional[bool] = None
     module: Any = None
     module_kwargs: dict = field(default_factory=dict)
 
@@ -237,6 +247,12 @@ class ExpertConfig:
                 _check_float("shared_glu_limit", self.shared_glu_limit, positive=True)
         for name in ("has_fc1_bias", "has_fc2_bias", "glu_bias", "shared_gate", "shared_fused_gate_up"):
             _check_bool(name, getattr(self, name))
+        if self.shared_glu_bias is not None:
+            _check_bool("shared_glu_bias", self.shared_glu_bias)
+            if self.type != "glu" or not self.num_shared_experts:
+                raise ValueError("shared_glu_bias sets the shared GLU's biases: it needs glu experts and "
+                                 f"num_shared_experts >= 1, got type {self.type!r} and "
+                                 f"num_shared_experts={self.num_shared_experts!r}")
         _check_float("gpt_oss_alpha", self.gpt_oss_alpha, positive=True)
         _check_float("gpt_oss_limit", self.gpt_oss_limit, positive=True)
         if self.shared_hidden_size is not None:

@@ -290,12 +290,13 @@ class SharedExperts(StackedLinears, nn.Module):
             self.activation = cfg.shared_glu_activation or cfg.glu_activation or "silu"
             self.alpha = cfg.gpt_oss_alpha
             self.limit = cfg.gpt_oss_limit if cfg.shared_glu_limit is None else cfg.shared_glu_limit
+            bias = cfg.glu_bias if cfg.shared_glu_bias is None else cfg.shared_glu_bias
             if cfg.shared_fused_gate_up:
-                self.gate_up_proj = nn.Linear(model_dim, 2 * hidden, bias=cfg.glu_bias, **kw)
+                self.gate_up_proj = nn.Linear(model_dim, 2 * hidden, bias=bias, **kw)
             else:
-                self.gate_proj = nn.Linear(model_dim, hidden, bias=cfg.glu_bias, **kw)
-                self.up_proj = nn.Linear(model_dim, hidden, bias=cfg.glu_bias, **kw)
-            self.down_proj = nn.Linear(hidden, out, bias=cfg.glu_bias, **kw)
+                self.gate_proj = nn.Linear(model_dim, hidden, bias=bias, **kw)
+                self.up_proj = nn.Linear(model_dim, hidden, bias=bias, **kw)
+            self.down_proj = nn.Linear(hidden, out, bias=bias, **kw)
             self.fused_gate_up = cfg.shared_fused_gate_up
         else:
             self.activation_fn = activation(cfg.activation_fn)

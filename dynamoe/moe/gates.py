@@ -210,7 +210,7 @@ def route(gate: nn.Module, cfg: GateConfig, x_TD: Tensor, num_experts: int, top_
         bias = getattr(gate, "e_score_correction_bias", None)
         renorm = renormalizes(cfg, top_k, normalize_gate)
         weights_TK, ids_TK, scores_TE = sigmoid_group_topk(
-            noisy_TE, top_k, bias, cfg.n_group, cfg.topk_group, renorm, cfg.route_scale
+            noisy_TE, top_k, bias, cfg.n_group, cfg.topk_group, renorm, cfg.route_scale, cfg.bias_on_logits
         )
     elif cfg.type == "sparsemixer":  # Phi-3.5-MoE: exactly two experts
         if top_k != 2:

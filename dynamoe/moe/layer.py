@@ -467,6 +467,9 @@ class MoELayer(nn.Module):
             raise Unfusable("training mode")
         if gcfg.capacity_factor != 0:
             raise Unfusable(f"capacity_factor={gcfg.capacity_factor:g} (the kernel is dropless: 0)")
+        if gcfg.bias_on_logits:
+            raise Unfusable("the selection bias is added to the router logits (bias_on_logits: Kolibri-1); the router "
+                            "kernel adds it to the sigmoid scores")
         if not cfg.is_postscore:
             raise Unfusable("the routing weights scale the experts' inputs (is_postscore=False: Llama-4); the layer "
                             "kernel scales their outputs, which differs for a nonlinear expert")

@@ -157,6 +157,7 @@ def sigmoid_group_topk(
     topk_group: int = 1,
     renormalize: bool = True,
     route_scale: float = 1.0,
+    bias_on_logits: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """DeepSeek-V3 / Kimi-K2 / GLM-4.5 routing.
 
@@ -164,6 +165,8 @@ def sigmoid_group_topk(
     each group is ranked by the sum of its top-2 biased scores (its max when there is no bias),
     only the best ``topk_group`` groups stay eligible; the K chosen experts are weighted by their
     unbiased scores, optionally renormalised to sum to 1, then multiplied by ``route_scale``.
+    ``bias_on_logits``: the bias is added to the logits instead of the scores to choose (Kolibri-1: top-k of
+    logits + bias, weighted by the sigmoids of the chosen logits).
 
     Returns (weights_TK fp32+, ids_TK int64, scores_TE fp32+).
     """
@@ -171,12 +174,13 @@ def sigmoid_group_topk(
     T, E = logits_TE.shape
     check_top_k(top_k, E)
     _check_groups(E, top_k, n_group, topk_group)
-    if _triton_path(logits_TE, correction_bias_E):  # --- Triton fast path (GPU): one launch ---
+    if not bias_on_logits and _triton_path(logits_TE, correction_bias_E):  # --- Triton fast path (GPU): one launch ---
         from .triton import routing as triton_routing
         return triton_routing.sigmoid_group_topk(logits_TE, top_k, correction_bias_E, n_group, topk_group,
                                                  renormalize, route_scale)
     scores_TE = torch.sigmoid(_upcast(logits_TE))
-    choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.to(scores_TE.dtype)
+    base_TE = _upcast(logits_TE) if bias_on_logits else scores_TE
+    choice_TE = base_TE if correction_bias_E is None else base_TE + correction_bias_E.to(base_TE.dtype)
     if n_group > 1 and topk_group < n_group:
         choice_TGe = choice_TE.view(T, n_group, E // n_group)
         if correction_bias_E is None or E // n_group < 2:
