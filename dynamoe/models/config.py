@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from .unsupported import refusal
 
-__all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
+__all__ = ["ModelConfig", "RopeConfig", "SSMConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
            "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
@@ -337,6 +337,16 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
               "fields": {"intermediate_size": 6144, "moe_intermediate_size": 1408, "max_position_embeddings": 16384,
                          "rms_norm_eps": 1e-5, "sliding_window": 1024, "num_dense_layers": 1, "num_shared_experts": 2,
                          "route_scale": 1.0, "global_attn_every_n_layers": 4}},
+    # JambaConfig: Mamba-1 layers ('linear_attention') with attention every attn_layer_period-th layer from
+    # attn_layer_offset, MoE every expert_layer_period-th from expert_layer_offset ("jamba_layers"; its layer_types
+    # is a property of those four, never read from the file: "ignored"); the experts are intermediate_size wide
+    "jamba": {"num_experts": 16, "num_experts_per_tok": 2, "jamba_layers": True, "ssm": "jamba",
+              "ignored": ("layer_types", "moe_intermediate_size"),
+              "fields": {"intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 262144,
+                         "rms_norm_eps": 1e-6, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                         "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 8,
+                         "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+                         "mamba_dt_rank": "auto", "mamba_conv_bias": True, "mamba_proj_bias": False}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -679,6 +689,86 @@ def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 100
     )
 
 
+# ------------------------------------------------------------------------------------------ state-space layers
+#: SSM layer kinds: 'mamba1' (Mamba's selective scan, a state per channel: Jamba) and 'mamba2' (Mamba-2's
+#: scalar decay per head: GraniteMoE-Hybrid, Nemotron-H)
+SSM_KINDS = ("mamba1", "mamba2")
+
+
+@dataclass(frozen=True)
+class SSMConfig:
+    """The Mamba layers' sizes (every 'linear_attention' layer of a family whose _FAMILY_DEFAULTS entry names
+    an "ssm" reader), under one set of names whatever the config class calls them.
+
+    ``intermediate_size``: the inner width (``expand`` x hidden_size); ``state_size``: N, the state per
+    channel (Mamba-1) or per head dim (Mamba-2); ``conv_kernel``: the causal depthwise conv's width.
+    Mamba-1: ``dt_rank`` (the low-rank time-step projection). Mamba-2: ``num_heads`` x ``head_dim`` =
+    intermediate_size, ``n_groups`` (heads share B and C by group), ``chunk_size`` (the prefill's SSD
+    chunk; any value gives the same numbers up to rounding), ``time_step_limit`` (dt clamped to it)."""
+
+    kind: str
+    intermediate_size: int
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    activation: str = "silu"
+    dt_rank: Optional[int] = None
+    num_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    n_groups: int = 1
+    chunk_size: int = 256
+    time_step_limit: tuple = (0.0, math.inf)
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the conv (and of its cached window): x (Mamba-1); x, B and C (Mamba-2)."""
+        return self.intermediate_size + (2 * self.n_groups * self.state_size if self.kind == "mamba2" else 0)
+
+    @property
+    def state_elements(self) -> int:
+        """Elements of one layer's recurrent state per sequence."""
+        return self.intermediate_size * self.state_size
+
+
+def _time_step_limit(d: dict, name: str) -> tuple:
+    v = d.get(name)
+    if v is None:
+        return (0.0, math.inf)
+    if (not isinstance(v, (list, tuple)) or len(v) != 2
+            or any(isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x) for x in v) or v[0] > v[1]):
+        raise _err(name, v, "a pair [low, high] of numbers with low <= high")
+    return (float(v[0]), float(v[1]))
+
+
+def _parse_ssm(d: dict, reader: str, hidden: int) -> SSMConfig:
+    """The :class:`SSMConfig` of a config dict whose family reads its Mamba sizes as ``reader`` says:
+    'jamba' (JambaConfig's mamba_* names, Mamba-1 with dt_rank 'auto' = ceil(hidden / 16))."""
+    if reader == "jamba":
+        rank = d.get("mamba_dt_rank")
+        rank = math.ceil(hidden / 16) if rank == "auto" else _int(d, "mamba_dt_rank", required=True)
+        return SSMConfig("mamba1", _int(d, "mamba_expand", required=True) * hidden,
+                         _int(d, "mamba_d_state", required=True), _int(d, "mamba_d_conv", required=True),
+                         conv_bias=_bool(d, "mamba_conv_bias", True), proj_bias=_bool(d, "mamba_proj_bias", False),
+                         activation=_str(d, "hidden_act", "silu"), dt_rank=rank)
+    raise ValueError(f"unknown SSM reader {reader!r}")  # (a _FAMILY_DEFAULTS entry names one of the above)
+
+
+def _jamba_layers(d: dict, layers: int, experts: int) -> tuple[tuple, tuple]:
+    """Jamba's (layer_types, mlp_layer_types) as JambaConfig derives them: attention where i % attn_layer_period
+    == attn_layer_offset (else Mamba: 'linear_attention'); MoE where i % expert_layer_period == expert_layer_offset
+    (when there is more than one expert), else a dense MLP."""
+    out = []
+    for period, offset in (("attn_layer_period", "attn_layer_offset"), ("expert_layer_period", "expert_layer_offset")):
+        p, o = _int(d, period, required=True), _int(d, offset, minimum=0, required=True)
+        if o >= p:
+            raise _err(offset, o, f"an int < {period}={p}")
+        out.append([i % p == o for i in range(layers)])
+    attn, moe = out
+    return (tuple("full_attention" if a else "linear_attention" for a in attn),
+            tuple("sparse" if m and experts > 1 else "dense" for m in moe))
+
+
 # ------------------------------------------------------------------------------------------ model
 @dataclass(frozen=True)
 class ModelConfig:
@@ -779,6 +869,9 @@ class ModelConfig:
     floor_scale: Optional[float] = None
     attn_scale: Optional[float] = None
     intermediate_size_mlp: Optional[int] = None
+    #: the Mamba layers' sizes (Jamba, GraniteMoE-Hybrid, Nemotron-H: their 'linear_attention' layers are
+    #: state-space layers); None for the other families
+    ssm: Optional[SSMConfig] = None
     #: the config.json nested this model under ``text_config`` (Qwen3.5-MoE's multimodal checkpoint)
     text_config_nested: bool = False
     # tokens
@@ -817,12 +910,15 @@ class ModelConfig:
         return per_layer * sublayers * (self.num_hidden_layers - linear)
 
     def state_elements_per_sequence(self) -> dict[str, int]:
-        """Fixed-size cache elements one sequence takes over all linear-attention layers, whatever its
+        """Fixed-size cache elements one sequence takes over all linear-attention (or Mamba) layers, whatever its
         length: ``conv_state`` (the conv window, in the cache's dtype) and ``recurrent_state`` (fp32);
         zeros for models without such layers."""
         linear = sum(t == "linear_attention" for t in self.layer_types)
         if not linear:
             return {"conv_state": 0, "recurrent_state": 0}
+        if self.ssm is not None:  # Mamba layers: the conv window of x (and B, C) and the SSM state
+            return {"conv_state": linear * self.ssm.conv_channels * (self.ssm.conv_kernel - 1),
+                    "recurrent_state": linear * self.ssm.state_elements}
         key, value = self.linear_num_key_heads * self.linear_key_head_dim, self.linear_num_value_heads * self.linear_value_head_dim
         return {"conv_state": linear * (2 * key + value) * (self.linear_conv_kernel_dim - 1),
                 "recurrent_state": linear * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim}
@@ -934,6 +1030,8 @@ class ModelConfig:
         elif fam.get("llama4_layers"):  # the RoPE layers chunked (when there is a chunk size), the NoPE ones full
             layer_types = tuple("chunked_attention" if r and chunk is not None else "full_attention"
                                 for r in no_rope_layers)
+        elif fam.get("jamba_layers"):
+            layer_types = _jamba_layers(d, layers, experts)[0]
         elif fam.get("afmoe_layers"):  # every n-th layer full attention, the others sliding
             n = _int(d, "global_attn_every_n_layers", required=True)
             layer_types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))
@@ -979,7 +1077,8 @@ class ModelConfig:
         if "chunked_attention" in layer_types and chunk is None:
             raise ValueError("config field 'attention_chunk_size' is required when layer_types has 'chunked_attention'")
         linear_sizes = {name: _int(d, name) for name in _LINEAR_ATTENTION_FIELDS}
-        if "linear_attention" in layer_types:
+        ssm = _parse_ssm(d, fam["ssm"], hidden) if fam.get("ssm") else None
+        if "linear_attention" in layer_types and ssm is None:
             for name, v in linear_sizes.items():
                 if v is None:
                     raise ValueError(f"config field {name!r} is required when layer_types has 'linear_attention'")
@@ -990,6 +1089,8 @@ class ModelConfig:
         mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("step_layers"):
             mlp_types = _step_mlp_types(d, layers)
+        if not mlp_types and fam.get("jamba_layers"):
+            mlp_types = _jamba_layers(d, layers, experts)[1]
         if not mlp_types and fam.get("first_layer_dense"):
             mlp_types = ("dense",) + ("sparse",) * (layers - 1)
         if not mlp_types and fam.get("llama4_layers"):  # moe_layers, else every step-th layer from step - 1
@@ -1076,7 +1177,7 @@ class ModelConfig:
             attn_temperature_tuning=_bool(d, "attn_temperature_tuning", False),
             floor_scale=_float(d, "floor_scale", positive=True), attn_scale=_float(d, "attn_scale"),
             intermediate_size_mlp=_int(d, "intermediate_size_mlp"),
-            text_config_nested=text_nested,
+            ssm=ssm, text_config_nested=text_nested,
             bos_token_id=_int(d, "bos_token_id", minimum=0), eos_token_id=eos,
             pad_token_id=_int(d, "pad_token_id", minimum=0), quantization_config=quant, raw=dict(d),
         )

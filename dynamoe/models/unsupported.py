@@ -67,7 +67,6 @@ UNSUPPORTED: dict[str, str] = {
     "inkling2_text": _text_of("inkling2", "short-convolution layers, sliding windows and sinks"),
     "inkling_mm_model": _VLM,
     "inkling_text": _text_of("inkling", "short-convolution layers and multi-token prediction"),
-    "jamba": "Jamba mixes Mamba layers with attention: state-space layers are not supported yet",
     "jetmoe": "JetMoE is not implemented yet: mixture-of-attention-heads (MoA) experts in attention",
     "kolibri1": "Kolibri-1 is not implemented yet: sliding/full attention layer pattern of its own",
     "laguna": "Laguna is not implemented yet: softplus output gates on attention (gating) and its layer kinds",
