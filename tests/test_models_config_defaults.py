@@ -76,6 +76,8 @@ FAMILIES = {
     "afmoe": ("AfmoeConfig", {}),
     # Mamba hybrids: Jamba (Mamba-1; attention and MoE layers by period and offset)
     "jamba": ("JambaConfig", {}),
+    # GraniteMoE-Hybrid (Mamba-2, GraniteMoE-Shared's MoE; mamba_d_head 'auto' needs heads dividing 2 x hidden)
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(mamba_n_heads=8)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -86,7 +88,7 @@ LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
-MAMBA = {"jamba"}
+MAMBA = {"jamba", "granitemoehybrid"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text"}
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
@@ -126,6 +128,8 @@ def _hf_moe_layers(hf, mt):
         return [i >= hf.num_dense_layers for i in range(n)]
     if mt == "jamba":
         return [e > 1 for e in hf.layers_num_experts]
+    if mt == "granitemoehybrid":
+        return [hf.num_local_experts > 0] * n
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
 
@@ -200,7 +204,7 @@ FIELDS = {
     "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt == "hunyuan_v1_moe" else hf.ffn_config.moe_top_k
                             if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
-    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"jamba", "mixtral", "gpt_oss", "olmoe", "minimax_m2",
+    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"jamba", "granitemoehybrid", "mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
                                                                           "hunyuan_v1_moe", "phimoe"} | LLAMA4
                            else hf.moe_intermediate_size, None, None),
@@ -216,11 +220,13 @@ FIELDS = {
     # Qwen3-VL-MoE's router has no norm_topk_prob: it always renormalises
     "norm_topk_prob_vl": (lambda hf, mt: True, lambda cfg: cfg.norm_topk_prob, {"qwen3_vl_moe", "qwen3_vl_moe_text"}),
     # GraniteMoE (a shared MLP only in granitemoeshared, and only when its size is > 0)
-    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared", "granitemoe_swa"})
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared", "granitemoe_swa",
+                                                                   "granitemoehybrid"})
        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
     "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt in {"qwen2_moe", "flint"} | HYBRID
                                         else hf.shared_intermediate_size or None, None,
-                                        {"qwen2_moe", "granitemoeshared", "flint", "granitemoe_swa"} | HYBRID),
+                                        {"qwen2_moe", "granitemoeshared", "flint", "granitemoe_swa", "granitemoehybrid"}
+                                        | HYBRID),
     # K-EXAONE: DeepSeek routing, shared experts under their own name
     # (keys of their own: the DeepSeek entries above keep theirs)
     **{f"{name}_exaone": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
@@ -292,6 +298,17 @@ FIELDS = {
                   lambda cfg: (cfg.ssm.kind, cfg.ssm.intermediate_size, cfg.ssm.state_size, cfg.ssm.conv_kernel,
                                cfg.ssm.conv_bias, cfg.ssm.proj_bias, cfg.ssm.activation, cfg.ssm.dt_rank), {"jamba"}),
     "intermediate_size_jamba": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, {"jamba"}),
+    "ssm_granite": (lambda hf, mt: ("mamba2", hf.mamba_expand * hf.hidden_size, hf.mamba_d_state, hf.mamba_d_conv,
+                                    hf.mamba_conv_bias, hf.mamba_proj_bias, hf.hidden_act, hf.mamba_n_heads,
+                                    hf.mamba_d_head, hf.mamba_n_groups, hf.mamba_chunk_size, tuple(hf.time_step_limit)),
+                    lambda cfg: (cfg.ssm.kind, cfg.ssm.intermediate_size, cfg.ssm.state_size, cfg.ssm.conv_kernel,
+                                 cfg.ssm.conv_bias, cfg.ssm.proj_bias, cfg.ssm.activation, cfg.ssm.num_heads,
+                                 cfg.ssm.head_dim, cfg.ssm.n_groups, cfg.ssm.chunk_size, cfg.ssm.time_step_limit),
+                    {"granitemoehybrid"}),
+    # GraniteMoE-Hybrid: RoPE in the attention layers only with position_embedding_type 'rope'
+    "layer_uses_rope_granite": (lambda hf, mt: [hf.position_embedding_type == "rope"] * hf.num_hidden_layers,
+                                lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)],
+                                {"granitemoehybrid"}),
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -438,6 +455,10 @@ def test_omitted_fields_default_as_transformers(mt):
     ("jamba", {"attn_layer_period": 2, "attn_layer_offset": 0, "expert_layer_period": 4, "expert_layer_offset": 3,
                "mamba_dt_rank": 7, "mamba_expand": 3, "mamba_d_state": 4, "mamba_conv_bias": False}),
     ("jamba", {"num_experts": 1, "num_experts_per_tok": 1}),             # one expert: every MLP dense
+    # the hub's names (layers_block_type, legacy 'mamba' / 'attention'), RoPE, a time-step limit, no experts
+    ("granitemoehybrid", {"layers_block_type": ["mamba", "attention", "mamba", "mamba"], "position_embedding_type": "rope",
+                          "time_step_limit": [0.001, 100.0], "mamba_d_head": 16, "mamba_n_groups": 2,
+                          "num_local_experts": 0, "shared_intermediate_size": 48}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

@@ -347,6 +347,18 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                          "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 8,
                          "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
                          "mamba_dt_rank": "auto", "mamba_conv_bias": True, "mamba_proj_bias": False}},
+    # GraniteMoeHybridConfig: Mamba-2 layers ('linear_attention'; every layer unless layer_types / the hub's
+    # layers_block_type says otherwise, whose legacy 'mamba' / 'attention' names it remaps); attention with RoPE only
+    # when position_embedding_type is 'rope' ("rope_switch"); GraniteMoE-Shared's multipliers, experts of
+    # intermediate_size and shared MLP
+    "granitemoehybrid": {"num_experts": 8, "num_experts_per_tok": 2, "ssm": "granite", "mamba_layers_default": True,
+                         "rope_switch": "position_embedding_type", "ignored": ("moe_intermediate_size",),
+                         "aliases": {"layer_types": "layers_block_type"},
+                         "fields": {"intermediate_size": 11008, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                                    "bos_token_id": 1, "eos_token_id": 2, "attention_multiplier": 1.0,
+                                    "shared_intermediate_size": 1024, "mamba_n_heads": 128, "mamba_n_groups": 1,
+                                    "mamba_d_state": 256, "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2,
+                                    "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -731,10 +743,22 @@ class SSMConfig:
         return self.intermediate_size * self.state_size
 
 
+def _json_float(x):
+    """transformers saves a non-finite float in config.json as {"__float__": "Infinity"} (or "-Infinity", "NaN")."""
+    if isinstance(x, dict) and set(x) == {"__float__"} and isinstance(x["__float__"], str):
+        try:
+            return float(x["__float__"])
+        except ValueError:
+            return x
+    return x
+
+
 def _time_step_limit(d: dict, name: str) -> tuple:
     v = d.get(name)
     if v is None:
         return (0.0, math.inf)
+    if isinstance(v, (list, tuple)):
+        v = [_json_float(x) for x in v]
     if (not isinstance(v, (list, tuple)) or len(v) != 2
             or any(isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x) for x in v) or v[0] > v[1]):
         raise _err(name, v, "a pair [low, high] of numbers with low <= high")
@@ -743,7 +767,8 @@ def _time_step_limit(d: dict, name: str) -> tuple:
 
 def _parse_ssm(d: dict, reader: str, hidden: int) -> SSMConfig:
     """The :class:`SSMConfig` of a config dict whose family reads its Mamba sizes as ``reader`` says:
-    'jamba' (JambaConfig's mamba_* names, Mamba-1 with dt_rank 'auto' = ceil(hidden / 16))."""
+    'jamba' (JambaConfig's mamba_* names, Mamba-1 with dt_rank 'auto' = ceil(hidden / 16)); 'granite'
+    (GraniteMoeHybridConfig's mamba_* names, Mamba-2 with mamba_d_head 'auto' = expand x hidden / heads)."""
     if reader == "jamba":
         rank = d.get("mamba_dt_rank")
         rank = math.ceil(hidden / 16) if rank == "auto" else _int(d, "mamba_dt_rank", required=True)
@@ -751,7 +776,32 @@ def _parse_ssm(d: dict, reader: str, hidden: int) -> SSMConfig:
                          _int(d, "mamba_d_state", required=True), _int(d, "mamba_d_conv", required=True),
                          conv_bias=_bool(d, "mamba_conv_bias", True), proj_bias=_bool(d, "mamba_proj_bias", False),
                          activation=_str(d, "hidden_act", "silu"), dt_rank=rank)
+    if reader == "granite":
+        inner = _int(d, "mamba_expand", required=True) * hidden
+        heads = _int(d, "mamba_n_heads", required=True)
+        head_dim = inner // heads if d.get("mamba_d_head") == "auto" else _int(d, "mamba_d_head", required=True)
+        if inner % heads or head_dim * heads != inner:
+            raise _err("mamba_n_heads", heads, f"a divisor of mamba_expand x hidden_size = {inner} with mamba_d_head "
+                       f"x mamba_n_heads = {inner} (mamba_d_head: {d.get('mamba_d_head')!r})")
+        return _mamba2(d, inner, heads, head_dim, "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias",
+                       "mamba_proj_bias", "hidden_act", "mamba_chunk_size", "time_step_limit")
     raise ValueError(f"unknown SSM reader {reader!r}")  # (a _FAMILY_DEFAULTS entry names one of the above)
+
+
+def _mamba2(d: dict, inner: int, heads: int, head_dim: int, state: str, groups: str, conv: str, conv_bias: str,
+            proj_bias: str, act: str, chunk: str, limit: str) -> SSMConfig:
+    """A Mamba-2 :class:`SSMConfig` from the config's fields of these names."""
+    n_groups = _int(d, groups, 1)
+    if heads % n_groups:
+        raise _err(groups, n_groups, f"a divisor of the Mamba heads ({heads})")
+    return SSMConfig("mamba2", inner, _int(d, state, required=True), _int(d, conv, required=True),
+                     conv_bias=_bool(d, conv_bias, True), proj_bias=_bool(d, proj_bias, False),
+                     activation=_str(d, act, "silu"), num_heads=heads, head_dim=head_dim, n_groups=n_groups,
+                     chunk_size=_int(d, chunk, 256), time_step_limit=_time_step_limit(d, limit))
+
+
+#: the layer kinds' names before transformers 5 (config classes remap them, as here)
+_LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
 def _jamba_layers(d: dict, layers: int, experts: int) -> tuple[tuple, tuple]:
@@ -1022,6 +1072,13 @@ class ModelConfig:
         kinds = LAYER_TYPES + (("chunked_attention",) if fam.get("chunked_layers") else ())
         chunk = _int(d, "attention_chunk_size") if fam.get("chunked_layers") else None
         no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") else ()
+        if fam.get("rope_switch"):  # GraniteMoE-Hybrid: RoPE in every attention layer when the field says 'rope'
+            switch = d.get(fam["rope_switch"])
+            if switch not in (None, "rope"):
+                raise _err(fam["rope_switch"], switch, "'rope' or null (no position encoding)")
+            no_rope_layers = (int(switch == "rope"),) * layers
+        if fam.get("ssm") and isinstance(layer_types, (list, tuple)):   # (the Mamba families' hub configs)
+            layer_types = [_LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in layer_types]
         if layer_types is not None:
             if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
                     or any(t not in kinds for t in layer_types)):
@@ -1032,6 +1089,8 @@ class ModelConfig:
                                 for r in no_rope_layers)
         elif fam.get("jamba_layers"):
             layer_types = _jamba_layers(d, layers, experts)[0]
+        elif fam.get("mamba_layers_default"):   # GraniteMoE-Hybrid: every layer Mamba
+            layer_types = ("linear_attention",) * layers
         elif fam.get("afmoe_layers"):  # every n-th layer full attention, the others sliding
             n = _int(d, "global_attn_every_n_layers", required=True)
             layer_types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))

@@ -116,3 +116,5 @@ register("step3p5", "dynamoe.models.step3p5:Step3p5ForCausalLM", ("Step3p5ForCau
 register("afmoe", "dynamoe.models.afmoe:AfmoeForCausalLM", ("AfmoeForCausalLM",))
 register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForConditionalGeneration",))
 register("jamba", "dynamoe.models.jamba:JambaForCausalLM", ("JambaForCausalLM",))
+register("granitemoehybrid", "dynamoe.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+         ("GraniteMoeHybridForCausalLM",))
