@@ -78,6 +78,8 @@ FAMILIES = {
     "jamba": ("JambaConfig", {}),
     # GraniteMoE-Hybrid (Mamba-2, GraniteMoE-Shared's MoE; mamba_d_head 'auto' needs heads dividing 2 x hidden)
     "granitemoehybrid": ("GraniteMoeHybridConfig", dict(mamba_n_heads=8)),
+    # Nemotron-H: blocks by kind (its default: M, E, *, -), DeepSeek-V3 routing
+    "nemotron_h": ("NemotronHConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -88,7 +90,7 @@ LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
-MAMBA = {"jamba", "granitemoehybrid"}
+MAMBA = {"jamba", "granitemoehybrid", "nemotron_h"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text"}
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
@@ -96,7 +98,7 @@ MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_te
 # DeepSeek-V3's routing fields under these families' own config classes
 DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"}
 # no single rope_parameters dict: Kimi-Linear and Jamba have no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "jamba"} | STEP
+NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "jamba", "nemotron_h"} | STEP
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash"} | STEP
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
@@ -130,6 +132,8 @@ def _hf_moe_layers(hf, mt):
         return [e > 1 for e in hf.layers_num_experts]
     if mt == "granitemoehybrid":
         return [hf.num_local_experts > 0] * n
+    if mt == "nemotron_h":
+        return [t == "moe" for t in hf.layers_block_type]
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
 
@@ -183,14 +187,17 @@ FIELDS = {
     "head_dim": (lambda hf, mt: getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads, None, None),
     "max_position_embeddings": (lambda hf, mt: hf.max_position_embeddings, None, None),
     # DBRX's LayerNorms: torch's default eps (its config has no field)
-    "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.rms_norm_eps, None, None),
+    # (Nemotron-H: layer_norm_epsilon)
+    "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.layer_norm_epsilon if mt == "nemotron_h"
+                     else hf.rms_norm_eps, None, None),
     "rope": (lambda hf, mt: _hf_rope(hf), lambda cfg: _our_rope(cfg), set(FAMILIES) - NO_SINGLE_ROPE),
     # (MiMo's modeling code reads each layer type's partial_rotary_factor with a default of 0.334, Step's of 1)
     "rope_by_layer_type": (lambda hf, mt: {k: {**_hf_rope(p), "partial_rotary_factor": p.get(
                                                "partial_rotary_factor", 0.334 if mt == "mimo_v2_flash" else 1.0)}
                                            for k, p in hf.rope_parameters.items()},
                            lambda cfg: {k: _our_rope(r) for k, r in cfg.rope_by_layer_type}, ROPE_PER_LAYER_TYPE),
-    "hidden_act": (lambda hf, mt: hf.hidden_act, None, set(FAMILIES) - {"gpt_oss", "dbrx"}),  # GPT-OSS: its own SwiGLU
+    # GPT-OSS: its own SwiGLU; Nemotron-H: mlp_hidden_act / mamba_hidden_act (see ssm_nemotron)
+    "hidden_act": (lambda hf, mt: hf.hidden_act, None, set(FAMILIES) - {"gpt_oss", "dbrx", "nemotron_h"}),
     # DBRX: clip_qkv in attn_config
     "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
     "tie_word_embeddings": (lambda hf, mt: hf.tie_word_embeddings, None, None),
@@ -306,6 +313,19 @@ FIELDS = {
                                  cfg.ssm.head_dim, cfg.ssm.n_groups, cfg.ssm.chunk_size, cfg.ssm.time_step_limit),
                     {"granitemoehybrid"}),
     # GraniteMoE-Hybrid: RoPE in the attention layers only with position_embedding_type 'rope'
+    "ssm_nemotron": (lambda hf, mt: ("mamba2", hf.mamba_num_heads * hf.mamba_head_dim, hf.ssm_state_size,
+                                     hf.conv_kernel, hf.use_conv_bias, hf.use_bias, hf.mamba_hidden_act,
+                                     hf.mamba_num_heads, hf.mamba_head_dim, hf.n_groups, hf.chunk_size,
+                                     (hf.time_step_min, float("inf"))),
+                     lambda cfg: (cfg.ssm.kind, cfg.ssm.intermediate_size, cfg.ssm.state_size, cfg.ssm.conv_kernel,
+                                  cfg.ssm.conv_bias, cfg.ssm.proj_bias, cfg.ssm.activation, cfg.ssm.num_heads,
+                                  cfg.ssm.head_dim, cfg.ssm.n_groups, cfg.ssm.chunk_size, cfg.ssm.time_step_limit),
+                     {"nemotron_h"}),
+    **{f"{ours}_nemotron": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
+                            {"nemotron_h"})
+       for ours, theirs in (("n_group", "n_group"), ("topk_group", "topk_group"), ("norm_topk_prob", "norm_topk_prob"),
+                            ("routed_scaling_factor", "routed_scaling_factor"), ("intermediate_size", "intermediate_size"),
+                            ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"))},
     "layer_uses_rope_granite": (lambda hf, mt: [hf.position_embedding_type == "rope"] * hf.num_hidden_layers,
                                 lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)],
                                 {"granitemoehybrid"}),
@@ -455,6 +475,11 @@ def test_omitted_fields_default_as_transformers(mt):
     ("jamba", {"attn_layer_period": 2, "attn_layer_offset": 0, "expert_layer_period": 4, "expert_layer_offset": 3,
                "mamba_dt_rank": 7, "mamba_expand": 3, "mamba_d_state": 4, "mamba_conv_bias": False}),
     ("jamba", {"num_experts": 1, "num_experts_per_tok": 1}),             # one expert: every MLP dense
+    # Nemotron-H, the hub's way: a pattern (its length is the layer count) and mamba_* names that win
+    ("nemotron_h", {"hybrid_override_pattern": "M*EM-", "mamba_n_groups": 4, "n_groups": 2, "mamba_dt_min": 0.01,
+                    "mamba_d_conv": 3, "mamba_chunk_size": 64, "mamba_conv_bias": False, "n_routed_experts": 16,
+                    "mamba_num_heads": 8, "mamba_head_dim": 8}),
+    ("nemotron_h", {"layers_block_type": ["mamba", "attention", "moe"], "layer_norm_epsilon": 1e-6}),
     # the hub's names (layers_block_type, legacy 'mamba' / 'attention'), RoPE, a time-step limit, no experts
     ("granitemoehybrid", {"layers_block_type": ["mamba", "attention", "mamba", "mamba"], "position_embedding_type": "rope",
                           "time_step_limit": [0.001, 100.0], "mamba_d_head": 16, "mamba_n_groups": 2,

@@ -22,13 +22,14 @@ parses as transformers reads it (tests/test_models_config_defaults.py compares e
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .unsupported import refusal
 
-__all__ = ["ModelConfig", "RopeConfig", "SSMConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
+__all__ = ["ModelConfig", "RopeConfig", "SSMConfig", "NEMOTRON_BLOCKS", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
            "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
@@ -359,6 +360,23 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                     "shared_intermediate_size": 1024, "mamba_n_heads": 128, "mamba_n_groups": 1,
                                     "mamba_d_state": 256, "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2,
                                     "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False}},
+    # NemotronHConfig: one sublayer per block -- 'linear_attention' (Mamba-2), 'full_attention' (no RoPE), 'moe',
+    # 'mlp' -- from layers_block_type / layer_types, else the hub's hybrid_override_pattern (M, *, E, -), else
+    # its four-block default; num_hidden_layers is the list's length ("nemotron_layers"). The hub's mamba_* names
+    # win over the plain ones (as the config class pops them); DeepSeek-V3's sigmoid routing with a selection
+    # bias; the norms' eps is layer_norm_epsilon; experts and shared expert are relu2 MLPs
+    "nemotron_h": {"num_experts": 8, "num_experts_per_tok": 2, "head_dim": 128, "ssm": "nemotron",
+                   "nemotron_layers": True, "ignored": ("rms_norm_eps", "hidden_act", "scoring_func"),
+                   "aliases": {"rms_norm_eps": "layer_norm_epsilon", "layer_types": "layers_block_type",
+                               "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size"},
+                   "fields": {"num_key_value_heads": 8, "max_position_embeddings": 4096, "layer_norm_epsilon": 1e-5,
+                              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "intermediate_size": 21504,
+                              "mlp_hidden_act": "relu2", "ssm_state_size": 128, "mamba_num_heads": 128,
+                              "mamba_head_dim": 64, "mamba_hidden_act": "silu", "n_groups": 8, "conv_kernel": 4,
+                              "time_step_min": 0.001, "use_conv_bias": True, "chunk_size": 128, "use_bias": False,
+                              "moe_intermediate_size": 7688, "moe_shared_expert_intermediate_size": 7688,
+                              "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                              "scoring_func": "sigmoid", "mlp_bias": False}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -754,7 +772,7 @@ def _json_float(x):
 
 
 def _time_step_limit(d: dict, name: str) -> tuple:
-    v = d.get(name)
+    v = d.get(name) if name else None
     if v is None:
         return (0.0, math.inf)
     if isinstance(v, (list, tuple)):
@@ -768,7 +786,8 @@ def _time_step_limit(d: dict, name: str) -> tuple:
 def _parse_ssm(d: dict, reader: str, hidden: int) -> SSMConfig:
     """The :class:`SSMConfig` of a config dict whose family reads its Mamba sizes as ``reader`` says:
     'jamba' (JambaConfig's mamba_* names, Mamba-1 with dt_rank 'auto' = ceil(hidden / 16)); 'granite'
-    (GraniteMoeHybridConfig's mamba_* names, Mamba-2 with mamba_d_head 'auto' = expand x hidden / heads)."""
+    (GraniteMoeHybridConfig's mamba_* names, Mamba-2 with mamba_d_head 'auto' = expand x hidden / heads);
+    'nemotron' (NemotronHConfig's, Mamba-2 of mamba_num_heads x mamba_head_dim)."""
     if reader == "jamba":
         rank = d.get("mamba_dt_rank")
         rank = math.ceil(hidden / 16) if rank == "auto" else _int(d, "mamba_dt_rank", required=True)
@@ -785,6 +804,17 @@ def _parse_ssm(d: dict, reader: str, hidden: int) -> SSMConfig:
                        f"x mamba_n_heads = {inner} (mamba_d_head: {d.get('mamba_d_head')!r})")
         return _mamba2(d, inner, heads, head_dim, "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias",
                        "mamba_proj_bias", "hidden_act", "mamba_chunk_size", "time_step_limit")
+    if reader == "nemotron":  # (the hub's mamba_* names win, as NemotronHConfig pops them over the plain ones)
+        def name(plain: str, hub: str) -> str:
+            return hub if d.get(hub) is not None else plain
+
+        heads, head_dim = _int(d, "mamba_num_heads", required=True), _int(d, "mamba_head_dim", required=True)
+        low = _float(d, name("time_step_min", "mamba_dt_min"), 0.0)
+        cfg = _mamba2(d, heads * head_dim, heads, head_dim, "ssm_state_size", name("n_groups", "mamba_n_groups"),
+                      name("conv_kernel", "mamba_d_conv"), name("use_conv_bias", "mamba_conv_bias"), "use_bias",
+                      "mamba_hidden_act", name("chunk_size", "mamba_chunk_size"), "")
+        # the mixer clamps dt below at time_step_min, never above (time_step_limit is not read)
+        return dataclasses.replace(cfg, time_step_limit=(low, math.inf))
     raise ValueError(f"unknown SSM reader {reader!r}")  # (a _FAMILY_DEFAULTS entry names one of the above)
 
 
@@ -798,6 +828,27 @@ def _mamba2(d: dict, inner: int, heads: int, head_dim: int, state: str, groups: 
                      conv_bias=_bool(d, conv_bias, True), proj_bias=_bool(d, proj_bias, False),
                      activation=_str(d, act, "silu"), num_heads=heads, head_dim=head_dim, n_groups=n_groups,
                      chunk_size=_int(d, chunk, 256), time_step_limit=_time_step_limit(d, limit))
+
+
+#: Nemotron-H's feed-forward-only blocks (its layer_types also name them; other families refuse them)
+NEMOTRON_BLOCKS = ("moe", "mlp")
+_NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "E": "moe", "-": "mlp"}
+
+
+def _nemotron_blocks(d: dict) -> list:
+    """Nemotron-H's block kinds as NemotronHConfig derives them: layer_types (legacy names remapped), else the hub's
+    hybrid_override_pattern (one character per block: M Mamba, * attention, E MoE, - MLP), else its default."""
+    v = d.get("layer_types")
+    if v is None:
+        pattern = d.get("hybrid_override_pattern")
+        if pattern is None:
+            return ["linear_attention", "moe", "full_attention", "mlp"]
+        if not isinstance(pattern, str) or not pattern or any(c not in _NEMOTRON_PATTERN for c in pattern):
+            raise _err("hybrid_override_pattern", pattern, f"a non-empty string of {sorted(_NEMOTRON_PATTERN)}")
+        return [_NEMOTRON_PATTERN[c] for c in pattern]
+    if not isinstance(v, (list, tuple)) or not v:
+        raise _err("layer_types", v, f"a non-empty list of block kinds from {list(_NEMOTRON_PATTERN.values())}")
+    return [_LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in v]
 
 
 #: the layer kinds' names before transformers 5 (config classes remap them, as here)
@@ -954,8 +1005,9 @@ class ModelConfig:
                        for t in self.layer_types)
         else:
             per_layer = 2 * self.num_key_value_heads * self.head_dim
-        # linear-attention layers keep a fixed-size state per sequence instead (see linear_attention.py)
-        linear = sum(t == "linear_attention" for t in self.layer_types)
+        # linear-attention layers keep a fixed-size state per sequence instead (see linear_attention.py); Nemotron-H's
+        # feed-forward blocks keep nothing
+        linear = sum(t in ("linear_attention",) + NEMOTRON_BLOCKS for t in self.layer_types)
         sublayers = 2 if self.model_type == "longcat_flash" else 1   # (two attention sublayers per layer)
         return per_layer * sublayers * (self.num_hidden_layers - linear)
 
@@ -1042,6 +1094,9 @@ class ModelConfig:
                     raise _err("num_hidden_layers", given, "an even int (twice num_layers: two sublayers per layer)")
                 d["num_layers"] = n // 2
             d["num_hidden_layers"] = _int(d, "num_layers", fam["num_layers_halved"])
+        if fam.get("nemotron_layers"):  # the block list decides the layer count (num_hidden_layers is derived)
+            d = {**d, "layer_types": _nemotron_blocks(d)}
+            d["num_hidden_layers"] = len(d["layer_types"])
         layers = _int(d, "num_hidden_layers", required=True)
         if fam.get("step_layers"):
             d = _step_trim_mtp(d, layers)
@@ -1069,7 +1124,8 @@ class ModelConfig:
 
         sliding = _int(d, "sliding_window", fam.get("sliding_window"), minimum=0) or None  # 0: none (Qwen2-MoE)
         layer_types = d.get("layer_types")
-        kinds = LAYER_TYPES + (("chunked_attention",) if fam.get("chunked_layers") else ())
+        kinds = LAYER_TYPES + (("chunked_attention",) if fam.get("chunked_layers") else ()) + (
+            NEMOTRON_BLOCKS if fam.get("nemotron_layers") else ())
         chunk = _int(d, "attention_chunk_size") if fam.get("chunked_layers") else None
         no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") else ()
         if fam.get("rope_switch"):  # GraniteMoE-Hybrid: RoPE in every attention layer when the field says 'rope'
@@ -1148,6 +1204,8 @@ class ModelConfig:
         mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("step_layers"):
             mlp_types = _step_mlp_types(d, layers)
+        if not mlp_types and fam.get("nemotron_layers"):  # the 'moe' blocks
+            mlp_types = tuple("sparse" if t == "moe" else "dense" for t in layer_types)
         if not mlp_types and fam.get("jamba_layers"):
             mlp_types = _jamba_layers(d, layers, experts)[1]
         if not mlp_types and fam.get("first_layer_dense"):

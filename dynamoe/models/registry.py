@@ -118,3 +118,4 @@ register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForCon
 register("jamba", "dynamoe.models.jamba:JambaForCausalLM", ("JambaForCausalLM",))
 register("granitemoehybrid", "dynamoe.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
          ("GraniteMoeHybridForCausalLM",))
+register("nemotron_h", "dynamoe.models.nemotron_h:NemotronHForCausalLM", ("NemotronHForCausalLM",))

@@ -82,7 +82,6 @@ UNSUPPORTED: dict[str, str] = {
     "muse_spark": _OMNI,
     "muse_spark_text": _text_of("muse_spark", "its convolution and sliding layer kinds"),
     "nemo_speechlm": _OMNI + " (its default language model is Nemotron-H, a Mamba-2 hybrid)",
-    "nemotron_h": "Nemotron-H mixes Mamba-2 layers with attention: state-space layers are not supported yet",
     "nemotron_h_omni": _OMNI + " (its language model is Nemotron-H, a Mamba-2 hybrid)",
     "nllb-moe": "NLLB-MoE is an encoder-decoder translation model, not a decoder-only causal LM",
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
