@@ -80,6 +80,8 @@ FAMILIES = {
     "granitemoehybrid": ("GraniteMoeHybridConfig", dict(mamba_n_heads=8)),
     # Nemotron-H: blocks by kind (its default: M, E, *, -), DeepSeek-V3 routing
     "nemotron_h": ("NemotronHConfig", {}),
+    # LFM2-MoE: short convolutions and attention (its config class derives no layer_types: the model needs them)
+    "lfm2_moe": ("Lfm2MoeConfig", dict(layer_types=["conv", "conv", "full_attention", "conv"])),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -90,7 +92,7 @@ LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
-MAMBA = {"jamba", "granitemoehybrid", "nemotron_h"}
+MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text"}
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
@@ -134,6 +136,8 @@ def _hf_moe_layers(hf, mt):
         return [hf.num_local_experts > 0] * n
     if mt == "nemotron_h":
         return [t == "moe" for t in hf.layers_block_type]
+    if mt == "lfm2_moe":
+        return [i >= hf.num_dense_layers for i in range(n)]
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
 
@@ -189,7 +193,7 @@ FIELDS = {
     # DBRX's LayerNorms: torch's default eps (its config has no field)
     # (Nemotron-H: layer_norm_epsilon)
     "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.layer_norm_epsilon if mt == "nemotron_h"
-                     else hf.rms_norm_eps, None, None),
+                     else hf.norm_eps if mt == "lfm2_moe" else hf.rms_norm_eps, None, None),
     "rope": (lambda hf, mt: _hf_rope(hf), lambda cfg: _our_rope(cfg), set(FAMILIES) - NO_SINGLE_ROPE),
     # (MiMo's modeling code reads each layer type's partial_rotary_factor with a default of 0.334, Step's of 1)
     "rope_by_layer_type": (lambda hf, mt: {k: {**_hf_rope(p), "partial_rotary_factor": p.get(
@@ -197,7 +201,7 @@ FIELDS = {
                                            for k, p in hf.rope_parameters.items()},
                            lambda cfg: {k: _our_rope(r) for k, r in cfg.rope_by_layer_type}, ROPE_PER_LAYER_TYPE),
     # GPT-OSS: its own SwiGLU; Nemotron-H: mlp_hidden_act / mamba_hidden_act (see ssm_nemotron)
-    "hidden_act": (lambda hf, mt: hf.hidden_act, None, set(FAMILIES) - {"gpt_oss", "dbrx", "nemotron_h"}),
+    "hidden_act": (lambda hf, mt: hf.hidden_act, None, set(FAMILIES) - {"gpt_oss", "dbrx", "nemotron_h", "lfm2_moe"}),
     # DBRX: clip_qkv in attn_config
     "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
     "tie_word_embeddings": (lambda hf, mt: hf.tie_word_embeddings, None, None),
@@ -326,6 +330,14 @@ FIELDS = {
        for ours, theirs in (("n_group", "n_group"), ("topk_group", "topk_group"), ("norm_topk_prob", "norm_topk_prob"),
                             ("routed_scaling_factor", "routed_scaling_factor"), ("intermediate_size", "intermediate_size"),
                             ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"))},
+    "ssm_lfm2": (lambda hf, mt: ("short_conv", hf.hidden_size, hf.conv_L_cache, hf.conv_bias, hf.conv_bias),
+                 lambda cfg: (cfg.ssm.kind, cfg.ssm.intermediate_size, cfg.ssm.conv_kernel, cfg.ssm.conv_bias,
+                              cfg.ssm.proj_bias), {"lfm2_moe"}),
+    **{f"{ours}_lfm2": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
+                        {"lfm2_moe"})
+       for ours, theirs in (("norm_topk_prob", "norm_topk_prob"), ("routed_scaling_factor", "routed_scaling_factor"),
+                            ("intermediate_size", "intermediate_size"), ("first_k_dense_replace", "num_dense_layers"))},
+    "use_expert_bias_lfm2": (lambda hf, mt: hf.use_expert_bias, lambda cfg: cfg.raw["use_expert_bias"], {"lfm2_moe"}),
     "layer_uses_rope_granite": (lambda hf, mt: [hf.position_embedding_type == "rope"] * hf.num_hidden_layers,
                                 lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)],
                                 {"granitemoehybrid"}),
@@ -480,6 +492,9 @@ def test_omitted_fields_default_as_transformers(mt):
                     "mamba_d_conv": 3, "mamba_chunk_size": 64, "mamba_conv_bias": False, "n_routed_experts": 16,
                     "mamba_num_heads": 8, "mamba_head_dim": 8}),
     ("nemotron_h", {"layers_block_type": ["mamba", "attention", "moe"], "layer_norm_epsilon": 1e-6}),
+    # LFM2-MoE, the hub's way: tie_embedding wins, norm_eps, a route scale, no expert bias
+    ("lfm2_moe", {"tie_embedding": False, "norm_eps": 1e-6, "routed_scaling_factor": 2.5, "use_expert_bias": False,
+                  "num_dense_layers": 1, "conv_L_cache": 4, "conv_bias": True}),
     # the hub's names (layers_block_type, legacy 'mamba' / 'attention'), RoPE, a time-step limit, no experts
     ("granitemoehybrid", {"layers_block_type": ["mamba", "attention", "mamba", "mamba"], "position_embedding_type": "rope",
                           "time_step_limit": [0.001, 100.0], "mamba_d_head": 16, "mamba_n_groups": 2,

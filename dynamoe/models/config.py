@@ -377,6 +377,18 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                               "moe_intermediate_size": 7688, "moe_shared_expert_intermediate_size": 7688,
                               "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
                               "scoring_func": "sigmoid", "mlp_bias": False}},
+    # Lfm2MoeConfig (LFM2-MoE): 'conv' (gated short convolution) and 'full_attention' layers by layer_types (else the
+    # hub's full_attn_idxs; one of them is required: transformers' model cannot run without); dense MLPs on the first
+    # num_dense_layers, then sigmoid routing with a selection-only expert_bias; norm_eps; the hub's tie_embedding wins
+    "lfm2_moe": {"rope_theta": 1e6, "num_experts": 32, "num_experts_per_tok": 4, "ssm": "lfm2", "lfm2_layers": True,
+                 "ignored": ("rms_norm_eps", "first_k_dense_replace", "scoring_func", "n_group", "topk_group"),
+                 "aliases": {"rms_norm_eps": "norm_eps", "first_k_dense_replace": "num_dense_layers"},
+                 "overrides": {"tie_word_embeddings": "tie_embedding"},
+                 "fields": {"intermediate_size": 7168, "moe_intermediate_size": 1792, "pad_token_id": 0,
+                            "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
+                            "max_position_embeddings": 128000, "norm_eps": 1e-5, "num_key_value_heads": 8,
+                            "conv_bias": False, "conv_L_cache": 3, "num_dense_layers": 2, "use_expert_bias": True,
+                            "routed_scaling_factor": 1.0, "norm_topk_prob": True, "scoring_func": "sigmoid"}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -720,9 +732,10 @@ def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 100
 
 
 # ------------------------------------------------------------------------------------------ state-space layers
-#: SSM layer kinds: 'mamba1' (Mamba's selective scan, a state per channel: Jamba) and 'mamba2' (Mamba-2's
-#: scalar decay per head: GraniteMoE-Hybrid, Nemotron-H)
-SSM_KINDS = ("mamba1", "mamba2")
+#: SSM layer kinds: 'mamba1' (Mamba's selective scan, a state per channel: Jamba), 'mamba2' (Mamba-2's
+#: scalar decay per head: GraniteMoE-Hybrid, Nemotron-H) and 'short_conv' (LFM2's gated short convolution: a conv
+#: window and no SSM state; state_size 0)
+SSM_KINDS = ("mamba1", "mamba2", "short_conv")
 
 
 @dataclass(frozen=True)
@@ -804,6 +817,10 @@ def _parse_ssm(d: dict, reader: str, hidden: int) -> SSMConfig:
                        f"x mamba_n_heads = {inner} (mamba_d_head: {d.get('mamba_d_head')!r})")
         return _mamba2(d, inner, heads, head_dim, "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias",
                        "mamba_proj_bias", "hidden_act", "mamba_chunk_size", "time_step_limit")
+    if reader == "lfm2":  # the gated short convolution: in / out projections with the conv's bias flag
+        bias = _bool(d, "conv_bias", False)
+        return SSMConfig("short_conv", hidden, 0, _int(d, "conv_L_cache", required=True), conv_bias=bias,
+                         proj_bias=bias)
     if reader == "nemotron":  # (the hub's mamba_* names win, as NemotronHConfig pops them over the plain ones)
         def name(plain: str, hub: str) -> str:
             return hub if d.get(hub) is not None else plain
@@ -1007,7 +1024,7 @@ class ModelConfig:
             per_layer = 2 * self.num_key_value_heads * self.head_dim
         # linear-attention layers keep a fixed-size state per sequence instead (see linear_attention.py); Nemotron-H's
         # feed-forward blocks keep nothing
-        linear = sum(t in ("linear_attention",) + NEMOTRON_BLOCKS for t in self.layer_types)
+        linear = sum(t in ("linear_attention", "conv") + NEMOTRON_BLOCKS for t in self.layer_types)
         sublayers = 2 if self.model_type == "longcat_flash" else 1   # (two attention sublayers per layer)
         return per_layer * sublayers * (self.num_hidden_layers - linear)
 
@@ -1015,7 +1032,7 @@ class ModelConfig:
         """Fixed-size cache elements one sequence takes over all linear-attention (or Mamba) layers, whatever its
         length: ``conv_state`` (the conv window, in the cache's dtype) and ``recurrent_state`` (fp32);
         zeros for models without such layers."""
-        linear = sum(t == "linear_attention" for t in self.layer_types)
+        linear = sum(t in ("linear_attention", "conv") for t in self.layer_types)
         if not linear:
             return {"conv_state": 0, "recurrent_state": 0}
         if self.ssm is not None:  # Mamba layers: the conv window of x (and B, C) and the SSM state
@@ -1076,6 +1093,9 @@ class ModelConfig:
         for ours, theirs in fam.get("aliases", {}).items():
             if d.get(ours) is None and d.get(theirs) is not None:
                 d[ours] = d[theirs]
+        for ours, theirs in fam.get("overrides", {}).items():  # the hub's name wins whenever given (LFM2's tie_embedding)
+            if d.get(theirs) is not None:
+                d[ours] = d[theirs]
         if fam.get("window_size_plus_one") and d.get("sliding_window_size") is not None:
             d["sliding_window"] = _int(d, "sliding_window_size") + 1
         if d.get("routed_scaling_factor", 0) is None:
@@ -1125,7 +1145,7 @@ class ModelConfig:
         sliding = _int(d, "sliding_window", fam.get("sliding_window"), minimum=0) or None  # 0: none (Qwen2-MoE)
         layer_types = d.get("layer_types")
         kinds = LAYER_TYPES + (("chunked_attention",) if fam.get("chunked_layers") else ()) + (
-            NEMOTRON_BLOCKS if fam.get("nemotron_layers") else ())
+            NEMOTRON_BLOCKS if fam.get("nemotron_layers") else ()) + (("conv",) if fam.get("lfm2_layers") else ())
         chunk = _int(d, "attention_chunk_size") if fam.get("chunked_layers") else None
         no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") else ()
         if fam.get("rope_switch"):  # GraniteMoE-Hybrid: RoPE in every attention layer when the field says 'rope'
@@ -1147,6 +1167,15 @@ class ModelConfig:
             layer_types = _jamba_layers(d, layers, experts)[0]
         elif fam.get("mamba_layers_default"):   # GraniteMoE-Hybrid: every layer Mamba
             layer_types = ("linear_attention",) * layers
+        elif fam.get("lfm2_layers"):  # LFM2: full attention on full_attn_idxs, short convolutions elsewhere
+            idxs = d.get("full_attn_idxs")
+            if idxs is None:
+                raise ValueError(f"config field 'layer_types' (or 'full_attn_idxs') is required for {model_type}: "
+                                 "which layers are attention and which short convolutions")
+            if (not isinstance(idxs, (list, tuple))
+                    or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in idxs)):
+                raise _err("full_attn_idxs", idxs, f"a list of layer indices in [0, {layers})")
+            layer_types = tuple("full_attention" if i in idxs else "conv" for i in range(layers))
         elif fam.get("afmoe_layers"):  # every n-th layer full attention, the others sliding
             n = _int(d, "global_attn_every_n_layers", required=True)
             layer_types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))

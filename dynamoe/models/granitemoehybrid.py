@@ -92,4 +92,4 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         else:
             mlp = FusedGateUpMLP(D, shared, glu, dtype=dtype)
         return MixerDecoderLayer(mixer, mlp, RMSNorm(D, eps, dtype=dtype), RMSNorm(D, eps, dtype=dtype),
-                                 mamba=kind == "linear_attention", residual_multiplier=cfg.residual_multiplier)
+                                 mixer_name="mamba" if kind == "linear_attention" else "self_attn", residual_multiplier=cfg.residual_multiplier)

@@ -57,4 +57,4 @@ class JambaForCausalLM(CausalLM):
         else:
             mlp = GatedMLP(D, cfg.intermediate_size, glu, dtype=dtype)
         return MixerDecoderLayer(mixer, mlp, RMSNorm(D, eps, dtype=dtype), RMSNorm(D, eps, dtype=dtype),
-                                 mamba=kind == "linear_attention")
+                                 mixer_name="mamba" if kind == "linear_attention" else "self_attn")

@@ -178,23 +178,22 @@ class MambaMixer(nn.Module):
 
 class MixerDecoderLayer(nn.Module):
     """h += m * mixer(input_layernorm(h)); h += m * mlp(post_attention_layernorm(h)), m =
-    ``residual_multiplier`` (1: plain pre-norm residuals); the mixer is ``mamba`` (a state-space layer) or
-    ``self_attn``, as Hugging Face names them."""
+    ``residual_multiplier`` (1: plain pre-norm residuals); the mixer is registered under ``mixer_name``, as
+    Hugging Face names it (``mamba``, ``conv``, ``self_attn``)."""
 
     def __init__(self, mixer: nn.Module, mlp: nn.Module, input_layernorm: nn.Module,
-                 post_attention_layernorm: nn.Module, mamba: bool, residual_multiplier: float = 1.0):
+                 post_attention_layernorm: nn.Module, mixer_name: str = "self_attn", residual_multiplier: float = 1.0):
         super().__init__()
-        if mamba:
-            self.mamba = mixer
-        else:
-            self.self_attn = mixer
+        if mixer_name in ("mlp", "input_layernorm", "post_attention_layernorm", "mixer"):
+            raise ValueError(f"mixer_name must not be one of the layer's other names, got {mixer_name!r}")
+        self.mixer_name = mixer_name
+        self.add_module(mixer_name, mixer)
         self.mlp, self.input_layernorm, self.post_attention_layernorm = mlp, input_layernorm, post_attention_layernorm
         self.residual_multiplier = residual_multiplier
 
     @property
     def mixer(self) -> nn.Module:
-        mixer = self._modules.get("mamba")
-        return self._modules["self_attn"] if mixer is None else mixer
+        return self._modules[self.mixer_name]
 
     def forward(self, h_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:

@@ -119,3 +119,4 @@ register("jamba", "dynamoe.models.jamba:JambaForCausalLM", ("JambaForCausalLM",)
 register("granitemoehybrid", "dynamoe.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
          ("GraniteMoeHybridForCausalLM",))
 register("nemotron_h", "dynamoe.models.nemotron_h:NemotronHForCausalLM", ("NemotronHForCausalLM",))
+register("lfm2_moe", "dynamoe.models.lfm2_moe:Lfm2MoeForCausalLM", ("Lfm2MoeForCausalLM",))

@@ -70,7 +70,6 @@ UNSUPPORTED: dict[str, str] = {
     "laguna": "Laguna is not implemented yet: softplus output gates on attention (gating) and its layer kinds",
     "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
                  "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
-    "lfm2_moe": "LFM2-MoE mixes short-convolution layers with attention: convolution layers are not supported yet",
     "mellum": "Mellum is not implemented yet: per-layer mlp_layer_types with its attention layer kinds",
     "minimax": "MiniMax-Text-01 mixes lightning attention (linear attention with a fixed per-head decay) with "
                "softmax attention: lightning-attention layers are not implemented yet (dynamoe has Gated DeltaNet "
