@@ -82,6 +82,8 @@ FAMILIES = {
     "nemotron_h": ("NemotronHConfig", {}),
     # LFM2-MoE: short convolutions and attention (its config class derives no layer_types: the model needs them)
     "lfm2_moe": ("Lfm2MoeConfig", dict(layer_types=["conv", "conv", "full_attention", "conv"])),
+    # MiniMax-Text-01: lightning and softmax attention alternating, Mixtral's MoE, residual factors
+    "minimax": ("MiniMaxConfig", dict(intermediate_size=32)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -92,7 +94,7 @@ LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
-MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe"}
+MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "minimax"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text"}
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
@@ -117,7 +119,7 @@ def _hf_moe_layers(hf, mt):
     if mt in QWEN3_RULE:
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
-    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
+    if mt in ("mixtral", "minimax", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
               "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash"):
         return [True] * n
     if mt == "ernie4_5_moe":
@@ -215,7 +217,7 @@ FIELDS = {
     "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt == "hunyuan_v1_moe" else hf.ffn_config.moe_top_k
                             if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
-    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"jamba", "granitemoehybrid", "mixtral", "gpt_oss", "olmoe", "minimax_m2",
+    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"jamba", "granitemoehybrid", "minimax", "mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
                                                                           "hunyuan_v1_moe", "phimoe"} | LLAMA4
                            else hf.moe_intermediate_size, None, None),
@@ -338,6 +340,17 @@ FIELDS = {
        for ours, theirs in (("norm_topk_prob", "norm_topk_prob"), ("routed_scaling_factor", "routed_scaling_factor"),
                             ("intermediate_size", "intermediate_size"), ("first_k_dense_replace", "num_dense_layers"))},
     "use_expert_bias_lfm2": (lambda hf, mt: hf.use_expert_bias, lambda cfg: cfg.raw["use_expert_bias"], {"lfm2_moe"}),
+    "ssm_lightning": (lambda hf, mt: ("lightning", hf.num_attention_heads, hf.head_dim or hf.hidden_size // hf.num_attention_heads,
+                                      hf.block_size, hf.hidden_act),
+                      lambda cfg: (cfg.ssm.kind, cfg.ssm.num_heads, cfg.ssm.head_dim, cfg.ssm.chunk_size,
+                                   cfg.ssm.activation), {"minimax"}),
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw[name], {"minimax"})
+       for name in ("full_attn_alpha_factor", "full_attn_beta_factor", "linear_attn_alpha_factor",
+                    "linear_attn_beta_factor", "mlp_alpha_factor", "mlp_beta_factor")},
+    # MiniMax: a sliding_window slides every softmax-attention layer (its family reads it so)
+    "minimax_windows": (lambda hf, mt: [hf.sliding_window if t == "full_attention" else None for t in hf.layer_types],
+                        lambda cfg: [cfg.sliding_window if t == "full_attention" else None for t in cfg.layer_types],
+                        {"minimax"}),
     "layer_uses_rope_granite": (lambda hf, mt: [hf.position_embedding_type == "rope"] * hf.num_hidden_layers,
                                 lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)],
                                 {"granitemoehybrid"}),
@@ -492,6 +505,8 @@ def test_omitted_fields_default_as_transformers(mt):
                     "mamba_d_conv": 3, "mamba_chunk_size": 64, "mamba_conv_bias": False, "n_routed_experts": 16,
                     "mamba_num_heads": 8, "mamba_head_dim": 8}),
     ("nemotron_h", {"layers_block_type": ["mamba", "attention", "moe"], "layer_norm_epsilon": 1e-6}),
+    ("minimax", {"sliding_window": 64, "block_size": 32, "mlp_alpha_factor": 0.5, "head_dim": 16,
+                 "layer_types": ["linear_attention"] * 3 + ["full_attention"]}),
     # LFM2-MoE, the hub's way: tie_embedding wins, norm_eps, a route scale, no expert bias
     ("lfm2_moe", {"tie_embedding": False, "norm_eps": 1e-6, "routed_scaling_factor": 2.5, "use_expert_bias": False,
                   "num_dense_layers": 1, "conv_L_cache": 4, "conv_bias": True}),

@@ -389,6 +389,15 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                             "max_position_embeddings": 128000, "norm_eps": 1e-5, "num_key_value_heads": 8,
                             "conv_bias": False, "conv_L_cache": 3, "num_dense_layers": 2, "use_expert_bias": True,
                             "routed_scaling_factor": 1.0, "norm_topk_prob": True, "scoring_func": "sigmoid"}},
+    # MiniMaxConfig (MiniMax-Text-01): lightning-attention ('linear_attention') and softmax-attention layers, by default
+    # alternating from full ("minimax_layers"); Mixtral's MoE; residual alpha / beta factors; block_size the lightning
+    # prefill's chunk
+    "minimax": {"rope_theta": 1e6, "num_experts": 8, "num_experts_per_tok": 2, "ssm": "lightning",
+                "minimax_layers": True,
+                "fields": {"intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                           "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "block_size": 256,
+                           "full_attn_alpha_factor": 1, "full_attn_beta_factor": 1, "linear_attn_alpha_factor": 1,
+                           "linear_attn_beta_factor": 1, "mlp_alpha_factor": 1, "mlp_beta_factor": 1}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -734,8 +743,9 @@ def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 100
 # ------------------------------------------------------------------------------------------ state-space layers
 #: SSM layer kinds: 'mamba1' (Mamba's selective scan, a state per channel: Jamba), 'mamba2' (Mamba-2's
 #: scalar decay per head: GraniteMoE-Hybrid, Nemotron-H) and 'short_conv' (LFM2's gated short convolution: a conv
-#: window and no SSM state; state_size 0)
-SSM_KINDS = ("mamba1", "mamba2", "short_conv")
+#: window and no SSM state; state_size 0) and 'lightning' (MiniMax's linear attention with a fixed decay per head:
+#: a [head_dim, head_dim] state per head, no conv; conv_kernel 1)
+SSM_KINDS = ("mamba1", "mamba2", "short_conv", "lightning")
 
 
 @dataclass(frozen=True)
@@ -817,6 +827,12 @@ def _parse_ssm(d: dict, reader: str, hidden: int) -> SSMConfig:
                        f"x mamba_n_heads = {inner} (mamba_d_head: {d.get('mamba_d_head')!r})")
         return _mamba2(d, inner, heads, head_dim, "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias",
                        "mamba_proj_bias", "hidden_act", "mamba_chunk_size", "time_step_limit")
+    if reader == "lightning":  # the attention heads' sizes; block_size is the prefill's chunk
+        heads = _int(d, "num_attention_heads", required=True)
+        head_dim = _int(d, "head_dim") or hidden // heads
+        return SSMConfig("lightning", heads * head_dim, head_dim, 1, conv_bias=False,
+                         activation=_str(d, "hidden_act", "silu"), num_heads=heads, head_dim=head_dim,
+                         chunk_size=_int(d, "block_size", 256))
     if reader == "lfm2":  # the gated short convolution: in / out projections with the conv's bias flag
         bias = _bool(d, "conv_bias", False)
         return SSMConfig("short_conv", hidden, 0, _int(d, "conv_L_cache", required=True), conv_bias=bias,
@@ -1165,6 +1181,8 @@ class ModelConfig:
                                 for r in no_rope_layers)
         elif fam.get("jamba_layers"):
             layer_types = _jamba_layers(d, layers, experts)[0]
+        elif fam.get("minimax_layers"):  # MiniMax: even layers softmax attention, odd ones lightning
+            layer_types = tuple("full_attention" if (i + 1) % 2 else "linear_attention" for i in range(layers))
         elif fam.get("mamba_layers_default"):   # GraniteMoE-Hybrid: every layer Mamba
             layer_types = ("linear_attention",) * layers
         elif fam.get("lfm2_layers"):  # LFM2: full attention on full_attn_idxs, short convolutions elsewhere

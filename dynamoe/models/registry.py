@@ -120,3 +120,4 @@ register("granitemoehybrid", "dynamoe.models.granitemoehybrid:GraniteMoeHybridFo
          ("GraniteMoeHybridForCausalLM",))
 register("nemotron_h", "dynamoe.models.nemotron_h:NemotronHForCausalLM", ("NemotronHForCausalLM",))
 register("lfm2_moe", "dynamoe.models.lfm2_moe:Lfm2MoeForCausalLM", ("Lfm2MoeForCausalLM",))
+register("minimax", "dynamoe.models.minimax:MiniMaxForCausalLM", ("MiniMaxForCausalLM",))

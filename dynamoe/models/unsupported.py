@@ -71,9 +71,6 @@ UNSUPPORTED: dict[str, str] = {
     "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
                  "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
     "mellum": "Mellum is not implemented yet: per-layer mlp_layer_types with its attention layer kinds",
-    "minimax": "MiniMax-Text-01 mixes lightning attention (linear attention with a fixed per-head decay) with "
-               "softmax attention: lightning-attention layers are not implemented yet (dynamoe has Gated DeltaNet "
-               "and Kimi Delta Attention, not lightning attention)",
     "minimax_m3_vl": _VLM,
     "minimax_m3_vl_text": _text_of("minimax_m3_vl", "lightning (linear) attention layers"),
     "mistral_large4": _VLM,
