@@ -84,6 +84,8 @@ FAMILIES = {
     "lfm2_moe": ("Lfm2MoeConfig", dict(layer_types=["conv", "conv", "full_attention", "conv"])),
     # MiniMax-Text-01: lightning and softmax attention alternating, Mixtral's MoE, residual factors
     "minimax": ("MiniMaxConfig", dict(intermediate_size=32)),
+    # Ling-3: KDA + gated MLA, DeepSeek-V3 routing under Kimi-Linear's names
+    "bailing_hybrid": ("BailingHybridConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -94,13 +96,13 @@ LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
-MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "minimax"}
+MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text"}
-MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
+MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "bailing_hybrid", "mistral4",
                                                                                        "longcat_flash"}
 # DeepSeek-V3's routing fields under these families' own config classes
-DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"}
+DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "bailing_hybrid", "mimo_v2_flash", "mistral4"}
 # no single rope_parameters dict: Kimi-Linear and Jamba have no RoPE, MiMo-V2-Flash one per layer type
 NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "jamba", "nemotron_h"} | STEP
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash"} | STEP
@@ -127,7 +129,7 @@ def _hf_moe_layers(hf, mt):
                 for i in range(n)]
     if mt in LLAMA4:
         return [i in hf.moe_layers for i in range(n)]
-    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash", "step3p5",
+    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "bailing_hybrid", "mimo_v2_flash", "step3p5",
               "step3p7"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
@@ -351,6 +353,15 @@ FIELDS = {
     "minimax_windows": (lambda hf, mt: [hf.sliding_window if t == "full_attention" else None for t in hf.layer_types],
                         lambda cfg: [cfg.sliding_window if t == "full_attention" else None for t in cfg.layer_types],
                         {"minimax"}),
+    # Ling-3: the KDA sizes from head_dim, the heads and short_conv_kernel_size; MTP layers; dense layers
+    **{f"{ours}_bailing": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
+                           {"bailing_hybrid"})
+       for ours, theirs in (("linear_conv_kernel_dim", "linear_conv_kernel_dim"), ("linear_key_head_dim", "linear_head_dim"),
+                            ("linear_value_head_dim", "linear_head_dim"), ("linear_num_key_heads", "linear_num_heads"),
+                            ("linear_num_value_heads", "linear_num_heads"), ("num_nextn_predict_layers", "num_mtp_layers"),
+                            ("first_k_dense_replace", "first_k_dense_replace"), ("intermediate_size", "intermediate_size"))},
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw[name], {"bailing_hybrid"})
+       for name in ("kda_safe_gate", "kda_lower_bound")},
     "layer_uses_rope_granite": (lambda hf, mt: [hf.position_embedding_type == "rope"] * hf.num_hidden_layers,
                                 lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)],
                                 {"granitemoehybrid"}),
@@ -507,6 +518,12 @@ def test_omitted_fields_default_as_transformers(mt):
     ("nemotron_h", {"layers_block_type": ["mamba", "attention", "moe"], "layer_norm_epsilon": 1e-6}),
     ("minimax", {"sliding_window": 64, "block_size": 32, "mlp_alpha_factor": 0.5, "head_dim": 16,
                  "layer_types": ["linear_attention"] * 3 + ["full_attention"]}),
+    # Ling-3, the hub's way: its names, a group size of 2, an explicit mlp_layer_types, MTP layers
+    ("bailing_hybrid", {"num_experts_per_token": 2, "num_experts": 8, "num_expert_group": 2, "topk_group": 1,
+                        "num_shared_experts": 2,
+                        "moe_renormalize": False, "model_max_length": 512, "layer_group_size": 2, "head_dim": 32,
+                        "short_conv_kernel_size": 3, "num_mtp_layers": 2, "kda_safe_gate": False,
+                        "mlp_layer_types": ["sparse", "dense", "sparse", "sparse"], "rope_theta": 1e5}),
     # LFM2-MoE, the hub's way: tie_embedding wins, norm_eps, a route scale, no expert bias
     ("lfm2_moe", {"tie_embedding": False, "norm_eps": 1e-6, "routed_scaling_factor": 2.5, "use_expert_bias": False,
                   "num_dense_layers": 1, "conv_L_cache": 4, "conv_bias": True}),

@@ -114,7 +114,7 @@ def test_refused_types_raise_before_parsing(moe_types):
 @pytest.mark.parametrize("mt,why", [
     ("aria", "wrapper"),                                  # was: 'hidden_size' is required
     ("lara_mini", "Gated DeltaNet"),                      # a hybrid: would complain about layer_types
-    ("bailing_hybrid", "linear-attention"),               # a hybrid with linear attention
+    ("glm5_next_text", "linear-attention"),               # a hybrid with linear attention
 ])
 def test_load_names_the_refused_type(moe_types, mt, why, tmp_path):
     d = _default_config(moe_types[mt], mt)

@@ -398,6 +398,28 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                            "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "block_size": 256,
                            "full_attn_alpha_factor": 1, "full_attn_beta_factor": 1, "linear_attn_alpha_factor": 1,
                            "linear_attn_beta_factor": 1, "mlp_alpha_factor": 1, "mlp_beta_factor": 1}},
+    # BailingHybridConfig (Ling-3): Kimi Delta Attention layers and MLA layers (the last of every layer_group_size,
+    # "bailing_layers"), DeepSeek-V3 routing under Kimi-Linear's names (attribute_map); head_dim is the KDA heads' size
+    # (and their count num_attention_heads, their conv short_conv_kernel_size: "bailing_sizes"), the MLA's RoPE size is
+    # qk_rope_head_dim; the linear_* / qk_head_dim it saves are derived (re-derived here, as the class does)
+    "bailing_hybrid": {"rope_theta": 6e6, "num_experts": 512, "num_experts_per_tok": 8, "bailing_layers": True,
+                       "bailing_sizes": True,
+                       # (num_key_value_heads: 32 by default, saved, unused: MLA has a KV head per query head)
+                       "ignored": ("num_key_value_heads", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim",
+                                   "qk_head_dim",
+                                   "rope_interleave", "n_routed_experts", "linear_key_head_dim", "linear_value_head_dim",
+                                   "linear_num_key_heads", "linear_num_value_heads"),
+                       "aliases": {"max_position_embeddings": "model_max_length", "norm_topk_prob": "moe_renormalize",
+                                   "n_group": "num_expert_group", "num_experts_per_tok": "num_experts_per_token",
+                                   "n_shared_experts": "num_shared_experts",
+                                   "num_nextn_predict_layers": "num_mtp_layers"},
+                       "fields": {"intermediate_size": 6144, "moe_intermediate_size": 768, "num_shared_experts": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+                                  "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+                                  "num_expert_group": 8, "topk_group": 4, "first_k_dense_replace": 2,
+                                  "moe_renormalize": True, "model_max_length": 262144, "rms_norm_eps": 1e-6,
+                                  "pad_token_id": 156892, "eos_token_id": 156895, "num_mtp_layers": 1, "head_dim": 128,
+                                  "short_conv_kernel_size": 4, "layer_group_size": 6, "kda_safe_gate": True,
+                                  "kda_lower_bound": -5.0, "scoring_func": "sigmoid"}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -1139,6 +1161,11 @@ class ModelConfig:
         kv_heads = _int(d, "num_key_value_heads", heads) or heads  # null: as many as the query heads
         if heads % kv_heads:
             raise _err("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}")
+        if fam.get("bailing_sizes"):  # KDA heads: head_dim wide, num_attention_heads of them; MLA's RoPE: qk_rope
+            kda_dim = _int(d, "head_dim", required=True)
+            d = {**d, "linear_key_head_dim": kda_dim, "linear_value_head_dim": kda_dim, "linear_num_key_heads": heads,
+                 "linear_num_value_heads": heads, "linear_conv_kernel_dim": _int(d, "short_conv_kernel_size", 4),
+                 "head_dim": _int(d, "qk_rope_head_dim", required=True)}
         if fam.get("head_dim_is_qk"):  # Mistral-4's config class sets head_dim = qk_nope + qk_rope, whatever the file says
             head_dim = _int(d, "qk_nope_head_dim", required=True) + _int(d, "qk_rope_head_dim", required=True)
         elif fam.get("head_dim_is_rope") and d.get("head_dim") is None and d.get("qk_rope_head_dim") is not None:
@@ -1181,6 +1208,9 @@ class ModelConfig:
                                 for r in no_rope_layers)
         elif fam.get("jamba_layers"):
             layer_types = _jamba_layers(d, layers, experts)[0]
+        elif fam.get("bailing_layers"):  # the last layer of every group MLA, the others KDA
+            n = _int(d, "layer_group_size", required=True)
+            layer_types = tuple("full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(layers))
         elif fam.get("minimax_layers"):  # MiniMax: even layers softmax attention, odd ones lightning
             layer_types = tuple("full_attention" if (i + 1) % 2 else "linear_attention" for i in range(layers))
         elif fam.get("mamba_layers_default"):   # GraniteMoE-Hybrid: every layer Mamba

@@ -121,3 +121,4 @@ register("granitemoehybrid", "dynamoe.models.granitemoehybrid:GraniteMoeHybridFo
 register("nemotron_h", "dynamoe.models.nemotron_h:NemotronHForCausalLM", ("NemotronHForCausalLM",))
 register("lfm2_moe", "dynamoe.models.lfm2_moe:Lfm2MoeForCausalLM", ("Lfm2MoeForCausalLM",))
 register("minimax", "dynamoe.models.minimax:MiniMaxForCausalLM", ("MiniMaxForCausalLM",))
+register("bailing_hybrid", "dynamoe.models.bailing_hybrid:BailingHybridForCausalLM", ("BailingHybridForCausalLM",))

@@ -30,8 +30,6 @@ UNSUPPORTED: dict[str, str] = {
     "aria_text": _text_of("aria", "the MoE text model's expert and shared-expert layout is not ported"),
     "axk1": "A.X-K1 is not implemented yet: MLA attention variant with its own compressed layer kinds",
     "axk2": "A.X-K2 is not implemented yet: MLA with a sparse-attention indexer and gated RMSNorm / gated MLPs",
-    "bailing_hybrid": "Ling hybrid (bailing_hybrid) mixes MLA with linear-attention / convolution layers: "
-                      "recurrent layers are not supported yet",
     "beam": "Beam is not implemented yet: per-layer mlp_layer_types and attention layer_types of its own",
     "cohere2_moe": "Cohere2-MoE is not implemented yet: one norm feeding attention and MLP in parallel (one residual), "
                    "dense/sparse mlp_layer_types, a sliding-window layer pattern and logit_scale",
