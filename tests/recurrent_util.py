@@ -114,3 +114,33 @@ def check_engine(ours) -> None:
     engine.run_until_done(requests)
     for p, r in zip(prompts, requests):
         assert r.output_ids == greedy(ours, torch.tensor([p]), 8)[0, len(p):].tolist()
+
+
+def check_bf16(hf, path, seeds=(0, 1, 2, 3)) -> None:
+    """bf16 weights: the recurrent states stay fp32 (conv windows in the cache's dtype), cached decode runs, and over
+    a few prompts the logits are no further from the fp32 ones than transformers' own bf16 logits are (random
+    layers amplify rounding, differently for each prompt: the errors are summed over the prompts)."""
+    import copy
+
+    import dynamoe.models as dm
+
+    ours = dm.load(path, dtype="bfloat16", progress=False)
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    ours_err = hf_err = steps_err = 0.0
+    with torch.no_grad():
+        for seed in seeds:
+            ids = _ids(seed=seed)
+            ref32 = hf(ids).logits
+            full = ours(ids)
+            assert full.dtype == torch.bfloat16
+            ours_err += float((full.float() - ref32).abs().max())
+            hf_err += float((hf16(ids).logits.float() - ref32).abs().max())
+            cache = ours.new_cache(2, 32)
+            steps = [ours(ids[:, :9], cache=cache)] + [ours(ids[:, t:t + 1], cache=cache) for t in range(9, 24)]
+            steps_err += float((torch.cat(steps, 1).float() - ref32).abs().max())
+    for layer in cache.layers:
+        if "recurrent_state" in layer:
+            assert layer["recurrent_state"].dtype == torch.float32
+        if "conv_state" in layer:
+            assert layer["conv_state"].dtype == torch.bfloat16
+    assert ours_err <= 1.5 * hf_err and steps_err <= 1.5 * hf_err, (ours_err, steps_err, hf_err)

@@ -13,7 +13,7 @@ import torch
 from models_util import one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, check_cached_decode, check_greedy, check_logits, check_ragged_batch, randomize_, save_tiny
 from models_util import ids as _ids
-from recurrent_util import (check_chunked_prefill, check_engine, check_reused_slot, check_rows_at_different_positions,
+from recurrent_util import (check_bf16, check_chunked_prefill, check_engine, check_reused_slot, check_rows_at_different_positions,
                             check_truncated_slot_is_an_error)
 
 import transformers  # a test dependency: missing is a broken install, which must fail, not skip
@@ -145,6 +145,10 @@ def test_truncated_slot_is_an_error(pair):
 
 def test_engine_generates_each_requests_own_continuation(pair):
     check_engine(pair[1])
+
+
+def test_bf16_tracks_transformers_bf16(pair):
+    check_bf16(pair[0], pair[2])
 
 
 def test_time_step_limit_is_read(tmp_path):
