@@ -86,6 +86,8 @@ FAMILIES = {
     "minimax": ("MiniMaxConfig", dict(intermediate_size=32)),
     # Ling-3: KDA + gated MLA, DeepSeek-V3 routing under Kimi-Linear's names
     "bailing_hybrid": ("BailingHybridConfig", {}),
+    # MiniMax-M3's language model: full and block-sparse (indexed) attention, dense / MoE SwiGLU-OAI MLPs
+    "minimax_m3_vl_text": ("MiniMaxM3VLTextConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -96,7 +98,7 @@ LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
-MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid"}
+MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid", "minimax_m3_vl_text"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text"}
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "bailing_hybrid", "mistral4",
@@ -129,7 +131,8 @@ def _hf_moe_layers(hf, mt):
                 for i in range(n)]
     if mt in LLAMA4:
         return [i in hf.moe_layers for i in range(n)]
-    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "bailing_hybrid", "mimo_v2_flash", "step3p5",
+    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "bailing_hybrid",
+              "minimax_m3_vl_text", "mimo_v2_flash", "step3p5",
               "step3p7"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
@@ -219,7 +222,7 @@ FIELDS = {
     "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt == "hunyuan_v1_moe" else hf.ffn_config.moe_top_k
                             if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
-    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"jamba", "granitemoehybrid", "minimax", "mixtral", "gpt_oss", "olmoe", "minimax_m2",
+    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"jamba", "granitemoehybrid", "minimax", "minimax_m3_vl_text", "mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
                                                                           "hunyuan_v1_moe", "phimoe"} | LLAMA4
                            else hf.moe_intermediate_size, None, None),
@@ -362,6 +365,17 @@ FIELDS = {
                             ("first_k_dense_replace", "first_k_dense_replace"), ("intermediate_size", "intermediate_size"))},
     **{name: (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw[name], {"bailing_hybrid"})
        for name in ("kda_safe_gate", "kda_lower_bound")},
+    # MiniMax-M3: the indexer, the MLP widths, SwiGLU-OAI, the route scale
+    **{f"{name}_m3": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw[name],
+                      {"minimax_m3_vl_text"})
+       for name in ("index_block_size", "index_topk_blocks", "index_local_blocks", "dense_intermediate_size",
+                    "rotary_dim")},
+    **{f"{ours}_m3": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
+                      {"minimax_m3_vl_text"})
+       for ours, theirs in (("index_n_heads", "index_n_heads"), ("index_head_dim", "index_head_dim"),
+                            ("shared_expert_intermediate_size", "shared_intermediate_size"),
+                            ("routed_scaling_factor", "routed_scaling_factor"), ("swiglu_alpha", "swiglu_alpha"),
+                            ("swiglu_limit", "swiglu_limit"))},
     "layer_uses_rope_granite": (lambda hf, mt: [hf.position_embedding_type == "rope"] * hf.num_hidden_layers,
                                 lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)],
                                 {"granitemoehybrid"}),
@@ -524,6 +538,11 @@ def test_omitted_fields_default_as_transformers(mt):
                         "moe_renormalize": False, "model_max_length": 512, "layer_group_size": 2, "head_dim": 32,
                         "short_conv_kernel_size": 3, "num_mtp_layers": 2, "kda_safe_gate": False,
                         "mlp_layer_types": ["sparse", "dense", "sparse", "sparse"], "rope_theta": 1e5}),
+    # MiniMax-M3, the hub's way: sparse_attention_config (its names win over the flat ones) and moe_layer_freq
+    ("minimax_m3_vl_text", {"sparse_attention_config": {"sparse_attention_freq": [0, 1, 1, 0], "sparse_num_index_heads": 2,
+                                                        "sparse_index_dim": 64, "sparse_block_size": 32,
+                                                        "sparse_topk_blocks": 4, "sparse_local_block": 2},
+                            "moe_layer_freq": [0, 1, 1, 1], "index_n_heads": 8, "hidden_act": "gelu"}),
     # LFM2-MoE, the hub's way: tie_embedding wins, norm_eps, a route scale, no expert bias
     ("lfm2_moe", {"tie_embedding": False, "norm_eps": 1e-6, "routed_scaling_factor": 2.5, "use_expert_bias": False,
                   "num_dense_layers": 1, "conv_L_cache": 4, "conv_bias": True}),

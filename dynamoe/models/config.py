@@ -420,6 +420,25 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                   "pad_token_id": 156892, "eos_token_id": 156895, "num_mtp_layers": 1, "head_dim": 128,
                                   "short_conv_kernel_size": 4, "layer_group_size": 6, "kda_safe_gate": True,
                                   "kda_lower_bound": -5.0, "scoring_func": "sigmoid"}},
+    # MiniMaxM3VLTextConfig (MiniMax-M3's language model): full and block-sparse ('minimax_m3_sparse', with a lightning
+    # indexer) attention layers (layer_types, else the hub's sparse_attention_config.sparse_attention_freq, else all
+    # full), dense / MoE MLPs (mlp_layer_types, else the hub's moe_layer_freq, else all MoE: "m3_layers"); the hub's
+    # sparse_attention_config names win over the flat index_* ones ("nested_overrides"); hidden_act is always silu
+    # (unused: the MLPs are SwiGLU-OAI). RoPE: rope_parameters' partial_rotary_factor (default the whole head) -- its
+    # rotary_dim field, documented as the rotated dims, is not read by transformers 5.24's config (unlike MiniMax-M2's,
+    # which converts it): nor here, for parity
+    "minimax_m3_vl_text": {"rope_theta": 5e6, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 4,
+                           "m3_layers": True, "nested_overrides": True, "ignored": ("hidden_act",),
+                           "nested": {"sparse_attention_config": {
+                               "sparse_num_index_heads": "index_n_heads", "sparse_index_dim": "index_head_dim",
+                               "sparse_block_size": "index_block_size", "sparse_topk_blocks": "index_topk_blocks",
+                               "sparse_local_block": "index_local_blocks"}},
+                           "fields": {"num_key_value_heads": 4, "max_position_embeddings": 524288, "rms_norm_eps": 1e-6,
+                                      "bos_token_id": 200034, "eos_token_id": 200020, "intermediate_size": 3072,
+                                      "dense_intermediate_size": 12288, "shared_intermediate_size": 3072,
+                                      "routed_scaling_factor": 2.0, "rotary_dim": 64, "swiglu_alpha": 1.702,
+                                      "swiglu_limit": 7.0, "index_n_heads": 4, "index_head_dim": 128,
+                                      "index_block_size": 128, "index_topk_blocks": 16, "index_local_blocks": 1}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -885,6 +904,17 @@ def _mamba2(d: dict, inner: int, heads: int, head_dim: int, state: str, groups: 
                      chunk_size=_int(d, chunk, 256), time_step_limit=_time_step_limit(d, limit))
 
 
+def _m3_flags(d: dict, name: str, layers: int, default: int = 0) -> list:
+    """MiniMax-M3's per-layer 0/1 flags: ``sparse_attention_freq`` (in ``sparse_attention_config``) or
+    ``moe_layer_freq`` (top level); absent: ``default`` for every layer."""
+    v = (d.get("sparse_attention_config") or {}).get(name) if name == "sparse_attention_freq" else d.get(name)
+    if v is None:
+        return [default] * layers
+    if not isinstance(v, (list, tuple)) or len(v) != layers or any(f not in (0, 1) for f in v):
+        raise _err(name, v, f"a list of {layers} flags (0 / 1 or true / false), one per layer")
+    return [bool(f) for f in v]
+
+
 #: Nemotron-H's feed-forward-only blocks (its layer_types also name them; other families refuse them)
 NEMOTRON_BLOCKS = ("moe", "mlp")
 _NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "E": "moe", "-": "mlp"}
@@ -1064,7 +1094,9 @@ class ModelConfig:
         # feed-forward blocks keep nothing
         linear = sum(t in ("linear_attention", "conv") + NEMOTRON_BLOCKS for t in self.layer_types)
         sublayers = 2 if self.model_type == "longcat_flash" else 1   # (two attention sublayers per layer)
-        return per_layer * sublayers * (self.num_hidden_layers - linear)
+        # MiniMax-M3's block-sparse layers also cache their indexer's key
+        indexed = sum(t == "minimax_m3_sparse" for t in self.layer_types) * (self.index_head_dim or 0)
+        return per_layer * sublayers * (self.num_hidden_layers - linear) + indexed
 
     def state_elements_per_sequence(self) -> dict[str, int]:
         """Fixed-size cache elements one sequence takes over all linear-attention (or Mamba) layers, whatever its
@@ -1188,7 +1220,8 @@ class ModelConfig:
         sliding = _int(d, "sliding_window", fam.get("sliding_window"), minimum=0) or None  # 0: none (Qwen2-MoE)
         layer_types = d.get("layer_types")
         kinds = LAYER_TYPES + (("chunked_attention",) if fam.get("chunked_layers") else ()) + (
-            NEMOTRON_BLOCKS if fam.get("nemotron_layers") else ()) + (("conv",) if fam.get("lfm2_layers") else ())
+            NEMOTRON_BLOCKS if fam.get("nemotron_layers") else ()) + (("conv",) if fam.get("lfm2_layers") else ()) + (
+            ("minimax_m3_sparse",) if fam.get("m3_layers") else ())
         chunk = _int(d, "attention_chunk_size") if fam.get("chunked_layers") else None
         no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") else ()
         if fam.get("rope_switch"):  # GraniteMoE-Hybrid: RoPE in every attention layer when the field says 'rope'
@@ -1208,6 +1241,9 @@ class ModelConfig:
                                 for r in no_rope_layers)
         elif fam.get("jamba_layers"):
             layer_types = _jamba_layers(d, layers, experts)[0]
+        elif fam.get("m3_layers"):  # MiniMax-M3: the hub's per-layer sparse flags, else every layer full attention
+            layer_types = tuple("minimax_m3_sparse" if f else "full_attention"
+                                for f in _m3_flags(d, "sparse_attention_freq", layers))
         elif fam.get("bailing_layers"):  # the last layer of every group MLA, the others KDA
             n = _int(d, "layer_group_size", required=True)
             layer_types = tuple("full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(layers))
@@ -1281,6 +1317,8 @@ class ModelConfig:
         mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("step_layers"):
             mlp_types = _step_mlp_types(d, layers)
+        if not mlp_types and fam.get("m3_layers"):  # the hub's moe_layer_freq, else every layer MoE
+            mlp_types = tuple("sparse" if f else "dense" for f in _m3_flags(d, "moe_layer_freq", layers, default=1))
         if not mlp_types and fam.get("nemotron_layers"):  # the 'moe' blocks
             mlp_types = tuple("sparse" if t == "moe" else "dense" for t in layer_types)
         if not mlp_types and fam.get("jamba_layers"):
