@@ -88,17 +88,18 @@ FAMILIES = {
     "bailing_hybrid": ("BailingHybridConfig", {}),
     # MiniMax-M3's language model: full and block-sparse (indexed) attention, dense / MoE SwiGLU-OAI MLPs
     "minimax_m3_vl_text": ("MiniMaxM3VLTextConfig", {}),
+    "minimax_m3_vl": ("MiniMaxM3VLConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
-           "llama4": ("text_config",), "step3p7": ("text_config",)}
+           "llama4": ("text_config",), "step3p7": ("text_config",), "minimax_m3_vl": ("text_config",)}
 STEP = {"step3p5", "step3p7"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
-MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid", "minimax_m3_vl_text"}
+MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid", "minimax_m3_vl_text", "minimax_m3_vl"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text"}
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "bailing_hybrid", "mistral4",
@@ -132,7 +133,7 @@ def _hf_moe_layers(hf, mt):
     if mt in LLAMA4:
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "bailing_hybrid",
-              "minimax_m3_vl_text", "mimo_v2_flash", "step3p5",
+              "minimax_m3_vl_text", "minimax_m3_vl", "mimo_v2_flash", "step3p5",
               "step3p7"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
@@ -222,7 +223,7 @@ FIELDS = {
     "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt == "hunyuan_v1_moe" else hf.ffn_config.moe_top_k
                             if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
-    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"jamba", "granitemoehybrid", "minimax", "minimax_m3_vl_text", "mixtral", "gpt_oss", "olmoe", "minimax_m2",
+    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"jamba", "granitemoehybrid", "minimax", "minimax_m3_vl_text", "minimax_m3_vl", "mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
                                                                           "hunyuan_v1_moe", "phimoe"} | LLAMA4
                            else hf.moe_intermediate_size, None, None),
@@ -367,11 +368,11 @@ FIELDS = {
        for name in ("kda_safe_gate", "kda_lower_bound")},
     # MiniMax-M3: the indexer, the MLP widths, SwiGLU-OAI, the route scale
     **{f"{name}_m3": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw[name],
-                      {"minimax_m3_vl_text"})
+                      {"minimax_m3_vl_text", "minimax_m3_vl"})
        for name in ("index_block_size", "index_topk_blocks", "index_local_blocks", "dense_intermediate_size",
                     "rotary_dim")},
     **{f"{ours}_m3": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
-                      {"minimax_m3_vl_text"})
+                      {"minimax_m3_vl_text", "minimax_m3_vl"})
        for ours, theirs in (("index_n_heads", "index_n_heads"), ("index_head_dim", "index_head_dim"),
                             ("shared_expert_intermediate_size", "shared_intermediate_size"),
                             ("routed_scaling_factor", "routed_scaling_factor"), ("swiglu_alpha", "swiglu_alpha"),

@@ -153,3 +153,27 @@ def test_bad_config():
             builder_for(cfg)(cfg)
     with pytest.raises(ValueError, match="moe_layer_freq"):
         dm.ModelConfig.from_dict({**{k: v for k, v in base.items() if k != "mlp_layer_types"}, "moe_layer_freq": [1, 2, 1]})
+
+
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory):
+    """The multimodal checkpoint (minimax_m3_vl: the text model under language_model.*, a vision tower, a patch-merge
+    MLP and a projector beside it)."""
+    text = {k: v for k, v in SIZES.items()}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                  image_size=16)
+    torch.manual_seed(0)
+    hf = transformers.MiniMaxM3SparseForConditionalGeneration(
+        transformers.MiniMaxM3VLConfig(text_config=text, vision_config=vision)).eval()
+    randomize_(hf, seed=1)
+    path = save_tiny(hf, tmp_path_factory.mktemp("minimax_m3_vl"))
+    return hf, dm.load(path, progress=False)
+
+
+def test_wrapper_loads_the_text_model(wrapped):
+    hf, ours = wrapped
+    assert ours.config.model_type == "minimax_m3_vl" and ours.config.text_config_nested
+    assert type(ours).__name__ == "MiniMaxM3ForCausalLM"
+    assert set(ours.unused_checkpoint_prefixes) >= {"vision_tower.", "multi_modal_projector.", "patch_merge_mlp."}
+    check_logits(hf, ours, _ids())
+    check_greedy(hf, ours, _ids(seed=1), new_tokens=16)

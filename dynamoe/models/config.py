@@ -74,6 +74,7 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "llama4": TextWrapper(("text_config",), ("llama4_text",), tie_by_text=True),
     # (Step3p7ForConditionalGeneration ties by the wrapper's flag alone, default false)
     "step3p7": TextWrapper(("text_config",), ("step3p5",)),
+    "minimax_m3_vl": TextWrapper(("text_config",), ("minimax_m3_vl_text",)),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)

@@ -17,7 +17,13 @@ the attention's (a paged ``idx_k`` [1, position, index_head_dim]).
 Checkpoint (transformers' names): ``self_attn.{q,k,v,o}_proj, q_norm, k_norm``, ``self_attn.indexer.{q_proj,
 k_proj, q_norm, k_norm}``; ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``, ``mlp.experts.gate_up_proj``
 [E, 2F, D] (gate rows, then up rows), ``mlp.experts.down_proj`` [E, D, F], ``mlp.shared_experts.{gate_up,down}_proj``
-(or a dense ``mlp.{gate_up,down}_proj``). Multi-token-prediction tensors (``mtp.*``) are not loaded.
+(or a dense ``mlp.{gate_up,down}_proj``). Multi-token-prediction tensors (``mtp.*``) are not loaded. The multimodal
+checkpoint (``minimax_m3_vl``, the text model in its ``text_config``) keeps these under ``language_model.model.`` and
+``language_model.lm_head``; its vision tower, patch-merge MLP and projector are not loaded (text only: see
+:mod:`dynamoe.models.wrapped`). The hub's layout -- also what transformers saves for the wrapper -- is read too
+(:meth:`MiniMaxM3ForCausalLM.adapt_to_checkpoint`): ``block_sparse_moe.{gate.weight, e_score_correction_bias,
+experts.{e}.{w1,w3,w2}, shared_experts.{gate,up,down}_proj}``, ``self_attn.index_{q,k}_{proj,norm}``, dense
+``mlp.{gate,up,down}_proj``.
 """
 from __future__ import annotations
 
@@ -34,23 +40,45 @@ from .config import ModelConfig
 from .moe_block import SparseMoeBlock
 from .norms import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
-from .weights import Stacked
+from .weights import PerExpert, Stacked
+from .wrapped import TextOfWrapper, WrapperLayout
 
 __all__ = ["MiniMaxM3ForCausalLM", "BlockIndexer", "M3Attention", "GateUpMLP"]
 
 
 class GateUpMLP(nn.Module):
-    """down_proj(glu(gate, up)), [gate | up] = gate_up_proj(x): one projection for both (MiniMax-M3's dense MLP and
-    shared expert), ``glu`` a GLU kind of dynamoe.ops.activations with its ``alpha`` and ``limit``."""
+    """down_proj(glu(gate, up)) (MiniMax-M3's dense MLP and shared expert), ``glu`` a GLU kind of
+    dynamoe.ops.activations with its ``alpha`` and ``limit``; [gate | up] = gate_up_proj(x), one projection for
+    both (transformers' layout), or ``split``: ``gate_proj`` and ``up_proj`` (the hub's)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, glu: str, alpha: float, limit: float, dtype=None):
+    def __init__(self, hidden_size: int, intermediate_size: int, glu: str, alpha: float, limit: float,
+                 split: bool = False, dtype=None, device=None):
         super().__init__()
-        self.glu, self.alpha, self.limit = glu, alpha, limit
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.glu, self.alpha, self.limit, self.split = glu, alpha, limit, split
+        kw = dict(bias=False, dtype=dtype, device=device)
+        if split:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        else:
+            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def split_(self) -> None:
+        """The same MLP with gate_proj and up_proj apart (on the same device, uninitialised: before loading)."""
+        if self.split:
+            return
+        w = self.gate_up_proj.weight
+        F_, D = w.size(0) // 2, w.size(1)
+        del self.gate_up_proj
+        self.gate_proj = nn.Linear(D, F_, bias=False, dtype=w.dtype, device=w.device)
+        self.up_proj = nn.Linear(D, F_, bias=False, dtype=w.dtype, device=w.device)
+        self.split = True
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.split:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(glu_activation(gate, up, self.glu, alpha=self.alpha, limit=self.limit))
 
 
@@ -160,13 +188,39 @@ class _SharedExpertMoe(SparseMoeBlock):
         return None  # (the fused kernel knows no separate shared MLP; the norm is zero-centred anyway)
 
 
-class MiniMaxM3ForCausalLM(CausalLM):
-    """MiniMax-M3's language model (see the module docstring)."""
+class MiniMaxM3ForCausalLM(TextOfWrapper, CausalLM):
+    """MiniMax-M3's language model (see the module docstring), alone or in its multimodal wrapper."""
 
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".mlp.gate."), (".mlp.moe.gates.0.", ".mlp.gate."),
                           (".mlp.moe.", ".mlp."))
     expert_layout = Stacked("gate_up_proj", "down_proj", suffix="")
-    unused_checkpoint_prefixes = ("mtp.",)
+    #: the hub's layout (what transformers saves for the multimodal wrapper, and reads through its conversion
+    #: mapping): the MoE under block_sparse_moe. with per-expert w1 / w3 / w2, the indexer's tensors as
+    #: self_attn.index_*, the dense MLPs' and shared experts' gate_proj and up_proj apart (see adapt_to_checkpoint)
+    hub_renames = ((".mlp.moe.gates.0.wg.", ".block_sparse_moe.gate."),
+                   (".mlp.moe.gates.0.e_score_correction_bias", ".block_sparse_moe.e_score_correction_bias"),
+                   (".mlp.moe.", ".block_sparse_moe."), (".mlp.shared_experts.", ".block_sparse_moe.shared_experts."),
+                   (".self_attn.indexer.", ".self_attn.index_"))
+    hub_expert_layout = PerExpert("w1", "w3", "w2")
+    wrapper_layouts = {"minimax_m3_vl": WrapperLayout("language_model.model.", "language_model.",
+                                                      unused=("vision_tower.", "patch_merge_mlp.",
+                                                              "multi_modal_projector.", "mtp."))}
+
+    @property
+    def unused_checkpoint_prefixes(self) -> tuple:
+        layout = self.wrapper_layout()
+        return ("mtp.",) if layout is None else layout.unused
+
+    def adapt_to_checkpoint(self, names) -> None:
+        """Called by the loader with the checkpoint's tensor names before it reads them: a checkpoint in the hub's
+        layout (``block_sparse_moe.``, ``index_*``, split gate / up projections) is read as such -- the renames and
+        expert layout switch, and the dense MLPs and shared experts take gate_proj and up_proj apart."""
+        if not any(".block_sparse_moe." in n or ".self_attn.index_" in n for n in names):
+            return
+        self.checkpoint_renames, self.expert_layout = self.hub_renames, self.hub_expert_layout
+        for layer in self.model.layers:
+            mlp = layer.mlp
+            (mlp.shared_experts if isinstance(mlp, _SharedExpertMoe) else mlp).split_()
 
     def build_norm(self, cfg: ModelConfig, dim: int, dtype) -> nn.Module:
         return RMSNorm(dim, cfg.rms_norm_eps, zero_centered=True, dtype=dtype)

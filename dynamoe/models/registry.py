@@ -122,4 +122,5 @@ register("nemotron_h", "dynamoe.models.nemotron_h:NemotronHForCausalLM", ("Nemot
 register("lfm2_moe", "dynamoe.models.lfm2_moe:Lfm2MoeForCausalLM", ("Lfm2MoeForCausalLM",))
 register("minimax", "dynamoe.models.minimax:MiniMaxForCausalLM", ("MiniMaxForCausalLM",))
 register("bailing_hybrid", "dynamoe.models.bailing_hybrid:BailingHybridForCausalLM", ("BailingHybridForCausalLM",))
-register("minimax_m3_vl_text", "dynamoe.models.minimax_m3:MiniMaxM3ForCausalLM", ("MiniMaxM3VLForCausalLM",))
+register("minimax_m3_vl_text", "dynamoe.models.minimax_m3:MiniMaxM3ForCausalLM",
+         ("MiniMaxM3VLForCausalLM", "MiniMaxM3SparseForConditionalGeneration"), aliases=("minimax_m3_vl",))

@@ -69,7 +69,6 @@ UNSUPPORTED: dict[str, str] = {
     "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
                  "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
     "mellum": "Mellum is not implemented yet: per-layer mlp_layer_types with its attention layer kinds",
-    "minimax_m3_vl": _VLM,
     "mistral_large4": _VLM,
     "mistral_large4_text": _text_of("mistral_large4", "MLA with Mistral's routing"),
     "muse_spark": _OMNI,
