@@ -101,15 +101,17 @@ def check_truncated_slot_is_an_error(ours) -> None:
 
 
 def check_engine(ours) -> None:
-    """dynamoe's engine (prefix reuse off, as a recurrent model needs) with 2 slots for 3 requests: chunked
-    prefill, decoding rows at different positions together and a slot reused by the third request give each
-    request the greedy continuation it gets alone."""
+    """dynamoe's engine with its defaults (it turns prefix reuse off for a recurrent model, and speculation) with 2
+    slots for 3 requests, the third sharing the first's prompt: chunked prefill, decoding rows at different positions
+    together and a slot reused by the third request give each request the greedy continuation it gets alone."""
     from dynamoe.engine import GenerationEngine
     from dynamoe.engine.sampling import SamplingParams
 
     assert type(ours).recurrent_state is True
-    prompts = [_ids(rows=1, tokens=n, seed=20 + n)[0].tolist() for n in (7, 13, 4)]
-    engine = GenerationEngine(ours, None, max_seq_len=64, max_batch=2, prefill_chunk=5, prefix_caching=False)
+    prompts = [_ids(rows=1, tokens=n, seed=20 + n)[0].tolist() for n in (19, 13)]
+    prompts.append(prompts[0][:17] + [1, 2])
+    engine = GenerationEngine(ours, None, max_seq_len=64, max_batch=2, prefill_chunk=5)
+    assert engine.prefix_caching is False
     requests = [engine.add_request(p, SamplingParams(temperature=0.0), max_tokens=8, ignore_eos=True) for p in prompts]
     engine.run_until_done(requests)
     for p, r in zip(prompts, requests):
