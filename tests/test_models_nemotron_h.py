@@ -20,6 +20,9 @@ import dynamoe.models as dm  # noqa: E402
 from dynamoe.models.attention import Attention  # noqa: E402
 from dynamoe.models.mamba2 import Mamba2Mixer  # noqa: E402
 from dynamoe.models.nemotron_h import NemotronHMoE, ReluSquaredMLP  # noqa: E402
+from dynamoe.models.weights import PerExpertFFN, read_ffn_experts  # noqa: E402
+from dynamoe.moe.experts import FFNExperts  # noqa: E402
+from dynamoe.ops.activations import relu_squared  # noqa: E402
 
 BLOCKS = ["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"]
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, layers_block_type=BLOCKS, num_attention_heads=4,
@@ -56,6 +59,9 @@ def test_structure(pair):
     assert [type(layer.mixer) for layer in ours.model.layers] == [Mamba2Mixer, NemotronHMoE, Attention, ReluSquaredMLP,
                                                                    Mamba2Mixer, NemotronHMoE]
     assert [i for i, _ in ours.moe_layers()] == [1, 5]
+    experts = ours.model.layers[1].mixer.moe.experts   # non-gated: up [E, F, D], down transposed [E, F, D]
+    assert type(experts) is FFNExperts and experts.batched_fc1_w.shape == experts.batched_fc2_w.shape == (8, 16, 32)
+    assert experts.batched_fc1_bias is None and experts.activation_fn is relu_squared
     assert not ours.model.layers[2].mixer.use_rope
     assert ours.checkpoint_name("model.layers.1.mixer.moe.gates.0.wg.weight") == "backbone.layers.1.mixer.gate.weight"
     assert ours.checkpoint_name("model.embed_tokens.weight") == "backbone.embeddings.weight"
@@ -68,6 +74,22 @@ def test_structure(pair):
              for name in ("conv_state", "recurrent_state")}
     assert cfg.state_elements_per_sequence() == sizes == {"conv_state": 2 * (64 + 2 * 2 * 8) * 3,
                                                            "recurrent_state": 2 * 4 * 16 * 8}
+
+
+def test_ffn_experts_read_a_range(pair):
+    """Expert parallelism reads a contiguous range of the per-expert tensors: rows of the whole read."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{pair[2]}/model.safetensors")
+    prefix = "backbone.layers.1.mixer.experts"
+    whole = read_ffn_experts(tensors, None, prefix, PerExpertFFN(), 8, 16, 32, torch.float32, "cpu")
+    part = read_ffn_experts(tensors, None, prefix, PerExpertFFN(), 8, 16, 32, torch.float32, "cpu", local=range(2, 6))
+    assert torch.equal(part.w1, whole.w1[2:6]) and torch.equal(part.w2, whole.w2[2:6])
+    assert torch.equal(whole.w1[3], tensors[f"{prefix}.3.up_proj.weight"])
+    with pytest.raises(ValueError, match="contiguous range"):
+        read_ffn_experts(tensors, None, prefix, PerExpertFFN(), 8, 16, 32, torch.float32, "cpu", local=range(6, 9))
+    with pytest.raises(ValueError, match="expected shape"):
+        read_ffn_experts(tensors, None, prefix, PerExpertFFN(), 8, 12, 32, torch.float32, "cpu")
 
 
 def test_logits_match_transformers(pair):

@@ -11,10 +11,9 @@ block one of (``layer_types`` / the hub's ``hybrid_override_pattern``)
 
 RMSNorms (eps ``layer_norm_epsilon``, the weight applied in fp32) before every block and at the end.
 
-The routed experts run on dynamoe's GLU experts (every kernel and weight format of theirs): relu(x)^2 = relu(x) * x
-exactly, so each expert is the ReGLU relu(gate(x)) * up(x) with ``gate_proj`` = ``up_proj`` -- the checkpoint's
-``up_proj`` is read into both halves of ``gate_up_proj``. That holds the up projection twice (the experts take
-1.5x the memory of the checkpoint's, and the up GEMM is twice as wide).
+The routed experts are dynamoe's non-gated (FFN) experts with the 'relu2' activation: up_proj into
+``batched_fc1_w``, down_proj (transposed) into ``batched_fc2_w``. Their decode runs the general MoE path (the fused
+kernels know ReLU, GELU and SiLU, not relu2), and a packed (quantized) expert checkpoint is dequantized on load.
 
 Checkpoint: ``backbone.embeddings``, ``backbone.layers.{i}.norm``, ``backbone.layers.{i}.mixer.*`` (Mamba:
 ``in_proj, conv1d, dt_bias, A_log, D, norm, out_proj``; attention: ``{q,k,v,o}_proj``; MoE: ``gate.weight``,
@@ -39,7 +38,7 @@ from .mamba2 import Mamba2Mixer
 from .moe_block import SparseMoeBlock
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
-from .weights import PerExpert
+from .weights import PerExpertFFN
 
 __all__ = ["NemotronHForCausalLM", "NemotronHBlock", "NemotronHMoE", "ReluSquaredMLP"]
 
@@ -57,10 +56,10 @@ class ReluSquaredMLP(nn.Module):
 
 
 class NemotronHMoE(SparseMoeBlock):
-    """Sigmoid-routed relu2 experts (ReGLU with gate = up, see the module docstring) plus ``shared_experts``."""
+    """Sigmoid-routed non-gated relu2 experts plus ``shared_experts``."""
 
     def __init__(self, cfg: ModelConfig, dtype=None):
-        super().__init__(cfg, "sigmoid", normalize=cfg.norm_topk_prob, glu="relu", dtype=dtype)
+        super().__init__(cfg, "sigmoid", normalize=cfg.norm_topk_prob, ffn_activation="relu2", dtype=dtype)
         self.shared_experts = ReluSquaredMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype=dtype)
 
     def forward(self, x_BTD: Tensor) -> Tensor:
@@ -97,8 +96,7 @@ class NemotronHForCausalLM(CausalLM):
     checkpoint_renames = ((".mixer.moe.gates.0.wg.", ".mixer.gate."), (".mixer.moe.gates.0.", ".mixer.gate."),
                           (".mixer.moe.", ".mixer."), ("model.embed_tokens.", "model.embeddings."),
                           ("model.norm.", "model.norm_f."))
-    #: relu2 experts as ReGLU with gate = up: the checkpoint's up_proj read into both halves
-    expert_layout = PerExpert("up_proj", "up_proj", "down_proj")
+    expert_layout = PerExpertFFN("up_proj", "down_proj")
     unused_checkpoint_prefixes = ("mtp.",)
 
     def __init__(self, config: ModelConfig, dtype=None):
