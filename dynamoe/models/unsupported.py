@@ -73,8 +73,10 @@ UNSUPPORTED: dict[str, str] = {
     "mistral_large4_text": _text_of("mistral_large4", "MLA with Mistral's routing"),
     "muse_spark": _OMNI,
     "muse_spark_text": _text_of("muse_spark", "its convolution and sliding layer kinds"),
-    "nemo_speechlm": _OMNI + " (its default language model is Nemotron-H, a Mamba-2 hybrid)",
-    "nemotron_h_omni": _OMNI + " (its language model is Nemotron-H, a Mamba-2 hybrid)",
+    "nemo_speechlm": ("a speech-language wrapper whose checkpoint layout is not mapped yet (its default language "
+                      "model, Nemotron-H, loads on its own as model_type 'nemotron_h')"),
+    "nemotron_h_omni": ("a multimodal (audio / vision) wrapper whose checkpoint layout (llm_config / text_config) is not "
+                        "mapped yet (its language model, Nemotron-H, loads on its own as model_type 'nemotron_h')"),
     "nllb-moe": "NLLB-MoE is an encoder-decoder translation model, not a decoder-only causal LM",
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
     "qwen3_omni_moe_talker_text": "the speech talker of Qwen3-Omni, not a text causal LM",
