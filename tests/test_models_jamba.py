@@ -39,10 +39,11 @@ def pair(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------ the scan
+@pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize("chunk", [1, 3, 8, 64])
-def test_chunked_scan_equals_recurrent(chunk):
-    """fp64: the chunked (associative) scan is the recurrence, with and without a start state; two calls carrying
-    the state equal one."""
+def test_chunked_scan_equals_recurrent(chunk, parallel):
+    """fp64: the chunked scan (the doubling steps, or the per-token sweep) is the recurrence, with and without a
+    start state; two calls carrying the state equal one."""
     g = torch.Generator().manual_seed(0)
     B, I, T, N = 2, 5, 29, 4
     x = torch.randn(B, I, T, generator=g, dtype=torch.float64)
@@ -51,12 +52,14 @@ def test_chunked_scan_equals_recurrent(chunk):
     Bm, Cm = (torch.randn(B, T, N, generator=g, dtype=torch.float64) for _ in range(2))
     for h0 in (None, torch.randn(B, I, N, generator=g, dtype=torch.float64)):
         y_ref, h_ref = selective_scan_recurrent(x, dt, A, Bm, Cm, h0)
-        y, h = selective_scan_chunked(x, dt, A, Bm, Cm, h0, chunk_size=chunk)
+        y, h = selective_scan_chunked(x, dt, A, Bm, Cm, h0, chunk_size=chunk, parallel=parallel)
         assert y.dtype == torch.float64 and y.shape == (B, I, T) and h.shape == (B, I, N)
         torch.testing.assert_close(y, y_ref, atol=1e-12, rtol=0)
         torch.testing.assert_close(h, h_ref, atol=1e-12, rtol=0)
-    y1, h1 = selective_scan_chunked(x[..., :11], dt[..., :11], A, Bm[:, :11], Cm[:, :11], chunk_size=chunk)
-    y2, h2 = selective_scan_chunked(x[..., 11:], dt[..., 11:], A, Bm[:, 11:], Cm[:, 11:], h1, chunk_size=chunk)
+    y1, h1 = selective_scan_chunked(x[..., :11], dt[..., :11], A, Bm[:, :11], Cm[:, :11], chunk_size=chunk,
+                                    parallel=parallel)
+    y2, h2 = selective_scan_chunked(x[..., 11:], dt[..., 11:], A, Bm[:, 11:], Cm[:, 11:], h1, chunk_size=chunk,
+                                    parallel=parallel)
     y_ref, h_ref = selective_scan_recurrent(x, dt, A, Bm, Cm)
     torch.testing.assert_close(torch.cat([y1, y2], -1), y_ref, atol=1e-12, rtol=0)
     torch.testing.assert_close(h2, h_ref, atol=1e-12, rtol=0)
