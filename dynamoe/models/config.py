@@ -792,14 +792,18 @@ SSM_KINDS = ("mamba1", "mamba2", "short_conv", "lightning")
 
 @dataclass(frozen=True)
 class SSMConfig:
-    """The Mamba layers' sizes (every 'linear_attention' layer of a family whose _FAMILY_DEFAULTS entry names
-    an "ssm" reader), under one set of names whatever the config class calls them.
+    """The recurrent layers' sizes of a family whose _FAMILY_DEFAULTS entry names an "ssm" reader (its
+    'linear_attention' layers -- Mamba, lightning attention -- or 'conv' layers), under one set of names whatever
+    the config class calls them.
 
     ``intermediate_size``: the inner width (``expand`` x hidden_size); ``state_size``: N, the state per
     channel (Mamba-1) or per head dim (Mamba-2); ``conv_kernel``: the causal depthwise conv's width.
     Mamba-1: ``dt_rank`` (the low-rank time-step projection). Mamba-2: ``num_heads`` x ``head_dim`` =
     intermediate_size, ``n_groups`` (heads share B and C by group), ``chunk_size`` (the prefill's SSD
-    chunk; any value gives the same numbers up to rounding), ``time_step_limit`` (dt clamped to it)."""
+    chunk; any value gives the same numbers up to rounding), ``time_step_limit`` (dt clamped to it). Lightning
+    attention: ``num_heads`` x ``head_dim`` (a [head_dim, head_dim] state per head: ``state_size`` = head_dim), no
+    conv (``conv_kernel`` 1). Short convolution: hidden_size channels, ``conv_kernel`` taps, no state
+    (``state_size`` 0)."""
 
     kind: str
     intermediate_size: int
@@ -963,7 +967,10 @@ class ModelConfig:
 
     Layer structure: ``layer_types[i]`` is 'full_attention', 'sliding_attention' (window
     ``sliding_window``), 'chunked_attention' (Llama-4: chunks of ``attention_chunk_size``) or
-    'indexed_attention' (V3.2 / GLM-5 sparse attention, whose families build it whatever the entry says); :meth:`is_moe_layer` says whether layer i has routed experts;
+    'indexed_attention' (V3.2 / GLM-5 sparse attention, whose families build it whatever the entry says),
+    'linear_attention' (a recurrent layer: Gated DeltaNet, KDA, Mamba, lightning attention, as the family says), or
+    a kind of one family only (Nemotron-H's 'moe' / 'mlp' blocks, LFM2's 'conv', MiniMax-M3's 'minimax_m3_sparse');
+    :meth:`is_moe_layer` says whether layer i has routed experts;
     ``indexer_types`` (GLM-5) which layers run their own indexer.
     """
 
@@ -1056,8 +1063,8 @@ class ModelConfig:
     floor_scale: Optional[float] = None
     attn_scale: Optional[float] = None
     intermediate_size_mlp: Optional[int] = None
-    #: the Mamba layers' sizes (Jamba, GraniteMoE-Hybrid, Nemotron-H: their 'linear_attention' layers are
-    #: state-space layers); None for the other families
+    #: the recurrent layers' sizes of Jamba, GraniteMoE-Hybrid, Nemotron-H (Mamba), MiniMax-Text-01 (lightning
+    #: attention) and LFM2-MoE (short convolutions); None for the other families
     ssm: Optional[SSMConfig] = None
     #: the config.json nested this model under ``text_config`` (Qwen3.5-MoE's multimodal checkpoint)
     text_config_nested: bool = False
