@@ -99,25 +99,43 @@ FAMILIES = {
     # Aria's text model, alone and in its vision-language wrapper: its own names for the experts and top-k
     "aria_text": ("AriaTextConfig", {}),
     "aria": ("AriaConfig", {}),
+    # Mamba hybrids: Jamba (Mamba-1; attention and MoE layers by period and offset)
+    "jamba": ("JambaConfig", {}),
+    # GraniteMoE-Hybrid (Mamba-2, GraniteMoE-Shared's MoE; mamba_d_head 'auto' needs heads dividing 2 x hidden)
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(mamba_n_heads=8)),
+    # Nemotron-H: blocks by kind (its default: M, E, *, -), DeepSeek-V3 routing
+    "nemotron_h": ("NemotronHConfig", {}),
+    # LFM2-MoE: short convolutions and attention (its config class derives no layer_types: the model needs them)
+    "lfm2_moe": ("Lfm2MoeConfig", dict(layer_types=["conv", "conv", "full_attention", "conv"])),
+    # MiniMax-Text-01: lightning and softmax attention alternating, Mixtral's MoE, residual factors
+    "minimax": ("MiniMaxConfig", dict(intermediate_size=32)),
+    # Ling-3: KDA + gated MLA, DeepSeek-V3 routing under Kimi-Linear's names
+    "bailing_hybrid": ("BailingHybridConfig", {}),
+    # MiniMax-M3's language model: full and block-sparse (indexed) attention, dense / MoE SwiGLU-OAI MLPs
+    "minimax_m3_vl_text": ("MiniMaxM3VLTextConfig", {}),
+    "minimax_m3_vl": ("MiniMaxM3VLConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
-           "llama4": ("text_config",), "step3p7": ("text_config",), "aria": ("text_config",)}
+           "llama4": ("text_config",), "step3p7": ("text_config",), "aria": ("text_config",),
+           "minimax_m3_vl": ("text_config",)}
 ARIA = {"aria", "aria_text"}
 STEP = {"step3p5", "step3p7"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
+MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid", "minimax_m3_vl_text", "minimax_m3_vl"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text"}
-MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
+MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "bailing_hybrid", "mistral4",
                                                                                        "longcat_flash"}
 # DeepSeek-V3's routing fields under these families' own config classes
-DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "solar_open", "sarvam_moe", "beam"}
-# no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam", "zaya"} | STEP
+DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "bailing_hybrid", "mimo_v2_flash", "mistral4", "solar_open",
+                                    "sarvam_moe", "beam"}
+# no single rope_parameters dict: Kimi-Linear and Jamba have no RoPE, MiMo-V2-Flash one per layer type
+NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "jamba", "nemotron_h"} | STEP
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum", "beam", "zaya"} | STEP
 # ZAYA's layer kind names -> dynamoe's
 ZAYA_KINDS = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
@@ -136,22 +154,31 @@ def _hf_moe_layers(hf, mt):
     if mt in QWEN3_RULE:
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
-    if mt in ("mixtral", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
-              "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash", "solar_open",
-              "jetmoe", "kolibri1", "zaya", "aria", "aria_text"):
+    if mt in ("mixtral", "minimax", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa",
+              "flex_olmo", "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash",
+              "solar_open", "jetmoe", "kolibri1", "zaya", "aria", "aria_text"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
                 for i in range(n)]
     if mt in LLAMA4:
         return [i in hf.moe_layers for i in range(n)]
-    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash", "step3p5",
-              "step3p7", "cohere2_moe", "hy_v3", "laguna", "mellum", "beam"):
+    if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "bailing_hybrid",
+              "minimax_m3_vl_text", "minimax_m3_vl", "mimo_v2_flash", "step3p5", "step3p7", "cohere2_moe", "hy_v3",
+              "laguna", "mellum", "beam"):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
     if mt == "doge":
         return [hf.is_moe] * n
+    if mt == "jamba":
+        return [e > 1 for e in hf.layers_num_experts]
+    if mt == "granitemoehybrid":
+        return [hf.num_local_experts > 0] * n
+    if mt == "nemotron_h":
+        return [t == "moe" for t in hf.layers_block_type]
+    if mt == "lfm2_moe":
+        return [i >= hf.num_dense_layers for i in range(n)]
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
 
@@ -209,9 +236,11 @@ FIELDS = {
     "head_dim": (lambda hf, mt: getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads, None, None),
     "max_position_embeddings": (lambda hf, mt: hf.max_position_embeddings, None, None),
     # DBRX's LayerNorms: torch's default eps (its config has no field)
-    # (Cohere2-MoE: LayerNorms of layer_norm_eps when rms_norm_eps is null)
-    "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.layer_norm_eps if getattr(hf, "rms_norm_eps", 0) is None
-                     else hf.rms_norm_eps, None, None),
+    # (Nemotron-H: layer_norm_epsilon; LFM2: norm_eps; Cohere2-MoE: LayerNorms of layer_norm_eps when rms_norm_eps is
+    # null)
+    "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.layer_norm_epsilon if mt == "nemotron_h"
+                     else hf.norm_eps if mt == "lfm2_moe"
+                     else hf.layer_norm_eps if getattr(hf, "rms_norm_eps", 0) is None else hf.rms_norm_eps, None, None),
     "layer_norm": (lambda hf, mt: getattr(hf, "rms_norm_eps", 0) is None, None, None),
     "rope": (lambda hf, mt: _hf_rope(hf), lambda cfg: _our_rope(cfg), set(FAMILIES) - NO_SINGLE_ROPE),
     # (MiMo's modeling code reads each layer type's partial_rotary_factor with a default of 0.334, Step's of 1)
@@ -221,9 +250,10 @@ FIELDS = {
                            if mt != "zaya" else {ZAYA_KINDS[k]: {**_hf_rope(p), "partial_rotary_factor": p.get(
                                "partial_rotary_factor", 1.0)} for k, p in hf.rope_parameters.items()},
                            lambda cfg: {k: _our_rope(r) for k, r in cfg.rope_by_layer_type}, ROPE_PER_LAYER_TYPE),
-    # (JetMoE: activation_function)
+    # GPT-OSS: its own SwiGLU; Nemotron-H: mlp_hidden_act / mamba_hidden_act (see ssm_nemotron); JetMoE:
+    # activation_function
     "hidden_act": (lambda hf, mt: hf.activation_function if mt == "jetmoe" else hf.hidden_act, None,
-                   set(FAMILIES) - {"gpt_oss", "dbrx"}),  # GPT-OSS: its own SwiGLU
+                   set(FAMILIES) - {"gpt_oss", "dbrx", "nemotron_h", "lfm2_moe"}),
     # DBRX: clip_qkv in attn_config
     "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
     "tie_word_embeddings": (lambda hf, mt: hf.tie_word_embeddings, None, None),
@@ -239,7 +269,7 @@ FIELDS = {
     "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt in {"hunyuan_v1_moe"} | ARIA else hf.ffn_config.moe_top_k
                             if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
-    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"mixtral", "gpt_oss", "olmoe", "minimax_m2",
+    "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"jamba", "granitemoehybrid", "minimax", "minimax_m3_vl_text", "minimax_m3_vl", "mixtral", "gpt_oss", "olmoe", "minimax_m2",
                                                                           "granitemoe", "granitemoeshared", "granitemoe_swa", "flex_olmo",
                                                                           "hunyuan_v1_moe", "phimoe", "cohere2_moe", "jetmoe",
                                                                           "doge"} | ARIA
@@ -258,12 +288,13 @@ FIELDS = {
     # Qwen3-VL-MoE's router has no norm_topk_prob: it always renormalises
     "norm_topk_prob_vl": (lambda hf, mt: True, lambda cfg: cfg.norm_topk_prob, {"qwen3_vl_moe", "qwen3_vl_moe_text"}),
     # GraniteMoE (a shared MLP only in granitemoeshared, and only when its size is > 0)
-    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared", "granitemoe_swa"})
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"granitemoe", "granitemoeshared", "granitemoe_swa",
+                                                                   "granitemoehybrid"})
        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")},
     "shared_expert_intermediate_size": (lambda hf, mt: hf.shared_expert_intermediate_size if mt in {"qwen2_moe", "flint", "laguna", "kolibri1"} | HYBRID
                                         else hf.shared_intermediate_size or None, None,
                                         {"qwen2_moe", "granitemoeshared", "flint", "granitemoe_swa", "laguna",
-                                         "kolibri1"}
+                                         "kolibri1", "granitemoehybrid"}
                                         | HYBRID),
     # K-EXAONE: DeepSeek routing, shared experts under their own name
     # (keys of their own: the DeepSeek entries above keep theirs)
@@ -280,8 +311,7 @@ FIELDS = {
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
                     HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "cohere2_moe", "laguna",
-                             "mellum", "kolibri1", "beam"} | LLAMA4
-                    | STEP),
+                             "mellum", "kolibri1", "beam"} | LLAMA4 | STEP | MAMBA),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
                         lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
@@ -379,6 +409,75 @@ FIELDS = {
     # Aria: shared experts under its own name, the bias switch of the shared experts, the dense width
     "n_shared_experts_aria": (lambda hf, mt: hf.moe_num_shared_experts, lambda cfg: cfg.n_shared_experts, ARIA),
     "mlp_bias_aria": (lambda hf, mt: hf.mlp_bias, lambda cfg: cfg.raw.get("mlp_bias"), ARIA),
+    # Mamba layers: dynamoe's SSMConfig under each config class's names
+    "ssm_jamba": (lambda hf, mt: ("mamba1", hf.mamba_expand * hf.hidden_size, hf.mamba_d_state, hf.mamba_d_conv,
+                                  hf.mamba_conv_bias, hf.mamba_proj_bias, hf.hidden_act, hf.mamba_dt_rank),
+                  lambda cfg: (cfg.ssm.kind, cfg.ssm.intermediate_size, cfg.ssm.state_size, cfg.ssm.conv_kernel,
+                               cfg.ssm.conv_bias, cfg.ssm.proj_bias, cfg.ssm.activation, cfg.ssm.dt_rank), {"jamba"}),
+    "intermediate_size_jamba": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, {"jamba"}),
+    "ssm_granite": (lambda hf, mt: ("mamba2", hf.mamba_expand * hf.hidden_size, hf.mamba_d_state, hf.mamba_d_conv,
+                                    hf.mamba_conv_bias, hf.mamba_proj_bias, hf.hidden_act, hf.mamba_n_heads,
+                                    hf.mamba_d_head, hf.mamba_n_groups, hf.mamba_chunk_size, tuple(hf.time_step_limit)),
+                    lambda cfg: (cfg.ssm.kind, cfg.ssm.intermediate_size, cfg.ssm.state_size, cfg.ssm.conv_kernel,
+                                 cfg.ssm.conv_bias, cfg.ssm.proj_bias, cfg.ssm.activation, cfg.ssm.num_heads,
+                                 cfg.ssm.head_dim, cfg.ssm.n_groups, cfg.ssm.chunk_size, cfg.ssm.time_step_limit),
+                    {"granitemoehybrid"}),
+    # GraniteMoE-Hybrid: RoPE in the attention layers only with position_embedding_type 'rope'
+    "ssm_nemotron": (lambda hf, mt: ("mamba2", hf.mamba_num_heads * hf.mamba_head_dim, hf.ssm_state_size,
+                                     hf.conv_kernel, hf.use_conv_bias, hf.use_bias, hf.mamba_hidden_act,
+                                     hf.mamba_num_heads, hf.mamba_head_dim, hf.n_groups, hf.chunk_size,
+                                     (hf.time_step_min, float("inf"))),
+                     lambda cfg: (cfg.ssm.kind, cfg.ssm.intermediate_size, cfg.ssm.state_size, cfg.ssm.conv_kernel,
+                                  cfg.ssm.conv_bias, cfg.ssm.proj_bias, cfg.ssm.activation, cfg.ssm.num_heads,
+                                  cfg.ssm.head_dim, cfg.ssm.n_groups, cfg.ssm.chunk_size, cfg.ssm.time_step_limit),
+                     {"nemotron_h"}),
+    **{f"{ours}_nemotron": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
+                            {"nemotron_h"})
+       for ours, theirs in (("n_group", "n_group"), ("topk_group", "topk_group"), ("norm_topk_prob", "norm_topk_prob"),
+                            ("routed_scaling_factor", "routed_scaling_factor"), ("intermediate_size", "intermediate_size"),
+                            ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"))},
+    "ssm_lfm2": (lambda hf, mt: ("short_conv", hf.hidden_size, hf.conv_L_cache, hf.conv_bias, hf.conv_bias),
+                 lambda cfg: (cfg.ssm.kind, cfg.ssm.intermediate_size, cfg.ssm.conv_kernel, cfg.ssm.conv_bias,
+                              cfg.ssm.proj_bias), {"lfm2_moe"}),
+    **{f"{ours}_lfm2": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
+                        {"lfm2_moe"})
+       for ours, theirs in (("norm_topk_prob", "norm_topk_prob"), ("routed_scaling_factor", "routed_scaling_factor"),
+                            ("intermediate_size", "intermediate_size"), ("first_k_dense_replace", "num_dense_layers"))},
+    "use_expert_bias_lfm2": (lambda hf, mt: hf.use_expert_bias, lambda cfg: cfg.raw["use_expert_bias"], {"lfm2_moe"}),
+    "ssm_lightning": (lambda hf, mt: ("lightning", hf.num_attention_heads, hf.head_dim or hf.hidden_size // hf.num_attention_heads,
+                                      hf.block_size, hf.hidden_act),
+                      lambda cfg: (cfg.ssm.kind, cfg.ssm.num_heads, cfg.ssm.head_dim, cfg.ssm.chunk_size,
+                                   cfg.ssm.activation), {"minimax"}),
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw[name], {"minimax"})
+       for name in ("full_attn_alpha_factor", "full_attn_beta_factor", "linear_attn_alpha_factor",
+                    "linear_attn_beta_factor", "mlp_alpha_factor", "mlp_beta_factor")},
+    # MiniMax: a sliding_window slides every softmax-attention layer (its family reads it so)
+    "minimax_windows": (lambda hf, mt: [hf.sliding_window if t == "full_attention" else None for t in hf.layer_types],
+                        lambda cfg: [cfg.sliding_window if t == "full_attention" else None for t in cfg.layer_types],
+                        {"minimax"}),
+    # Ling-3: the KDA sizes from head_dim, the heads and short_conv_kernel_size; MTP layers; dense layers
+    **{f"{ours}_bailing": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
+                           {"bailing_hybrid"})
+       for ours, theirs in (("linear_conv_kernel_dim", "linear_conv_kernel_dim"), ("linear_key_head_dim", "linear_head_dim"),
+                            ("linear_value_head_dim", "linear_head_dim"), ("linear_num_key_heads", "linear_num_heads"),
+                            ("linear_num_value_heads", "linear_num_heads"), ("num_nextn_predict_layers", "num_mtp_layers"),
+                            ("first_k_dense_replace", "first_k_dense_replace"), ("intermediate_size", "intermediate_size"))},
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw[name], {"bailing_hybrid"})
+       for name in ("kda_safe_gate", "kda_lower_bound")},
+    # MiniMax-M3: the indexer, the MLP widths, SwiGLU-OAI, the route scale
+    **{f"{name}_m3": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw[name],
+                      {"minimax_m3_vl_text", "minimax_m3_vl"})
+       for name in ("index_block_size", "index_topk_blocks", "index_local_blocks", "dense_intermediate_size",
+                    "rotary_dim")},
+    **{f"{ours}_m3": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
+                      {"minimax_m3_vl_text", "minimax_m3_vl"})
+       for ours, theirs in (("index_n_heads", "index_n_heads"), ("index_head_dim", "index_head_dim"),
+                            ("shared_expert_intermediate_size", "shared_intermediate_size"),
+                            ("routed_scaling_factor", "routed_scaling_factor"), ("swiglu_alpha", "swiglu_alpha"),
+                            ("swiglu_limit", "swiglu_limit"))},
+    "layer_uses_rope_granite": (lambda hf, mt: [hf.position_embedding_type == "rope"] * hf.num_hidden_layers,
+                                lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)],
+                                {"granitemoehybrid"}),
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -576,6 +675,34 @@ def test_omitted_fields_default_as_transformers(mt):
                    "num_experts_per_tok": 1, "mlp_bias": True, "num_key_value_heads": 2, "head_dim": 16}),
     ("aria", {"moe_num_experts": 4, "moe_topk": 1, "rope_theta": 5e5}),
     ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
+    ("jamba", {"attn_layer_period": 2, "attn_layer_offset": 0, "expert_layer_period": 4, "expert_layer_offset": 3,
+               "mamba_dt_rank": 7, "mamba_expand": 3, "mamba_d_state": 4, "mamba_conv_bias": False}),
+    ("jamba", {"num_experts": 1, "num_experts_per_tok": 1}),             # one expert: every MLP dense
+    # Nemotron-H, the hub's way: a pattern (its length is the layer count) and mamba_* names that win
+    ("nemotron_h", {"hybrid_override_pattern": "M*EM-", "mamba_n_groups": 4, "n_groups": 2, "mamba_dt_min": 0.01,
+                    "mamba_d_conv": 3, "mamba_chunk_size": 64, "mamba_conv_bias": False, "n_routed_experts": 16,
+                    "mamba_num_heads": 8, "mamba_head_dim": 8}),
+    ("nemotron_h", {"layers_block_type": ["mamba", "attention", "moe"], "layer_norm_epsilon": 1e-6}),
+    ("minimax", {"sliding_window": 64, "block_size": 32, "mlp_alpha_factor": 0.5, "head_dim": 16,
+                 "layer_types": ["linear_attention"] * 3 + ["full_attention"]}),
+    # Ling-3, the hub's way: its names, a group size of 2, an explicit mlp_layer_types, MTP layers
+    ("bailing_hybrid", {"num_experts_per_token": 2, "num_experts": 8, "num_expert_group": 2, "topk_group": 1,
+                        "num_shared_experts": 2,
+                        "moe_renormalize": False, "model_max_length": 512, "layer_group_size": 2, "head_dim": 32,
+                        "short_conv_kernel_size": 3, "num_mtp_layers": 2, "kda_safe_gate": False,
+                        "mlp_layer_types": ["sparse", "dense", "sparse", "sparse"], "rope_theta": 1e5}),
+    # MiniMax-M3, the hub's way: sparse_attention_config (its names win over the flat ones) and moe_layer_freq
+    ("minimax_m3_vl_text", {"sparse_attention_config": {"sparse_attention_freq": [0, 1, 1, 0], "sparse_num_index_heads": 2,
+                                                        "sparse_index_dim": 64, "sparse_block_size": 32,
+                                                        "sparse_topk_blocks": 4, "sparse_local_block": 2},
+                            "moe_layer_freq": [0, 1, 1, 1], "index_n_heads": 8, "hidden_act": "gelu"}),
+    # LFM2-MoE, the hub's way: tie_embedding wins, norm_eps, a route scale, no expert bias
+    ("lfm2_moe", {"tie_embedding": False, "norm_eps": 1e-6, "routed_scaling_factor": 2.5, "use_expert_bias": False,
+                  "num_dense_layers": 1, "conv_L_cache": 4, "conv_bias": True}),
+    # the hub's names (layers_block_type, legacy 'mamba' / 'attention'), RoPE, a time-step limit, no experts
+    ("granitemoehybrid", {"layers_block_type": ["mamba", "attention", "mamba", "mamba"], "position_embedding_type": "rope",
+                          "time_step_limit": [0.001, 100.0], "mamba_d_head": 16, "mamba_n_groups": 2,
+                          "num_local_experts": 0, "shared_intermediate_size": 48}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

@@ -22,13 +22,14 @@ parses as transformers reads it (tests/test_models_config_defaults.py compares e
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .unsupported import refusal
 
-__all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
+__all__ = ["ModelConfig", "RopeConfig", "SSMConfig", "NEMOTRON_BLOCKS", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
            "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
@@ -75,6 +76,7 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "step3p7": TextWrapper(("text_config",), ("step3p5",)),
     # (AriaForConditionalGeneration ties by the wrapper's flag alone, default false)
     "aria": TextWrapper(("text_config",), ("aria_text",)),
+    "minimax_m3_vl": TextWrapper(("text_config",), ("minimax_m3_vl_text",)),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)
@@ -466,6 +468,107 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                   "fields": {"intermediate_size": 4096, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                              "pad_token_id": 2, "bos_token_id": 1, "eos_token_id": 2, "mlp_bias": False,
                              "moe_num_experts": 8, "moe_topk": 2, "moe_num_shared_experts": 2}},
+    # JambaConfig: Mamba-1 layers ('linear_attention') with attention every attn_layer_period-th layer from
+    # attn_layer_offset, MoE every expert_layer_period-th from expert_layer_offset ("jamba_layers"; its layer_types
+    # is a property of those four, never read from the file: "ignored"); the experts are intermediate_size wide
+    "jamba": {"num_experts": 16, "num_experts_per_tok": 2, "jamba_layers": True, "ssm": "jamba",
+              "ignored": ("layer_types", "moe_intermediate_size"),
+              "fields": {"intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 262144,
+                         "rms_norm_eps": 1e-6, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                         "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 8,
+                         "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+                         "mamba_dt_rank": "auto", "mamba_conv_bias": True, "mamba_proj_bias": False}},
+    # GraniteMoeHybridConfig: Mamba-2 layers ('linear_attention'; every layer unless layer_types / the hub's
+    # layers_block_type says otherwise, whose legacy 'mamba' / 'attention' names it remaps); attention with RoPE only
+    # when position_embedding_type is 'rope' ("rope_switch"); GraniteMoE-Shared's multipliers, experts of
+    # intermediate_size and shared MLP
+    "granitemoehybrid": {"num_experts": 8, "num_experts_per_tok": 2, "ssm": "granite", "mamba_layers_default": True,
+                         "rope_switch": "position_embedding_type", "ignored": ("moe_intermediate_size",),
+                         "aliases": {"layer_types": "layers_block_type"},
+                         "fields": {"intermediate_size": 11008, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                                    "bos_token_id": 1, "eos_token_id": 2, "attention_multiplier": 1.0,
+                                    "shared_intermediate_size": 1024, "mamba_n_heads": 128, "mamba_n_groups": 1,
+                                    "mamba_d_state": 256, "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2,
+                                    "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False}},
+    # NemotronHConfig: one sublayer per block -- 'linear_attention' (Mamba-2), 'full_attention' (no RoPE), 'moe',
+    # 'mlp' -- from layers_block_type / layer_types, else the hub's hybrid_override_pattern (M, *, E, -), else
+    # its four-block default; num_hidden_layers is the list's length ("nemotron_layers"). The hub's mamba_* names
+    # win over the plain ones (as the config class pops them); DeepSeek-V3's sigmoid routing with a selection
+    # bias; the norms' eps is layer_norm_epsilon; experts and shared expert are relu2 MLPs
+    "nemotron_h": {"num_experts": 8, "num_experts_per_tok": 2, "head_dim": 128, "ssm": "nemotron",
+                   "nemotron_layers": True, "ignored": ("rms_norm_eps", "hidden_act", "scoring_func"),
+                   "aliases": {"rms_norm_eps": "layer_norm_epsilon", "layer_types": "layers_block_type",
+                               "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size"},
+                   "fields": {"num_key_value_heads": 8, "max_position_embeddings": 4096, "layer_norm_epsilon": 1e-5,
+                              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "intermediate_size": 21504,
+                              "mlp_hidden_act": "relu2", "ssm_state_size": 128, "mamba_num_heads": 128,
+                              "mamba_head_dim": 64, "mamba_hidden_act": "silu", "n_groups": 8, "conv_kernel": 4,
+                              "time_step_min": 0.001, "use_conv_bias": True, "chunk_size": 128, "use_bias": False,
+                              "moe_intermediate_size": 7688, "moe_shared_expert_intermediate_size": 7688,
+                              "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                              "scoring_func": "sigmoid", "mlp_bias": False}},
+    # Lfm2MoeConfig (LFM2-MoE): 'conv' (gated short convolution) and 'full_attention' layers by layer_types (else the
+    # hub's full_attn_idxs; one of them is required: transformers' model cannot run without); dense MLPs on the first
+    # num_dense_layers, then sigmoid routing with a selection-only expert_bias; norm_eps; the hub's tie_embedding wins
+    "lfm2_moe": {"rope_theta": 1e6, "num_experts": 32, "num_experts_per_tok": 4, "ssm": "lfm2", "lfm2_layers": True,
+                 "ignored": ("rms_norm_eps", "first_k_dense_replace", "scoring_func", "n_group", "topk_group"),
+                 "aliases": {"rms_norm_eps": "norm_eps", "first_k_dense_replace": "num_dense_layers"},
+                 "overrides": {"tie_word_embeddings": "tie_embedding"},
+                 "fields": {"intermediate_size": 7168, "moe_intermediate_size": 1792, "pad_token_id": 0,
+                            "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
+                            "max_position_embeddings": 128000, "norm_eps": 1e-5, "num_key_value_heads": 8,
+                            "conv_bias": False, "conv_L_cache": 3, "num_dense_layers": 2, "use_expert_bias": True,
+                            "routed_scaling_factor": 1.0, "norm_topk_prob": True, "scoring_func": "sigmoid"}},
+    # MiniMaxConfig (MiniMax-Text-01): lightning-attention ('linear_attention') and softmax-attention layers, by default
+    # alternating from full ("minimax_layers"); Mixtral's MoE; residual alpha / beta factors; block_size the lightning
+    # prefill's chunk
+    "minimax": {"rope_theta": 1e6, "num_experts": 8, "num_experts_per_tok": 2, "ssm": "lightning",
+                "minimax_layers": True,
+                "fields": {"intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                           "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "block_size": 256,
+                           "full_attn_alpha_factor": 1, "full_attn_beta_factor": 1, "linear_attn_alpha_factor": 1,
+                           "linear_attn_beta_factor": 1, "mlp_alpha_factor": 1, "mlp_beta_factor": 1}},
+    # BailingHybridConfig (Ling-3): Kimi Delta Attention layers and MLA layers (the last of every layer_group_size,
+    # "bailing_layers"), DeepSeek-V3 routing under Kimi-Linear's names (attribute_map); head_dim is the KDA heads' size
+    # (and their count num_attention_heads, their conv short_conv_kernel_size: "bailing_sizes"), the MLA's RoPE size is
+    # qk_rope_head_dim; the linear_* / qk_head_dim it saves are derived (re-derived here, as the class does)
+    "bailing_hybrid": {"rope_theta": 6e6, "num_experts": 512, "num_experts_per_tok": 8, "bailing_layers": True,
+                       "bailing_sizes": True,
+                       # (num_key_value_heads: 32 by default, saved, unused: MLA has a KV head per query head)
+                       "ignored": ("num_key_value_heads", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim",
+                                   "qk_head_dim",
+                                   "rope_interleave", "n_routed_experts", "linear_key_head_dim", "linear_value_head_dim",
+                                   "linear_num_key_heads", "linear_num_value_heads"),
+                       "aliases": {"max_position_embeddings": "model_max_length", "norm_topk_prob": "moe_renormalize",
+                                   "n_group": "num_expert_group", "num_experts_per_tok": "num_experts_per_token",
+                                   "n_shared_experts": "num_shared_experts",
+                                   "num_nextn_predict_layers": "num_mtp_layers"},
+                       "fields": {"intermediate_size": 6144, "moe_intermediate_size": 768, "num_shared_experts": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+                                  "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+                                  "num_expert_group": 8, "topk_group": 4, "first_k_dense_replace": 2,
+                                  "moe_renormalize": True, "model_max_length": 262144, "rms_norm_eps": 1e-6,
+                                  "pad_token_id": 156892, "eos_token_id": 156895, "num_mtp_layers": 1, "head_dim": 128,
+                                  "short_conv_kernel_size": 4, "layer_group_size": 6, "kda_safe_gate": True,
+                                  "kda_lower_bound": -5.0, "scoring_func": "sigmoid"}},
+    # MiniMaxM3VLTextConfig (MiniMax-M3's language model): full and block-sparse ('minimax_m3_sparse', with a lightning
+    # indexer) attention layers (layer_types, else the hub's sparse_attention_config.sparse_attention_freq, else all
+    # full), dense / MoE MLPs (mlp_layer_types, else the hub's moe_layer_freq, else all MoE: "m3_layers"); the hub's
+    # sparse_attention_config names win over the flat index_* ones ("nested_overrides"); hidden_act is always silu
+    # (unused: the MLPs are SwiGLU-OAI). RoPE: rope_parameters' partial_rotary_factor (default the whole head) -- its
+    # rotary_dim field, documented as the rotated dims, is not read by transformers 5.24's config (unlike MiniMax-M2's,
+    # which converts it): nor here, for parity
+    "minimax_m3_vl_text": {"rope_theta": 5e6, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 4,
+                           "m3_layers": True, "nested_overrides": True, "ignored": ("hidden_act",),
+                           "nested": {"sparse_attention_config": {
+                               "sparse_num_index_heads": "index_n_heads", "sparse_index_dim": "index_head_dim",
+                               "sparse_block_size": "index_block_size", "sparse_topk_blocks": "index_topk_blocks",
+                               "sparse_local_block": "index_local_blocks"}},
+                           "fields": {"num_key_value_heads": 4, "max_position_embeddings": 524288, "rms_norm_eps": 1e-6,
+                                      "bos_token_id": 200034, "eos_token_id": 200020, "intermediate_size": 3072,
+                                      "dense_intermediate_size": 12288, "shared_intermediate_size": 3072,
+                                      "routed_scaling_factor": 2.0, "rotary_dim": 64, "swiglu_alpha": 1.702,
+                                      "swiglu_limit": 7.0, "index_n_heads": 4, "index_head_dim": 128,
+                                      "index_block_size": 128, "index_topk_blocks": 16, "index_local_blocks": 1}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -814,6 +917,184 @@ def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 100
     )
 
 
+# ------------------------------------------------------------------------------------------ state-space layers
+#: SSM layer kinds: 'mamba1' (Mamba's selective scan, a state per channel: Jamba), 'mamba2' (Mamba-2's
+#: scalar decay per head: GraniteMoE-Hybrid, Nemotron-H) and 'short_conv' (LFM2's gated short convolution: a conv
+#: window and no SSM state; state_size 0) and 'lightning' (MiniMax's linear attention with a fixed decay per head:
+#: a [head_dim, head_dim] state per head, no conv; conv_kernel 1)
+SSM_KINDS = ("mamba1", "mamba2", "short_conv", "lightning")
+
+
+@dataclass(frozen=True)
+class SSMConfig:
+    """The recurrent layers' sizes of a family whose _FAMILY_DEFAULTS entry names an "ssm" reader (its
+    'linear_attention' layers -- Mamba, lightning attention -- or 'conv' layers), under one set of names whatever
+    the config class calls them.
+
+    ``intermediate_size``: the inner width (``expand`` x hidden_size); ``state_size``: N, the state per
+    channel (Mamba-1) or per head dim (Mamba-2); ``conv_kernel``: the causal depthwise conv's width.
+    Mamba-1: ``dt_rank`` (the low-rank time-step projection). Mamba-2: ``num_heads`` x ``head_dim`` =
+    intermediate_size, ``n_groups`` (heads share B and C by group), ``chunk_size`` (the prefill's SSD
+    chunk; any value gives the same numbers up to rounding), ``time_step_limit`` (dt clamped to it). Lightning
+    attention: ``num_heads`` x ``head_dim`` (a [head_dim, head_dim] state per head: ``state_size`` = head_dim), no
+    conv (``conv_kernel`` 1). Short convolution: hidden_size channels, ``conv_kernel`` taps, no state
+    (``state_size`` 0)."""
+
+    kind: str
+    intermediate_size: int
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    activation: str = "silu"
+    dt_rank: Optional[int] = None
+    num_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    n_groups: int = 1
+    chunk_size: int = 256
+    time_step_limit: tuple = (0.0, math.inf)
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the conv (and of its cached window): x (Mamba-1); x, B and C (Mamba-2)."""
+        return self.intermediate_size + (2 * self.n_groups * self.state_size if self.kind == "mamba2" else 0)
+
+    @property
+    def state_elements(self) -> int:
+        """Elements of one layer's recurrent state per sequence."""
+        return self.intermediate_size * self.state_size
+
+
+def _json_float(x):
+    """transformers saves a non-finite float in config.json as {"__float__": "Infinity"} (or "-Infinity", "NaN")."""
+    if isinstance(x, dict) and set(x) == {"__float__"} and isinstance(x["__float__"], str):
+        try:
+            return float(x["__float__"])
+        except ValueError:
+            return x
+    return x
+
+
+def _time_step_limit(d: dict, name: str) -> tuple:
+    v = d.get(name) if name else None
+    if v is None:
+        return (0.0, math.inf)
+    if isinstance(v, (list, tuple)):
+        v = [_json_float(x) for x in v]
+    if (not isinstance(v, (list, tuple)) or len(v) != 2
+            or any(isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x) for x in v) or v[0] > v[1]):
+        raise _err(name, v, "a pair [low, high] of numbers with low <= high")
+    return (float(v[0]), float(v[1]))
+
+
+def _parse_ssm(d: dict, reader: str, hidden: int) -> SSMConfig:
+    """The :class:`SSMConfig` of a config dict whose family reads its Mamba sizes as ``reader`` says:
+    'jamba' (JambaConfig's mamba_* names, Mamba-1 with dt_rank 'auto' = ceil(hidden / 16)); 'granite'
+    (GraniteMoeHybridConfig's mamba_* names, Mamba-2 with mamba_d_head 'auto' = expand x hidden / heads);
+    'nemotron' (NemotronHConfig's, Mamba-2 of mamba_num_heads x mamba_head_dim)."""
+    if reader == "jamba":
+        rank = d.get("mamba_dt_rank")
+        rank = math.ceil(hidden / 16) if rank == "auto" else _int(d, "mamba_dt_rank", required=True)
+        return SSMConfig("mamba1", _int(d, "mamba_expand", required=True) * hidden,
+                         _int(d, "mamba_d_state", required=True), _int(d, "mamba_d_conv", required=True),
+                         conv_bias=_bool(d, "mamba_conv_bias", True), proj_bias=_bool(d, "mamba_proj_bias", False),
+                         activation=_str(d, "hidden_act", "silu"), dt_rank=rank)
+    if reader == "granite":
+        inner = _int(d, "mamba_expand", required=True) * hidden
+        heads = _int(d, "mamba_n_heads", required=True)
+        head_dim = inner // heads if d.get("mamba_d_head") == "auto" else _int(d, "mamba_d_head", required=True)
+        if inner % heads or head_dim * heads != inner:
+            raise _err("mamba_n_heads", heads, f"a divisor of mamba_expand x hidden_size = {inner} with mamba_d_head "
+                       f"x mamba_n_heads = {inner} (mamba_d_head: {d.get('mamba_d_head')!r})")
+        return _mamba2(d, inner, heads, head_dim, "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias",
+                       "mamba_proj_bias", "hidden_act", "mamba_chunk_size", "time_step_limit")
+    if reader == "lightning":  # the attention heads' sizes; block_size is the prefill's chunk
+        heads = _int(d, "num_attention_heads", required=True)
+        head_dim = _int(d, "head_dim") or hidden // heads
+        return SSMConfig("lightning", heads * head_dim, head_dim, 1, conv_bias=False,
+                         activation=_str(d, "hidden_act", "silu"), num_heads=heads, head_dim=head_dim,
+                         chunk_size=_int(d, "block_size", 256))
+    if reader == "lfm2":  # the gated short convolution: in / out projections with the conv's bias flag
+        bias = _bool(d, "conv_bias", False)
+        return SSMConfig("short_conv", hidden, 0, _int(d, "conv_L_cache", required=True), conv_bias=bias,
+                         proj_bias=bias)
+    if reader == "nemotron":  # (the hub's mamba_* names win, as NemotronHConfig pops them over the plain ones)
+        def name(plain: str, hub: str) -> str:
+            return hub if d.get(hub) is not None else plain
+
+        heads, head_dim = _int(d, "mamba_num_heads", required=True), _int(d, "mamba_head_dim", required=True)
+        low = _float(d, name("time_step_min", "mamba_dt_min"), 0.0)
+        cfg = _mamba2(d, heads * head_dim, heads, head_dim, "ssm_state_size", name("n_groups", "mamba_n_groups"),
+                      name("conv_kernel", "mamba_d_conv"), name("use_conv_bias", "mamba_conv_bias"), "use_bias",
+                      "mamba_hidden_act", name("chunk_size", "mamba_chunk_size"), "")
+        # the mixer clamps dt below at time_step_min, never above (time_step_limit is not read)
+        return dataclasses.replace(cfg, time_step_limit=(low, math.inf))
+    raise ValueError(f"unknown SSM reader {reader!r}")  # (a _FAMILY_DEFAULTS entry names one of the above)
+
+
+def _mamba2(d: dict, inner: int, heads: int, head_dim: int, state: str, groups: str, conv: str, conv_bias: str,
+            proj_bias: str, act: str, chunk: str, limit: str) -> SSMConfig:
+    """A Mamba-2 :class:`SSMConfig` from the config's fields of these names."""
+    n_groups = _int(d, groups, 1)
+    if heads % n_groups:
+        raise _err(groups, n_groups, f"a divisor of the Mamba heads ({heads})")
+    return SSMConfig("mamba2", inner, _int(d, state, required=True), _int(d, conv, required=True),
+                     conv_bias=_bool(d, conv_bias, True), proj_bias=_bool(d, proj_bias, False),
+                     activation=_str(d, act, "silu"), num_heads=heads, head_dim=head_dim, n_groups=n_groups,
+                     chunk_size=_int(d, chunk, 256), time_step_limit=_time_step_limit(d, limit))
+
+
+def _m3_flags(d: dict, name: str, layers: int, default: int = 0) -> list:
+    """MiniMax-M3's per-layer 0/1 flags: ``sparse_attention_freq`` (in ``sparse_attention_config``) or
+    ``moe_layer_freq`` (top level); absent: ``default`` for every layer."""
+    v = (d.get("sparse_attention_config") or {}).get(name) if name == "sparse_attention_freq" else d.get(name)
+    if v is None:
+        return [default] * layers
+    if not isinstance(v, (list, tuple)) or len(v) != layers or any(f not in (0, 1) for f in v):
+        raise _err(name, v, f"a list of {layers} flags (0 / 1 or true / false), one per layer")
+    return [bool(f) for f in v]
+
+
+#: Nemotron-H's feed-forward-only blocks (its layer_types also name them; other families refuse them)
+NEMOTRON_BLOCKS = ("moe", "mlp")
+_NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "E": "moe", "-": "mlp"}
+
+
+def _nemotron_blocks(d: dict) -> list:
+    """Nemotron-H's block kinds as NemotronHConfig derives them: layer_types (legacy names remapped), else the hub's
+    hybrid_override_pattern (one character per block: M Mamba, * attention, E MoE, - MLP), else its default."""
+    v = d.get("layer_types")
+    if v is None:
+        pattern = d.get("hybrid_override_pattern")
+        if pattern is None:
+            return ["linear_attention", "moe", "full_attention", "mlp"]
+        if not isinstance(pattern, str) or not pattern or any(c not in _NEMOTRON_PATTERN for c in pattern):
+            raise _err("hybrid_override_pattern", pattern, f"a non-empty string of {sorted(_NEMOTRON_PATTERN)}")
+        return [_NEMOTRON_PATTERN[c] for c in pattern]
+    if not isinstance(v, (list, tuple)) or not v:
+        raise _err("layer_types", v, f"a non-empty list of block kinds from {list(_NEMOTRON_PATTERN.values())}")
+    return [_LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in v]
+
+
+#: the layer kinds' names before transformers 5 (config classes remap them, as here)
+_LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
+
+
+def _jamba_layers(d: dict, layers: int, experts: int) -> tuple[tuple, tuple]:
+    """Jamba's (layer_types, mlp_layer_types) as JambaConfig derives them: attention where i % attn_layer_period
+    == attn_layer_offset (else Mamba: 'linear_attention'); MoE where i % expert_layer_period == expert_layer_offset
+    (when there is more than one expert), else a dense MLP."""
+    out = []
+    for period, offset in (("attn_layer_period", "attn_layer_offset"), ("expert_layer_period", "expert_layer_offset")):
+        p, o = _int(d, period, required=True), _int(d, offset, minimum=0, required=True)
+        if o >= p:
+            raise _err(offset, o, f"an int < {period}={p}")
+        out.append([i % p == o for i in range(layers)])
+    attn, moe = out
+    return (tuple("full_attention" if a else "linear_attention" for a in attn),
+            tuple("sparse" if m and experts > 1 else "dense" for m in moe))
+
+
 # ------------------------------------------------------------------------------------------ model
 @dataclass(frozen=True)
 class ModelConfig:
@@ -821,7 +1102,10 @@ class ModelConfig:
 
     Layer structure: ``layer_types[i]`` is 'full_attention', 'sliding_attention' (window
     ``sliding_window``), 'chunked_attention' (Llama-4: chunks of ``attention_chunk_size``) or
-    'indexed_attention' (V3.2 / GLM-5 sparse attention, whose families build it whatever the entry says); :meth:`is_moe_layer` says whether layer i has routed experts;
+    'indexed_attention' (V3.2 / GLM-5 sparse attention, whose families build it whatever the entry says),
+    'linear_attention' (a recurrent layer: Gated DeltaNet, KDA, Mamba, lightning attention, as the family says), or
+    a kind of one family only (Nemotron-H's 'moe' / 'mlp' blocks, LFM2's 'conv', MiniMax-M3's 'minimax_m3_sparse');
+    :meth:`is_moe_layer` says whether layer i has routed experts;
     ``indexer_types`` (GLM-5) which layers run their own indexer.
     """
 
@@ -917,6 +1201,9 @@ class ModelConfig:
     floor_scale: Optional[float] = None
     attn_scale: Optional[float] = None
     intermediate_size_mlp: Optional[int] = None
+    #: the recurrent layers' sizes of Jamba, GraniteMoE-Hybrid, Nemotron-H (Mamba), MiniMax-Text-01 (lightning
+    #: attention) and LFM2-MoE (short convolutions); None for the other families
+    ssm: Optional[SSMConfig] = None
     #: the config.json nested this model under ``text_config`` (Qwen3.5-MoE's multimodal checkpoint)
     text_config_nested: bool = False
     # tokens
@@ -949,18 +1236,24 @@ class ModelConfig:
                        for t in self.layer_types)
         else:
             per_layer = 2 * self.num_key_value_heads * self.head_dim
-        # linear-attention layers keep a fixed-size state per sequence instead (see linear_attention.py)
-        linear = sum(t == "linear_attention" for t in self.layer_types)
+        # linear-attention layers keep a fixed-size state per sequence instead (see linear_attention.py); Nemotron-H's
+        # feed-forward blocks keep nothing
+        linear = sum(t in ("linear_attention", "conv") + NEMOTRON_BLOCKS for t in self.layer_types)
         sublayers = 2 if self.model_type == "longcat_flash" else 1   # (two attention sublayers per layer)
-        return per_layer * sublayers * (self.num_hidden_layers - linear)
+        # MiniMax-M3's block-sparse layers also cache their indexer's key
+        indexed = sum(t == "minimax_m3_sparse" for t in self.layer_types) * (self.index_head_dim or 0)
+        return per_layer * sublayers * (self.num_hidden_layers - linear) + indexed
 
     def state_elements_per_sequence(self) -> dict[str, int]:
-        """Fixed-size cache elements one sequence takes over all linear-attention layers, whatever its
+        """Fixed-size cache elements one sequence takes over all linear-attention (or Mamba) layers, whatever its
         length: ``conv_state`` (the conv window, in the cache's dtype) and ``recurrent_state`` (fp32);
         zeros for models without such layers."""
-        linear = sum(t == "linear_attention" for t in self.layer_types)
+        linear = sum(t in ("linear_attention", "conv") for t in self.layer_types)
         if not linear:
             return {"conv_state": 0, "recurrent_state": 0}
+        if self.ssm is not None:  # Mamba layers: the conv window of x (and B, C) and the SSM state
+            return {"conv_state": linear * self.ssm.conv_channels * (self.ssm.conv_kernel - 1),
+                    "recurrent_state": linear * self.ssm.state_elements}
         key, value = self.linear_num_key_heads * self.linear_key_head_dim, self.linear_num_value_heads * self.linear_value_head_dim
         return {"conv_state": linear * (2 * key + value) * (self.linear_conv_kernel_dim - 1),
                 "recurrent_state": linear * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim}
@@ -1027,6 +1320,9 @@ class ModelConfig:
             rp = d.get("rope_parameters")
             if isinstance(rp, dict) and rp and all(k in names for k in rp):
                 d["rope_parameters"] = {names[k]: v for k, v in rp.items()}
+        for ours, theirs in fam.get("overrides", {}).items():  # the hub's name wins whenever given (LFM2's tie_embedding)
+            if d.get(theirs) is not None:
+                d[ours] = d[theirs]
         if fam.get("window_size_plus_one") and d.get("sliding_window_size") is not None:
             d["sliding_window"] = _int(d, "sliding_window_size") + 1
         if d.get("routed_scaling_factor", 0) is None:
@@ -1048,12 +1344,20 @@ class ModelConfig:
                     raise _err("num_hidden_layers", given, "an even int (twice num_layers: two sublayers per layer)")
                 d["num_layers"] = n // 2
             d["num_hidden_layers"] = _int(d, "num_layers", fam["num_layers_halved"])
+        if fam.get("nemotron_layers"):  # the block list decides the layer count (num_hidden_layers is derived)
+            d = {**d, "layer_types": _nemotron_blocks(d)}
+            d["num_hidden_layers"] = len(d["layer_types"])
         layers = _int(d, "num_hidden_layers", required=True)
         if fam.get("step_layers"):
             d = _step_trim_mtp(d, layers)
         kv_heads = _int(d, "num_key_value_heads", heads) or heads  # null: as many as the query heads
         if heads % kv_heads:
             raise _err("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}")
+        if fam.get("bailing_sizes"):  # KDA heads: head_dim wide, num_attention_heads of them; MLA's RoPE: qk_rope
+            kda_dim = _int(d, "head_dim", required=True)
+            d = {**d, "linear_key_head_dim": kda_dim, "linear_value_head_dim": kda_dim, "linear_num_key_heads": heads,
+                 "linear_num_value_heads": heads, "linear_conv_kernel_dim": _int(d, "short_conv_kernel_size", 4),
+                 "head_dim": _int(d, "qk_rope_head_dim", required=True)}
         if fam.get("head_dim_is_qk"):  # Mistral-4's config class sets head_dim = qk_nope + qk_rope, whatever the file says
             head_dim = _int(d, "qk_nope_head_dim", required=True) + _int(d, "qk_rope_head_dim", required=True)
         elif fam.get("head_dim_is_rope") and d.get("head_dim") is None and d.get("qk_rope_head_dim") is not None:
@@ -1075,9 +1379,18 @@ class ModelConfig:
 
         sliding = _int(d, "sliding_window", fam.get("sliding_window"), minimum=0) or None  # 0: none (Qwen2-MoE)
         layer_types = d.get("layer_types")
-        kinds = LAYER_TYPES + (("chunked_attention",) if fam.get("chunked_layers") else ())
+        kinds = LAYER_TYPES + (("chunked_attention",) if fam.get("chunked_layers") else ()) + (
+            NEMOTRON_BLOCKS if fam.get("nemotron_layers") else ()) + (("conv",) if fam.get("lfm2_layers") else ()) + (
+            ("minimax_m3_sparse",) if fam.get("m3_layers") else ())
         chunk = _int(d, "attention_chunk_size") if fam.get("chunked_layers") else None
         no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") else ()
+        if fam.get("rope_switch"):  # GraniteMoE-Hybrid: RoPE in every attention layer when the field says 'rope'
+            switch = d.get(fam["rope_switch"])
+            if switch not in (None, "rope"):
+                raise _err(fam["rope_switch"], switch, "'rope' or null (no position encoding)")
+            no_rope_layers = (int(switch == "rope"),) * layers
+        if fam.get("ssm") and isinstance(layer_types, (list, tuple)):   # (the Mamba families' hub configs)
+            layer_types = [_LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in layer_types]
         if layer_types is not None:
             if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
                     or any(t not in kinds for t in layer_types)):
@@ -1100,6 +1413,27 @@ class ModelConfig:
         elif fam.get("beam_layers"):  # every 6th layer and the last full attention, the others sliding
             layer_types = tuple("full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention"
                                 for i in range(layers))
+        elif fam.get("jamba_layers"):
+            layer_types = _jamba_layers(d, layers, experts)[0]
+        elif fam.get("m3_layers"):  # MiniMax-M3: the hub's per-layer sparse flags, else every layer full attention
+            layer_types = tuple("minimax_m3_sparse" if f else "full_attention"
+                                for f in _m3_flags(d, "sparse_attention_freq", layers))
+        elif fam.get("bailing_layers"):  # the last layer of every group MLA, the others KDA
+            n = _int(d, "layer_group_size", required=True)
+            layer_types = tuple("full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(layers))
+        elif fam.get("minimax_layers"):  # MiniMax: even layers softmax attention, odd ones lightning
+            layer_types = tuple("full_attention" if (i + 1) % 2 else "linear_attention" for i in range(layers))
+        elif fam.get("mamba_layers_default"):   # GraniteMoE-Hybrid: every layer Mamba
+            layer_types = ("linear_attention",) * layers
+        elif fam.get("lfm2_layers"):  # LFM2: full attention on full_attn_idxs, short convolutions elsewhere
+            idxs = d.get("full_attn_idxs")
+            if idxs is None:
+                raise ValueError(f"config field 'layer_types' (or 'full_attn_idxs') is required for {model_type}: "
+                                 "which layers are attention and which short convolutions")
+            if (not isinstance(idxs, (list, tuple))
+                    or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in idxs)):
+                raise _err("full_attn_idxs", idxs, f"a list of layer indices in [0, {layers})")
+            layer_types = tuple("full_attention" if i in idxs else "conv" for i in range(layers))
         elif fam.get("afmoe_layers"):  # every n-th layer full attention, the others sliding
             n = _int(d, "global_attn_every_n_layers", required=True)
             layer_types = tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers))
@@ -1145,7 +1479,8 @@ class ModelConfig:
         if "chunked_attention" in layer_types and chunk is None:
             raise ValueError("config field 'attention_chunk_size' is required when layer_types has 'chunked_attention'")
         linear_sizes = {name: _int(d, name) for name in _LINEAR_ATTENTION_FIELDS}
-        if "linear_attention" in layer_types:
+        ssm = _parse_ssm(d, fam["ssm"], hidden) if fam.get("ssm") else None
+        if "linear_attention" in layer_types and ssm is None:
             for name, v in linear_sizes.items():
                 if v is None:
                     raise ValueError(f"config field {name!r} is required when layer_types has 'linear_attention'")
@@ -1161,6 +1496,12 @@ class ModelConfig:
         if not mlp_types and fam.get("dense_prefix"):  # the first n layers dense (Beam: 3)
             n = min(fam["dense_prefix"], layers)
             mlp_types = ("dense",) * n + ("sparse",) * (layers - n)
+        if not mlp_types and fam.get("m3_layers"):  # the hub's moe_layer_freq, else every layer MoE
+            mlp_types = tuple("sparse" if f else "dense" for f in _m3_flags(d, "moe_layer_freq", layers, default=1))
+        if not mlp_types and fam.get("nemotron_layers"):  # the 'moe' blocks
+            mlp_types = tuple("sparse" if t == "moe" else "dense" for t in layer_types)
+        if not mlp_types and fam.get("jamba_layers"):
+            mlp_types = _jamba_layers(d, layers, experts)[1]
         if not mlp_types and fam.get("first_layer_dense"):
             mlp_types = ("dense",) + ("sparse",) * (layers - 1)
         if not mlp_types and fam.get("llama4_layers"):  # moe_layers, else every step-th layer from step - 1
@@ -1265,7 +1606,7 @@ class ModelConfig:
             attn_temperature_tuning=_bool(d, "attn_temperature_tuning", False),
             floor_scale=_float(d, "floor_scale", positive=True), attn_scale=_float(d, "attn_scale"),
             intermediate_size_mlp=_int(d, "intermediate_size_mlp"),
-            text_config_nested=text_nested,
+            ssm=ssm, text_config_nested=text_nested,
             bos_token_id=_int(d, "bos_token_id", minimum=0), eos_token_id=eos,
             pad_token_id=_int(d, "pad_token_id", minimum=0), quantization_config=quant, raw=dict(d),
         )

@@ -160,6 +160,14 @@ class KimiDeltaAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, heads={self.num_heads}, head_dim={self.head_dim}, conv={self.conv_kernel}"
 
+    def conv_weight(self) -> Tensor:
+        """The q, k and v convs' weights as one [3 C, K] (the conv runs in their dtype)."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+
+    def output_gate(self, x_BTD: Tensor) -> Tensor:
+        """The o_norm's gate before its sigmoid, [B, T, C]: g_b(g_a(x))."""
+        return self.g_b_proj(self.g_a_proj(x_BTD))
+
     def decay(self, x_BTD: Tensor) -> Tensor:
         """g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias), fp32 [B, T, H, k]."""
         B, T, _ = x_BTD.shape
@@ -176,7 +184,7 @@ class KimiDeltaAttention(nn.Module):
             conv_buf, state_buf, conv_state, state = slot_states(
                 cache, self.layer_idx, slots, positions_BT, T, (3 * C, self.conv_kernel - 1), (H, d, d),
                 self.checks_position)
-        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+        weight = self.conv_weight()
         y, conv_state = causal_conv1d(qkv.transpose(1, 2).to(weight.dtype), weight, conv_state)
         q, k, v = F.silu(y).to(x_BTD.dtype).transpose(1, 2).split([C, C, C], dim=-1)  # [B, T, C] each
         q = l2norm(q.reshape(B, T, H, d).float()) * d ** -0.5
@@ -189,6 +197,6 @@ class KimiDeltaAttention(nn.Module):
         if cache is not None:
             conv_buf[slots] = conv_state.to(conv_buf.dtype)
             state_buf[slots] = state
-        gate = self.g_b_proj(self.g_a_proj(x_BTD)).view(B, T, H, d)
+        gate = self.output_gate(x_BTD).view(B, T, H, d)
         o = self.o_norm(o.transpose(1, 2).to(x_BTD.dtype), gate)                  # [B, T, H, d]
         return self.o_proj(o.reshape(B, T, C))

@@ -151,20 +151,27 @@ def _check_position(cache: KVCache, layer_idx: int, slots: Tensor, start_B: Tens
 
 
 def slot_states(cache: KVCache, layer_idx: int, slots: Tensor | None, positions_BT: Tensor, T: int,
-                conv_shape: tuple, state_shape: tuple, checks_position: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                conv_shape: tuple | None, state_shape: tuple | None, checks_position: bool
+                ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """A linear-attention layer's per-slot buffers and the rows' states: (conv buffer [slots, *conv_shape]
     in the cache's dtype, state buffer [slots, *state_shape] fp32, the rows' conv windows, the rows'
     states), both read as zero for a row whose first position is 0 (a new sequence: whatever the slot
-    held before is not its state). ``checks_position`` (the model's first such layer) also checks that
-    every other row continues its slot where it stopped (see the module docstring)."""
+    held before is not its state). ``conv_shape`` / ``state_shape`` None: a layer without that part (LFM2's
+    short convolutions have no recurrent state, MiniMax's lightning attention no conv): None for its buffer
+    and its rows. ``checks_position`` (the model's first such layer) also checks that every other row
+    continues its slot where it stopped (see the module docstring)."""
     if slots is None:
         raise ValueError("linear attention with a cache needs slots (LongTensor [B])")
     fresh_B = positions_BT[:, 0] == 0
-    conv_buf = cache.buffer(layer_idx, "conv_state", *conv_shape)
-    state_buf = cache.buffer(layer_idx, "recurrent_state", *state_shape, dtype=torch.float32)
     if checks_position:
         _check_position(cache, layer_idx, slots, positions_BT[:, 0], fresh_B, T)
-    conv = conv_buf[slots].masked_fill(fresh_B.view(-1, *([1] * len(conv_shape))), 0)
+    conv_buf = conv = None
+    if conv_shape is not None:
+        conv_buf = cache.buffer(layer_idx, "conv_state", *conv_shape)
+        conv = conv_buf[slots].masked_fill(fresh_B.view(-1, *([1] * len(conv_shape))), 0)
+    if state_shape is None:
+        return conv_buf, None, conv, None
+    state_buf = cache.buffer(layer_idx, "recurrent_state", *state_shape, dtype=torch.float32)
     state = state_buf[slots].masked_fill(fresh_B.view(-1, *([1] * len(state_shape))), 0)
     return conv_buf, state_buf, conv, state
 

@@ -37,6 +37,7 @@ from typing import Union
 import torch
 from torch import nn
 
+from ..moe.experts import FFNExperts
 from ..quant.base import QuantizedWeight
 from ..quant.checkpoint import quant_config_from_dir, read_weight
 from ..quant.checkpoint_files import CheckpointTensors, release_unreferenced_pages
@@ -46,7 +47,7 @@ from .config import ModelConfig
 from .linear import use_fast_linears_
 from .moe_block import SparseMoeBlock
 from .registry import builder_for, family_for
-from .weights import check_shape, read_experts
+from .weights import check_shape, read_experts, read_ffn_experts
 
 __all__ = ["load", "load_config", "DTYPES"]
 
@@ -173,6 +174,14 @@ class _Filler:
         prefix, local = model.checkpoint_name(name + ".moe.experts"), block.local_experts
         if len(local) != block.num_experts:
             self.partial_experts[prefix] = (block.num_experts, local)
+        if isinstance(experts, FFNExperts):  # non-gated experts (Nemotron-H): up -> fc1, down transposed -> fc2
+            ew = read_ffn_experts(self.tensors, self.qcfg, prefix, model.expert_layout, block.num_experts,
+                                  experts.hidden_size, experts.model_dim, self.dtype, self.device, local=local)
+            for pname, t in (("batched_fc1_w", ew.w1), ("batched_fc2_w", ew.w2.transpose(1, 2).contiguous())):
+                p = nn.Parameter(t, requires_grad=False)
+                p._dynamoe_expert = True
+                setattr(experts, pname, p)
+            return
         ew = read_experts(self.tensors, self.qcfg, prefix, model.expert_layout, block.num_experts, experts.hidden_size,
                           experts.model_dim, self.dtype, self.device, bias=model.expert_bias, local=local)
         if ew.quantized:

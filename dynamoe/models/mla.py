@@ -70,7 +70,8 @@ class MLAttention(nn.Module):
     RoPE (Mistral-4's Llama-4 attention scaling; None: not). ``lora_scales`` (q, kv): the queries are scaled by
     q and the normalised latent by kv before it is cached (LongCat-Flash's sqrt(D / rank) LoRA scales; None:
     not). ``rotary=None``: no position encoding at all (Kimi-Linear's MLA layers: q_rope and k_rope are
-    used as they are projected).
+    used as they are projected). ``head_gate``: each head's output times sigmoid(``g_proj``(x)) (``g_proj``
+    [H, D], the sigmoid in fp32) before ``o_proj`` (Ling-3's bailing_hybrid).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
@@ -78,7 +79,7 @@ class MLAttention(nn.Module):
                  rotary: RotaryEmbedding | None, scale: float, rope_interleaved: bool = True, bias: bool = False,
                  norm_eps: float = 1e-6, indexer: Indexer | None = None, shared_index: SharedIndex | None = None,
                  absorb: bool | None = None, llama4_scaling: tuple | None = None, lora_scales: tuple | None = None,
-                 dtype=None):
+                 head_gate: bool = False, dtype=None):
         super().__init__()
         self.layer_idx, self.num_heads = layer_idx, num_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
@@ -99,6 +100,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps, dtype=dtype)
         self.kv_b_proj = nn.Linear(kv_lora_rank, H * (qk_nope_head_dim + v_head_dim), bias=False, **kw)
         self.o_proj = nn.Linear(H * v_head_dim, hidden_size, bias=bias, **kw)
+        self.g_proj = nn.Linear(hidden_size, H, bias=False, **kw) if head_gate else None
         if indexer is not None and q_lora_rank is None:
             raise ValueError("the sparse-attention indexer reads q_a_layernorm(q_a_proj(x)): it needs q_lora_rank")
         self.indexer = indexer
@@ -186,7 +188,10 @@ class MLAttention(nn.Module):
             k_nope, v = kv[..., :n], kv[..., n:]
             k = torch.cat([k_nope, k_rope.expand(B, H, L, r)], dim=-1)
             out = self._attend(torch.cat([q_nope, q_rope], dim=-1), k, v, positions_BT, k_pos, allowed)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * self.v_dim))
+        out = out.transpose(1, 2)                                              # [B, T, H, v]
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(x_BTD).float()).to(out.dtype)[..., None]
+        return self.o_proj(out.reshape(B, T, H * self.v_dim))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, positions_BT: Tensor, k_pos: Tensor | None,
                 allowed: Tensor | None) -> Tensor:

@@ -150,6 +150,9 @@ class SparseMoeBlock(nn.Module):
     ``shared_glu`` / ``shared_glu_limit``: the shared experts' own GLU kind and clamp (None = the routed ones').
     ``shared_bias``: biases on the shared experts' projections (None = as the routed experts: ``expert_bias``).
     ``bias_on_logits``: the sigmoid router's selection bias goes on the logits, not the scores (Kolibri-1).
+    ``ffn_activation``: non-gated experts instead, down(act(up(x))) (``moe.experts.batched_fc1_w`` [E, F, D] = up,
+    ``batched_fc2_w`` [E, F, D] = down transposed; an activation name of dynamoe.ops.activations, e.g. 'relu2':
+    Nemotron-H), without shared experts (the family adds its own).
     """
 
     def __init__(self, cfg: ModelConfig, router: str = "softmax", normalize: bool = True, glu: str = "silu",
@@ -158,7 +161,7 @@ class SparseMoeBlock(nn.Module):
                  route_scale: float | None = None, selection_bias: bool = False, prescale: bool = False,
                  group_rank: str = "max", glu_limit: float | None = None, shared_glu: str | None = None,
                  shared_glu_limit: float | None = None, shared_bias: bool | None = None, bias_on_logits: bool = False,
-                 dtype=None):
+                 ffn_activation: str | None = None, dtype=None):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
@@ -193,13 +196,20 @@ class SparseMoeBlock(nn.Module):
         else:
             gate = GateConfig(type="sigmoid", k=K, capacity_factor=0.0, fp32_gate=True, normalize=normalize,
                               n_group=groups[0], topk_group=groups[1], route_scale=scale, bias_on_logits=bias_on_logits)
-        experts = ExpertConfig(
-            type="glu", num_experts_per_device=E, hidden_size_per_expert=F_, glu_activation=glu, glu_bias=expert_bias,
-            gpt_oss_alpha=cfg.swiglu_alpha, gpt_oss_limit=(cfg.swiglu_limit or 7.0) if glu_limit is None else glu_limit,
-            num_shared_experts=num_shared_experts, shared_hidden_size=shared_hidden_size, shared_gate=shared_gate,
-            shared_fused_gate_up=shared_fused_gate_up, shared_glu_activation=shared_glu, shared_glu_limit=shared_glu_limit,
-            shared_glu_bias=shared_bias,
-        )
+        if ffn_activation is not None:
+            if num_shared_experts or expert_bias or shared_bias:
+                raise ValueError("non-gated experts (ffn_activation) take no shared experts and no expert biases here")
+            experts = ExpertConfig(type="ffn", num_experts_per_device=E, hidden_size_per_expert=F_,
+                                   activation_fn=ffn_activation, has_fc1_bias=False, has_fc2_bias=False)
+        else:
+            experts = ExpertConfig(
+                type="glu", num_experts_per_device=E, hidden_size_per_expert=F_, glu_activation=glu,
+                glu_bias=expert_bias, gpt_oss_alpha=cfg.swiglu_alpha,
+                gpt_oss_limit=(cfg.swiglu_limit or 7.0) if glu_limit is None else glu_limit,
+                num_shared_experts=num_shared_experts, shared_hidden_size=shared_hidden_size, shared_gate=shared_gate,
+                shared_fused_gate_up=shared_fused_gate_up, shared_glu_activation=shared_glu,
+                shared_glu_limit=shared_glu_limit, shared_glu_bias=shared_bias,
+            )
         # check_finite off: the input is this model's own hidden state, and the check costs a host
         # sync per layer and step
         self.moe = MoELayer(MoEConfig(model_dim=D, gates=[gate], experts=experts, aux_loss="none", dtype=dtype,

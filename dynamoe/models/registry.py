@@ -128,3 +128,12 @@ register("doge", "dynamoe.models.doge:DogeForCausalLM", ("DogeForCausalLM",))
 register("aria", "dynamoe.models.aria:AriaTextForCausalLM", ("AriaForConditionalGeneration", "AriaTextForCausalLM"),
          aliases=("aria_text",))
 register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForConditionalGeneration",))
+register("jamba", "dynamoe.models.jamba:JambaForCausalLM", ("JambaForCausalLM",))
+register("granitemoehybrid", "dynamoe.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+         ("GraniteMoeHybridForCausalLM",))
+register("nemotron_h", "dynamoe.models.nemotron_h:NemotronHForCausalLM", ("NemotronHForCausalLM",))
+register("lfm2_moe", "dynamoe.models.lfm2_moe:Lfm2MoeForCausalLM", ("Lfm2MoeForCausalLM",))
+register("minimax", "dynamoe.models.minimax:MiniMaxForCausalLM", ("MiniMaxForCausalLM",))
+register("bailing_hybrid", "dynamoe.models.bailing_hybrid:BailingHybridForCausalLM", ("BailingHybridForCausalLM",))
+register("minimax_m3_vl_text", "dynamoe.models.minimax_m3:MiniMaxM3ForCausalLM",
+         ("MiniMaxM3VLForCausalLM", "MiniMaxM3SparseForConditionalGeneration"), aliases=("minimax_m3_vl",))

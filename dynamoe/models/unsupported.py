@@ -28,8 +28,6 @@ def _text_of(wrapper: str, what: str) -> str:
 UNSUPPORTED: dict[str, str] = {
     "axk1": "A.X-K1 is not implemented yet: MLA attention variant with its own compressed layer kinds",
     "axk2": "A.X-K2 is not implemented yet: MLA with a sparse-attention indexer and gated RMSNorm / gated MLPs",
-    "bailing_hybrid": "Ling hybrid (bailing_hybrid) mixes MLA with linear-attention / convolution layers: "
-                      "recurrent layers are not supported yet",
     "deepseek_ocr2": _VLM,
     "deepseek_ocr2_text": _text_of("deepseek_ocr2", "the OCR model's text decoder is not ported"),
     "deepseek_v4": "DeepSeek-V4 is not implemented yet: compressed sparse attention with hash routing, sinks "
@@ -48,8 +46,6 @@ UNSUPPORTED: dict[str, str] = {
     "gemma4_text": _text_of("gemma4", "per-layer embeddings, sliding/global layers and MoE beside a dense MLP"),
     "glm5_next": _VLM,
     "glm5_next_text": _text_of("glm5_next", "MLA mixed with linear-attention / convolution layers"),
-    "granitemoehybrid": "GraniteMoE-Hybrid mixes Mamba-2 layers with attention: state-space layers are not "
-                        "supported yet",
     "hy_v4": "Hy4 is not implemented yet: MLA with attention sinks",
     "hy_v4_vl": _VLM,
     "hy_v4_vl_text": _text_of("hy_v4_vl", "MLA with attention sinks"),
@@ -59,22 +55,16 @@ UNSUPPORTED: dict[str, str] = {
     "inkling2_text": _text_of("inkling2", "short-convolution layers, sliding windows and sinks"),
     "inkling_mm_model": _VLM,
     "inkling_text": _text_of("inkling", "short-convolution layers and multi-token prediction"),
-    "jamba": "Jamba mixes Mamba layers with attention: state-space layers are not supported yet",
     "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
                  "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
-    "lfm2_moe": "LFM2-MoE mixes short-convolution layers with attention: convolution layers are not supported yet",
-    "minimax": "MiniMax-Text-01 mixes lightning attention (linear attention with a fixed per-head decay) with "
-               "softmax attention: lightning-attention layers are not implemented yet (dynamoe has Gated DeltaNet "
-               "and Kimi Delta Attention, not lightning attention)",
-    "minimax_m3_vl": _VLM,
-    "minimax_m3_vl_text": _text_of("minimax_m3_vl", "lightning (linear) attention layers"),
     "mistral_large4": _VLM,
     "mistral_large4_text": _text_of("mistral_large4", "MLA with Mistral's routing"),
     "muse_spark": _OMNI,
     "muse_spark_text": _text_of("muse_spark", "its convolution and sliding layer kinds"),
-    "nemo_speechlm": _OMNI + " (its default language model is Nemotron-H, a Mamba-2 hybrid)",
-    "nemotron_h": "Nemotron-H mixes Mamba-2 layers with attention: state-space layers are not supported yet",
-    "nemotron_h_omni": _OMNI + " (its language model is Nemotron-H, a Mamba-2 hybrid)",
+    "nemo_speechlm": ("a speech-language wrapper whose checkpoint layout is not mapped yet (its default language "
+                      "model, Nemotron-H, loads on its own as model_type 'nemotron_h')"),
+    "nemotron_h_omni": ("a multimodal (audio / vision) wrapper whose checkpoint layout (llm_config / text_config) is not "
+                        "mapped yet (its language model, Nemotron-H, loads on its own as model_type 'nemotron_h')"),
     "nllb-moe": "NLLB-MoE is an encoder-decoder translation model, not a decoder-only causal LM",
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
     "qwen3_omni_moe_talker_text": "the speech talker of Qwen3-Omni, not a text causal LM",

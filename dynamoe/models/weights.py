@@ -23,6 +23,9 @@ rows), ``w2`` = down [E, D, F], optional biases b1 [E, 2F], b2 [E, D]. On disk:
 * :class:`SplitStacked` -- Step-3.5: one 3D tensor per projection, gate and up apart
   (``moe.gate_proj.weight`` [E, F, D], ``moe.up_proj.weight`` [E, F, D], ``moe.down_proj.weight`` [E, D, F]);
   dense only.
+* :class:`PerExpertFFN` -- non-gated experts (Nemotron-H: ``experts.{e}.up_proj|down_proj.weight``), read by
+  :func:`read_ffn_experts` into ``w1`` = up [E, F, D] and ``w2`` = down [E, D, F]; packed tensors are dequantized
+  (dynamoe's packed expert kernels are GLU).
 
 Readers stream: the dense result is allocated once in the target dtype and filled one expert (or
 one tensor) at a time; packed weights stay packed (:mod:`dynamoe.quant.checkpoint`).
@@ -45,7 +48,8 @@ from ..quant.base import QuantizedWeight
 from ..quant.dequantize import dense
 from ..quant.checkpoint import QuantConfig, concat_out, deinterleave_gate_up, read_weight, stack_experts
 
-__all__ = ["PerExpert", "FusedInterleaved", "FusedGateUp", "Stacked", "SplitStacked", "RowStacked", "ExpertWeights", "ExpertRows", "read_experts", "check_shape"]
+__all__ = ["PerExpert", "PerExpertFFN", "FusedInterleaved", "FusedGateUp", "Stacked", "SplitStacked", "RowStacked",
+           "ExpertWeights", "ExpertRows", "read_experts", "read_ffn_experts", "check_shape"]
 
 log = logging.getLogger(__name__)
 Weight = Union[Tensor, QuantizedWeight]
@@ -62,6 +66,14 @@ class PerExpert:
     """``{prefix}.{e}.{gate}.weight``, ``.{up}.weight``, ``.{down}.weight`` for e in 0..E-1."""
 
     gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+@dataclass(frozen=True)
+class PerExpertFFN:
+    """Non-gated experts: ``{prefix}.{e}.{up}.weight`` [F, D] and ``.{down}.weight`` [D, F] for e in 0..E-1."""
+
     up: str = "up_proj"
     down: str = "down_proj"
 
@@ -317,6 +329,34 @@ def _read_row_stacked(tensors: Mapping, qcfg, prefix: str, layout: RowStacked, E
         parts.append(t.to(dtype=dtype, device=device).reshape(L, F_, D))
     gate, up, down = parts
     return ExpertWeights(torch.cat([gate, up], dim=1).contiguous(), down.transpose(1, 2).contiguous())
+
+
+def read_ffn_experts(tensors: Mapping, qcfg: Optional[QuantConfig], prefix: str, layout: PerExpertFFN, num_experts: int,
+                     hidden_size: int, model_dim: int, dtype: torch.dtype, device,
+                     local: Optional[range] = None) -> ExpertWeights:
+    """Non-gated experts under ``prefix`` as dense ``w1`` = up [L, F, D] and ``w2`` = down [L, D, F] in ``dtype``
+    (``local``: the contiguous range of the E experts to read, as :func:`read_experts`); a packed tensor is
+    dequantized, logged once per prefix."""
+    if not isinstance(layout, PerExpertFFN):
+        raise ValueError(f"non-gated experts are read from a PerExpertFFN layout, got {layout!r}")
+    E, F_, D = num_experts, hidden_size, model_dim
+    local = range(E) if local is None else local
+    if local.step != 1 or not 0 <= local.start < local.stop <= E:
+        raise ValueError(f"local must be a non-empty contiguous range within [0, {E}), got {local!r}")
+    w1 = torch.empty(len(local), F_, D, dtype=dtype, device=device)
+    w2 = torch.empty(len(local), D, F_, dtype=dtype, device=device)
+    packed = False
+    for i, e in enumerate(local):
+        for name, out, want in ((f"{prefix}.{e}.{layout.up}.weight", w1, (F_, D)),
+                                (f"{prefix}.{e}.{layout.down}.weight", w2, (D, F_))):
+            t = read_weight(tensors, name, qcfg)
+            check_shape(name, t.shape, want)
+            packed = packed or isinstance(t, QuantizedWeight)
+            out[i].copy_(_dense(t, dtype))
+    if packed:
+        log.warning("%s: packed non-gated experts are dequantized to %s (the packed expert kernels are GLU)",
+                    prefix, dtype)
+    return ExpertWeights(w1, w2)
 
 
 def read_experts(tensors: Mapping, qcfg: Optional[QuantConfig], prefix: str, layout, num_experts: int,

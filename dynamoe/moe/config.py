@@ -187,7 +187,8 @@ class ExpertConfig:
     num_experts_per_device: local experts L (E = L * world size); a negative -n shards each expert
         over n ranks along its hidden dim (E = world size / n; see dynamoe.moe.sharding).
     hidden_size_per_expert: F.
-    activation_fn: ffn activation, a callable or "relu"/"gelu"/"silu"; glu_activation for "glu".
+    activation_fn: ffn activation, a callable or "relu"/"gelu"/"silu"/"relu2" (squared ReLU); glu_activation for
+        "glu".
     num_shared_experts / shared_hidden_size: always-on experts added to the routed output.
     shared_gate: scale the shared experts' output by sigmoid(x w) per token, w [D] (Qwen1.5/2-MoE's
         ``shared_expert_gate``); needs shared experts.
@@ -259,9 +260,10 @@ class ExpertConfig:
             _check_int("shared_hidden_size", self.shared_hidden_size, 1)
         _check_dict("experts module_kwargs", self.module_kwargs)
         if isinstance(self.activation_fn, str):
-            _check_choice("activation_fn", self.activation_fn, ("relu", "gelu", "silu"))
+            _check_choice("activation_fn", self.activation_fn, ("relu", "gelu", "silu", "relu2"))
         elif self.activation_fn is not None and not callable(self.activation_fn):
-            raise ValueError(f"activation_fn must be a callable or one of ['relu', 'gelu', 'silu'], got {self.activation_fn!r}")
+            raise ValueError(f"activation_fn must be a callable or one of ['relu', 'gelu', 'silu', 'relu2'], got "
+                             f"{self.activation_fn!r}")
         if self.output_dim is not None:
             _check_int("output_dim", self.output_dim, 1)
         _check_int("num_shared_experts", self.num_shared_experts, 0)

@@ -7,9 +7,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ACTIVATIONS", "activation", "glu_activation", "GLU_KINDS"]
+__all__ = ["ACTIVATIONS", "activation", "glu_activation", "GLU_KINDS", "relu_squared"]
 
-ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+def relu_squared(x: Tensor) -> Tensor:
+    """relu(x)^2 (Primer's squared ReLU: Nemotron-H's MLPs and experts)."""
+    return F.relu(x).square()
+
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu,
+                                                      "relu2": relu_squared}
 GLU_KINDS = ("silu", "gelu", "gelu_tanh", "relu", "gpt_oss", "silu_clamp")
 
 
