@@ -74,6 +74,8 @@ FAMILIES = {
     "step3p7": ("Step3p7Config", {}),
     # Arcee AFMoE: its own names for the dense layers, shared experts and route scale
     "afmoe": ("AfmoeConfig", {}),
+    # DeepSeek-V4: compressed attention kinds, hyper-connections, hash routing, a "main" and a "compress" RoPE
+    "deepseek_v4": ("DeepseekV4Config", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -91,8 +93,8 @@ MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_te
 # DeepSeek-V3's routing fields under these families' own config classes
 DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"}
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash"} | STEP
-ROPE_PER_LAYER_TYPE = {"mimo_v2_flash"} | STEP
+NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "deepseek_v4"} | STEP
+ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "deepseek_v4"} | STEP
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
 
@@ -100,6 +102,12 @@ def _step(cfg):
     from dynamoe.models.step3p5 import step_fields
 
     return step_fields(cfg)
+
+
+def _v4(cfg):
+    from dynamoe.models.deepseek_v4 import v4_fields
+
+    return v4_fields(cfg)
 
 
 def _hf_moe_layers(hf, mt):
@@ -121,13 +129,15 @@ def _hf_moe_layers(hf, mt):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
+    if mt == "deepseek_v4":  # (hash-routed or not, every layer is MoE)
+        return [True] * n
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
 
 def _hf_windows(hf, mt):
     """The sliding window of each layer (None: full attention), as the modeling files read it."""
     n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
-    if mt in ("qwen3_moe", "mixtral", "phimoe"):
+    if mt in ("qwen3_moe", "mixtral", "phimoe", "deepseek_v4"):  # (V4's compressed layers slide too)
         return [hf.sliding_window] * n
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
               "step3p7", "afmoe"):
@@ -230,7 +240,8 @@ FIELDS = {
     "mlp_only_layers": (lambda hf, mt: tuple(hf.mlp_only_layers), None, QWEN3_RULE),
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
-                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe"} | LLAMA4 | STEP),
+                    HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "deepseek_v4"} | LLAMA4
+                    | STEP),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
                         lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
@@ -280,6 +291,19 @@ FIELDS = {
                          {"afmoe"})
        for ours, theirs in (("n_shared_experts", "num_shared_experts"), ("routed_scaling_factor", "route_scale"),
                             ("intermediate_size", "intermediate_size"))},
+    # DeepSeek-V4: routing, clamp, low-rank queries and output, the indexer, hyper-connections, compression
+    **{f"{name}_v4": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                      {"deepseek_v4"})
+       for name in ("scoring_func", "routed_scaling_factor", "n_shared_experts", "swiglu_limit", "q_lora_rank",
+                    "index_topk", "index_head_dim", "index_n_heads", "num_nextn_predict_layers")},
+    **{f"{name}_v4": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(_v4(cfg), name),
+                      {"deepseek_v4"})
+       for name in ("hc_mult", "hc_sinkhorn_iters", "hc_eps", "o_groups", "o_lora_rank")},
+    "compress_rates_v4": (lambda hf, mt: tuple(0 if t == "sliding_attention" else hf.compress_rates[t]
+                                               for t in hf.layer_types),
+                          lambda cfg: _v4(cfg).compress_rates, {"deepseek_v4"}),
+    "hash_layers_v4": (lambda hf, mt: tuple(t == "hash_moe" for t in hf.mlp_layer_types),
+                       lambda cfg: _v4(cfg).hash_layers, {"deepseek_v4"}),
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -423,6 +447,15 @@ def test_omitted_fields_default_as_transformers(mt):
     ("afmoe", {"global_attn_every_n_layers": 3, "num_dense_layers": 2, "num_shared_experts": 1, "route_scale": 2.0,
                "sliding_window": 64, "num_key_value_heads": 2}),
     ("afmoe", {"layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 2}),
+    # DeepSeek-V4: the hub's legacy names, its YaRN under rope_scaling; explicit kinds and a longer layer list
+    ("deepseek_v4", {"compress_ratios": [0, 4, 128, 4], "num_hash_layers": 1, "compress_rate_csa": 8,
+                     "qk_rope_head_dim": 128, "rope_theta": 5e4, "compress_rope_theta": 4e5,
+                     "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096,
+                                      "beta_fast": 32, "beta_slow": 1}}),
+    ("deepseek_v4", {"layer_types": ["sliding_attention", "compressed_sparse_attention"] * 3,
+                     "mlp_layer_types": ["moe", "hash_moe", "moe", "moe"], "hc_mult": 2, "scoring_func": "sigmoid",
+                     "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 16},
+                     "partial_rotary_factor": 0.25, "sliding_window": 32}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

@@ -337,6 +337,20 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
               "fields": {"intermediate_size": 6144, "moe_intermediate_size": 1408, "max_position_embeddings": 16384,
                          "rms_norm_eps": 1e-5, "sliding_window": 1024, "num_dense_layers": 1, "num_shared_experts": 2,
                          "route_scale": 1.0, "global_attn_every_n_layers": 4}},
+    # DeepseekV4Config: single-KV-head attention over a sliding window, plus compressed keys on the
+    # 'compressed_sparse_attention' / 'heavily_compressed_attention' layers ("v4_layers": their kinds, the legacy
+    # compress_ratios, else two HCA layers then CSA / HCA alternating); a "main" RoPE for the sliding layers and a
+    # "compress" one (compress_rope_theta, the file's YaRN) for the others; every layer MoE (mlp_layer_types
+    # 'hash_moe' / 'moe' in dynamoe.models.deepseek_v4), sqrt(softplus) router scores
+    "deepseek_v4": {"num_experts": 256, "num_experts_per_tok": 6, "head_dim": 512, "v4_layers": True,
+                    "scoring_funcs": ("sqrtsoftplus", "sigmoid"),
+                    "fields": {"moe_intermediate_size": 2048, "num_key_value_heads": 1, "q_lora_rank": 1024,
+                               "n_shared_experts": 1, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
+                               "routed_scaling_factor": 1.5, "max_position_embeddings": 1048576, "rope_theta": 10000.0,
+                               "compress_rope_theta": 160000.0, "swiglu_limit": 10.0, "sliding_window": 128,
+                               "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+                               "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6, "bos_token_id": 0,
+                               "eos_token_id": 1}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -345,6 +359,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+# layer kinds whose (uncompressed) keys are a sliding window of sliding_window positions
+_WINDOWED = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 _LINEAR_ATTENTION_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                             "linear_num_key_heads", "linear_num_value_heads")
 
@@ -560,6 +576,58 @@ def _step_ropes(d: dict, max_pos: int, layer_types: tuple) -> tuple:
     return tuple(out)
 
 
+V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+_V4_COMPRESS_RATIO_KINDS = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+def _v4_layer_types(d: dict, layers: int) -> tuple:
+    """DeepSeek-V4's attention kinds as DeepseekV4Config derives them: ``layer_types`` (at least num_hidden_layers
+    entries, cut to them), else the hub's per-layer ``compress_ratios`` (0 / 4 / 128), else two heavily compressed
+    layers, then compressed-sparse and heavily compressed alternating."""
+    v, name = d.get("layer_types"), "layer_types"
+    if v is None and d.get("compress_ratios") is not None:
+        v, name = d["compress_ratios"], "compress_ratios"
+        if not isinstance(v, (list, tuple)) or any(isinstance(r, bool) or r not in _V4_COMPRESS_RATIO_KINDS for r in v):
+            raise _err(name, v, f"a list of compress ratios from {sorted(_V4_COMPRESS_RATIO_KINDS)} (one per layer)")
+        v = [_V4_COMPRESS_RATIO_KINDS[r] for r in v]
+    if v is None:
+        return (("heavily_compressed_attention",) * min(layers, 2)
+                + tuple("compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                        for i in range(max(layers - 2, 0))))
+    if not isinstance(v, (list, tuple)) or len(v) < layers or any(t not in V4_LAYER_TYPES for t in v):
+        raise _err(name, v, f"a list of at least {layers} entries from {list(V4_LAYER_TYPES)}")
+    return tuple(v[:layers])
+
+
+def _v4_ropes(d: dict, max_pos: int, head_dim: int) -> tuple:
+    """DeepSeek-V4's two RoPEs as (("main", RopeConfig), ("compress", RopeConfig)), as DeepseekV4Config derives them:
+    ``rope_parameters`` nested by those labels when it has both, else "main" a plain RoPE of base rope_theta and
+    "compress" one of base compress_rope_theta with the file's rope_parameters / rope_scaling (YaRN: its attention
+    factor 1 unless given); both on the ``partial_rotary_factor`` share of each head (default: the legacy
+    qk_rope_head_dim / head_dim, else 64 / 512)."""
+    partial = d.get("partial_rotary_factor")
+    if partial is None:
+        rope_dim = _int(d, "qk_rope_head_dim")
+        partial = rope_dim / head_dim if rope_dim is not None else 64 / 512
+    params = d.get("rope_parameters")
+    if params is None:
+        params = d.get("rope_scaling")
+    if params is not None and not isinstance(params, dict):
+        raise _err("rope_parameters", params, "a dict or null")
+    params = params or {}
+    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        return tuple((k, parse_rope({"rope_parameters": params[k]}, max_pos)) for k in ("main", "compress"))
+    scaling = {k: v for k, v in params.items() if k not in ("main", "compress")}
+    main = {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0), "partial_rotary_factor": partial}
+    compress = {**scaling, "rope_theta": d.get("compress_rope_theta", 160000.0), "partial_rotary_factor": partial}
+    if "type" in compress and "rope_type" not in compress:
+        compress["rope_type"] = compress.pop("type")
+    compress.setdefault("rope_type", "default")
+    if compress["rope_type"] == "yarn":
+        compress.setdefault("attention_factor", 1.0)
+    return tuple((k, parse_rope({"rope_parameters": p}, max_pos)) for k, p in (("main", main), ("compress", compress)))
+
+
 def _rotary_dim_factor(d: dict, head_dim: int) -> float:
     """MiniMax-M2: a hub config's ``rotary_dim`` (rotated dims per head) as a partial_rotary_factor, as
     transformers' MiniMaxM2Config converts it; 1.0 when absent (a saved rope_parameters or a top-level
@@ -701,7 +769,8 @@ class ModelConfig:
     rms_norm_eps: float
     rope: RopeConfig
     architectures: tuple = ()
-    #: ((layer type, RopeConfig), ...) where the RoPE differs per layer type (MiMo-V2-Flash; ``rope`` is the
+    #: ((layer type, RopeConfig), ...) where the RoPE differs per layer type (MiMo-V2-Flash; DeepSeek-V4: by the
+    #: labels "main" and "compress"; ``rope`` is the
     #: full-attention one); () = ``rope`` for every layer
     rope_by_layer_type: tuple = ()
     intermediate_size: Optional[int] = None        # dense MLP layers
@@ -790,8 +859,9 @@ class ModelConfig:
 
     # ---- derived ------------------------------------------------------------------------------
     def layer_sliding_window(self, i: int) -> Optional[int]:
-        """The sliding window of layer i, or None for full attention."""
-        return self.sliding_window if self.layer_types and self.layer_types[i] == "sliding_attention" else None
+        """The sliding window of layer i, or None for full attention (DeepSeek-V4's compressed layers attend over a
+        window of uncompressed keys too)."""
+        return self.sliding_window if self.layer_types and self.layer_types[i] in _WINDOWED else None
 
     def layer_attention_chunk(self, i: int) -> Optional[int]:
         """The attention chunk of layer i (Llama-4's 'chunked_attention' layers), or None."""
@@ -804,6 +874,11 @@ class ModelConfig:
     def kv_elements_per_position(self) -> int:
         """Cache elements one position of one sequence takes over all layers: keys and values per KV head
         (GQA), or the compressed latent and the rotary key (MLA), plus the indexer's key (DSA)."""
+        if self.model_type == "deepseek_v4":  # the key; a compressed layer's raw rows and entries (see deepseek_v4.py)
+            d, i = self.head_dim, self.index_head_dim or 0
+            per = {"sliding_attention": d, "heavily_compressed_attention": 4 * d,
+                   "compressed_sparse_attention": 6 * d + 5 * i}
+            return sum(per[t] for t in self.layer_types)
         if self.kv_lora_rank:
             per_layer = self.kv_lora_rank + (self.qk_rope_head_dim or 0) + (self.index_head_dim or 0)
         elif self.model_type == "mimo_v2_flash":  # values v_head_dim wide; sliding layers have twice the KV heads
@@ -926,7 +1001,9 @@ class ModelConfig:
         kinds = LAYER_TYPES + (("chunked_attention",) if fam.get("chunked_layers") else ())
         chunk = _int(d, "attention_chunk_size") if fam.get("chunked_layers") else None
         no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") else ()
-        if layer_types is not None:
+        if fam.get("v4_layers"):
+            layer_types = _v4_layer_types(d, layers)
+        elif layer_types is not None:
             if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
                     or any(t not in kinds for t in layer_types)):
                 raise _err("layer_types", layer_types, f"a list of {layers} entries from {list(kinds)}")
@@ -987,7 +1064,8 @@ class ModelConfig:
                 raise _err("linear_num_value_heads", linear_sizes["linear_num_value_heads"],
                            f"a multiple of linear_num_key_heads={linear_sizes['linear_num_key_heads']}")
 
-        mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
+        # (DeepSeek-V4: every layer MoE; its 'hash_moe' / 'moe' kinds are read by dynamoe.models.deepseek_v4)
+        mlp_types = () if fam.get("v4_layers") else _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("step_layers"):
             mlp_types = _step_mlp_types(d, layers)
         if not mlp_types and fam.get("first_layer_dense"):
@@ -1015,14 +1093,18 @@ class ModelConfig:
         if quant is not None and not isinstance(quant, dict):
             raise _err("quantization_config", quant, "a dict")
         scoring = _str(d, "scoring_func", "softmax")
-        if scoring not in ("softmax", "sigmoid"):
-            raise _err("scoring_func", scoring, "'softmax' or 'sigmoid'")
+        scorings = fam.get("scoring_funcs", ("softmax", "sigmoid"))
+        if scoring not in scorings:
+            raise _err("scoring_func", scoring, " or ".join(repr(f) for f in scorings))
         n_group = _int(d, "n_group", 1) or 1  # null (DeepSeek-V2's greedy routing): one group
         topk_group = _int(d, "topk_group", 1) or 1
         if topk_group > n_group:
             raise _err("topk_group", topk_group, f"<= n_group={n_group}")
 
-        if fam.get("rope_by_layer_type") or fam.get("step_layers"):
+        if fam.get("v4_layers"):
+            layer_ropes = _v4_ropes(d, max_pos, head_dim)
+            rope = layer_ropes[0][1]
+        elif fam.get("rope_by_layer_type") or fam.get("step_layers"):
             layer_ropes = (_step_ropes(d, max_pos, layer_types) if fam.get("step_layers") else
                            _ropes_by_layer_type(d, max_pos, fam["rope_by_layer_type"], layer_types))
             rope = dict(layer_ropes).get("full_attention", layer_ropes[0][1])

@@ -115,3 +115,4 @@ register("longcat_flash", "dynamoe.models.longcat_flash:LongcatFlashForCausalLM"
 register("step3p5", "dynamoe.models.step3p5:Step3p5ForCausalLM", ("Step3p5ForCausalLM",))
 register("afmoe", "dynamoe.models.afmoe:AfmoeForCausalLM", ("AfmoeForCausalLM",))
 register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForConditionalGeneration",))
+register("deepseek_v4", "dynamoe.models.deepseek_v4:DeepseekV4ForCausalLM", ("DeepseekV4ForCausalLM",))

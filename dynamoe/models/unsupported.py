@@ -37,8 +37,6 @@ UNSUPPORTED: dict[str, str] = {
                    "dense/sparse mlp_layer_types, a sliding-window layer pattern and logit_scale",
     "deepseek_ocr2": _VLM,
     "deepseek_ocr2_text": _text_of("deepseek_ocr2", "the OCR model's text decoder is not ported"),
-    "deepseek_v4": "DeepSeek-V4 is not implemented yet: compressed sparse attention with hash routing, sinks "
-                   "and a sqrtsoftplus router",
     "diffusion_gemma": _VLM + " (and a diffusion, not autoregressive, decoder)",
     "diffusion_gemma_text": "a bidirectional diffusion language model, not an autoregressive causal LM",
     "doge": "Doge is not implemented yet: dynamic-mask attention (keep_window_size) and CDMoE "
