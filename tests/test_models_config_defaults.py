@@ -76,12 +76,17 @@ FAMILIES = {
     "afmoe": ("AfmoeConfig", {}),
     # DeepSeek-V4: compressed attention kinds, hyper-connections, hash routing, a "main" and a "compress" RoPE
     "deepseek_v4": ("DeepseekV4Config", {}),
+    # GLM-5.3: KDA + NoPE MLA with the pooled indexer, hyper-connections (its config class wants as many KV heads
+    # as query heads); the vision-language wrapper nests it
+    "glm5_next_text": ("Glm5NextTextConfig", dict(num_key_value_heads=8)),
+    "glm5_next": ("Glm5NextConfig", dict(num_key_value_heads=8)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
-           "llama4": ("text_config",), "step3p7": ("text_config",)}
+           "llama4": ("text_config",), "step3p7": ("text_config",), "glm5_next": ("text_config",)}
 STEP = {"step3p5", "step3p7"}
+GLM5 = {"glm5_next_text", "glm5_next"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
@@ -89,11 +94,11 @@ HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text"}
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
-                                                                                       "longcat_flash"}
+                                                                                       "longcat_flash"} | GLM5
 # DeepSeek-V3's routing fields under these families' own config classes
-DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"}
+DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"} | GLM5
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "deepseek_v4"} | STEP
+NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "deepseek_v4"} | STEP | GLM5
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "deepseek_v4"} | STEP
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
 
@@ -102,6 +107,12 @@ def _step(cfg):
     from dynamoe.models.step3p5 import step_fields
 
     return step_fields(cfg)
+
+
+def _glm5(cfg):
+    from dynamoe.models.glm5_next import glm5_fields
+
+    return glm5_fields(cfg)
 
 
 def _v4(cfg):
@@ -125,7 +136,7 @@ def _hf_moe_layers(hf, mt):
     if mt in LLAMA4:
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "mimo_v2_flash", "step3p5",
-              "step3p7"):
+              "step3p7") or mt in GLM5:
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -241,7 +252,7 @@ FIELDS = {
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
                     HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "deepseek_v4"} | LLAMA4
-                    | STEP),
+                    | STEP | GLM5),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
                         lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
@@ -250,7 +261,7 @@ FIELDS = {
                     "intermediate_size_mlp", "intermediate_size")},
     # Kimi-Linear: one head count and size for KDA's keys and values
     **{f"{ours}_kimi": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
-                        {"kimi_linear"})
+                        {"kimi_linear"} | GLM5)
        for ours, theirs in (("linear_conv_kernel_dim", "linear_conv_kernel_dim"), ("linear_key_head_dim", "linear_head_dim"),
                             ("linear_value_head_dim", "linear_head_dim"), ("linear_num_key_heads", "linear_num_heads"),
                             ("linear_num_value_heads", "linear_num_heads"))},
@@ -328,11 +339,17 @@ FIELDS = {
     # V3.2 / GLM-5 always interleave MLA's RoPE (the family classes say so); V3 reads the field
     "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4"}),
     # the sparse-attention indexer
-    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa"})
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa"} | GLM5)
        for name in ("index_topk", "index_head_dim", "index_n_heads")},
     # GLM-5's indexer kinds: dynamoe's () means every layer runs its indexer
     "indexer_types": (lambda hf, mt: list(hf.indexer_types),
-                      lambda cfg: list(cfg.indexer_types) or ["full"] * cfg.num_hidden_layers, {"glm_moe_dsa"}),
+                      lambda cfg: list(cfg.indexer_types) or ["full"] * cfg.num_hidden_layers, {"glm_moe_dsa"} | GLM5),
+    # GLM-5.3: the clamp, the dense MLPs' width, hyper-connections, KDA's decay bound, the indexer's pools
+    "swiglu_limit_glm5": (lambda hf, mt: hf.swiglu_limit, lambda cfg: cfg.swiglu_limit, GLM5),
+    "intermediate_size_glm5": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, GLM5),
+    **{f"{name}_glm5": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(_glm5(cfg), name),
+                        GLM5)
+       for name in ("hc_mult", "hc_sinkhorn_iters", "hc_eps", "linear_lower_bound", "index_kpool")},
 }
 
 
@@ -456,6 +473,13 @@ def test_omitted_fields_default_as_transformers(mt):
                      "mlp_layer_types": ["moe", "hash_moe", "moe", "moe"], "hc_mult": 2, "scoring_func": "sigmoid",
                      "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 16},
                      "partial_rotary_factor": 0.25, "sliding_window": 32}),
+    # GLM-5.3: the hub's linear_attn_config (nested sizes and decay bound win), 'full_attention' read as MLA
+    ("glm5_next_text", {"linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 3,
+                                               "gate_lower_bound": None, "safe_gate": True},
+                        "linear_head_dim": 32, "layer_types": ["full_attention", "linear_attention"] * 2,
+                        "mlp_layer_types": ["sparse"] * 4, "hc_mult": 2, "index_kpool": 8, "index_topk": 64}),
+    ("glm5_next", {"linear_lower_bound": None, "indexer_types": ["full", "shared", "full", "shared"],
+                   "n_group": 2, "topk_group": 1}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

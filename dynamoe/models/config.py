@@ -73,6 +73,7 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "llama4": TextWrapper(("text_config",), ("llama4_text",), tie_by_text=True),
     # (Step3p7ForConditionalGeneration ties by the wrapper's flag alone, default false)
     "step3p7": TextWrapper(("text_config",), ("step3p5",)),
+    "glm5_next": TextWrapper(("text_config",), ("glm5_next_text",)),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)
@@ -351,6 +352,24 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
                                "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6, "bos_token_id": 0,
                                "eos_token_id": 1}},
+    # Glm5NextTextConfig (GLM-5.3): KDA 'linear_attention' layers and NoPE MLA 'indexed_attention' ones (without
+    # layer_types every 4th from 3; 'full_attention' read as 'indexed_attention': "glm5_layers"), the first three
+    # MLPs dense; one head count and size for KDA's keys and values, from linear_attn_config when it has them
+    # (nested ones win); head_dim is derived (0: "ignored"); hyper-connections etc. in dynamoe.models.glm5_next
+    "glm5_next_text": {"num_experts": 288, "num_experts_per_tok": 8, "glm5_layers": True, "nested_overrides": True,
+                       "ignored": ("head_dim",),
+                       "aliases": {"linear_key_head_dim": "linear_head_dim", "linear_value_head_dim": "linear_head_dim",
+                                   "linear_num_key_heads": "linear_num_heads",
+                                   "linear_num_value_heads": "linear_num_heads"},
+                       "nested": {"linear_attn_config": {"head_dim": "linear_head_dim", "num_heads": "linear_num_heads",
+                                                         "short_conv_kernel_size": "linear_conv_kernel_dim"}},
+                       "fields": {"intermediate_size": 12288, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+                                  "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                                  "qk_rope_head_dim": 0, "v_head_dim": 256, "qk_nope_head_dim": 256, "n_group": 1,
+                                  "topk_group": 1, "norm_topk_prob": True, "max_position_embeddings": 1048576,
+                                  "rms_norm_eps": 1e-5, "pad_token_id": 154820, "index_topk": 2048,
+                                  "index_head_dim": 128, "index_n_heads": 32, "swiglu_limit": 10.0,
+                                  "linear_head_dim": 128, "linear_num_heads": 64, "linear_conv_kernel_dim": 4}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -1003,6 +1022,16 @@ class ModelConfig:
         no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") else ()
         if fam.get("v4_layers"):
             layer_types = _v4_layer_types(d, layers)
+        elif fam.get("glm5_layers"):  # every 4th layer (from 3) MLA, the others KDA; 'full_attention' is MLA
+            if layer_types is None:
+                layer_types = ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(layers)]
+            if isinstance(layer_types, (list, tuple)):
+                layer_types = ["indexed_attention" if t == "full_attention" else t for t in layer_types]
+            if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
+                    or any(t not in ("linear_attention", "indexed_attention") for t in layer_types)):
+                raise _err("layer_types", d.get("layer_types"), f"a list of {layers} entries from ['linear_attention', "
+                           "'indexed_attention', 'full_attention']")
+            layer_types = tuple(layer_types)
         elif layer_types is not None:
             if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
                     or any(t not in kinds for t in layer_types)):
@@ -1068,6 +1097,8 @@ class ModelConfig:
         mlp_types = () if fam.get("v4_layers") else _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("step_layers"):
             mlp_types = _step_mlp_types(d, layers)
+        if not mlp_types and fam.get("glm5_layers"):  # the first three dense
+            mlp_types = ("dense",) * min(3, layers) + ("sparse",) * max(0, layers - 3)
         if not mlp_types and fam.get("first_layer_dense"):
             mlp_types = ("dense",) + ("sparse",) * (layers - 1)
         if not mlp_types and fam.get("llama4_layers"):  # moe_layers, else every step-th layer from step - 1
@@ -1148,7 +1179,7 @@ class ModelConfig:
             n_shared_experts=_int(d, "n_shared_experts", 0, minimum=0), scoring_func=scoring,
             topk_method=_str(d, "topk_method", None), use_qk_norm=_bool(d, "use_qk_norm", False),
             q_lora_rank=_int(d, "q_lora_rank"), kv_lora_rank=_int(d, "kv_lora_rank"),
-            qk_nope_head_dim=_int(d, "qk_nope_head_dim"), qk_rope_head_dim=_int(d, "qk_rope_head_dim"),
+            qk_nope_head_dim=_int(d, "qk_nope_head_dim"), qk_rope_head_dim=_int(d, "qk_rope_head_dim", minimum=0),
             v_head_dim=_int(d, "v_head_dim"), rope_interleave=_bool(d, "rope_interleave", fam.get("rope_interleave", False)),
             index_topk=_int(d, "index_topk"), index_head_dim=_int(d, "index_head_dim"),
             index_n_heads=_int(d, "index_n_heads"), indexer_types=indexer_types, mlp_layer_types=mlp_types,

@@ -51,12 +51,14 @@ from .attention import _attend_with_sinks, attention_mask, cached_length, write_
 from .base import CausalLM
 from .cache import KVCache
 from .config import ModelConfig, RopeConfig
+from .hyper_connections import HyperConnection, HyperDecoderLayer, StreamEmbedding, rms_unweighted
 from .moe_block import SparseMoeBlock
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
 from .weights import PerExpert
 
-__all__ = ["DeepseekV4ForCausalLM", "V4Fields", "v4_fields", "V4Attention", "HyperConnection", "V4MoeBlock"]
+__all__ = ["DeepseekV4ForCausalLM", "V4Fields", "v4_fields", "V4Attention", "V4MoeBlock", "new_window_ends",
+           "rope_tail"]
 
 _MLP_KINDS = ("hash_moe", "moe")
 _DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
@@ -157,11 +159,6 @@ def rope_tail(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x[..., :-R], (rot * c + turned * s).to(x.dtype)], dim=-1)
 
 
-def _rms(x: Tensor, eps: float) -> Tensor:
-    """x / rms(x) over the last dim, no weight (statistics in fp32)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
 class Compressor(nn.Module):
     """One entry per window of m positions (``wkv``, ``wgate`` [c * d, D], ``ape`` [m, c * d], ``norm``): each
     channel a softmax over the window's positions of wgate(x) + ape weighting wkv(x), RMSNorm'd, roped at the
@@ -217,7 +214,7 @@ class Compressor(nn.Module):
             ends = torch.arange(m - 1, max(T, m - 1), m, device=x_BTD.device)
             return self.pool(kv, gate, ends.expand(B, -1)), ends
         rows = write_kv(cache, layer, slots, positions_BT, kv_len, **{n_kv: kv.unsqueeze(1), n_gate: gate.unsqueeze(1)})
-        ends_BN = _new_window_ends(positions_BT, m)
+        ends_BN = new_window_ends(positions_BT, m)
         if ends_BN is not None:
             fresh = self.pool(rows[n_kv][:, 0], rows[n_gate][:, 0], ends_BN)     # [B, N, d]
             write_kv(cache, layer, slots, ends_BN, kv_len, **{n_entries: fresh.unsqueeze(1)})
@@ -226,7 +223,7 @@ class Compressor(nn.Module):
         return stored, torch.arange(m - 1, max(kv_len, m - 1), m, device=x_BTD.device)
 
 
-def _new_window_ends(positions_BT: Tensor, m: int) -> Tensor | None:
+def new_window_ends(positions_BT: Tensor, m: int) -> Tensor | None:
     """The last positions [B, N] of the windows the new tokens complete, per row (where their entries are computed
     from and stored), or None when no row completes one. A row with fewer than N pads with a copy of its last one
     (the same value written twice), or, with none, with its last new position, which ends no window (its entry slot
@@ -314,7 +311,7 @@ class V4Attention(nn.Module):
         cos, sin = self.rotary(positions_BT, x_BTD.dtype)
         q_res = self.q_norm(self.wq_a(x_BTD))                                     # [B, T, Q]
         q = self.wq_b(q_res).view(B, T, H, d).transpose(1, 2)
-        q = rope_tail(_rms(q, self.eps), cos, sin)                                # [B, H, T, d]
+        q = rope_tail(rms_unweighted(q, self.eps), cos, sin)                                # [B, H, T, d]
         kv = rope_tail(self.norm(self.wkv(x_BTD)).unsqueeze(1), cos, sin)         # [B, 1, T, d]
         k_pos = positions_BT
         if cache is not None:
@@ -339,64 +336,6 @@ class V4Attention(nn.Module):
         grouped = out.transpose(1, 2).reshape(B, T, G, H * d // G)
         w = self.wo_a.weight.view(G, -1, H * d // G)                              # [G, o, H * d / G]
         return self.wo_b(torch.einsum("btgi,goi->btgo", grouped, w.to(grouped.dtype)).reshape(B, T, -1))
-
-
-def _sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
-
-
-class HyperConnection(nn.Module):
-    """Pre / post / comb weights of N residual streams around one sublayer (``fn`` [(2 + N) N, N D], ``base``,
-    ``scale`` [3], fp32). ``forward(h [B, T, N, D]) -> (post [B, T, N], comb [B, T, N, N], collapsed [B, T, D])``."""
-
-    def __init__(self, hidden_size: int, streams: int, iters: int, hc_eps: float, norm_eps: float):
-        super().__init__()
-        N = streams
-        self.streams, self.iters, self.hc_eps, self.norm_eps = N, iters, hc_eps, norm_eps
-        self.fn = nn.Parameter(torch.zeros((2 + N) * N, N * hidden_size, dtype=torch.float32))
-        self.base = nn.Parameter(torch.zeros((2 + N) * N, dtype=torch.float32))
-        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
-
-    def forward(self, h_BTND: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        B, T, N, _ = h_BTND.shape
-        mixed = F.linear(_rms(h_BTND.reshape(B, T, -1).float(), self.norm_eps), self.fn.float())
-        pre_w, post_w, comb_w = mixed.split([N, N, N * N], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([N, N, N * N])
-        s_pre, s_post, s_comb = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.view(B, T, N, N) * s_comb + comb_b.view(N, N), dim=-1) + self.hc_eps
-        comb = _sinkhorn(comb, self.iters, self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * h_BTND).sum(dim=2).to(h_BTND.dtype)
-        return post, comb, collapsed
-
-
-def _hyper_residual(h_BTND: Tensor, post: Tensor, comb: Tensor, out_BTD: Tensor) -> Tensor:
-    """post * the sublayer's output on each stream + comb^T mixing the input streams."""
-    dt = h_BTND.dtype
-    return post.to(dt).unsqueeze(-1) * out_BTD.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), h_BTND)
-
-
-class V4DecoderLayer(nn.Module):
-    """Attention and MoE, each between the norm of its collapsed streams and a hyper-connection residual."""
-
-    def __init__(self, self_attn: V4Attention, mlp: nn.Module, input_layernorm: nn.Module,
-                 post_attention_layernorm: nn.Module, attn_hc: HyperConnection, ffn_hc: HyperConnection):
-        super().__init__()
-        self.self_attn, self.mlp = self_attn, mlp
-        self.input_layernorm, self.post_attention_layernorm = input_layernorm, post_attention_layernorm
-        self.attn_hc, self.ffn_hc = attn_hc, ffn_hc
-
-    def forward(self, h_BTND: Tensor, positions_BT: Tensor, cache=None, slots=None, kv_len=None) -> Tensor:
-        post, comb, x = self.attn_hc(h_BTND)
-        h_BTND = _hyper_residual(h_BTND, post, comb,
-                                 self.self_attn(self.input_layernorm(x), positions_BT, cache, slots, kv_len))
-        post, comb, x = self.ffn_hc(h_BTND)
-        return _hyper_residual(h_BTND, post, comb, self.mlp(self.post_attention_layernorm(x)))
 
 
 class _TokenIds:
@@ -453,16 +392,6 @@ class V4MoeBlock(SparseMoeBlock):
                                     "kernel; its experts run through the experts' kernel in forward")
 
 
-class _StreamEmbedding(nn.Embedding):
-    """nn.Embedding whose output is copied onto ``streams`` residual streams [B, T, N, D] (same parameter, name)."""
-
-    streams = 1
-
-    def forward(self, ids: Tensor) -> Tensor:
-        h = super().forward(ids)
-        return h.unsqueeze(2).expand(*h.shape[:2], self.streams, h.size(-1)).contiguous()
-
-
 class _HyperHead(nn.Module):
     """``hc_fn`` [N, N D], ``hc_base`` [N], ``hc_scale`` [1] (fp32): the streams' final collapse."""
 
@@ -482,7 +411,7 @@ class V4FinalNorm(RMSNorm):
 
     def forward(self, h: Tensor) -> Tensor:
         head = self.hc_head
-        mixes = F.linear(_rms(h.flatten(-2).float(), self.eps), head.hc_fn.float())
+        mixes = F.linear(rms_unweighted(h.flatten(-2).float(), self.eps), head.hc_fn.float())
         pre = torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + self.hc_eps
         return super().forward((pre.unsqueeze(-1) * h).sum(dim=-2).to(h.dtype))
 
@@ -510,7 +439,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         object.__setattr__(self, "token_ids", _TokenIds())
         object.__setattr__(self, "hub_names", False)
         super().__init__(config, dtype)
-        self.model.embed_tokens.__class__ = _StreamEmbedding
+        self.model.embed_tokens.__class__ = StreamEmbedding
         self.model.embed_tokens.streams = fields.hc_mult
 
     def build_rotary(self, cfg: ModelConfig) -> nn.Module:
@@ -526,13 +455,13 @@ class DeepseekV4ForCausalLM(CausalLM):
     def build_norm(self, cfg: ModelConfig, dim: int, dtype) -> nn.Module:
         return V4FinalNorm(dim, self.fields.hc_mult, cfg.rms_norm_eps, self.fields.hc_eps)
 
-    def build_layer(self, cfg: ModelConfig, i: int, rotary: nn.Module, dtype) -> V4DecoderLayer:
+    def build_layer(self, cfg: ModelConfig, i: int, rotary: nn.Module, dtype) -> HyperDecoderLayer:
         f, D, eps = self.fields, cfg.hidden_size, cfg.rms_norm_eps
         attn = V4Attention(cfg, f, i, rotary.main, rotary.compress, dtype)
         mlp = V4MoeBlock(cfg, f.hash_layers[i], self.token_ids, dtype)
         norms = [RMSNorm(D, eps, weight_in_fp32=True, dtype=torch.float32) for _ in range(2)]
         hcs = [HyperConnection(D, f.hc_mult, f.hc_sinkhorn_iters, f.hc_eps, eps) for _ in range(2)]
-        return V4DecoderLayer(attn, mlp, *norms, *hcs)
+        return HyperDecoderLayer(attn, mlp, *norms, *hcs)
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 logits_to_keep: int = 0) -> Tensor:

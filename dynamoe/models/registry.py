@@ -116,3 +116,5 @@ register("step3p5", "dynamoe.models.step3p5:Step3p5ForCausalLM", ("Step3p5ForCau
 register("afmoe", "dynamoe.models.afmoe:AfmoeForCausalLM", ("AfmoeForCausalLM",))
 register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForConditionalGeneration",))
 register("deepseek_v4", "dynamoe.models.deepseek_v4:DeepseekV4ForCausalLM", ("DeepseekV4ForCausalLM",))
+register("glm5_next", "dynamoe.models.glm5_next:Glm5NextForCausalLM", ("Glm5NextForConditionalGeneration",),
+         aliases=("glm5_next_text",))

@@ -51,8 +51,6 @@ UNSUPPORTED: dict[str, str] = {
                                      "bias) that the loader would have to split"),
     "gemma4": _VLM,
     "gemma4_text": _text_of("gemma4", "per-layer embeddings, sliding/global layers and MoE beside a dense MLP"),
-    "glm5_next": _VLM,
-    "glm5_next_text": _text_of("glm5_next", "MLA mixed with linear-attention / convolution layers"),
     "granitemoehybrid": "GraniteMoE-Hybrid mixes Mamba-2 layers with attention: state-space layers are not "
                         "supported yet",
     "hy_v3": "Hy3 is not implemented yet: its router_scaling_factor routing and layer kinds",
