@@ -80,13 +80,18 @@ FAMILIES = {
     # as query heads); the vision-language wrapper nests it
     "glm5_next_text": ("Glm5NextTextConfig", dict(num_key_value_heads=8)),
     "glm5_next": ("Glm5NextConfig", dict(num_key_value_heads=8)),
+    # Mistral-Large-4: MLA without query LoRA, LeRoPE / NoPE layers, KV sharing; the vision wrapper nests it
+    "mistral_large4_text": ("MistralLarge4TextConfig", {}),
+    "mistral_large4": ("MistralLarge4Config", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
-           "llama4": ("text_config",), "step3p7": ("text_config",), "glm5_next": ("text_config",)}
+           "llama4": ("text_config",), "step3p7": ("text_config",), "glm5_next": ("text_config",),
+           "mistral_large4": ("text_config",)}
 STEP = {"step3p5", "step3p7"}
 GLM5 = {"glm5_next_text", "glm5_next"}
+ML4 = {"mistral_large4_text", "mistral_large4"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
@@ -100,13 +105,19 @@ DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"} 
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
 NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "deepseek_v4"} | STEP | GLM5
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "deepseek_v4"} | STEP
-GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
+GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES - ML4  # (Mistral-Large-4's MLA: num_key_value_heads is unused)
 
 
 def _step(cfg):
     from dynamoe.models.step3p5 import step_fields
 
     return step_fields(cfg)
+
+
+def _ml4_sources(cfg):
+    from dynamoe.models.mistral_large4 import kv_sources
+
+    return kv_sources(cfg)
 
 
 def _glm5(cfg):
@@ -140,6 +151,8 @@ def _hf_moe_layers(hf, mt):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
+    if mt in ML4:
+        return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "deepseek_v4":  # (hash-routed or not, every layer is MoE)
         return [True] * n
     return [i >= hf.first_k_dense_replace for i in range(n)]
@@ -344,6 +357,18 @@ FIELDS = {
     # GLM-5's indexer kinds: dynamoe's () means every layer runs its indexer
     "indexer_types": (lambda hf, mt: list(hf.indexer_types),
                       lambda cfg: list(cfg.indexer_types) or ["full"] * cfg.num_hidden_layers, {"glm_moe_dsa"} | GLM5),
+    # Mistral-Large-4: MLA sizes, routing, the indexer, RoPE / NoPE layers, KV sharing, the logits' cap
+    **{f"{name}_ml4": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name), ML4)
+       for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
+                    "routed_scaling_factor", "n_shared_experts", "index_topk", "index_head_dim", "index_n_heads",
+                    "intermediate_size")},
+    "layer_uses_rope_ml4": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers],
+                            lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], ML4),
+    "indexer_types_ml4": (lambda hf, mt: list(hf.indexer_types),
+                          lambda cfg: list(cfg.indexer_types) or ["full"] * cfg.num_hidden_layers, ML4),
+    "kv_source_layers": (lambda hf, mt: tuple(hf.kv_source_layers), lambda cfg: _ml4_sources(cfg), ML4),
+    "final_logit_softcapping": (lambda hf, mt: hf.final_logit_softcapping,
+                                lambda cfg: cfg.raw.get("final_logit_softcapping", 30.0), ML4),
     # GLM-5.3: the clamp, the dense MLPs' width, hyper-connections, KDA's decay bound, the indexer's pools
     "swiglu_limit_glm5": (lambda hf, mt: hf.swiglu_limit, lambda cfg: cfg.swiglu_limit, GLM5),
     "intermediate_size_glm5": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, GLM5),
@@ -480,6 +505,12 @@ def test_omitted_fields_default_as_transformers(mt):
                         "mlp_layer_types": ["sparse"] * 4, "hc_mult": 2, "index_kpool": 8, "index_topk": 64}),
     ("glm5_next", {"linear_lower_bound": None, "indexer_types": ["full", "shared", "full", "shared"],
                    "n_group": 2, "topk_group": 1}),
+    # Mistral-Large-4: explicit RoPE layers and KV sharing, an interval for the default NoPE layers, the hub's YaRN
+    ("mistral_large4_text", {"no_rope_layers": [1, 0, 1, 0], "kv_source_layers": [0, 1, 0, 1], "head_dim": 32,
+                             "index_topk_pattern": "FFSF", "first_k_dense_replace": 2, "num_experts": 16}),
+    ("mistral_large4", {"no_rope_layer_interval": 2, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6,
+                                                                        "factor": 8.0,
+                                                                        "original_max_position_embeddings": 4096}}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

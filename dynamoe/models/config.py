@@ -74,6 +74,7 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     # (Step3p7ForConditionalGeneration ties by the wrapper's flag alone, default false)
     "step3p7": TextWrapper(("text_config",), ("step3p5",)),
     "glm5_next": TextWrapper(("text_config",), ("glm5_next_text",)),
+    "mistral_large4": TextWrapper(("text_config",), ("mistral_large4_text",)),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)
@@ -370,6 +371,21 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                   "rms_norm_eps": 1e-5, "pad_token_id": 154820, "index_topk": 2048,
                                   "index_head_dim": 128, "index_n_heads": 32, "swiglu_limit": 10.0,
                                   "linear_head_dim": 128, "linear_num_heads": 64, "linear_conv_kernel_dim": 4}},
+    # MistralLarge4TextConfig: MLA without query LoRA (head_dim is qk_rope_head_dim whatever the file says), YaRN x2048
+    # with attention factor 1, RoPE on the layers no_rope_layers says 1 (else all but every no_rope_layer_interval-th:
+    # "nope_layers"), the first first_k_dense_replace MLPs dense; its router always renormalises (no such field)
+    "mistral_large4_text": {"num_experts": 128, "num_experts_per_tok": 4, "head_dim_is_rope": True, "nope_layers": True,
+                            "ignored": ("head_dim", "norm_topk_prob"),
+                            "rope": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2048.0,
+                                     "original_max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "attention_factor": 1.0},
+                            "fields": {"intermediate_size": 24576, "moe_intermediate_size": 6144, "n_shared_experts": 1,
+                                       "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                       "v_head_dim": 128, "qk_nope_head_dim": 64, "n_group": 1, "topk_group": 1,
+                                       "max_position_embeddings": 1048576, "rms_norm_eps": 1e-5, "bos_token_id": 1,
+                                       "eos_token_id": 2, "index_topk": 2048, "index_head_dim": 128,
+                                       "index_n_heads": 32, "first_k_dense_replace": 1, "norm_topk_prob": True,
+                                       "no_rope_layer_interval": 4}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -1019,7 +1035,7 @@ class ModelConfig:
         layer_types = d.get("layer_types")
         kinds = LAYER_TYPES + (("chunked_attention",) if fam.get("chunked_layers") else ())
         chunk = _int(d, "attention_chunk_size") if fam.get("chunked_layers") else None
-        no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") else ()
+        no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") or fam.get("nope_layers") else ()
         if fam.get("v4_layers"):
             layer_types = _v4_layer_types(d, layers)
         elif fam.get("glm5_layers"):  # every 4th layer (from 3) MLA, the others KDA; 'full_attention' is MLA

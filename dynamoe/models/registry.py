@@ -118,3 +118,5 @@ register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForCon
 register("deepseek_v4", "dynamoe.models.deepseek_v4:DeepseekV4ForCausalLM", ("DeepseekV4ForCausalLM",))
 register("glm5_next", "dynamoe.models.glm5_next:Glm5NextForCausalLM", ("Glm5NextForConditionalGeneration",),
          aliases=("glm5_next_text",))
+register("mistral_large4", "dynamoe.models.mistral_large4:MistralLarge4ForCausalLM",
+         ("MistralLarge4ForConditionalGeneration",), aliases=("mistral_large4_text",))

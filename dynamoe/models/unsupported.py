@@ -76,8 +76,6 @@ UNSUPPORTED: dict[str, str] = {
                "and Kimi Delta Attention, not lightning attention)",
     "minimax_m3_vl": _VLM,
     "minimax_m3_vl_text": _text_of("minimax_m3_vl", "lightning (linear) attention layers"),
-    "mistral_large4": _VLM,
-    "mistral_large4_text": _text_of("mistral_large4", "MLA with Mistral's routing"),
     "muse_spark": _OMNI,
     "muse_spark_text": _text_of("muse_spark", "its convolution and sliding layer kinds"),
     "nemo_speechlm": _OMNI + " (its default language model is Nemotron-H, a Mamba-2 hybrid)",
