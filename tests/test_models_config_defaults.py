@@ -83,15 +83,20 @@ FAMILIES = {
     # Mistral-Large-4: MLA without query LoRA, LeRoPE / NoPE layers, KV sharing; the vision wrapper nests it
     "mistral_large4_text": ("MistralLarge4TextConfig", {}),
     "mistral_large4": ("MistralLarge4Config", {}),
+    # Hy4 and Hy4-VL's text model: DSA MLA with sinks and an output gate, independent hyper-connections
+    "hy_v4": ("HYV4Config", {}),
+    "hy_v4_vl_text": ("HYV4VLTextConfig", {}),
+    "hy_v4_vl": ("HYV4VLConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
            "llama4": ("text_config",), "step3p7": ("text_config",), "glm5_next": ("text_config",),
-           "mistral_large4": ("text_config",)}
+           "mistral_large4": ("text_config",), "hy_v4_vl": ("text_config",)}
 STEP = {"step3p5", "step3p7"}
 GLM5 = {"glm5_next_text", "glm5_next"}
 ML4 = {"mistral_large4_text", "mistral_large4"}
+HY4 = {"hy_v4", "hy_v4_vl_text", "hy_v4_vl"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
@@ -99,9 +104,9 @@ HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text"}
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
-                                                                                       "longcat_flash"} | GLM5
+                                                                                       "longcat_flash"} | GLM5 | HY4
 # DeepSeek-V3's routing fields under these families' own config classes
-DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"} | GLM5
+DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"} | GLM5 | HY4
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
 NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "deepseek_v4"} | STEP | GLM5
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "deepseek_v4"} | STEP
@@ -112,6 +117,12 @@ def _step(cfg):
     from dynamoe.models.step3p5 import step_fields
 
     return step_fields(cfg)
+
+
+def _hy4(cfg):
+    from dynamoe.models.hy_v4 import hy_fields
+
+    return hy_fields(cfg)
 
 
 def _ml4_sources(cfg):
@@ -151,7 +162,7 @@ def _hf_moe_layers(hf, mt):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
-    if mt in ML4:
+    if mt in ML4 | HY4:
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "deepseek_v4":  # (hash-routed or not, every layer is MoE)
         return [True] * n
@@ -352,11 +363,17 @@ FIELDS = {
     # V3.2 / GLM-5 always interleave MLA's RoPE (the family classes say so); V3 reads the field
     "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4"}),
     # the sparse-attention indexer
-    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa"} | GLM5)
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa"} | GLM5 | HY4)
        for name in ("index_topk", "index_head_dim", "index_n_heads")},
     # GLM-5's indexer kinds: dynamoe's () means every layer runs its indexer
     "indexer_types": (lambda hf, mt: list(hf.indexer_types),
-                      lambda cfg: list(cfg.indexer_types) or ["full"] * cfg.num_hidden_layers, {"glm_moe_dsa"} | GLM5),
+                      lambda cfg: list(cfg.indexer_types) or ["full"] * cfg.num_hidden_layers,
+                      {"glm_moe_dsa"} | GLM5 | HY4),
+    # Hy4: the routed experts' clamp, the dense MLP's width, RoPE layout, hyper-connections
+    "swiglu_limit_hy4": (lambda hf, mt: hf.swiglu_limit, lambda cfg: cfg.swiglu_limit, HY4),
+    "intermediate_size_hy4": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, HY4),
+    "rope_interleave_hy4": (lambda hf, mt: mt != "hy_v4", lambda cfg: cfg.rope_interleave, HY4),
+    "hc_hy4": (lambda hf, mt: (hf.hc_mult, hf.hc_eps, hf.hc_magnitude), lambda cfg: _hy4(cfg), HY4),
     # Mistral-Large-4: MLA sizes, routing, the indexer, RoPE / NoPE layers, KV sharing, the logits' cap
     **{f"{name}_ml4": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name), ML4)
        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
@@ -511,6 +528,11 @@ def test_omitted_fields_default_as_transformers(mt):
     ("mistral_large4", {"no_rope_layer_interval": 2, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6,
                                                                         "factor": 8.0,
                                                                         "original_max_position_embeddings": 4096}}),
+    # Hy4: explicit indexer kinds and MLP kinds, hyper-connection sizes, a window-free YaRN
+    ("hy_v4", {"indexer_types": ["full", "shared", "shared", "full"], "mlp_layer_types": ["sparse"] * 4, "hc_mult": 2,
+               "hc_magnitude": 1.5, "num_key_value_heads": 2, "head_dim": 7, "index_topk_freq": 2}),
+    ("hy_v4_vl", {"num_hidden_layers": 9, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
+                                                              "mrope_section": [16, 8, 8]}}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

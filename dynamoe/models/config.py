@@ -75,6 +75,7 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "step3p7": TextWrapper(("text_config",), ("step3p5",)),
     "glm5_next": TextWrapper(("text_config",), ("glm5_next_text",)),
     "mistral_large4": TextWrapper(("text_config",), ("mistral_large4_text",)),
+    "hy_v4_vl": TextWrapper(("text_config",), ("hy_v4_vl_text",)),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)
@@ -99,6 +100,11 @@ _HYBRID_FIELDS = {"num_key_value_heads": 2, "max_position_embeddings": 32768, "r
                   "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
                   "linear_num_key_heads": 16, "linear_num_value_heads": 32, "moe_intermediate_size": 512,
                   "shared_expert_intermediate_size": 512}
+# HYV4Config's and HYV4VLTextConfig's common defaults
+_HY4 = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "pad_token_id": 120002, "bos_token_id": 120000,
+        "eos_token_id": 120025, "n_shared_experts": 1, "routed_scaling_factor": 2.827, "norm_topk_prob": True,
+        "n_group": 1, "topk_group": 1, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+        "v_head_dim": 256, "index_topk": 2048, "index_head_dim": 128, "swiglu_limit": 10.0}
 _QWEN3_5_MOE = {"partial_rotary_factor": 0.25, "full_attention_interval": 4, "num_experts": 256,
                 "num_experts_per_tok": 8, "fields": _HYBRID_FIELDS}
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -386,6 +392,19 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                        "eos_token_id": 2, "index_topk": 2048, "index_head_dim": 128,
                                        "index_n_heads": 32, "first_k_dense_replace": 1, "norm_topk_prob": True,
                                        "no_rope_layer_interval": 4}},
+    # HYV4Config / HYV4VLTextConfig (Hy4, Hy4-VL's text model): DeepSeek-V3.2's MLA and routing, head_dim and the KV
+    # heads derived (qk_rope_head_dim; one per query head), the first MLP dense, indexer_types by default full on
+    # layer 0 and every 4th from 1 ("hy_indexers"); Hy4's RoPE half-split, Hy4-VL's on interleaved pairs (its
+    # mrope_section is plain RoPE for text: the three position ids are equal)
+    "hy_v4": {**_MLA, "num_experts": 256, "num_experts_per_tok": 8, "first_layer_dense": True, "hy_indexers": True,
+              "ignored": ("head_dim", "num_key_value_heads", "rope_interleave"),
+              "fields": {**_HY4, "intermediate_size": 6912, "moe_intermediate_size": 768, "q_lora_rank": 1536,
+                         "index_n_heads": 16}},
+    "hy_v4_vl_text": {**_MLA, "num_experts": 256, "num_experts_per_tok": 8, "first_layer_dense": True,
+                      "hy_indexers": True, "rope_interleave": True,
+                      "ignored": ("head_dim", "num_key_value_heads", "rope_interleave"),
+                      "fields": {**_HY4, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                                 "q_lora_rank": 2048, "index_n_heads": 32}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -1131,7 +1150,11 @@ class ModelConfig:
             end = _int(d, "moe_layer_end_index", minimum=-1)
             end = layers - 1 if end == -1 else end
             mlp_types = tuple("sparse" if (i + 1) % every == 0 and start <= i <= end else "dense" for i in range(layers))
-        indexer_types = _indexer_types(d, layers)
+        if fam.get("hy_indexers"):  # Hy4: indexer_types, else full on layer 0 and every 4th from 1 (no other rule)
+            indexer_types = (_str_list(d, "indexer_types", layers, INDEXER_TYPES)
+                             or tuple("full" if i == 0 or (i - 1) % 4 == 0 else "shared" for i in range(layers)))
+        else:
+            indexer_types = _indexer_types(d, layers)
         mlp_only = _int_list(d, "mlp_only_layers")
         if any(not 0 <= i < layers for i in mlp_only):
             raise _err("mlp_only_layers", list(mlp_only), f"layer indices in [0, {layers})")

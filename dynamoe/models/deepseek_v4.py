@@ -51,7 +51,7 @@ from .attention import _attend_with_sinks, attention_mask, cached_length, write_
 from .base import CausalLM
 from .cache import KVCache
 from .config import ModelConfig, RopeConfig
-from .hyper_connections import HyperConnection, HyperDecoderLayer, StreamEmbedding, rms_unweighted
+from .hyper_connections import HyperConnection, HyperDecoderLayer, HyperHeadNorm, StreamEmbedding, rms_unweighted
 from .moe_block import SparseMoeBlock
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
@@ -392,30 +392,6 @@ class V4MoeBlock(SparseMoeBlock):
                                     "kernel; its experts run through the experts' kernel in forward")
 
 
-class _HyperHead(nn.Module):
-    """``hc_fn`` [N, N D], ``hc_base`` [N], ``hc_scale`` [1] (fp32): the streams' final collapse."""
-
-    def __init__(self, hidden_size: int, streams: int):
-        super().__init__()
-        self.hc_fn = nn.Parameter(torch.zeros(streams, streams * hidden_size, dtype=torch.float32))
-        self.hc_base = nn.Parameter(torch.zeros(streams, dtype=torch.float32))
-        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
-
-
-class V4FinalNorm(RMSNorm):
-    """The streams [B, T, N, D] collapsed by sigmoid weights from ``hc_head``, then the model's RMSNorm."""
-
-    def __init__(self, hidden_size: int, streams: int, eps: float, hc_eps: float):
-        super().__init__(hidden_size, eps, weight_in_fp32=True, dtype=torch.float32)
-        self.hc_head, self.hc_eps = _HyperHead(hidden_size, streams), hc_eps
-
-    def forward(self, h: Tensor) -> Tensor:
-        head = self.hc_head
-        mixes = F.linear(rms_unweighted(h.flatten(-2).float(), self.eps), head.hc_fn.float())
-        pre = torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + self.hc_eps
-        return super().forward((pre.unsqueeze(-1) * h).sum(dim=-2).to(h.dtype))
-
-
 class DeepseekV4ForCausalLM(CausalLM):
     """DeepSeek-V4 (see the module docstring)."""
 
@@ -453,7 +429,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         return rotary
 
     def build_norm(self, cfg: ModelConfig, dim: int, dtype) -> nn.Module:
-        return V4FinalNorm(dim, self.fields.hc_mult, cfg.rms_norm_eps, self.fields.hc_eps)
+        return HyperHeadNorm(dim, self.fields.hc_mult, cfg.rms_norm_eps, self.fields.hc_eps, weight_in_fp32=True)
 
     def build_layer(self, cfg: ModelConfig, i: int, rotary: nn.Module, dtype) -> HyperDecoderLayer:
         f, D, eps = self.fields, cfg.hidden_size, cfg.rms_norm_eps

@@ -5,6 +5,9 @@ then Sinkhorn-normalised towards a doubly stochastic matrix: mixes the streams),
 
     h <- post * f(norm(sum_n pre_n h_n)) + comb^T h
 
+The independent variant (Hy4, :class:`IndependentHyperConnection`) has no comb: h <- h + post * f(norm(sum_n pre_n
+h_n)), post = ``hc_magnitude`` sigmoid(.) + eps.
+
 Legend: B batch rows, T tokens, N streams (``hc_mult``), D model dim.
 """
 from __future__ import annotations
@@ -13,7 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["HyperConnection", "HyperDecoderLayer", "StreamEmbedding", "rms_unweighted"]
+from .norms import RMSNorm
+
+__all__ = ["HyperConnection", "HyperDecoderLayer", "IndependentHyperConnection", "IndependentHyperDecoderLayer",
+           "HyperHeadNorm", "StreamEmbedding", "rms_unweighted"]
 
 
 def rms_unweighted(x: Tensor, eps: float) -> Tensor:
@@ -89,3 +95,68 @@ class StreamEmbedding(nn.Embedding):
     def forward(self, ids: Tensor) -> Tensor:
         h = super().forward(ids)
         return h.unsqueeze(2).expand(*h.shape[:2], self.streams, h.size(-1)).contiguous()
+
+
+class IndependentHyperConnection(nn.Module):
+    """Pre / post weights of N residual streams around one sublayer, no mixing (``fn`` [2 N, N D], ``base`` [2 N],
+    ``scale`` [2], fp32; Hy4). ``forward(h [B, T, N, D]) -> (post [B, T, N], collapsed [B, T, D])``."""
+
+    def __init__(self, hidden_size: int, streams: int, magnitude: float, hc_eps: float, norm_eps: float):
+        super().__init__()
+        N = streams
+        self.streams, self.magnitude, self.hc_eps, self.norm_eps = N, magnitude, hc_eps, norm_eps
+        self.fn = nn.Parameter(torch.zeros(2 * N, N * hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros(2 * N, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(2, dtype=torch.float32))
+
+    def forward(self, h_BTND: Tensor) -> tuple[Tensor, Tensor]:
+        N = self.streams
+        mixed = F.linear(rms_unweighted(h_BTND.flatten(2).float(), self.norm_eps), self.fn.float())
+        pre_w, post_w = mixed.split(N, dim=-1)
+        pre_b, post_b = self.base.split(N)
+        s_pre, s_post = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
+        post = self.magnitude * torch.sigmoid(post_w * s_post + post_b) + self.hc_eps
+        return post, (pre.unsqueeze(-1) * h_BTND).sum(dim=2).to(h_BTND.dtype)
+
+
+class IndependentHyperDecoderLayer(HyperDecoderLayer):
+    """:class:`HyperDecoderLayer` around :class:`IndependentHyperConnection` pairs: h + post * f(norm(collapsed)), in fp32."""
+
+    def forward(self, h_BTND: Tensor, positions_BT: Tensor, cache=None, slots=None, kv_len=None) -> Tensor:
+        post, x = self.attn_hc(h_BTND)
+        h_BTND = _independent_residual(h_BTND, post, self.self_attn(self.input_layernorm(x), positions_BT, cache, slots,
+                                                                     kv_len))
+        post, x = self.ffn_hc(h_BTND)
+        return _independent_residual(h_BTND, post, self.mlp(self.post_attention_layernorm(x)))
+
+
+def _independent_residual(h_BTND: Tensor, post: Tensor, out_BTD: Tensor) -> Tensor:
+    return (post.float().unsqueeze(-1) * out_BTD.float().unsqueeze(-2) + h_BTND.float()).to(h_BTND.dtype)
+
+
+class _HyperHead(nn.Module):
+    """``hc_fn`` [N, N D], ``hc_base`` [N], ``hc_scale`` [1] (fp32): the streams' final collapse."""
+
+    def __init__(self, hidden_size: int, streams: int):
+        super().__init__()
+        self.hc_fn = nn.Parameter(torch.zeros(streams, streams * hidden_size, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.zeros(streams, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+
+class HyperHeadNorm(RMSNorm):
+    """The streams [B, T, N, D] collapsed by sigmoid weights from ``hc_head`` (of the RMS-normalised streams), then
+    the model's RMSNorm (an fp32 weight with ``weight_in_fp32``: DeepSeek-V4; else the model's dtype: Hy4)."""
+
+    def __init__(self, hidden_size: int, streams: int, eps: float, hc_eps: float, weight_in_fp32: bool = False,
+                 dtype=None):
+        super().__init__(hidden_size, eps, weight_in_fp32=weight_in_fp32,
+                         dtype=torch.float32 if weight_in_fp32 else dtype)
+        self.hc_head, self.hc_eps = _HyperHead(hidden_size, streams), hc_eps
+
+    def forward(self, h: Tensor) -> Tensor:
+        head = self.hc_head
+        mixes = F.linear(rms_unweighted(h.flatten(-2).float(), self.eps), head.hc_fn.float())
+        pre = torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + self.hc_eps
+        return super().forward((pre.unsqueeze(-1) * h).sum(dim=-2).to(h.dtype))

@@ -70,7 +70,8 @@ class Indexer(nn.Module):
     Mistral-Large-4's variant: ``query_norm`` (``q_input_norm``, a LayerNorm over the hidden size: the queries are
     wq_b(LayerNorm(x)), ``q_lora_rank`` is then the hidden size and q_resid is not read), ``head_scale`` (the queries
     scaled per head by ``softmax_scaling``, :class:`~dynamoe.models.mla.LogPositionScale`) and ``rotary`` None (no
-    RoPE: NoPE layers).
+    RoPE: NoPE layers). Hy4's: ``rope_at_end`` (RoPE on the last R dims of q and k, not the first) and
+    ``k_norm_eps`` (the key LayerNorm's eps; 1e-6 elsewhere).
     """
 
     #: at most this many per-head scores (fp32) exist at once; longer prefills are scored in query chunks
@@ -78,16 +79,17 @@ class Indexer(nn.Module):
 
     def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, rope_dim: int, topk: int,
                  layer_idx: int, rotary: RotaryEmbedding | None, rope_interleaved: bool = False,
-                 shared: SharedIndex | None = None, query_norm: bool = False, head_scale: bool = False, dtype=None):
+                 shared: SharedIndex | None = None, query_norm: bool = False, head_scale: bool = False,
+                 rope_at_end: bool = False, k_norm_eps: float = 1e-6, dtype=None):
         super().__init__()
         if rope_dim > head_dim:
             raise ValueError(f"index_head_dim={head_dim} must be >= qk_rope_head_dim={rope_dim}")
         self.layer_idx, self.n_heads, self.head_dim, self.topk = layer_idx, n_heads, head_dim, topk
-        self.rope_interleaved = rope_interleaved
+        self.rope_interleaved, self.rope_at_end = rope_interleaved, rope_at_end
         self.softmax_scale = head_dim ** -0.5
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype)
         self.wk = nn.Linear(hidden_size, head_dim, bias=False, dtype=dtype)
-        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6, dtype=dtype)
+        self.k_norm = nn.LayerNorm(head_dim, eps=k_norm_eps, dtype=dtype)
         # transformers keeps it in fp32 (_keep_in_fp32_modules): the head weights decide the ranking
         self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False, dtype=torch.float32)
         self.q_input_norm = self.softmax_scaling = None
@@ -107,6 +109,12 @@ class Indexer(nn.Module):
         return (f"layer={self.layer_idx}, heads={self.n_heads}, head_dim={self.head_dim}, topk={self.topk}, "
                 f"rope_interleaved={self.rope_interleaved}")
 
+    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if not self.rope_at_end:
+            return apply_rope(x, cos, sin, self.rope_interleaved)
+        R = 2 * cos.size(-1)
+        return torch.cat([x[..., :-R], apply_rope(x[..., -R:].contiguous(), cos, sin, self.rope_interleaved)], dim=-1)
+
     def _head_weights(self, x_BTD: Tensor) -> Tensor:
         proj = self.weights_proj  # an fp32 nn.Linear, or the loader's QuantizedLinear (a quantized checkpoint)
         x = x_BTD.to(proj.weight.dtype) if isinstance(proj, nn.Linear) else x_BTD
@@ -119,7 +127,7 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(x_BTD)).unsqueeze(1)                                         # [B, 1, T, d]
         if self.rotary is not None:
             cos, sin = self.rotary(positions_BT, k.dtype)
-            k = apply_rope(k, cos, sin, self.rope_interleaved)
+            k = self._rope(k, cos, sin)
         if cache is not None:
             k = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, index_k=k)["index_k"]
         return k
@@ -134,7 +142,7 @@ class Indexer(nn.Module):
             q = self.softmax_scaling(q, positions_BT, heads_first=False)
         if self.rotary is not None:
             cos, sin = self.rotary(positions_BT, q.dtype)
-            q = apply_rope(q.transpose(1, 2), cos, sin, self.rope_interleaved).transpose(1, 2)  # [B, T, I, d]
+            q = self._rope(q.transpose(1, 2), cos, sin).transpose(1, 2)                       # [B, T, I, d]
         w = self._head_weights(x_BTD).unsqueeze(-2)                                           # [B, T, 1, I]
         kT = k_B1Ld.float().transpose(-1, -2)                                                 # [B, 1, d, L]
         # the per-head scores [B, t, I, L] are the big intermediate (relu keeps the heads apart):

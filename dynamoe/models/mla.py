@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ..quant.dequantize import dense
-from .attention import _sdpa, attend, cached_length, write_kv
+from .attention import _attend_with_sinks, _sdpa, attend, attention_mask, cached_length, write_kv
 from .cache import KVCache
 from .indexer import Indexer, SharedIndex
 from .norms import RMSNorm
@@ -110,7 +110,9 @@ class MLAttention(nn.Module):
     used as they are projected). ``position_log_scale``: the queries are scaled per head by ``softmax_scaling``
     (:class:`LogPositionScale`, Mistral-Large-4). ``shared_latents`` with ``latent_source`` None: this layer's latents
     are kept there for later layers; with ``latent_source`` j: this layer has no ``kv_a_proj_with_mqa`` /
-    ``kv_a_layernorm`` and attends to layer j's latents (already roped: only its queries rotate).
+    ``kv_a_layernorm`` and attends to layer j's latents (already roped: only its queries rotate). ``sinks``: a learned
+    sink logit per head in the softmax (``sinks`` [H], fp32; Hy4); ``output_gate``: the output of each head times
+    sigmoid(``gate_proj``(x)) (one gate per value dim, [H * v, D]; Hy4).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
@@ -119,7 +121,7 @@ class MLAttention(nn.Module):
                  norm_eps: float = 1e-6, indexer: Indexer | None = None, shared_index: SharedIndex | None = None,
                  absorb: bool | None = None, llama4_scaling: tuple | None = None, lora_scales: tuple | None = None,
                  position_log_scale: bool = False, shared_latents: SharedLatents | None = None,
-                 latent_source: int | None = None, dtype=None):
+                 latent_source: int | None = None, sinks: bool = False, output_gate: bool = False, dtype=None):
         super().__init__()
         self.layer_idx, self.num_heads = layer_idx, num_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
@@ -144,6 +146,8 @@ class MLAttention(nn.Module):
             self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias, **kw)
             self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps, dtype=dtype)
         self.softmax_scaling = LogPositionScale(num_heads, dtype=dtype) if position_log_scale else None
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32)) if sinks else None
+        self.gate_proj = nn.Linear(hidden_size, H * v_head_dim, bias=False, **kw) if output_gate else None
         self.kv_b_proj = nn.Linear(kv_lora_rank, H * (qk_nope_head_dim + v_head_dim), bias=False, **kw)
         self.o_proj = nn.Linear(H * v_head_dim, hidden_size, bias=bias, **kw)
         if indexer is not None and q_lora_rank is None and getattr(indexer, "q_input_norm", None) is None:
@@ -244,10 +248,16 @@ class MLAttention(nn.Module):
             k_nope, v = kv[..., :n], kv[..., n:]
             k = torch.cat([k_nope, k_rope.expand(B, H, L, r)], dim=-1)
             out = self._attend(torch.cat([q_nope, q_rope], dim=-1), k, v, positions_BT, k_pos, allowed)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * self.v_dim))
+        out = out.transpose(1, 2).reshape(B, T, H * self.v_dim)
+        if self.gate_proj is not None:
+            out = out * torch.sigmoid(self.gate_proj(x_BTD))
+        return self.o_proj(out)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, positions_BT: Tensor, k_pos: Tensor | None,
                 allowed: Tensor | None) -> Tensor:
+        if self.sinks is not None:
+            mask = attention_mask(positions_BT, positions_BT if k_pos is None else k_pos, None)
+            return _attend_with_sinks(q, k, v, mask if allowed is None else mask & allowed, self.scale, self.sinks)
         if allowed is None:
             return attend(q, k, v, positions_BT, k_pos, self.scale)
         return _sdpa(q, k, v, allowed, self.scale, causal=False)

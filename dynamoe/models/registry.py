@@ -120,3 +120,6 @@ register("glm5_next", "dynamoe.models.glm5_next:Glm5NextForCausalLM", ("Glm5Next
          aliases=("glm5_next_text",))
 register("mistral_large4", "dynamoe.models.mistral_large4:MistralLarge4ForCausalLM",
          ("MistralLarge4ForConditionalGeneration",), aliases=("mistral_large4_text",))
+register("hy_v4", "dynamoe.models.hy_v4:HyV4ForCausalLM", ("HYV4ForCausalLM",))
+register("hy_v4_vl", "dynamoe.models.hy_v4:HyV4ForCausalLM", ("HYV4VLForConditionalGeneration",),
+         aliases=("hy_v4_vl_text",))

@@ -54,9 +54,6 @@ UNSUPPORTED: dict[str, str] = {
     "granitemoehybrid": "GraniteMoE-Hybrid mixes Mamba-2 layers with attention: state-space layers are not "
                         "supported yet",
     "hy_v3": "Hy3 is not implemented yet: its router_scaling_factor routing and layer kinds",
-    "hy_v4": "Hy4 is not implemented yet: MLA with attention sinks",
-    "hy_v4_vl": _VLM,
-    "hy_v4_vl_text": _text_of("hy_v4_vl", "MLA with attention sinks"),
     "inkling2": _VLM,
     "inkling2_loop": _VLM,
     "inkling2_loop_text": _text_of("inkling2_loop", "short-convolution layers with looped blocks and sinks"),
