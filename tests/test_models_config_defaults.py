@@ -87,6 +87,8 @@ FAMILIES = {
     "hy_v4": ("HYV4Config", {}),
     "hy_v4_vl_text": ("HYV4VLTextConfig", {}),
     "hy_v4_vl": ("HYV4VLConfig", {}),
+    # Sarvam-105B: DeepSeek-V3 (transformers builds DeepseekV3ForCausalLM) with its own defaults and hub names
+    "sarvam_mla": ("SarvamMLAConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -102,7 +104,7 @@ QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_
               "qwen3_omni_moe", "flint"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
-                 "dots1", "glm4v_moe", "glm4v_moe_text"}
+                 "dots1", "glm4v_moe", "glm4v_moe_text", "sarvam_mla"}
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
                                                                                        "longcat_flash"} | GLM5 | HY4
 # DeepSeek-V3's routing fields under these families' own config classes
@@ -356,12 +358,13 @@ FIELDS = {
                               (DEEPSEEK_LIKE - {"glm4_moe_lite"}) | {"mistral4"}),
     "use_qk_norm": (lambda hf, mt: hf.use_qk_norm, None, {"glm4_moe"}),
     "num_nextn_predict_layers": (lambda hf, mt: hf.num_nextn_predict_layers, None,
-                                 {"deepseek_v3", "kimi_k2", "glm4_moe"}),
+                                 {"deepseek_v3", "kimi_k2", "glm4_moe", "sarvam_mla"}),
     # MLA
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, MLA_FAMILIES)
        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
     # V3.2 / GLM-5 always interleave MLA's RoPE (the family classes say so); V3 reads the field
-    "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4"}),
+    "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4",
+                                                                  "sarvam_mla"}),
     # the sparse-attention indexer
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa"} | GLM5 | HY4)
        for name in ("index_topk", "index_head_dim", "index_n_heads")},
@@ -533,6 +536,11 @@ def test_omitted_fields_default_as_transformers(mt):
                "hc_magnitude": 1.5, "num_key_value_heads": 2, "head_dim": 7, "index_topk_freq": 2}),
     ("hy_v4_vl", {"num_hidden_layers": 9, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
                                                               "mrope_section": [16, 8, 8]}}),
+    # Sarvam-105B: the hub's names and its 'deepseek_yarn' rope_scaling
+    ("sarvam_mla", {"num_experts": 16, "num_shared_experts": 2, "num_mtp_layers": 1, "head_dim": 576, "q_head_dim": 192,
+                    "rope_theta": 5e4, "rope_scaling": {"type": "deepseek_yarn", "factor": 40.0,
+                                                        "original_max_position_embeddings": 4096, "beta_fast": 32,
+                                                        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

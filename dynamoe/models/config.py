@@ -131,6 +131,15 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "deepseek_v3": {**_MLA, "rope_interleave": True, "fields": {**_DEEPSEEK, "num_nextn_predict_layers": 1}},
     "kimi_k2": {**_MLA, "rope_interleave": True, "fields": {**_DEEPSEEK, "num_nextn_predict_layers": 1}},
+    # SarvamMLAConfig (Sarvam-105B): DeepSeek-V3's model and defaults but 128 experts, no query LoRA, one group, one
+    # dense layer; the hub's names num_shared_experts / num_mtp_layers (attribute_map), its rope_scaling type
+    # 'deepseek_yarn' read as YaRN ("deepseek_yarn"), head_dim / q_head_dim derived ("ignored")
+    "sarvam_mla": {**_MLA, "num_experts": 128, "rope_interleave": True, "deepseek_yarn": True,
+                   "ignored": ("head_dim", "q_head_dim"),
+                   "aliases": {"n_shared_experts": "num_shared_experts", "num_nextn_predict_layers": "num_mtp_layers"},
+                   "fields": {**{k: v for k, v in _DEEPSEEK.items() if k != "n_shared_experts"}, "q_lora_rank": None,
+                              "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "intermediate_size": 16384,
+                              "num_shared_experts": 1, "num_mtp_layers": 0}},
     "deepseek_v32": {**_MLA, "fields": {**_DEEPSEEK, "max_position_embeddings": 163840, "index_topk": 2048,
                                         "index_head_dim": 128, "index_n_heads": 64}},
     "glm_moe_dsa": {**_MLA, "fields": {**_DEEPSEEK, "q_lora_rank": 2048, "qk_nope_head_dim": 192, "v_head_dim": 256,
@@ -1007,6 +1016,11 @@ class ModelConfig:
         for ours, theirs in fam.get("aliases", {}).items():
             if d.get(ours) is None and d.get(theirs) is not None:
                 d[ours] = d[theirs]
+        scaling = d.get("rope_scaling")
+        if (fam.get("deepseek_yarn") and isinstance(scaling, dict)
+                and "deepseek_yarn" in (scaling.get("type"), scaling.get("rope_type"))):  # Sarvam: YaRN by another name
+            d = {**d, "rope_parameters": {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": "yarn"}}
+            del d["rope_scaling"]
         if fam.get("window_size_plus_one") and d.get("sliding_window_size") is not None:
             d["sliding_window"] = _int(d, "sliding_window_size") + 1
         if d.get("routed_scaling_factor", 0) is None:

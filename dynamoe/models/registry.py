@@ -123,3 +123,5 @@ register("mistral_large4", "dynamoe.models.mistral_large4:MistralLarge4ForCausal
 register("hy_v4", "dynamoe.models.hy_v4:HyV4ForCausalLM", ("HYV4ForCausalLM",))
 register("hy_v4_vl", "dynamoe.models.hy_v4:HyV4ForCausalLM", ("HYV4VLForConditionalGeneration",),
          aliases=("hy_v4_vl_text",))
+# Sarvam-105B: transformers builds DeepseekV3ForCausalLM for it
+register("sarvam_mla", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM", ("SarvamMLAForCausalLM",))

@@ -83,7 +83,6 @@ UNSUPPORTED: dict[str, str] = {
     "qwen3_omni_moe_talker_text": "the speech talker of Qwen3-Omni, not a text causal LM",
     "qwen4_exp": _VLM,
     "qwen4_exp_text": _text_of("qwen4_exp", "its layer kinds"),
-    "sarvam_mla": "Sarvam-105B is not implemented yet: MLA with Sarvam's routing and multi-token prediction",
     "sarvam_moe": "Sarvam-30B is not implemented yet: its routing and multi-token-prediction layout",
     "solar_open": "Solar-Open is not implemented yet: its DeepSeek-like routing and attention",
     "switch_transformers": "Switch Transformers is an encoder-decoder (T5) model, not a decoder-only causal LM",
