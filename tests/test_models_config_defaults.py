@@ -89,6 +89,8 @@ FAMILIES = {
     "hy_v4_vl": ("HYV4VLConfig", {}),
     # Sarvam-105B: DeepSeek-V3 (transformers builds DeepseekV3ForCausalLM) with its own defaults and hub names
     "sarvam_mla": ("SarvamMLAConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    # A.X-K1: DeepSeek-V3 with a post-MoE norm; MLP kinds from the hub's first_k_dense_replace / moe_layer_freq
+    "axk1": ("AXK1Config", dict(intermediate_size=96, moe_intermediate_size=32)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -106,9 +108,9 @@ HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text", "sarvam_mla"}
 MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
-                                                                                       "longcat_flash"} | GLM5 | HY4
+                                                                                       "longcat_flash", "axk1"} | GLM5 | HY4
 # DeepSeek-V3's routing fields under these families' own config classes
-DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4"} | GLM5 | HY4
+DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "axk1"} | GLM5 | HY4
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
 NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "deepseek_v4"} | STEP | GLM5
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "deepseek_v4"} | STEP
@@ -164,7 +166,7 @@ def _hf_moe_layers(hf, mt):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
-    if mt in ML4 | HY4:
+    if mt in ML4 | HY4 | {"axk1"}:
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "deepseek_v4":  # (hash-routed or not, every layer is MoE)
         return [True] * n
@@ -364,7 +366,7 @@ FIELDS = {
        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
     # V3.2 / GLM-5 always interleave MLA's RoPE (the family classes say so); V3 reads the field
     "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4",
-                                                                  "sarvam_mla"}),
+                                                                  "sarvam_mla", "axk1"}),
     # the sparse-attention indexer
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa"} | GLM5 | HY4)
        for name in ("index_topk", "index_head_dim", "index_n_heads")},
@@ -541,6 +543,8 @@ def test_omitted_fields_default_as_transformers(mt):
                     "rope_theta": 5e4, "rope_scaling": {"type": "deepseek_yarn", "factor": 40.0,
                                                         "original_max_position_embeddings": 4096, "beta_fast": 32,
                                                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}),
+    ("axk1", {"first_k_dense_replace": 2, "moe_layer_freq": 2, "num_hidden_layers": 6, "rope_interleave": False}),
+    ("axk1", {"mlp_layer_types": ["sparse", "dense", "sparse", "dense"], "first_k_dense_replace": 3}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

@@ -134,6 +134,13 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # SarvamMLAConfig (Sarvam-105B): DeepSeek-V3's model and defaults but 128 experts, no query LoRA, one group, one
     # dense layer; the hub's names num_shared_experts / num_mtp_layers (attribute_map), its rope_scaling type
     # 'deepseek_yarn' read as YaRN ("deepseek_yarn"), head_dim / q_head_dim derived ("ignored")
+    # AXK1Config (A.X-K1): DeepSeek-V3's with 192 experts; its MLP kinds from mlp_layer_types, else from the hub's
+    # first_k_dense_replace / moe_layer_freq ("axk_mlp_layers"); no MTP fields (its class has none)
+    "axk1": {**_MLA, "num_experts": 192, "rope_interleave": True, "axk_mlp_layers": True,
+             "ignored": ("head_dim", "num_nextn_predict_layers"),
+             "fields": {**_DEEPSEEK, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                        "max_position_embeddings": 32768, "bos_token_id": 163691, "eos_token_id": 163691,
+                        "first_k_dense_replace": 1, "moe_layer_freq": 1}},
     "sarvam_mla": {**_MLA, "num_experts": 128, "rope_interleave": True, "deepseek_yarn": True,
                    "ignored": ("head_dim", "q_head_dim"),
                    "aliases": {"n_shared_experts": "num_shared_experts", "num_nextn_predict_layers": "num_mtp_layers"},
@@ -1146,6 +1153,9 @@ class ModelConfig:
         mlp_types = () if fam.get("v4_layers") else _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("step_layers"):
             mlp_types = _step_mlp_types(d, layers)
+        if not mlp_types and fam.get("axk_mlp_layers"):  # A.X-K1/K2: MoE from first_k_dense_replace, every freq-th
+            first, freq = _int(d, "first_k_dense_replace", minimum=0), _int(d, "moe_layer_freq")
+            mlp_types = tuple("sparse" if i >= first and i % freq == 0 else "dense" for i in range(layers))
         if not mlp_types and fam.get("glm5_layers"):  # the first three dense
             mlp_types = ("dense",) * min(3, layers) + ("sparse",) * max(0, layers - 3)
         if not mlp_types and fam.get("first_layer_dense"):

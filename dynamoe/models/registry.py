@@ -125,3 +125,4 @@ register("hy_v4_vl", "dynamoe.models.hy_v4:HyV4ForCausalLM", ("HYV4VLForConditio
          aliases=("hy_v4_vl_text",))
 # Sarvam-105B: transformers builds DeepseekV3ForCausalLM for it
 register("sarvam_mla", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM", ("SarvamMLAForCausalLM",))
+register("axk1", "dynamoe.models.axk1:AXK1ForCausalLM", ("AXK1ForCausalLM",))
