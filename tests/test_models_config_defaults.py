@@ -91,6 +91,8 @@ FAMILIES = {
     "sarvam_mla": ("SarvamMLAConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
     # A.X-K1: DeepSeek-V3 with a post-MoE norm; MLP kinds from the hub's first_k_dense_replace / moe_layer_freq
     "axk1": ("AXK1Config", dict(intermediate_size=96, moe_intermediate_size=32)),
+    # A.X-K2: sparse MLA with gated queries, self-gated norms; no groups by default
+    "axk2": ("AXK2Config", dict(intermediate_size=96, moe_intermediate_size=32)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -107,10 +109,10 @@ QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text", "sarvam_mla"}
-MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "mistral4",
-                                                                                       "longcat_flash", "axk1"} | GLM5 | HY4
+MLA_FAMILIES = ((DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"})
+                | {"kimi_linear", "mistral4", "longcat_flash", "axk1", "axk2"} | GLM5 | HY4)
 # DeepSeek-V3's routing fields under these families' own config classes
-DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "axk1"} | GLM5 | HY4
+DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "axk1", "axk2"} | GLM5 | HY4
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
 NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "deepseek_v4"} | STEP | GLM5
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "deepseek_v4"} | STEP
@@ -166,7 +168,7 @@ def _hf_moe_layers(hf, mt):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
-    if mt in ML4 | HY4 | {"axk1"}:
+    if mt in ML4 | HY4 | {"axk1", "axk2"}:
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "deepseek_v4":  # (hash-routed or not, every layer is MoE)
         return [True] * n
@@ -368,7 +370,7 @@ FIELDS = {
     "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4",
                                                                   "sarvam_mla", "axk1"}),
     # the sparse-attention indexer
-    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa"} | GLM5 | HY4)
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa", "axk2"} | GLM5 | HY4)
        for name in ("index_topk", "index_head_dim", "index_n_heads")},
     # GLM-5's indexer kinds: dynamoe's () means every layer runs its indexer
     "indexer_types": (lambda hf, mt: list(hf.indexer_types),
@@ -545,6 +547,7 @@ def test_omitted_fields_default_as_transformers(mt):
                                                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}),
     ("axk1", {"first_k_dense_replace": 2, "moe_layer_freq": 2, "num_hidden_layers": 6, "rope_interleave": False}),
     ("axk1", {"mlp_layer_types": ["sparse", "dense", "sparse", "dense"], "first_k_dense_replace": 3}),
+    ("axk2", {"first_k_dense_replace": 0, "moe_layer_freq": 3, "n_group": 2, "topk_group": 2, "gated_norm_rank": 4}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

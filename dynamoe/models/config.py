@@ -141,6 +141,14 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
              "fields": {**_DEEPSEEK, "intermediate_size": 18432, "moe_intermediate_size": 2048,
                         "max_position_embeddings": 32768, "bos_token_id": 163691, "eos_token_id": 163691,
                         "first_k_dense_replace": 1, "moe_layer_freq": 1}},
+    # AXK2Config (A.X-K2): DeepSeek-V3.2's sparse MLA with gated queries and self-gated norms; no groups by default
+    # (null: one); MLP kinds as A.X-K1's; its MLA always interleaves RoPE (no such field)
+    "axk2": {**_MLA, "num_experts": 128, "axk_mlp_layers": True, "ignored": ("head_dim", "rope_interleave"),
+             "fields": {**_DEEPSEEK, "intermediate_size": 5120, "moe_intermediate_size": 512, "kv_lora_rank": 128,
+                        "q_lora_rank": 384, "qk_rope_head_dim": 32, "v_head_dim": 64, "qk_nope_head_dim": 64,
+                        "n_group": None, "topk_group": None, "max_position_embeddings": 131072,
+                        "bos_token_id": 163691, "eos_token_id": 163691, "first_k_dense_replace": 1,
+                        "moe_layer_freq": 1, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 16}},
     "sarvam_mla": {**_MLA, "num_experts": 128, "rope_interleave": True, "deepseek_yarn": True,
                    "ignored": ("head_dim", "q_head_dim"),
                    "aliases": {"n_shared_experts": "num_shared_experts", "num_nextn_predict_layers": "num_mtp_layers"},

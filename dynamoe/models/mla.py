@@ -112,7 +112,9 @@ class MLAttention(nn.Module):
     are kept there for later layers; with ``latent_source`` j: this layer has no ``kv_a_proj_with_mqa`` /
     ``kv_a_layernorm`` and attends to layer j's latents (already roped: only its queries rotate). ``sinks``: a learned
     sink logit per head in the softmax (``sinks`` [H], fp32; Hy4); ``output_gate``: the output of each head times
-    sigmoid(``gate_proj``(x)) (one gate per value dim, [H * v, D]; Hy4).
+    sigmoid(``gate_proj``(x)) (one gate per value dim, [H * v, D]; Hy4). ``gated_queries`` (A.X-K2): ``q_b_proj``
+    [H * (n + r + v), 2 Q] reads [q_a_layernorm(q_a(x)) | q_a(x)] and gives each head its query and an output gate
+    (the output of each head times sigmoid of it).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
@@ -121,7 +123,8 @@ class MLAttention(nn.Module):
                  norm_eps: float = 1e-6, indexer: Indexer | None = None, shared_index: SharedIndex | None = None,
                  absorb: bool | None = None, llama4_scaling: tuple | None = None, lora_scales: tuple | None = None,
                  position_log_scale: bool = False, shared_latents: SharedLatents | None = None,
-                 latent_source: int | None = None, sinks: bool = False, output_gate: bool = False, dtype=None):
+                 latent_source: int | None = None, sinks: bool = False, output_gate: bool = False,
+                 gated_queries: bool = False, dtype=None):
         super().__init__()
         self.layer_idx, self.num_heads = layer_idx, num_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
@@ -137,7 +140,11 @@ class MLAttention(nn.Module):
             self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias, **kw)
             # transformers (and DeepSeek's code) build the two latent norms with the default eps 1e-6
             self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps, dtype=dtype)
-            self.q_b_proj = nn.Linear(q_lora_rank, H * self.qk_dim, bias=False, **kw)
+            self.q_b_proj = (nn.Linear(2 * q_lora_rank, H * (self.qk_dim + v_head_dim), bias=False, **kw) if gated_queries
+                             else nn.Linear(q_lora_rank, H * self.qk_dim, bias=False, **kw))
+        if gated_queries and (q_lora_rank is None or output_gate):
+            raise ValueError("gated_queries needs q_lora_rank and excludes output_gate (the queries carry the gate)")
+        self.gated_queries = gated_queries
         if latent_source is not None and (shared_latents is None or latent_source >= layer_idx):
             raise ValueError(f"layer {layer_idx} reuses layer {latent_source}'s latents: it needs an earlier layer and "
                              "the model's SharedLatents")
@@ -196,8 +203,13 @@ class MLAttention(nn.Module):
         if self.q_lora_rank is None:
             q = self.q_proj(x_BTD)
         else:
-            q_resid = self.q_a_layernorm(self.q_a_proj(x_BTD))
-            q = self.q_b_proj(q_resid)
+            q_comp = self.q_a_proj(x_BTD)
+            q_resid = self.q_a_layernorm(q_comp)
+            if self.gated_queries:  # A.X-K2: [query | output gate] per head from [normalised | raw] low-rank queries
+                qg = self.q_b_proj(torch.cat([q_resid, q_comp], dim=-1)).view(B, T, H, self.qk_dim + self.v_dim)
+                q, q_gate = qg[..., :self.qk_dim].reshape(B, T, -1), qg[..., self.qk_dim:].reshape(B, T, -1)
+            else:
+                q = self.q_b_proj(q_resid)
         q = q.view(B, T, H, self.qk_dim).transpose(1, 2)                     # [B, H, T, n + r]
         q_nope, q_rope = q[..., :n], q[..., n:]
         reused = self.latent_source is not None
@@ -251,6 +263,8 @@ class MLAttention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, H * self.v_dim)
         if self.gate_proj is not None:
             out = out * torch.sigmoid(self.gate_proj(x_BTD))
+        elif self.gated_queries:
+            out = (out * torch.sigmoid(q_gate.float())).to(out.dtype)
         return self.o_proj(out)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, positions_BT: Tensor, k_pos: Tensor | None,

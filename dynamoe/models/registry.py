@@ -126,3 +126,4 @@ register("hy_v4_vl", "dynamoe.models.hy_v4:HyV4ForCausalLM", ("HYV4VLForConditio
 # Sarvam-105B: transformers builds DeepseekV3ForCausalLM for it
 register("sarvam_mla", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM", ("SarvamMLAForCausalLM",))
 register("axk1", "dynamoe.models.axk1:AXK1ForCausalLM", ("AXK1ForCausalLM",))
+register("axk2", "dynamoe.models.axk2:AXK2ForCausalLM", ("AXK2ForCausalLM",))

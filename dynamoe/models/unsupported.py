@@ -28,7 +28,6 @@ def _text_of(wrapper: str, what: str) -> str:
 UNSUPPORTED: dict[str, str] = {
     "aria": _VLM,
     "aria_text": _text_of("aria", "the MoE text model's expert and shared-expert layout is not ported"),
-    "axk2": "A.X-K2 is not implemented yet: MLA with a sparse-attention indexer and gated RMSNorm / gated MLPs",
     "bailing_hybrid": "Ling hybrid (bailing_hybrid) mixes MLA with linear-attention / convolution layers: "
                       "recurrent layers are not supported yet",
     "beam": "Beam is not implemented yet: per-layer mlp_layer_types and attention layer_types of its own",
