@@ -93,16 +93,21 @@ FAMILIES = {
     "axk1": ("AXK1Config", dict(intermediate_size=96, moe_intermediate_size=32)),
     # A.X-K2: sparse MLA with gated queries, self-gated norms; no groups by default
     "axk2": ("AXK2Config", dict(intermediate_size=96, moe_intermediate_size=32)),
+    # dots3_note: MLA with DSA and sliding layers of their own sizes and RoPE; the vision / audio wrapper nests it
+    "dots3_note_text": ("Dots3NoteTextConfig", dict(num_key_value_heads=8)),
+    # (its towers' adapters default to the released text width: the config class checks they match)
+    "dots3_note": ("Dots3NoteConfig", dict(num_key_value_heads=8, hidden_size=5120)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
            "llama4": ("text_config",), "step3p7": ("text_config",), "glm5_next": ("text_config",),
-           "mistral_large4": ("text_config",), "hy_v4_vl": ("text_config",)}
+           "mistral_large4": ("text_config",), "hy_v4_vl": ("text_config",), "dots3_note": ("text_config",)}
 STEP = {"step3p5", "step3p7"}
 GLM5 = {"glm5_next_text", "glm5_next"}
 ML4 = {"mistral_large4_text", "mistral_large4"}
 HY4 = {"hy_v4", "hy_v4_vl_text", "hy_v4_vl"}
+DOTS3 = {"dots3_note_text", "dots3_note"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
@@ -110,12 +115,12 @@ HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text", "sarvam_mla"}
 MLA_FAMILIES = ((DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"})
-                | {"kimi_linear", "mistral4", "longcat_flash", "axk1", "axk2"} | GLM5 | HY4)
+                | {"kimi_linear", "mistral4", "longcat_flash", "axk1", "axk2"} | GLM5 | HY4 | DOTS3)
 # DeepSeek-V3's routing fields under these families' own config classes
-DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "axk1", "axk2"} | GLM5 | HY4
+DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "mimo_v2_flash", "mistral4", "axk1", "axk2"} | GLM5 | HY4 | DOTS3
 # no single rope_parameters dict: Kimi-Linear has no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "deepseek_v4"} | STEP | GLM5
-ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "deepseek_v4"} | STEP
+NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "deepseek_v4"} | STEP | GLM5 | DOTS3
+ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "deepseek_v4"} | STEP | DOTS3
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES - ML4  # (Mistral-Large-4's MLA: num_key_value_heads is unused)
 
 
@@ -123,6 +128,18 @@ def _step(cfg):
     from dynamoe.models.step3p5 import step_fields
 
     return step_fields(cfg)
+
+
+def _dots3_fields():
+    from dynamoe.models.config import DOTS3_LAYER_FIELDS
+
+    return DOTS3_LAYER_FIELDS
+
+
+def _dots3_sizes(cfg):
+    from dynamoe.models.config import dots3_layer_sizes
+
+    return dots3_layer_sizes(cfg.raw, cfg.layer_types)
 
 
 def _hy4(cfg):
@@ -168,7 +185,7 @@ def _hf_moe_layers(hf, mt):
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
-    if mt in ML4 | HY4 | {"axk1", "axk2"}:
+    if mt in ML4 | HY4 | DOTS3 | {"axk1", "axk2"}:
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "deepseek_v4":  # (hash-routed or not, every layer is MoE)
         return [True] * n
@@ -181,7 +198,7 @@ def _hf_windows(hf, mt):
     if mt in ("qwen3_moe", "mixtral", "phimoe", "deepseek_v4"):  # (V4's compressed layers slide too)
         return [hf.sliding_window] * n
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
-              "step3p7", "afmoe"):
+              "step3p7", "afmoe") or mt in DOTS3:
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -282,7 +299,7 @@ FIELDS = {
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
                     HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "deepseek_v4"} | LLAMA4
-                    | STEP | GLM5),
+                    | STEP | GLM5 | DOTS3),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
                         lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
@@ -370,7 +387,8 @@ FIELDS = {
     "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4",
                                                                   "sarvam_mla", "axk1"}),
     # the sparse-attention indexer
-    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa", "axk2"} | GLM5 | HY4)
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None,
+              {"deepseek_v32", "glm_moe_dsa", "axk2"} | GLM5 | HY4 | DOTS3)
        for name in ("index_topk", "index_head_dim", "index_n_heads")},
     # GLM-5's indexer kinds: dynamoe's () means every layer runs its indexer
     "indexer_types": (lambda hf, mt: list(hf.indexer_types),
@@ -393,6 +411,13 @@ FIELDS = {
     "kv_source_layers": (lambda hf, mt: tuple(hf.kv_source_layers), lambda cfg: _ml4_sources(cfg), ML4),
     "final_logit_softcapping": (lambda hf, mt: hf.final_logit_softcapping,
                                 lambda cfg: cfg.raw.get("final_logit_softcapping", 30.0), ML4),
+    # dots3_note: each layer's MLA sizes, the shared experts' width, the dense MLPs' width
+    "dots3_layer_sizes": (lambda hf, mt: tuple(tuple(getattr(hf.per_layer_config[i], f) for f in _dots3_fields())
+                                               for i in range(hf.num_hidden_layers)),
+                          lambda cfg: tuple(tuple(s[f] for f in _dots3_fields()) for s in _dots3_sizes(cfg)), DOTS3),
+    "shared_experts_intermediate_size": (lambda hf, mt: hf.shared_experts_intermediate_size,
+                                         lambda cfg: cfg.raw.get("shared_experts_intermediate_size"), DOTS3),
+    "intermediate_size_dots3": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, DOTS3),
     # GLM-5.3: the clamp, the dense MLPs' width, hyper-connections, KDA's decay bound, the indexer's pools
     "swiglu_limit_glm5": (lambda hf, mt: hf.swiglu_limit, lambda cfg: cfg.swiglu_limit, GLM5),
     "intermediate_size_glm5": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, GLM5),
@@ -419,7 +444,8 @@ def _compare(mt: str, d: dict):
             hf.tie_word_embeddings = getattr(parent, "tie_word_embeddings", False)  # (Step3p7Config has none: false)
     else:
         hf = getattr(transformers, cls_name).from_dict(fields)
-    if mt in STEP:  # (num_attention_heads varies by layer: the global one is the full layers'; step_heads checks each)
+    if mt in STEP | DOTS3:  # (head counts vary by layer: the global one is the full layers'; step_heads /
+        # dots3_layer_sizes check each)
         hf.allow_global_per_layer_attribute_access = True
     cfg = ModelConfig.from_dict(dict(d))
     checked, wrong = [], {}
@@ -548,6 +574,14 @@ def test_omitted_fields_default_as_transformers(mt):
     ("axk1", {"first_k_dense_replace": 2, "moe_layer_freq": 2, "num_hidden_layers": 6, "rope_interleave": False}),
     ("axk1", {"mlp_layer_types": ["sparse", "dense", "sparse", "dense"], "first_k_dense_replace": 3}),
     ("axk2", {"first_k_dense_replace": 0, "moe_layer_freq": 3, "n_group": 2, "topk_group": 2, "gated_norm_rank": 4}),
+    # dots3_note: no DSA, no sliding layers, the hub's names, a per-layer moe_layer_freq, an explicit per-layer config
+    ("dots3_note_text", {"use_dsa": False, "sliding_window_size": 64, "moe_layer_freq": [1, 0, 1, 1],
+                         "swa_head_dim": 128, "swa_qk_nope_head_dim": 96, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4,
+                         "swa_rope_theta": 1e4}),
+    ("dots3_note_text", {"use_sliding_window": False, "first_k_dense_replace": 2, "rope_theta": 1e6}),
+    ("dots3_note", {"layer_types": ["indexed_attention", "sliding_attention"] * 2, "sliding_window": 32,
+                    "per_layer_config": {str(i): {"num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 64,
+                                                  "qk_rope_head_dim": 32, "head_dim": 160} for i in (1, 3)}}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

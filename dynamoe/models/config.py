@@ -75,6 +75,7 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "step3p7": TextWrapper(("text_config",), ("step3p5",)),
     "glm5_next": TextWrapper(("text_config",), ("glm5_next_text",)),
     "mistral_large4": TextWrapper(("text_config",), ("mistral_large4_text",)),
+    "dots3_note": TextWrapper(("text_config",), ("dots3_note_text",)),
     "hy_v4_vl": TextWrapper(("text_config",), ("hy_v4_vl_text",)),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
@@ -149,6 +150,21 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                         "n_group": None, "topk_group": None, "max_position_embeddings": 131072,
                         "bos_token_id": 163691, "eos_token_id": 163691, "first_k_dense_replace": 1,
                         "moe_layer_freq": 1, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 16}},
+    # Dots3NoteTextConfig (dots.llm3 / dots3_note's text model): MLA on every layer, DSA ('indexed_attention') on layers
+    # 0, 1 and every 4th from 1, sliding windows elsewhere, with their own MLA sizes (per_layer_config, else the swa_*
+    # defaults) and RoPE ("dots3_layers"); MLP kinds as A.X-K1's (moe_layer_freq may be a per-layer list)
+    "dots3_note_text": {"num_experts": 256, "num_experts_per_tok": 8, "head_dim": 256, "dots3_layers": True,
+                        "axk_mlp_layers": True, "aliases": {"sliding_window": "sliding_window_size"},
+                        "ignored": ("num_key_value_heads",),   # (MLA: one KV head per query head)
+                        "fields": {"intermediate_size": 13824, "moe_intermediate_size": 1536, "head_dim": 256,
+                                   "n_shared_experts": 1, "routed_scaling_factor": 1.0, "kv_lora_rank": 512,
+                                   "q_lora_rank": 1024, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                                   "qk_nope_head_dim": 128, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                                   "max_position_embeddings": 524288, "rms_norm_eps": 1e-5, "pad_token_id": 151659,
+                                   "bos_token_id": 151643, "eos_token_id": 151668, "index_topk": 2048,
+                                   "index_head_dim": 128, "index_n_heads": 64, "sliding_window_size": 512,
+                                   "shared_experts_intermediate_size": 1536, "first_k_dense_replace": 1,
+                                   "moe_layer_freq": 1}},
     "sarvam_mla": {**_MLA, "num_experts": 128, "rope_interleave": True, "deepseek_yarn": True,
                    "ignored": ("head_dim", "q_head_dim"),
                    "aliases": {"n_shared_experts": "num_shared_experts", "num_nextn_predict_layers": "num_mtp_layers"},
@@ -706,6 +722,90 @@ def _v4_ropes(d: dict, max_pos: int, head_dim: int) -> tuple:
     return tuple((k, parse_rope({"rope_parameters": p}, max_pos)) for k, p in (("main", main), ("compress", compress)))
 
 
+#: dots3_note's sliding layers' MLA sizes when config.json has no per_layer_config (Dots3NoteTextConfig's swa_* defaults)
+_DOTS3_SWA = {"num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1024, "kv_lora_rank": 1024,
+              "head_dim": 256, "qk_nope_head_dim": 192, "v_head_dim": 128}
+#: the per-layer MLA sizes dynamoe reads (MLA has one KV head per query head: num_key_value_heads is accepted, unused)
+DOTS3_LAYER_FIELDS = tuple(k for k in _DOTS3_SWA if k != "num_key_value_heads") + ("qk_rope_head_dim",)
+
+
+def _dots3_layer_types(d: dict, layers: int) -> tuple:
+    """dots3_note's attention kinds as Dots3NoteTextConfig derives them: ``layer_types``, else DSA ('indexed_attention')
+    on layers 0, 1 and every 4th from 1 and sliding elsewhere (all DSA without ``use_sliding_window``); ``use_dsa``
+    false (default true, unset when the file has a per_layer_config) turns DSA into plain 'full_attention'."""
+    use_dsa = d.get("use_dsa", None if "per_layer_config" in d else True)
+    v = d.get("layer_types")
+    if v is None:
+        full = "full_attention" if use_dsa is False else "indexed_attention"
+        sliding = _bool(d, "use_sliding_window", True)
+        v = [full if not sliding or i < 2 or i % 4 == 1 else "sliding_attention" for i in range(layers)]
+    kinds = ("full_attention", "indexed_attention", "sliding_attention")
+    if not isinstance(v, (list, tuple)) or len(v) != layers or any(t not in kinds for t in v):
+        raise _err("layer_types", v, f"a list of {layers} entries from {list(kinds)}")
+    if use_dsa is not None:
+        old, new = ("full_attention", "indexed_attention") if use_dsa else ("indexed_attention", "full_attention")
+        v = [new if t == old else t for t in v]
+    return tuple(v)
+
+
+def dots3_layer_sizes(d: dict, layer_types: tuple) -> tuple:
+    """Each layer's MLA sizes ({field: value} over :data:`DOTS3_LAYER_FIELDS`) as Dots3NoteTextConfig's per-layer
+    views give them: the file's ``per_layer_config`` entry (keyed by layer index) over the top-level fields; without
+    a per_layer_config, the sliding layers take the ``swa_*`` fields (defaults :data:`_DOTS3_SWA`; their
+    qk_rope_head_dim = head_dim - qk_nope_head_dim unless swa_qk_rope_head_dim)."""
+    base = {k: d.get(k) for k in DOTS3_LAYER_FIELDS}
+    per_layer = d.get("per_layer_config")
+    if per_layer is None:
+        swa = {k: d.get(f"swa_{k}", v) for k, v in _DOTS3_SWA.items() if k in DOTS3_LAYER_FIELDS}
+        swa["qk_rope_head_dim"] = d.get("swa_qk_rope_head_dim", swa["head_dim"] - swa["qk_nope_head_dim"])
+        per_layer = {str(i): swa for i, t in enumerate(layer_types) if t == "sliding_attention"}
+    if not isinstance(per_layer, dict):
+        raise _err("per_layer_config", per_layer, "a dict of per-layer overrides keyed by layer index")
+    out = []
+    for i in range(len(layer_types)):
+        over = per_layer.get(str(i), per_layer.get(i, {}))
+        if not isinstance(over, dict) or any(k not in DOTS3_LAYER_FIELDS + ("num_key_value_heads",) for k in over):
+            raise _err(f"per_layer_config.{i}", over, f"a dict over {list(DOTS3_LAYER_FIELDS)} (and num_key_value_heads)")
+        sizes = {k: v for k, v in {**base, **over}.items() if k in DOTS3_LAYER_FIELDS}
+        if layer_types[i] == "sliding_attention" and isinstance(sizes["head_dim"], int) and (
+                sizes["head_dim"] != (sizes["qk_nope_head_dim"] or 0) + (sizes["qk_rope_head_dim"] or 0)):
+            raise _err(f"per_layer_config.{i}.head_dim", sizes["head_dim"], "qk_nope_head_dim + qk_rope_head_dim on a "
+                       "sliding layer (as Dots3NoteTextConfig checks)")
+        for k, v in sizes.items():
+            _int(sizes, k, required=k != "q_lora_rank", minimum=1)
+            if v is None and k == "q_lora_rank":
+                raise ValueError(f"config field 'q_lora_rank' is required for every layer of dots3_note (layer {i})")
+        out.append(sizes)
+    return tuple(out)
+
+
+def _dots3_ropes(d: dict, max_pos: int, layer_types: tuple) -> tuple:
+    """dots3_note's RoPE per layer type as Dots3NoteTextConfig derives it: ``rope_parameters`` nested by layer type
+    (or one dict for every type, or the hub's ``rope_scaling``), else base ``swa_rope_theta`` (5e4) on the sliding
+    layers and ``rope_theta`` (8e7) on the others; each on the qk_rope_head_dim / head_dim share of its first layer."""
+    params = d.get("rope_parameters")
+    if params is None:
+        params = d.get("rope_scaling")
+    kinds = sorted(set(layer_types), key=layer_types.index)
+    if params is None:
+        params = {k: {"rope_type": "default", "rope_theta": d.get("swa_rope_theta", 50_000.0)
+                      if k == "sliding_attention" else d.get("rope_theta", 80_000_000.0)} for k in kinds}
+    if not isinstance(params, dict):
+        raise _err("rope_parameters", params, "a dict")
+    if not any(k in LAYER_TYPES for k in params):
+        params = {k: dict(params) for k in kinds}
+    sizes = dots3_layer_sizes(d, layer_types)
+    out = []
+    for k in kinds:
+        p = params.get(k)
+        if not isinstance(p, dict):
+            raise _err("rope_parameters", params, f"RoPE parameters for every layer type (missing {k!r})")
+        first = sizes[layer_types.index(k)]
+        p = {**p, "partial_rotary_factor": first["qk_rope_head_dim"] / first["head_dim"]}
+        out.append((k, parse_rope({"rope_parameters": p}, max_pos)))
+    return tuple(out)
+
+
 def _rotary_dim_factor(d: dict, head_dim: int) -> float:
     """MiniMax-M2: a hub config's ``rotary_dim`` (rotated dims per head) as a partial_rotary_factor, as
     transformers' MiniMaxM2Config converts it; 1.0 when absent (a saved rope_parameters or a top-level
@@ -1086,6 +1186,8 @@ class ModelConfig:
         no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") or fam.get("nope_layers") else ()
         if fam.get("v4_layers"):
             layer_types = _v4_layer_types(d, layers)
+        elif fam.get("dots3_layers"):
+            layer_types = _dots3_layer_types(d, layers)
         elif fam.get("glm5_layers"):  # every 4th layer (from 3) MLA, the others KDA; 'full_attention' is MLA
             if layer_types is None:
                 layer_types = ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(layers)]
@@ -1161,9 +1263,15 @@ class ModelConfig:
         mlp_types = () if fam.get("v4_layers") else _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("step_layers"):
             mlp_types = _step_mlp_types(d, layers)
-        if not mlp_types and fam.get("axk_mlp_layers"):  # A.X-K1/K2: MoE from first_k_dense_replace, every freq-th
-            first, freq = _int(d, "first_k_dense_replace", minimum=0), _int(d, "moe_layer_freq")
-            mlp_types = tuple("sparse" if i >= first and i % freq == 0 else "dense" for i in range(layers))
+        if not mlp_types and fam.get("axk_mlp_layers"):  # A.X-K1/K2, dots3: MoE from first_k_dense_replace, every freq-th
+            first, freq = _int(d, "first_k_dense_replace", minimum=0), d.get("moe_layer_freq")
+            if isinstance(freq, (list, tuple)):  # (dots3: one flag per layer)
+                if len(freq) < layers:
+                    raise _err("moe_layer_freq", freq, f"an int >= 1 or a list of {layers} flags")
+                mlp_types = tuple("sparse" if i >= first and bool(freq[i]) else "dense" for i in range(layers))
+            else:
+                freq = _int(d, "moe_layer_freq")
+                mlp_types = tuple("sparse" if i >= first and i % freq == 0 else "dense" for i in range(layers))
         if not mlp_types and fam.get("glm5_layers"):  # the first three dense
             mlp_types = ("dense",) * min(3, layers) + ("sparse",) * max(0, layers - 3)
         if not mlp_types and fam.get("first_layer_dense"):
@@ -1205,6 +1313,9 @@ class ModelConfig:
 
         if fam.get("v4_layers"):
             layer_ropes = _v4_ropes(d, max_pos, head_dim)
+            rope = layer_ropes[0][1]
+        elif fam.get("dots3_layers"):
+            layer_ropes = _dots3_ropes(d, max_pos, layer_types)
             rope = layer_ropes[0][1]
         elif fam.get("rope_by_layer_type") or fam.get("step_layers"):
             layer_ropes = (_step_ropes(d, max_pos, layer_types) if fam.get("step_layers") else

@@ -114,7 +114,9 @@ class MLAttention(nn.Module):
     sink logit per head in the softmax (``sinks`` [H], fp32; Hy4); ``output_gate``: the output of each head times
     sigmoid(``gate_proj``(x)) (one gate per value dim, [H * v, D]; Hy4). ``gated_queries`` (A.X-K2): ``q_b_proj``
     [H * (n + r + v), 2 Q] reads [q_a_layernorm(q_a(x)) | q_a(x)] and gives each head its query and an output gate
-    (the output of each head times sigmoid of it).
+    (the output of each head times sigmoid of it). dots3_note's: ``sliding_window`` (each query sees its last W
+    positions), ``head_gate`` (each head's output times sigmoid(``g_proj``(x)), one gate per head, [H, D]) and
+    ``k_rope_norm`` (an RMSNorm ``k_rope_only_layernorm`` on the rotary key before RoPE).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
@@ -124,7 +126,8 @@ class MLAttention(nn.Module):
                  absorb: bool | None = None, llama4_scaling: tuple | None = None, lora_scales: tuple | None = None,
                  position_log_scale: bool = False, shared_latents: SharedLatents | None = None,
                  latent_source: int | None = None, sinks: bool = False, output_gate: bool = False,
-                 gated_queries: bool = False, dtype=None):
+                 gated_queries: bool = False, sliding_window: int | None = None, head_gate: bool = False,
+                 k_rope_norm: bool = False, dtype=None):
         super().__init__()
         self.layer_idx, self.num_heads = layer_idx, num_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
@@ -155,6 +158,9 @@ class MLAttention(nn.Module):
         self.softmax_scaling = LogPositionScale(num_heads, dtype=dtype) if position_log_scale else None
         self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32)) if sinks else None
         self.gate_proj = nn.Linear(hidden_size, H * v_head_dim, bias=False, **kw) if output_gate else None
+        self.g_proj = nn.Linear(hidden_size, H, bias=False, **kw) if head_gate else None
+        self.k_rope_only_layernorm = RMSNorm(qk_rope_head_dim, norm_eps, dtype=dtype) if k_rope_norm else None
+        self.sliding_window = sliding_window
         self.kv_b_proj = nn.Linear(kv_lora_rank, H * (qk_nope_head_dim + v_head_dim), bias=False, **kw)
         self.o_proj = nn.Linear(H * v_head_dim, hidden_size, bias=bias, **kw)
         if indexer is not None and q_lora_rank is None and getattr(indexer, "q_input_norm", None) is None:
@@ -217,6 +223,8 @@ class MLAttention(nn.Module):
             latent, k_rope = self.kv_a_proj_with_mqa(x_BTD).split([C, r], dim=-1)
             latent = self.kv_a_layernorm(latent).unsqueeze(1)                  # [B, 1, T, C]
             k_rope = k_rope.unsqueeze(1)                                       # [B, 1, T, r]
+            if self.k_rope_only_layernorm is not None:
+                k_rope = self.k_rope_only_layernorm(k_rope)
         if self.lora_scales is not None:  # LongCat-Flash: the queries and the latent (not k_rope) scaled
             sq, skv = self.lora_scales
             q_nope, q_rope, latent = q_nope * sq, q_rope * sq, latent * skv
@@ -260,6 +268,8 @@ class MLAttention(nn.Module):
             k_nope, v = kv[..., :n], kv[..., n:]
             k = torch.cat([k_nope, k_rope.expand(B, H, L, r)], dim=-1)
             out = self._attend(torch.cat([q_nope, q_rope], dim=-1), k, v, positions_BT, k_pos, allowed)
+        if self.g_proj is not None:  # dots3_note: one sigmoid gate per head
+            out = out * torch.sigmoid(self.g_proj(x_BTD)).transpose(1, 2).unsqueeze(-1)
         out = out.transpose(1, 2).reshape(B, T, H * self.v_dim)
         if self.gate_proj is not None:
             out = out * torch.sigmoid(self.gate_proj(x_BTD))
@@ -270,8 +280,10 @@ class MLAttention(nn.Module):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, positions_BT: Tensor, k_pos: Tensor | None,
                 allowed: Tensor | None) -> Tensor:
         if self.sinks is not None:
-            mask = attention_mask(positions_BT, positions_BT if k_pos is None else k_pos, None)
+            mask = attention_mask(positions_BT, positions_BT if k_pos is None else k_pos, self.sliding_window)
             return _attend_with_sinks(q, k, v, mask if allowed is None else mask & allowed, self.scale, self.sinks)
         if allowed is None:
-            return attend(q, k, v, positions_BT, k_pos, self.scale)
+            return attend(q, k, v, positions_BT, k_pos, self.scale, self.sliding_window)
+        if self.sliding_window is not None:
+            allowed = allowed & attention_mask(positions_BT, positions_BT if k_pos is None else k_pos, self.sliding_window)
         return _sdpa(q, k, v, allowed, self.scale, causal=False)

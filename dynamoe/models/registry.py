@@ -127,3 +127,5 @@ register("hy_v4_vl", "dynamoe.models.hy_v4:HyV4ForCausalLM", ("HYV4VLForConditio
 register("sarvam_mla", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM", ("SarvamMLAForCausalLM",))
 register("axk1", "dynamoe.models.axk1:AXK1ForCausalLM", ("AXK1ForCausalLM",))
 register("axk2", "dynamoe.models.axk2:AXK2ForCausalLM", ("AXK2ForCausalLM",))
+register("dots3_note", "dynamoe.models.dots3_note:Dots3NoteForCausalLM",
+         ("Dots3NoteForConditionalGeneration", "Dots3NoteForCausalLM"), aliases=("dots3_note_text",))

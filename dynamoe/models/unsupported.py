@@ -39,8 +39,6 @@ UNSUPPORTED: dict[str, str] = {
     "diffusion_gemma_text": "a bidirectional diffusion language model, not an autoregressive causal LM",
     "doge": "Doge is not implemented yet: dynamic-mask attention (keep_window_size) and CDMoE "
             "(cross-domain MoE with product-key expert retrieval)",
-    "dots3_note": _VLM,
-    "dots3_note_text": _text_of("dots3_note", "MLA with bidirectional/sliding layer kinds"),
     "dots3_note_vision_encoder": "a vision encoder (part of dots3_note), not a causal LM",
     "ernie4_5_vl_moe": _VLM,
     "ernie4_5_vl_moe_text": _text_of("ernie4_5_vl_moe", "each MoE layer holds separate text and vision expert groups "
