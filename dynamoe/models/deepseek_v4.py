@@ -52,6 +52,7 @@ from .base import CausalLM
 from .cache import KVCache
 from .config import ModelConfig, RopeConfig
 from .hyper_connections import HyperConnection, HyperDecoderLayer, HyperHeadNorm, StreamEmbedding, rms_unweighted
+from .mla import dense_weight
 from .moe_block import SparseMoeBlock
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
@@ -334,8 +335,8 @@ class V4Attention(nn.Module):
         out = rope_tail(out, cos, -sin)              # keys are values: undo their rotation at the query's position
         G = self.groups
         grouped = out.transpose(1, 2).reshape(B, T, G, H * d // G)
-        w = self.wo_a.weight.view(G, -1, H * d // G)                              # [G, o, H * d / G]
-        return self.wo_b(torch.einsum("btgi,goi->btgo", grouped, w.to(grouped.dtype)).reshape(B, T, -1))
+        w = dense_weight(self.wo_a, grouped.dtype).view(G, -1, H * d // G)         # [G, o, H * d / G]
+        return self.wo_b(torch.einsum("btgi,goi->btgo", grouped, w).reshape(B, T, -1))
 
 
 class _TokenIds:

@@ -36,7 +36,7 @@ from .indexer import Indexer, SharedIndex
 from .norms import RMSNorm
 from .rope import RotaryEmbedding, apply_rope, yarn_mscale
 
-__all__ = ["MLAttention", "mla_softmax_scale", "LogPositionScale", "SharedLatents"]
+__all__ = ["MLAttention", "mla_softmax_scale", "LogPositionScale", "SharedLatents", "dense_weight"]
 
 
 def mla_softmax_scale(rope, qk_head_dim: int) -> float:
@@ -86,7 +86,7 @@ class SharedLatents:
         return got[1], got[2]
 
 
-def _dense_weight(linear: nn.Module, dtype: torch.dtype) -> Tensor:
+def dense_weight(linear: nn.Module, dtype: torch.dtype) -> Tensor:
     """An nn.Linear's weight, or a QuantizedLinear's dequantized."""
     if isinstance(linear, nn.Linear):
         return linear.weight.to(dtype)
@@ -186,7 +186,7 @@ class MLAttention(nn.Module):
         cached = self._kv_b_cache
         if not dense and cached is not None and cached[0] == dtype and cached[1] == next(lin.buffers()).device:
             return cached[2], cached[3]
-        w = _dense_weight(lin, dtype).view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w = dense_weight(lin, dtype).view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_k, w_v = w[:, :self.nope], w[:, self.nope:]
         if not dense:
             self._kv_b_cache = (dtype, w.device, w_k, w_v)
