@@ -220,3 +220,27 @@ def test_cache_size_is_what_the_config_says(pair):
     with torch.no_grad():
         ours(_ids(rows=1, tokens=20), cache=cache)
     assert cache.bytes_per_block == ours.config.kv_elements_per_position() * cache.block_size * 4
+
+
+def test_fp8_checkpoint(pair, tmp_path):
+    """`dynamoe quantize --format fp8` of the checkpoint (the hub ships V4 in blockwise FP8) loads with the attention
+    Linears packed (the grouped output projection dequantizes its wo_a) and matches the dequantize-then-fp32
+    reference of transformers."""
+    from dynamoe.cli import quantize_checkpoint
+    from dynamoe.quant.modules import QuantizedLinear
+    from models_mla_util import dequantized_reference
+
+    _, hf, _, path = pair
+    qdir = str(tmp_path / "fp8")
+    quantize_checkpoint(path, qdir, "fp8", log=lambda *a: None)
+    model = dm.load(qdir, progress=False)
+    attn = model.model.layers[1].self_attn
+    assert all(isinstance(lin, QuantizedLinear) for lin in (attn.wq_a, attn.wq_b, attn.wkv, attn.wo_a, attn.wo_b,
+                                                            attn.compressor.wkv, attn.indexer.wq_b))
+    ref = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        dequantized_reference(qdir, path, str(tmp_path / "ref")), dtype=torch.float32).eval()
+    x = _ids()
+    with torch.no_grad():
+        got, want, orig = model(x), ref(x).logits, hf(x).logits
+    assert (want - orig).abs().max() > 1e-3  # the quantization did change the model
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
