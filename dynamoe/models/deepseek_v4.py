@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.fused import Fused, Holds
-from .attention import _attend_with_sinks, attention_mask, cached_length, write_kv
+from .attention import _attend_with_sinks, attention_mask, cached_length
 from .base import CausalLM
 from .cache import KVCache
 from .config import ModelConfig, RopeConfig
@@ -180,48 +180,55 @@ class Compressor(nn.Module):
     def extra_repr(self) -> str:
         return f"dim={self.dim}, rate={self.rate}, overlap={self.overlap}"
 
-    def pool(self, kv_BLc: Tensor, gate_BLc: Tensor, ends_BW: Tensor) -> Tensor:
-        """The roped entries [B, W, d] of the windows ending at positions ``ends_BW`` (indices into the L rows of
-        wkv(x) / wgate(x) ``kv_BLc`` / ``gate_BLc`` [B, L, c * d])."""
-        B, W = ends_BW.shape
+    def window_positions(self, ends_BW: Tensor) -> Tensor:
+        """The positions [B, W, S] each window ending at ``ends_BW`` pools (S = m, or 2m with overlap: the previous
+        window's first); negative where before the sequence (the first window's previous one)."""
+        span = torch.arange(-self.rate if self.overlap else 0, self.rate, device=ends_BW.device)
+        return (ends_BW - self.rate + 1)[..., None] + span
+
+    def pool_windows(self, kv_BWSc: Tensor, gate_BWSc: Tensor, positions_BWS: Tensor) -> Tensor:
+        """The roped entries [B, W, d] of windows given their wkv(x) / wgate(x) rows [B, W, S, c * d] at
+        ``positions_BWS`` (:meth:`window_positions`; rows at negative positions are ignored)."""
         m, d = self.rate, self.dim
-        starts = ends_BW - m + 1
-        span = torch.arange(-m if self.overlap else 0, m, device=ends_BW.device)
-        idx = starts[..., None] + span                                           # [B, W, S]
-        valid = idx >= 0
-        flat = idx.clamp(min=0).reshape(B, -1, 1)
-        kv = kv_BLc.gather(1, flat.expand(-1, -1, kv_BLc.size(-1))).view(B, W, span.numel(), -1)
-        gate = gate_BLc.gather(1, flat.expand(-1, -1, gate_BLc.size(-1))).view(B, W, span.numel(), -1)
+        valid = (positions_BWS >= 0)[..., None]
+        kv, gate = kv_BWSc, gate_BWSc
         if self.overlap:   # the previous window's first series, then this window's second
             kv = torch.cat([kv[:, :, :m, :d], kv[:, :, m:, d:]], dim=2)
             gate = torch.cat([gate[:, :, :m, :d] + self.ape[:, :d], gate[:, :, m:, d:] + self.ape[:, d:]], dim=2)
         else:
             gate = gate + self.ape
-        gate = gate.float().masked_fill(~valid[..., None], float("-inf"))
-        kv = kv.masked_fill(~valid[..., None], 0.0)
+        gate = gate.float().masked_fill(~valid, float("-inf"))
+        kv = kv.masked_fill(~valid, 0.0)
         pooled = self.norm((kv * gate.softmax(dim=2).to(kv.dtype)).sum(dim=2))   # [B, W, d]
-        cos, sin = self.rotary(starts, pooled.dtype)
+        cos, sin = self.rotary(positions_BWS[..., -m], pooled.dtype)          # (each window's first position)
         return rope_tail(pooled.unsqueeze(1), cos, sin).squeeze(1)
 
     def entries(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None, slots: Tensor | None, kv_len: int,
                 layer: int, names: tuple) -> tuple[Tensor, Tensor]:
         """(entries [B, W, d], the last position of each one's window [W]): without a cache those of the T tokens
         (positions 0..T-1); with one, the new tokens' raw rows and newly completed entries are written first
-        (cache names ``names``: raw kv, raw gate, entries) and the slots' entries 0..kv_len // m - 1 read back."""
+        (cache names ``names``: raw kv, raw gate, entries) and the slots' entries 0..kv_len // m - 1 read back
+        (only the positions needed are read: each new window's, and one entry every m)."""
         m, (n_kv, n_gate, n_entries) = self.rate, names
         kv, gate = self.wkv(x_BTD), self.wgate(x_BTD)                            # [B, T, c * d]
         B, T, _ = x_BTD.shape
         if cache is None:
             ends = torch.arange(m - 1, max(T, m - 1), m, device=x_BTD.device)
-            return self.pool(kv, gate, ends.expand(B, -1)), ends
-        rows = write_kv(cache, layer, slots, positions_BT, kv_len, **{n_kv: kv.unsqueeze(1), n_gate: gate.unsqueeze(1)})
+            at = self.window_positions(ends.expand(B, -1))                        # [B, W, S]
+            flat = at.clamp(min=0).reshape(B, -1, 1)
+            rows = [t.gather(1, flat.expand(-1, -1, t.size(-1))).view(*at.shape, -1) for t in (kv, gate)]
+            return self.pool_windows(*rows, at), ends
+        pools = cache.put(layer, slots, positions_BT, **{n_kv: kv.unsqueeze(1), n_gate: gate.unsqueeze(1)})
         ends_BN = new_window_ends(positions_BT, m)
         if ends_BN is not None:
-            fresh = self.pool(rows[n_kv][:, 0], rows[n_gate][:, 0], ends_BN)     # [B, N, d]
-            write_kv(cache, layer, slots, ends_BN, kv_len, **{n_entries: fresh.unsqueeze(1)})
-        pool = cache.kv_pool(layer, n_entries, 1, self.dim)
-        stored = cache.rows(pool, slots, kv_len)[:, 0, m - 1::m].to(x_BTD.dtype)   # [B, kv_len // m, d]
-        return stored, torch.arange(m - 1, max(kv_len, m - 1), m, device=x_BTD.device)
+            at = self.window_positions(ends_BN)                                   # [B, N, S]
+            flat = at.clamp(min=0).reshape(B, -1)
+            rows = [cache.gather(pools[n], slots, flat)[:, 0].view(*at.shape, -1).to(kv.dtype) for n in (n_kv, n_gate)]
+            fresh = self.pool_windows(*rows, at)                                  # [B, N, d]
+            cache.put(layer, slots, ends_BN, **{n_entries: fresh.unsqueeze(1)})
+        ends = torch.arange(m - 1, max(kv_len, m - 1), m, device=x_BTD.device)
+        stored = cache.gather(cache.kv_pool(layer, n_entries, 1, self.dim), slots, ends.expand(B, -1))
+        return stored[:, 0].to(x_BTD.dtype), ends                                 # [B, kv_len // m, d]
 
 
 def new_window_ends(positions_BT: Tensor, m: int) -> Tensor | None:
@@ -317,10 +324,10 @@ class V4Attention(nn.Module):
         k_pos = positions_BT
         if cache is not None:
             kv_len = cached_length(positions_BT, slots, kv_len)
-            kv = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, kv=kv)["kv"]   # [B, 1, L, d]
+            pool = cache.put(self.layer_idx, slots, positions_BT, kv=kv)["kv"]
             lo = max(0, int(positions_BT.min()) - self.window + 1)   # keys before lo are out of every query's window
-            kv = kv[:, :, lo:]
             k_pos = torch.arange(lo, kv_len, device=x_BTD.device).expand(B, -1)
+            kv = cache.gather(pool, slots, k_pos).to(x_BTD.dtype)                  # [B, 1, L, d]
         mask = attention_mask(positions_BT, k_pos, self.window)                  # [B, 1, T, L]
         if self.compressor is not None:
             entries, ends = self.compressor.entries(x_BTD, positions_BT, cache, slots, kv_len, self.layer_idx,

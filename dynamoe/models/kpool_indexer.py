@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import write_kv
 from .cache import KVCache
 from .deepseek_v4 import new_window_ends
 from .indexer import SharedIndex
@@ -56,33 +55,31 @@ class KPoolIndexer(nn.Module):
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, heads={self.n_heads}, head_dim={self.head_dim}, topk={self.topk}, pool={self.pool}"
 
-    def _pool(self, k_BLi: Tensor, gate_BLi: Tensor, ends_BW: Tensor) -> Tensor:
-        """The pool keys [B, W, i] of the pools ending at positions ``ends_BW``."""
-        B, W = ends_BW.shape
-        idx = (ends_BW - self.pool + 1)[..., None] + torch.arange(self.pool, device=ends_BW.device)   # [B, W, P]
-        flat = idx.clamp(min=0).reshape(B, -1, 1).expand(-1, -1, k_BLi.size(-1))
-        k = k_BLi.gather(1, flat).view(B, W, self.pool, -1)
-        logits = gate_BLi.gather(1, flat).view(B, W, self.pool, -1).float() + self.index_kpool_compress_ape.float()
-        return (logits.softmax(dim=2).to(k.dtype) * k).sum(dim=2)
+    def _pool(self, k_BWPi: Tensor, gate_BWPi: Tensor) -> Tensor:
+        """The pool keys [B, W, i] of complete pools given their keys and gates [B, W, P, i]."""
+        logits = gate_BWPi.float() + self.index_kpool_compress_ape.float()
+        return (logits.softmax(dim=2).to(k_BWPi.dtype) * k_BWPi).sum(dim=2)
 
     def _pools(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None, slots, kv_len) -> tuple[Tensor, int]:
         """(every complete pool's key [B, W, i], L): the T tokens' (no cache), or the slots' keys 0..kv_len - 1
-        after writing the new tokens' keys, gates and newly completed pools."""
+        after writing the new tokens' keys, gates and newly completed pools (only the positions needed are read)."""
         k = self.k_norm(self.wk(x_BTD))
         gate = F.linear(x_BTD, self.index_kpool_compress_gate)
-        P = self.pool
+        P, B = self.pool, x_BTD.size(0)
         if cache is None:
             T = x_BTD.size(1)
-            ends = torch.arange(P - 1, max(T, P - 1), P, device=x_BTD.device).expand(x_BTD.size(0), -1)
-            return self._pool(k, gate, ends), T
-        rows = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, index_k=k.unsqueeze(1),
-                        index_gate=gate.unsqueeze(1))
+            W = T // P
+            return self._pool(*(t[:, :W * P].reshape(B, W, P, -1) for t in (k, gate))), T
+        pools = cache.put(self.layer_idx, slots, positions_BT, index_k=k.unsqueeze(1), index_gate=gate.unsqueeze(1))
         ends = new_window_ends(positions_BT, P)
         if ends is not None:
-            fresh = self._pool(rows["index_k"][:, 0], rows["index_gate"][:, 0], ends)
-            write_kv(cache, self.layer_idx, slots, ends, kv_len, index_pool=fresh.unsqueeze(1))
-        stored = cache.rows(cache.kv_pool(self.layer_idx, "index_pool", 1, self.head_dim), slots, kv_len)
-        return stored[:, 0, P - 1::P].to(x_BTD.dtype), kv_len
+            at = (ends - P + 1)[..., None] + torch.arange(P, device=ends.device)     # [B, N, P]
+            rows = [cache.gather(pools[n], slots, at.reshape(B, -1))[:, 0].view(*at.shape, -1).to(k.dtype)
+                    for n in ("index_k", "index_gate")]
+            cache.put(self.layer_idx, slots, ends, index_pool=self._pool(*rows).unsqueeze(1))
+        at = torch.arange(P - 1, max(kv_len, P - 1), P, device=x_BTD.device).expand(B, -1)
+        stored = cache.gather(cache.kv_pool(self.layer_idx, "index_pool", 1, self.head_dim), slots, at)
+        return stored[:, 0].to(x_BTD.dtype), kv_len
 
     def forward(self, x_BTD: Tensor, q_resid: Tensor, positions_BT: Tensor, k_pos_BL: Tensor | None = None,
                 cache: KVCache | None = None, slots: Tensor | None = None, kv_len: int | None = None) -> Tensor:
