@@ -111,6 +111,7 @@ def test_engine_generation_matches_generate(pair):
     engine = GenerationEngine(ours, None, max_seq_len=48, max_batch=2, prefill_chunk=7)
     reqs = [engine.add_request(p, SamplingParams(temperature=0), 10, ignore_eos=True) for p in prompts]
     engine.run_until_done()
+    assert engine.totals["cached_tokens"] >= 16   # the third prompt reused the second's first block
     for p, r in zip(prompts, reqs):
         want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                            max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
