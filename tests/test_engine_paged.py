@@ -149,6 +149,13 @@ def test_paged_reads_equal_a_dense_reference():
         cache.advance(s, T)
     assert any(cache._consecutive[x] < len(cache.blocks(x)) for x in range(3))   # really scattered
     cache.pool.check()
+    # put + gather (a layer that reads a few positions): the same entries as the dense reference, any order
+    pool = cache.put(0, torch.tensor([1]), torch.tensor([[lengths[1]]]), k=torch.ones(1, 2, 1, 5))["k"]
+    dense[1, :, lengths[1]] = 1.0
+    at = torch.tensor([[0, 5, 3, lengths[0] - 1], [lengths[1], 2, 11, 7]])
+    got = cache.gather(pool, torch.tensor([0, 1]), at)
+    for i, x in enumerate((0, 1)):
+        assert torch.equal(got[i], dense[x][:, at[i]])
 
 
 def test_truncating_into_a_shared_block_copies_it_first():

@@ -140,3 +140,23 @@ def test_autocast_with_fp32_weights(layout):
     assert layer.experts.batched_fc1_w.grad.dtype == torch.float32
     y_ref, _, _ = reference_moe(layer, x.detach())
     torch.testing.assert_close(y, y_ref, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("T", [3, 40])   # (a decode batch through the experts' kernel, a prefill through the plan)
+def test_forward_routed_equals_forward_with_the_same_routing(T):
+    """MoELayer.forward_routed (a routing the caller chose: DeepSeek-V4's hash routing) gives forward's output for
+    forward's own routing -- routed and shared experts -- and checks its arguments."""
+    from dynamoe.moe.gates import route
+
+    layer = make_layer("sigmoid", k=2, cf=0.0, experts="glu", shared=1).eval()
+    x = torch.randn(T, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        r = route(layer.gates[0], layer.config.gates[0], x, 4, 2, layer.config.normalize_gate, False, False)
+        want = layer(x)
+        got = layer.forward_routed(x, r.ids_TK, r.weights_TK)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert got.routing_stats.load.sum() == 2 * T
+    with pytest.raises(ValueError, match="ids_TK"):
+        layer.forward_routed(x, r.ids_TK.int(), r.weights_TK)
+    with pytest.raises(ValueError, match="expert ids"):
+        layer.forward_routed(x, r.ids_TK + 4, r.weights_TK)

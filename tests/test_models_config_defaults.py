@@ -114,38 +114,103 @@ FAMILIES = {
     # MiniMax-M3's language model: full and block-sparse (indexed) attention, dense / MoE SwiGLU-OAI MLPs
     "minimax_m3_vl_text": ("MiniMaxM3VLTextConfig", {}),
     "minimax_m3_vl": ("MiniMaxM3VLConfig", {}),
+    # DeepSeek-V4: compressed attention kinds, hyper-connections, hash routing, a "main" and a "compress" RoPE
+    "deepseek_v4": ("DeepseekV4Config", {}),
+    # GLM-5.3: KDA + NoPE MLA with the pooled indexer, hyper-connections (its config class wants as many KV heads
+    # as query heads); the vision-language wrapper nests it
+    "glm5_next_text": ("Glm5NextTextConfig", dict(num_key_value_heads=8)),
+    "glm5_next": ("Glm5NextConfig", dict(num_key_value_heads=8)),
+    # Mistral-Large-4: MLA without query LoRA, LeRoPE / NoPE layers, KV sharing; the vision wrapper nests it
+    "mistral_large4_text": ("MistralLarge4TextConfig", {}),
+    "mistral_large4": ("MistralLarge4Config", {}),
+    # Hy4 and Hy4-VL's text model: DSA MLA with sinks and an output gate, independent hyper-connections
+    "hy_v4": ("HYV4Config", {}),
+    "hy_v4_vl_text": ("HYV4VLTextConfig", {}),
+    "hy_v4_vl": ("HYV4VLConfig", {}),
+    # Sarvam-105B: DeepSeek-V3 (transformers builds DeepseekV3ForCausalLM) with its own defaults and hub names
+    "sarvam_mla": ("SarvamMLAConfig", dict(intermediate_size=96, moe_intermediate_size=32)),
+    # A.X-K1: DeepSeek-V3 with a post-MoE norm; MLP kinds from the hub's first_k_dense_replace / moe_layer_freq
+    "axk1": ("AXK1Config", dict(intermediate_size=96, moe_intermediate_size=32)),
+    # A.X-K2: sparse MLA with gated queries, self-gated norms; no groups by default
+    "axk2": ("AXK2Config", dict(intermediate_size=96, moe_intermediate_size=32)),
+    # dots3_note: MLA with DSA and sliding layers of their own sizes and RoPE; the vision / audio wrapper nests it
+    "dots3_note_text": ("Dots3NoteTextConfig", dict(num_key_value_heads=8)),
+    # (its towers' adapters default to the released text width: the config class checks they match)
+    "dots3_note": ("Dots3NoteConfig", dict(num_key_value_heads=8, hidden_size=5120)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
            "llama4": ("text_config",), "step3p7": ("text_config",), "aria": ("text_config",),
-           "minimax_m3_vl": ("text_config",)}
+           "minimax_m3_vl": ("text_config",), "glm5_next": ("text_config",), "mistral_large4": ("text_config",),
+           "hy_v4_vl": ("text_config",), "dots3_note": ("text_config",)}
 ARIA = {"aria", "aria_text"}
 STEP = {"step3p5", "step3p7"}
+GLM5 = {"glm5_next_text", "glm5_next"}
+ML4 = {"mistral_large4_text", "mistral_large4"}
+HY4 = {"hy_v4", "hy_v4_vl_text", "hy_v4_vl"}
+DOTS3 = {"dots3_note_text", "dots3_note"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
 MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid", "minimax_m3_vl_text", "minimax_m3_vl"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
-                 "dots1", "glm4v_moe", "glm4v_moe_text"}
-MLA_FAMILIES = (DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"}) | {"kimi_linear", "bailing_hybrid", "mistral4",
-                                                                                       "longcat_flash"}
+                 "dots1", "glm4v_moe", "glm4v_moe_text", "sarvam_mla"}
+MLA_FAMILIES = ((DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"})
+                | {"kimi_linear", "bailing_hybrid", "mistral4", "longcat_flash", "axk1", "axk2"} | GLM5 | HY4 | DOTS3)
 # DeepSeek-V3's routing fields under these families' own config classes
-DEEPSEEK_ROUTING = DEEPSEEK_LIKE | {"kimi_linear", "bailing_hybrid", "mimo_v2_flash", "mistral4", "solar_open",
-                                    "sarvam_moe", "beam"}
+DEEPSEEK_ROUTING = (DEEPSEEK_LIKE | {"kimi_linear", "bailing_hybrid", "mimo_v2_flash", "mistral4", "solar_open",
+                                     "sarvam_moe", "beam", "axk1", "axk2"} | GLM5 | HY4 | DOTS3)
 # no single rope_parameters dict: Kimi-Linear and Jamba have no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = {"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "jamba", "nemotron_h"} | STEP
-ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum", "beam", "zaya"} | STEP
+NO_SINGLE_ROPE = ({"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "jamba", "nemotron_h",
+                   "deepseek_v4"} | STEP | GLM5 | DOTS3)
+ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "deepseek_v4"} | STEP | DOTS3
 # ZAYA's layer kind names -> dynamoe's
 ZAYA_KINDS = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
-GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES
+GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES - ML4  # (Mistral-Large-4's MLA: num_key_value_heads is unused)
 
 
 def _step(cfg):
     from dynamoe.models.step3p5 import step_fields
 
     return step_fields(cfg)
+
+
+def _dots3_fields():
+    from dynamoe.models.config import DOTS3_LAYER_FIELDS
+
+    return DOTS3_LAYER_FIELDS
+
+
+def _dots3_sizes(cfg):
+    from dynamoe.models.config import dots3_layer_sizes
+
+    return dots3_layer_sizes(cfg.raw, cfg.layer_types)
+
+
+def _hy4(cfg):
+    from dynamoe.models.hy_v4 import hy_fields
+
+    return hy_fields(cfg)
+
+
+def _ml4_sources(cfg):
+    from dynamoe.models.mistral_large4 import kv_sources
+
+    return kv_sources(cfg)
+
+
+def _glm5(cfg):
+    from dynamoe.models.glm5_next import glm5_fields
+
+    return glm5_fields(cfg)
+
+
+def _v4(cfg):
+    from dynamoe.models.deepseek_v4 import v4_fields
+
+    return v4_fields(cfg)
 
 
 def _hf_moe_layers(hf, mt):
@@ -165,7 +230,7 @@ def _hf_moe_layers(hf, mt):
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "bailing_hybrid",
               "minimax_m3_vl_text", "minimax_m3_vl", "mimo_v2_flash", "step3p5", "step3p7", "cohere2_moe", "hy_v3",
-              "laguna", "mellum", "beam"):
+              "laguna", "mellum", "beam") or mt in GLM5:
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -179,18 +244,22 @@ def _hf_moe_layers(hf, mt):
         return [t == "moe" for t in hf.layers_block_type]
     if mt == "lfm2_moe":
         return [i >= hf.num_dense_layers for i in range(n)]
+    if mt in ML4 | HY4 | DOTS3 | {"axk1", "axk2"}:
+        return [t == "sparse" for t in hf.mlp_layer_types]
+    if mt == "deepseek_v4":  # (hash-routed or not, every layer is MoE)
+        return [True] * n
     return [i >= hf.first_k_dense_replace for i in range(n)]
 
 
 def _hf_windows(hf, mt):
     """The sliding window of each layer (None: full attention), as the modeling files read it."""
     n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
-    if mt in ("qwen3_moe", "mixtral", "phimoe", "doge"):
+    if mt in ("qwen3_moe", "mixtral", "phimoe", "doge", "deepseek_v4"):  # (V4's compressed layers slide too)
         return [hf.sliding_window] * n
     if mt == "zaya":
         return [hf.sliding_window if t == "hybrid_sliding" else None for t in hf.layer_types]
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
-              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam"):
+              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam") or mt in DOTS3:
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -311,7 +380,7 @@ FIELDS = {
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
                     HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "cohere2_moe", "laguna",
-                             "mellum", "kolibri1", "beam"} | LLAMA4 | STEP | MAMBA),
+                             "mellum", "kolibri1", "beam", "deepseek_v4"} | LLAMA4 | STEP | MAMBA | GLM5 | DOTS3),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
                         lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
@@ -320,7 +389,7 @@ FIELDS = {
                     "intermediate_size_mlp", "intermediate_size")},
     # Kimi-Linear: one head count and size for KDA's keys and values
     **{f"{ours}_kimi": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
-                        {"kimi_linear"})
+                        {"kimi_linear"} | GLM5)
        for ours, theirs in (("linear_conv_kernel_dim", "linear_conv_kernel_dim"), ("linear_key_head_dim", "linear_head_dim"),
                             ("linear_value_head_dim", "linear_head_dim"), ("linear_num_key_heads", "linear_num_heads"),
                             ("linear_num_value_heads", "linear_num_heads"))},
@@ -478,6 +547,19 @@ FIELDS = {
     "layer_uses_rope_granite": (lambda hf, mt: [hf.position_embedding_type == "rope"] * hf.num_hidden_layers,
                                 lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)],
                                 {"granitemoehybrid"}),
+    # DeepSeek-V4: routing, clamp, low-rank queries and output, the indexer, hyper-connections, compression
+    **{f"{name}_v4": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                      {"deepseek_v4"})
+       for name in ("scoring_func", "routed_scaling_factor", "n_shared_experts", "swiglu_limit", "q_lora_rank",
+                    "index_topk", "index_head_dim", "index_n_heads", "num_nextn_predict_layers")},
+    **{f"{name}_v4": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(_v4(cfg), name),
+                      {"deepseek_v4"})
+       for name in ("hc_mult", "hc_sinkhorn_iters", "hc_eps", "o_groups", "o_lora_rank")},
+    "compress_rates_v4": (lambda hf, mt: tuple(0 if t == "sliding_attention" else hf.compress_rates[t]
+                                               for t in hf.layer_types),
+                          lambda cfg: _v4(cfg).compress_rates, {"deepseek_v4"}),
+    "hash_layers_v4": (lambda hf, mt: tuple(t == "hash_moe" for t in hf.mlp_layer_types),
+                       lambda cfg: _v4(cfg).hash_layers, {"deepseek_v4"}),
     # Qwen2-MoE
     "qkv_bias": (lambda hf, mt: hf.qkv_bias, None, {"qwen2_moe"}),
     # GPT-OSS
@@ -495,18 +577,51 @@ FIELDS = {
                               (DEEPSEEK_LIKE - {"glm4_moe_lite"}) | {"mistral4", "sarvam_moe"}),
     "use_qk_norm": (lambda hf, mt: hf.use_qk_norm, None, {"glm4_moe", "sarvam_moe"}),
     "num_nextn_predict_layers": (lambda hf, mt: hf.num_nextn_predict_layers, None,
-                                 {"deepseek_v3", "kimi_k2", "glm4_moe", "sarvam_moe"}),
+                                 {"deepseek_v3", "kimi_k2", "glm4_moe", "sarvam_moe", "sarvam_mla"}),
     # MLA
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, MLA_FAMILIES)
        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
     # V3.2 / GLM-5 always interleave MLA's RoPE (the family classes say so); V3 reads the field
-    "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4"}),
+    "rope_interleave": (lambda hf, mt: hf.rope_interleave, None, {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4",
+                                                                  "sarvam_mla", "axk1"}),
     # the sparse-attention indexer
-    **{name: (lambda hf, mt, name=name: getattr(hf, name), None, {"deepseek_v32", "glm_moe_dsa"})
+    **{name: (lambda hf, mt, name=name: getattr(hf, name), None,
+              {"deepseek_v32", "glm_moe_dsa", "axk2"} | GLM5 | HY4 | DOTS3)
        for name in ("index_topk", "index_head_dim", "index_n_heads")},
     # GLM-5's indexer kinds: dynamoe's () means every layer runs its indexer
     "indexer_types": (lambda hf, mt: list(hf.indexer_types),
-                      lambda cfg: list(cfg.indexer_types) or ["full"] * cfg.num_hidden_layers, {"glm_moe_dsa"}),
+                      lambda cfg: list(cfg.indexer_types) or ["full"] * cfg.num_hidden_layers,
+                      {"glm_moe_dsa"} | GLM5 | HY4),
+    # Hy4: the routed experts' clamp, the dense MLP's width, RoPE layout, hyper-connections
+    "swiglu_limit_hy4": (lambda hf, mt: hf.swiglu_limit, lambda cfg: cfg.swiglu_limit, HY4),
+    "intermediate_size_hy4": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, HY4),
+    "rope_interleave_hy4": (lambda hf, mt: mt != "hy_v4", lambda cfg: cfg.rope_interleave, HY4),
+    "hc_hy4": (lambda hf, mt: (hf.hc_mult, hf.hc_eps, hf.hc_magnitude), lambda cfg: _hy4(cfg), HY4),
+    # Mistral-Large-4: MLA sizes, routing, the indexer, RoPE / NoPE layers, KV sharing, the logits' cap
+    **{f"{name}_ml4": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name), ML4)
+       for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
+                    "routed_scaling_factor", "n_shared_experts", "index_topk", "index_head_dim", "index_n_heads",
+                    "intermediate_size")},
+    "layer_uses_rope_ml4": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers],
+                            lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], ML4),
+    "indexer_types_ml4": (lambda hf, mt: list(hf.indexer_types),
+                          lambda cfg: list(cfg.indexer_types) or ["full"] * cfg.num_hidden_layers, ML4),
+    "kv_source_layers": (lambda hf, mt: tuple(hf.kv_source_layers), lambda cfg: _ml4_sources(cfg), ML4),
+    "final_logit_softcapping": (lambda hf, mt: hf.final_logit_softcapping,
+                                lambda cfg: cfg.raw.get("final_logit_softcapping", 30.0), ML4),
+    # dots3_note: each layer's MLA sizes, the shared experts' width, the dense MLPs' width
+    "dots3_layer_sizes": (lambda hf, mt: tuple(tuple(getattr(hf.per_layer_config[i], f) for f in _dots3_fields())
+                                               for i in range(hf.num_hidden_layers)),
+                          lambda cfg: tuple(tuple(s[f] for f in _dots3_fields()) for s in _dots3_sizes(cfg)), DOTS3),
+    "shared_experts_intermediate_size": (lambda hf, mt: hf.shared_experts_intermediate_size,
+                                         lambda cfg: cfg.raw.get("shared_experts_intermediate_size"), DOTS3),
+    "intermediate_size_dots3": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, DOTS3),
+    # GLM-5.3: the clamp, the dense MLPs' width, hyper-connections, KDA's decay bound, the indexer's pools
+    "swiglu_limit_glm5": (lambda hf, mt: hf.swiglu_limit, lambda cfg: cfg.swiglu_limit, GLM5),
+    "intermediate_size_glm5": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, GLM5),
+    **{f"{name}_glm5": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(_glm5(cfg), name),
+                        GLM5)
+       for name in ("hc_mult", "hc_sinkhorn_iters", "hc_eps", "linear_lower_bound", "index_kpool")},
 }
 
 
@@ -527,7 +642,8 @@ def _compare(mt: str, d: dict):
             hf.tie_word_embeddings = getattr(parent, "tie_word_embeddings", False)  # (Step3p7Config has none: false)
     else:
         hf = getattr(transformers, cls_name).from_dict(fields)
-    if mt in STEP:  # (num_attention_heads varies by layer: the global one is the full layers'; step_heads checks each)
+    if mt in STEP | DOTS3:  # (head counts vary by layer: the global one is the full layers'; step_heads /
+        # dots3_layer_sizes check each)
         hf.allow_global_per_layer_attribute_access = True
     cfg = ModelConfig.from_dict(dict(d))
     checked, wrong = [], {}
@@ -703,6 +819,49 @@ def test_omitted_fields_default_as_transformers(mt):
     ("granitemoehybrid", {"layers_block_type": ["mamba", "attention", "mamba", "mamba"], "position_embedding_type": "rope",
                           "time_step_limit": [0.001, 100.0], "mamba_d_head": 16, "mamba_n_groups": 2,
                           "num_local_experts": 0, "shared_intermediate_size": 48}),
+    # DeepSeek-V4: the hub's legacy names, its YaRN under rope_scaling; explicit kinds and a longer layer list
+    ("deepseek_v4", {"compress_ratios": [0, 4, 128, 4], "num_hash_layers": 1, "compress_rate_csa": 8,
+                     "qk_rope_head_dim": 128, "rope_theta": 5e4, "compress_rope_theta": 4e5,
+                     "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096,
+                                      "beta_fast": 32, "beta_slow": 1}}),
+    ("deepseek_v4", {"layer_types": ["sliding_attention", "compressed_sparse_attention"] * 3,
+                     "mlp_layer_types": ["moe", "hash_moe", "moe", "moe"], "hc_mult": 2, "scoring_func": "sigmoid",
+                     "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 16},
+                     "partial_rotary_factor": 0.25, "sliding_window": 32}),
+    # GLM-5.3: the hub's linear_attn_config (nested sizes and decay bound win), 'full_attention' read as MLA
+    ("glm5_next_text", {"linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 3,
+                                               "gate_lower_bound": None, "safe_gate": True},
+                        "linear_head_dim": 32, "layer_types": ["full_attention", "linear_attention"] * 2,
+                        "mlp_layer_types": ["sparse"] * 4, "hc_mult": 2, "index_kpool": 8, "index_topk": 64}),
+    ("glm5_next", {"linear_lower_bound": None, "indexer_types": ["full", "shared", "full", "shared"],
+                   "n_group": 2, "topk_group": 1}),
+    # Mistral-Large-4: explicit RoPE layers and KV sharing, an interval for the default NoPE layers, the hub's YaRN
+    ("mistral_large4_text", {"no_rope_layers": [1, 0, 1, 0], "kv_source_layers": [0, 1, 0, 1], "head_dim": 32,
+                             "index_topk_pattern": "FFSF", "first_k_dense_replace": 2, "num_experts": 16}),
+    ("mistral_large4", {"no_rope_layer_interval": 2, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6,
+                                                                        "factor": 8.0,
+                                                                        "original_max_position_embeddings": 4096}}),
+    # Hy4: explicit indexer kinds and MLP kinds, hyper-connection sizes, a window-free YaRN
+    ("hy_v4", {"indexer_types": ["full", "shared", "shared", "full"], "mlp_layer_types": ["sparse"] * 4, "hc_mult": 2,
+               "hc_magnitude": 1.5, "num_key_value_heads": 2, "head_dim": 7, "index_topk_freq": 2}),
+    ("hy_v4_vl", {"num_hidden_layers": 9, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
+                                                              "mrope_section": [16, 8, 8]}}),
+    # Sarvam-105B: the hub's names and its 'deepseek_yarn' rope_scaling
+    ("sarvam_mla", {"num_experts": 16, "num_shared_experts": 2, "num_mtp_layers": 1, "head_dim": 576, "q_head_dim": 192,
+                    "rope_theta": 5e4, "rope_scaling": {"type": "deepseek_yarn", "factor": 40.0,
+                                                        "original_max_position_embeddings": 4096, "beta_fast": 32,
+                                                        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}),
+    ("axk1", {"first_k_dense_replace": 2, "moe_layer_freq": 2, "num_hidden_layers": 6, "rope_interleave": False}),
+    ("axk1", {"mlp_layer_types": ["sparse", "dense", "sparse", "dense"], "first_k_dense_replace": 3}),
+    ("axk2", {"first_k_dense_replace": 0, "moe_layer_freq": 3, "n_group": 2, "topk_group": 2, "gated_norm_rank": 4}),
+    # dots3_note: no DSA, no sliding layers, the hub's names, a per-layer moe_layer_freq, an explicit per-layer config
+    ("dots3_note_text", {"use_dsa": False, "sliding_window_size": 64, "moe_layer_freq": [1, 0, 1, 1],
+                         "swa_head_dim": 128, "swa_qk_nope_head_dim": 96, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4,
+                         "swa_rope_theta": 1e4}),
+    ("dots3_note_text", {"use_sliding_window": False, "first_k_dense_replace": 2, "rope_theta": 1e6}),
+    ("dots3_note", {"layer_types": ["indexed_attention", "sliding_attention"] * 2, "sliding_window": 32,
+                    "per_layer_config": {str(i): {"num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 64,
+                                                  "qk_rope_head_dim": 32, "head_dim": 160} for i in (1, 3)}}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))

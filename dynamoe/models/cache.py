@@ -14,7 +14,9 @@ Storage, per attention layer, by name (allocated on first use):
 
 * :meth:`KVCache.kv_pool` -- paged tensors [K, num_blocks, block_size, d]: GQA's "k" and "v", MLA's latent
   and rope key, the sparse-attention indexer's keys. Layers write and read them through :meth:`KVCache.write`
-  (positions -> blocks via the table); a sequence whose blocks are consecutive reads them as one view.
+  (positions -> blocks via the table); a sequence whose blocks are consecutive reads them as one view. A layer
+  that reads only some positions (a window, every m-th) writes with :meth:`KVCache.put` and reads with
+  :meth:`KVCache.gather`.
 * :meth:`KVCache.buffer` -- per-slot tensors [num_slots, *shape]: fixed-size state of a sequence (e.g. a
   linear-attention layer's recurrent state), whatever its length.
 
@@ -105,7 +107,13 @@ class KVCache:
         """Write each new tensor [B, K, T, d] at its rows' positions into the paged tensor of that name and
         return the batch's slots' first ``kv_len`` positions of each, [B, K, kv_len, d], in the new tensors'
         dtype (rows shorter than ``kv_len`` read finite filler past their end: mask it)."""
-        out = {}
+        pools = self.put(layer, slots_B, positions_BT, **new)
+        return {name: self.rows(pools[name], slots_B, kv_len).to(t.dtype) for name, t in new.items()}
+
+    def put(self, layer: int, slots_B: Tensor, positions_BT: Tensor, **new: Tensor) -> dict[str, Tensor]:
+        """:meth:`write` without reading back: each new tensor [B, K, T, d] goes to its rows' positions in the paged
+        tensor of that name; returns those paged tensors by name (for :meth:`gather`)."""
+        pools = {}
         one_row = slots_B.device.type == "cpu" and positions_BT.device.type == "cpu" and slots_B.numel() == 1
         bs = self.block_size
         blk_BT = off_BT = None
@@ -121,8 +129,15 @@ class KVCache:
                     off_BT = positions_BT % bs
                 # pool[:, blk, off] for every (b, t): adjacent advanced indices -> [K, B, T, d]
                 pool[:, blk_BT, off_BT] = t.transpose(0, 1).to(pool.dtype)
-            out[name] = self.rows(pool, slots_B, kv_len).to(t.dtype)
-        return out
+            pools[name] = pool
+        return pools
+
+    def gather(self, pool: Tensor, slots_B: Tensor, positions_BN: Tensor) -> Tensor:
+        """A paged tensor's entries at the given positions of each slot, [B, K, N, d] (a copy): where a layer reads
+        a few positions, not all its keys (a window's, one every m). Positions must be within the slots' tables."""
+        bs = self.block_size
+        blk_BN = self.block_tables[slots_B[:, None], torch.div(positions_BN, bs, rounding_mode="floor")]
+        return pool[:, blk_BN, positions_BN % bs].transpose(0, 1)               # [K, B, N, d] -> [B, K, N, d]
 
     def rows(self, pool: Tensor, slots_B: Tensor, kv_len: int) -> Tensor:
         """The slots' first ``kv_len`` positions of a paged tensor, [B, K, kv_len, d]: a view when one

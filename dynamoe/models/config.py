@@ -77,6 +77,10 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     # (AriaForConditionalGeneration ties by the wrapper's flag alone, default false)
     "aria": TextWrapper(("text_config",), ("aria_text",)),
     "minimax_m3_vl": TextWrapper(("text_config",), ("minimax_m3_vl_text",)),
+    "glm5_next": TextWrapper(("text_config",), ("glm5_next_text",)),
+    "mistral_large4": TextWrapper(("text_config",), ("mistral_large4_text",)),
+    "dots3_note": TextWrapper(("text_config",), ("dots3_note_text",)),
+    "hy_v4_vl": TextWrapper(("text_config",), ("hy_v4_vl_text",)),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)
@@ -101,6 +105,11 @@ _HYBRID_FIELDS = {"num_key_value_heads": 2, "max_position_embeddings": 32768, "r
                   "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
                   "linear_num_key_heads": 16, "linear_num_value_heads": 32, "moe_intermediate_size": 512,
                   "shared_expert_intermediate_size": 512}
+# HYV4Config's and HYV4VLTextConfig's common defaults
+_HY4 = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "pad_token_id": 120002, "bos_token_id": 120000,
+        "eos_token_id": 120025, "n_shared_experts": 1, "routed_scaling_factor": 2.827, "norm_topk_prob": True,
+        "n_group": 1, "topk_group": 1, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+        "v_head_dim": 256, "index_topk": 2048, "index_head_dim": 128, "swiglu_limit": 10.0}
 _QWEN3_5_MOE = {"partial_rotary_factor": 0.25, "full_attention_interval": 4, "num_experts": 256,
                 "num_experts_per_tok": 8, "fields": _HYBRID_FIELDS}
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -127,6 +136,45 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "deepseek_v3": {**_MLA, "rope_interleave": True, "fields": {**_DEEPSEEK, "num_nextn_predict_layers": 1}},
     "kimi_k2": {**_MLA, "rope_interleave": True, "fields": {**_DEEPSEEK, "num_nextn_predict_layers": 1}},
+    # SarvamMLAConfig (Sarvam-105B): DeepSeek-V3's model and defaults but 128 experts, no query LoRA, one group, one
+    # dense layer; the hub's names num_shared_experts / num_mtp_layers (attribute_map), its rope_scaling type
+    # 'deepseek_yarn' read as YaRN ("deepseek_yarn"), head_dim / q_head_dim derived ("ignored")
+    # AXK1Config (A.X-K1): DeepSeek-V3's with 192 experts; its MLP kinds from mlp_layer_types, else from the hub's
+    # first_k_dense_replace / moe_layer_freq ("axk_mlp_layers"); no MTP fields (its class has none)
+    "axk1": {**_MLA, "num_experts": 192, "rope_interleave": True, "axk_mlp_layers": True,
+             "ignored": ("head_dim", "num_nextn_predict_layers"),
+             "fields": {**_DEEPSEEK, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                        "max_position_embeddings": 32768, "bos_token_id": 163691, "eos_token_id": 163691,
+                        "first_k_dense_replace": 1, "moe_layer_freq": 1}},
+    # AXK2Config (A.X-K2): DeepSeek-V3.2's sparse MLA with gated queries and self-gated norms; no groups by default
+    # (null: one); MLP kinds as A.X-K1's; its MLA always interleaves RoPE (no such field)
+    "axk2": {**_MLA, "num_experts": 128, "axk_mlp_layers": True, "ignored": ("head_dim", "rope_interleave"),
+             "fields": {**_DEEPSEEK, "intermediate_size": 5120, "moe_intermediate_size": 512, "kv_lora_rank": 128,
+                        "q_lora_rank": 384, "qk_rope_head_dim": 32, "v_head_dim": 64, "qk_nope_head_dim": 64,
+                        "n_group": None, "topk_group": None, "max_position_embeddings": 131072,
+                        "bos_token_id": 163691, "eos_token_id": 163691, "first_k_dense_replace": 1,
+                        "moe_layer_freq": 1, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 16}},
+    # Dots3NoteTextConfig (dots.llm3 / dots3_note's text model): MLA on every layer, DSA ('indexed_attention') on layers
+    # 0, 1 and every 4th from 1, sliding windows elsewhere, with their own MLA sizes (per_layer_config, else the swa_*
+    # defaults) and RoPE ("dots3_layers"); MLP kinds as A.X-K1's (moe_layer_freq may be a per-layer list)
+    "dots3_note_text": {"num_experts": 256, "num_experts_per_tok": 8, "head_dim": 256, "dots3_layers": True,
+                        "axk_mlp_layers": True, "aliases": {"sliding_window": "sliding_window_size"},
+                        "ignored": ("num_key_value_heads",),   # (MLA: one KV head per query head)
+                        "fields": {"intermediate_size": 13824, "moe_intermediate_size": 1536, "head_dim": 256,
+                                   "n_shared_experts": 1, "routed_scaling_factor": 1.0, "kv_lora_rank": 512,
+                                   "q_lora_rank": 1024, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                                   "qk_nope_head_dim": 128, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                                   "max_position_embeddings": 524288, "rms_norm_eps": 1e-5, "pad_token_id": 151659,
+                                   "bos_token_id": 151643, "eos_token_id": 151668, "index_topk": 2048,
+                                   "index_head_dim": 128, "index_n_heads": 64, "sliding_window_size": 512,
+                                   "shared_experts_intermediate_size": 1536, "first_k_dense_replace": 1,
+                                   "moe_layer_freq": 1}},
+    "sarvam_mla": {**_MLA, "num_experts": 128, "rope_interleave": True, "deepseek_yarn": True,
+                   "ignored": ("head_dim", "q_head_dim"),
+                   "aliases": {"n_shared_experts": "num_shared_experts", "num_nextn_predict_layers": "num_mtp_layers"},
+                   "fields": {**{k: v for k, v in _DEEPSEEK.items() if k != "n_shared_experts"}, "q_lora_rank": None,
+                              "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "intermediate_size": 16384,
+                              "num_shared_experts": 1, "num_mtp_layers": 0}},
     "deepseek_v32": {**_MLA, "fields": {**_DEEPSEEK, "max_position_embeddings": 163840, "index_topk": 2048,
                                         "index_head_dim": 128, "index_n_heads": 64}},
     "glm_moe_dsa": {**_MLA, "fields": {**_DEEPSEEK, "q_lora_rank": 2048, "qk_nope_head_dim": 192, "v_head_dim": 256,
@@ -569,6 +617,66 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                       "routed_scaling_factor": 2.0, "rotary_dim": 64, "swiglu_alpha": 1.702,
                                       "swiglu_limit": 7.0, "index_n_heads": 4, "index_head_dim": 128,
                                       "index_block_size": 128, "index_topk_blocks": 16, "index_local_blocks": 1}},
+    # DeepseekV4Config: single-KV-head attention over a sliding window, plus compressed keys on the
+    # 'compressed_sparse_attention' / 'heavily_compressed_attention' layers ("v4_layers": their kinds, the legacy
+    # compress_ratios, else two HCA layers then CSA / HCA alternating); a "main" RoPE for the sliding layers and a
+    # "compress" one (compress_rope_theta, the file's YaRN) for the others; every layer MoE (mlp_layer_types
+    # 'hash_moe' / 'moe' in dynamoe.models.deepseek_v4), sqrt(softplus) router scores
+    "deepseek_v4": {"num_experts": 256, "num_experts_per_tok": 6, "head_dim": 512, "v4_layers": True,
+                    "scoring_funcs": ("sqrtsoftplus", "sigmoid"),
+                    "fields": {"moe_intermediate_size": 2048, "num_key_value_heads": 1, "q_lora_rank": 1024,
+                               "n_shared_experts": 1, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
+                               "routed_scaling_factor": 1.5, "max_position_embeddings": 1048576, "rope_theta": 10000.0,
+                               "compress_rope_theta": 160000.0, "swiglu_limit": 10.0, "sliding_window": 128,
+                               "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+                               "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6, "bos_token_id": 0,
+                               "eos_token_id": 1}},
+    # Glm5NextTextConfig (GLM-5.3): KDA 'linear_attention' layers and NoPE MLA 'indexed_attention' ones (without
+    # layer_types every 4th from 3; 'full_attention' read as 'indexed_attention': "glm5_layers"), the first three
+    # MLPs dense; one head count and size for KDA's keys and values, from linear_attn_config when it has them
+    # (nested ones win); head_dim is derived (0: "ignored"); hyper-connections etc. in dynamoe.models.glm5_next
+    "glm5_next_text": {"num_experts": 288, "num_experts_per_tok": 8, "glm5_layers": True, "nested_overrides": True,
+                       "ignored": ("head_dim",),
+                       "aliases": {"linear_key_head_dim": "linear_head_dim", "linear_value_head_dim": "linear_head_dim",
+                                   "linear_num_key_heads": "linear_num_heads",
+                                   "linear_num_value_heads": "linear_num_heads"},
+                       "nested": {"linear_attn_config": {"head_dim": "linear_head_dim", "num_heads": "linear_num_heads",
+                                                         "short_conv_kernel_size": "linear_conv_kernel_dim"}},
+                       "fields": {"intermediate_size": 12288, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+                                  "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                                  "qk_rope_head_dim": 0, "v_head_dim": 256, "qk_nope_head_dim": 256, "n_group": 1,
+                                  "topk_group": 1, "norm_topk_prob": True, "max_position_embeddings": 1048576,
+                                  "rms_norm_eps": 1e-5, "pad_token_id": 154820, "index_topk": 2048,
+                                  "index_head_dim": 128, "index_n_heads": 32, "swiglu_limit": 10.0,
+                                  "linear_head_dim": 128, "linear_num_heads": 64, "linear_conv_kernel_dim": 4}},
+    # MistralLarge4TextConfig: MLA without query LoRA (head_dim is qk_rope_head_dim whatever the file says), YaRN x2048
+    # with attention factor 1, RoPE on the layers no_rope_layers says 1 (else all but every no_rope_layer_interval-th:
+    # "nope_layers"), the first first_k_dense_replace MLPs dense; its router always renormalises (no such field)
+    "mistral_large4_text": {"num_experts": 128, "num_experts_per_tok": 4, "head_dim_is_rope": True, "nope_layers": True,
+                            "ignored": ("head_dim", "norm_topk_prob"),
+                            "rope": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2048.0,
+                                     "original_max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "attention_factor": 1.0},
+                            "fields": {"intermediate_size": 24576, "moe_intermediate_size": 6144, "n_shared_experts": 1,
+                                       "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                       "v_head_dim": 128, "qk_nope_head_dim": 64, "n_group": 1, "topk_group": 1,
+                                       "max_position_embeddings": 1048576, "rms_norm_eps": 1e-5, "bos_token_id": 1,
+                                       "eos_token_id": 2, "index_topk": 2048, "index_head_dim": 128,
+                                       "index_n_heads": 32, "first_k_dense_replace": 1, "norm_topk_prob": True,
+                                       "no_rope_layer_interval": 4}},
+    # HYV4Config / HYV4VLTextConfig (Hy4, Hy4-VL's text model): DeepSeek-V3.2's MLA and routing, head_dim and the KV
+    # heads derived (qk_rope_head_dim; one per query head), the first MLP dense, indexer_types by default full on
+    # layer 0 and every 4th from 1 ("hy_indexers"); Hy4's RoPE half-split, Hy4-VL's on interleaved pairs (its
+    # mrope_section is plain RoPE for text: the three position ids are equal)
+    "hy_v4": {**_MLA, "num_experts": 256, "num_experts_per_tok": 8, "first_layer_dense": True, "hy_indexers": True,
+              "ignored": ("head_dim", "num_key_value_heads", "rope_interleave"),
+              "fields": {**_HY4, "intermediate_size": 6912, "moe_intermediate_size": 768, "q_lora_rank": 1536,
+                         "index_n_heads": 16}},
+    "hy_v4_vl_text": {**_MLA, "num_experts": 256, "num_experts_per_tok": 8, "first_layer_dense": True,
+                      "hy_indexers": True, "rope_interleave": True,
+                      "ignored": ("head_dim", "num_key_value_heads", "rope_interleave"),
+                      "fields": {**_HY4, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                                 "q_lora_rank": 2048, "index_n_heads": 32}},
     # transformers' Glm4MoeConfig: RoPE on half of each head unless the config says otherwise
     "glm4_moe": {"partial_rotary_factor": 0.5, "num_experts": 128, "num_experts_per_tok": 8,
                  "fields": {"n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
@@ -577,6 +685,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+# layer kinds whose (uncompressed) keys are a sliding window of sliding_window positions
+_WINDOWED = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 _LINEAR_ATTENTION_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                             "linear_num_key_heads", "linear_num_value_heads")
 
@@ -794,6 +904,142 @@ def _step_ropes(d: dict, max_pos: int, layer_types: tuple) -> tuple:
             p["partial_rotary_factor"] = partials[i]
         if k == "full_attention" and scaling:
             p.update(scaling)
+        out.append((k, parse_rope({"rope_parameters": p}, max_pos)))
+    return tuple(out)
+
+
+V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+_V4_COMPRESS_RATIO_KINDS = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+def _v4_layer_types(d: dict, layers: int) -> tuple:
+    """DeepSeek-V4's attention kinds as DeepseekV4Config derives them: ``layer_types`` (at least num_hidden_layers
+    entries, cut to them), else the hub's per-layer ``compress_ratios`` (0 / 4 / 128), else two heavily compressed
+    layers, then compressed-sparse and heavily compressed alternating."""
+    v, name = d.get("layer_types"), "layer_types"
+    if v is None and d.get("compress_ratios") is not None:
+        v, name = d["compress_ratios"], "compress_ratios"
+        if not isinstance(v, (list, tuple)) or any(isinstance(r, bool) or r not in _V4_COMPRESS_RATIO_KINDS for r in v):
+            raise _err(name, v, f"a list of compress ratios from {sorted(_V4_COMPRESS_RATIO_KINDS)} (one per layer)")
+        v = [_V4_COMPRESS_RATIO_KINDS[r] for r in v]
+    if v is None:
+        return (("heavily_compressed_attention",) * min(layers, 2)
+                + tuple("compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                        for i in range(max(layers - 2, 0))))
+    if not isinstance(v, (list, tuple)) or len(v) < layers or any(t not in V4_LAYER_TYPES for t in v):
+        raise _err(name, v, f"a list of at least {layers} entries from {list(V4_LAYER_TYPES)}")
+    return tuple(v[:layers])
+
+
+def _v4_ropes(d: dict, max_pos: int, head_dim: int) -> tuple:
+    """DeepSeek-V4's two RoPEs as (("main", RopeConfig), ("compress", RopeConfig)), as DeepseekV4Config derives them:
+    ``rope_parameters`` nested by those labels when it has both, else "main" a plain RoPE of base rope_theta and
+    "compress" one of base compress_rope_theta with the file's rope_parameters / rope_scaling (YaRN: its attention
+    factor 1 unless given); both on the ``partial_rotary_factor`` share of each head (default: the legacy
+    qk_rope_head_dim / head_dim, else 64 / 512)."""
+    partial = d.get("partial_rotary_factor")
+    if partial is None:
+        rope_dim = _int(d, "qk_rope_head_dim")
+        partial = rope_dim / head_dim if rope_dim is not None else 64 / 512
+    params = d.get("rope_parameters")
+    if params is None:
+        params = d.get("rope_scaling")
+    if params is not None and not isinstance(params, dict):
+        raise _err("rope_parameters", params, "a dict or null")
+    params = params or {}
+    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        return tuple((k, parse_rope({"rope_parameters": params[k]}, max_pos)) for k in ("main", "compress"))
+    scaling = {k: v for k, v in params.items() if k not in ("main", "compress")}
+    main = {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0), "partial_rotary_factor": partial}
+    compress = {**scaling, "rope_theta": d.get("compress_rope_theta", 160000.0), "partial_rotary_factor": partial}
+    if "type" in compress and "rope_type" not in compress:
+        compress["rope_type"] = compress.pop("type")
+    compress.setdefault("rope_type", "default")
+    if compress["rope_type"] == "yarn":
+        compress.setdefault("attention_factor", 1.0)
+    return tuple((k, parse_rope({"rope_parameters": p}, max_pos)) for k, p in (("main", main), ("compress", compress)))
+
+
+#: dots3_note's sliding layers' MLA sizes when config.json has no per_layer_config (Dots3NoteTextConfig's swa_* defaults)
+_DOTS3_SWA = {"num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1024, "kv_lora_rank": 1024,
+              "head_dim": 256, "qk_nope_head_dim": 192, "v_head_dim": 128}
+#: the per-layer MLA sizes dynamoe reads (MLA has one KV head per query head: num_key_value_heads is accepted, unused)
+DOTS3_LAYER_FIELDS = tuple(k for k in _DOTS3_SWA if k != "num_key_value_heads") + ("qk_rope_head_dim",)
+
+
+def _dots3_layer_types(d: dict, layers: int) -> tuple:
+    """dots3_note's attention kinds as Dots3NoteTextConfig derives them: ``layer_types``, else DSA ('indexed_attention')
+    on layers 0, 1 and every 4th from 1 and sliding elsewhere (all DSA without ``use_sliding_window``); ``use_dsa``
+    false (default true, unset when the file has a per_layer_config) turns DSA into plain 'full_attention'."""
+    use_dsa = d.get("use_dsa", None if "per_layer_config" in d else True)
+    v = d.get("layer_types")
+    if v is None:
+        full = "full_attention" if use_dsa is False else "indexed_attention"
+        sliding = _bool(d, "use_sliding_window", True)
+        v = [full if not sliding or i < 2 or i % 4 == 1 else "sliding_attention" for i in range(layers)]
+    kinds = ("full_attention", "indexed_attention", "sliding_attention")
+    if not isinstance(v, (list, tuple)) or len(v) != layers or any(t not in kinds for t in v):
+        raise _err("layer_types", v, f"a list of {layers} entries from {list(kinds)}")
+    if use_dsa is not None:
+        old, new = ("full_attention", "indexed_attention") if use_dsa else ("indexed_attention", "full_attention")
+        v = [new if t == old else t for t in v]
+    return tuple(v)
+
+
+def dots3_layer_sizes(d: dict, layer_types: tuple) -> tuple:
+    """Each layer's MLA sizes ({field: value} over :data:`DOTS3_LAYER_FIELDS`) as Dots3NoteTextConfig's per-layer
+    views give them: the file's ``per_layer_config`` entry (keyed by layer index) over the top-level fields; without
+    a per_layer_config, the sliding layers take the ``swa_*`` fields (defaults :data:`_DOTS3_SWA`; their
+    qk_rope_head_dim = head_dim - qk_nope_head_dim unless swa_qk_rope_head_dim)."""
+    base = {k: d.get(k) for k in DOTS3_LAYER_FIELDS}
+    per_layer = d.get("per_layer_config")
+    if per_layer is None:
+        swa = {k: d.get(f"swa_{k}", v) for k, v in _DOTS3_SWA.items() if k in DOTS3_LAYER_FIELDS}
+        swa["qk_rope_head_dim"] = d.get("swa_qk_rope_head_dim", swa["head_dim"] - swa["qk_nope_head_dim"])
+        per_layer = {str(i): swa for i, t in enumerate(layer_types) if t == "sliding_attention"}
+    if not isinstance(per_layer, dict):
+        raise _err("per_layer_config", per_layer, "a dict of per-layer overrides keyed by layer index")
+    out = []
+    for i in range(len(layer_types)):
+        over = per_layer.get(str(i), per_layer.get(i, {}))
+        if not isinstance(over, dict) or any(k not in DOTS3_LAYER_FIELDS + ("num_key_value_heads",) for k in over):
+            raise _err(f"per_layer_config.{i}", over, f"a dict over {list(DOTS3_LAYER_FIELDS)} (and num_key_value_heads)")
+        sizes = {k: v for k, v in {**base, **over}.items() if k in DOTS3_LAYER_FIELDS}
+        if layer_types[i] == "sliding_attention" and isinstance(sizes["head_dim"], int) and (
+                sizes["head_dim"] != (sizes["qk_nope_head_dim"] or 0) + (sizes["qk_rope_head_dim"] or 0)):
+            raise _err(f"per_layer_config.{i}.head_dim", sizes["head_dim"], "qk_nope_head_dim + qk_rope_head_dim on a "
+                       "sliding layer (as Dots3NoteTextConfig checks)")
+        for k, v in sizes.items():
+            _int(sizes, k, required=k != "q_lora_rank", minimum=1)
+            if v is None and k == "q_lora_rank":
+                raise ValueError(f"config field 'q_lora_rank' is required for every layer of dots3_note (layer {i})")
+        out.append(sizes)
+    return tuple(out)
+
+
+def _dots3_ropes(d: dict, max_pos: int, layer_types: tuple) -> tuple:
+    """dots3_note's RoPE per layer type as Dots3NoteTextConfig derives it: ``rope_parameters`` nested by layer type
+    (or one dict for every type, or the hub's ``rope_scaling``), else base ``swa_rope_theta`` (5e4) on the sliding
+    layers and ``rope_theta`` (8e7) on the others; each on the qk_rope_head_dim / head_dim share of its first layer."""
+    params = d.get("rope_parameters")
+    if params is None:
+        params = d.get("rope_scaling")
+    kinds = sorted(set(layer_types), key=layer_types.index)
+    if params is None:
+        params = {k: {"rope_type": "default", "rope_theta": d.get("swa_rope_theta", 50_000.0)
+                      if k == "sliding_attention" else d.get("rope_theta", 80_000_000.0)} for k in kinds}
+    if not isinstance(params, dict):
+        raise _err("rope_parameters", params, "a dict")
+    if not any(k in LAYER_TYPES for k in params):
+        params = {k: dict(params) for k in kinds}
+    sizes = dots3_layer_sizes(d, layer_types)
+    out = []
+    for k in kinds:
+        p = params.get(k)
+        if not isinstance(p, dict):
+            raise _err("rope_parameters", params, f"RoPE parameters for every layer type (missing {k!r})")
+        first = sizes[layer_types.index(k)]
+        p = {**p, "partial_rotary_factor": first["qk_rope_head_dim"] / first["head_dim"]}
         out.append((k, parse_rope({"rope_parameters": p}, max_pos)))
     return tuple(out)
 
@@ -1123,7 +1369,8 @@ class ModelConfig:
     #: ``layer_norm_eps``), not RMSNorms
     layer_norm: bool = False
     architectures: tuple = ()
-    #: ((layer type, RopeConfig), ...) where the RoPE differs per layer type (MiMo-V2-Flash; ``rope`` is the
+    #: ((layer type, RopeConfig), ...) where the RoPE differs per layer type (MiMo-V2-Flash; DeepSeek-V4: by the
+    #: labels "main" and "compress"; ``rope`` is the
     #: full-attention one); () = ``rope`` for every layer
     rope_by_layer_type: tuple = ()
     intermediate_size: Optional[int] = None        # dense MLP layers
@@ -1215,8 +1462,9 @@ class ModelConfig:
 
     # ---- derived ------------------------------------------------------------------------------
     def layer_sliding_window(self, i: int) -> Optional[int]:
-        """The sliding window of layer i, or None for full attention."""
-        return self.sliding_window if self.layer_types and self.layer_types[i] == "sliding_attention" else None
+        """The sliding window of layer i, or None for full attention (DeepSeek-V4's compressed layers attend over a
+        window of uncompressed keys too)."""
+        return self.sliding_window if self.layer_types and self.layer_types[i] in _WINDOWED else None
 
     def layer_attention_chunk(self, i: int) -> Optional[int]:
         """The attention chunk of layer i (Llama-4's 'chunked_attention' layers), or None."""
@@ -1229,6 +1477,11 @@ class ModelConfig:
     def kv_elements_per_position(self) -> int:
         """Cache elements one position of one sequence takes over all layers: keys and values per KV head
         (GQA), or the compressed latent and the rotary key (MLA), plus the indexer's key (DSA)."""
+        if self.model_type == "deepseek_v4":  # the key; a compressed layer's raw rows and entries (see deepseek_v4.py)
+            d, i = self.head_dim, self.index_head_dim or 0
+            per = {"sliding_attention": d, "heavily_compressed_attention": 4 * d,
+                   "compressed_sparse_attention": 6 * d + 5 * i}
+            return sum(per[t] for t in self.layer_types)
         if self.kv_lora_rank:
             per_layer = self.kv_lora_rank + (self.qk_rope_head_dim or 0) + (self.index_head_dim or 0)
         elif self.model_type == "mimo_v2_flash":  # values v_head_dim wide; sliding layers have twice the KV heads
@@ -1323,6 +1576,11 @@ class ModelConfig:
         for ours, theirs in fam.get("overrides", {}).items():  # the hub's name wins whenever given (LFM2's tie_embedding)
             if d.get(theirs) is not None:
                 d[ours] = d[theirs]
+        scaling = d.get("rope_scaling")
+        if (fam.get("deepseek_yarn") and isinstance(scaling, dict)
+                and "deepseek_yarn" in (scaling.get("type"), scaling.get("rope_type"))):  # Sarvam: YaRN by another name
+            d = {**d, "rope_parameters": {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": "yarn"}}
+            del d["rope_scaling"]
         if fam.get("window_size_plus_one") and d.get("sliding_window_size") is not None:
             d["sliding_window"] = _int(d, "sliding_window_size") + 1
         if d.get("routed_scaling_factor", 0) is None:
@@ -1383,7 +1641,7 @@ class ModelConfig:
             NEMOTRON_BLOCKS if fam.get("nemotron_layers") else ()) + (("conv",) if fam.get("lfm2_layers") else ()) + (
             ("minimax_m3_sparse",) if fam.get("m3_layers") else ())
         chunk = _int(d, "attention_chunk_size") if fam.get("chunked_layers") else None
-        no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") else ()
+        no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") or fam.get("nope_layers") else ()
         if fam.get("rope_switch"):  # GraniteMoE-Hybrid: RoPE in every attention layer when the field says 'rope'
             switch = d.get(fam["rope_switch"])
             if switch not in (None, "rope"):
@@ -1391,7 +1649,21 @@ class ModelConfig:
             no_rope_layers = (int(switch == "rope"),) * layers
         if fam.get("ssm") and isinstance(layer_types, (list, tuple)):   # (the Mamba families' hub configs)
             layer_types = [_LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in layer_types]
-        if layer_types is not None:
+        if fam.get("v4_layers"):
+            layer_types = _v4_layer_types(d, layers)
+        elif fam.get("dots3_layers"):
+            layer_types = _dots3_layer_types(d, layers)
+        elif fam.get("glm5_layers"):  # every 4th layer (from 3) MLA, the others KDA; 'full_attention' is MLA
+            if layer_types is None:
+                layer_types = ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(layers)]
+            if isinstance(layer_types, (list, tuple)):
+                layer_types = ["indexed_attention" if t == "full_attention" else t for t in layer_types]
+            if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
+                    or any(t not in ("linear_attention", "indexed_attention") for t in layer_types)):
+                raise _err("layer_types", d.get("layer_types"), f"a list of {layers} entries from ['linear_attention', "
+                           "'indexed_attention', 'full_attention']")
+            layer_types = tuple(layer_types)
+        elif layer_types is not None:
             if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
                     or any(t not in kinds for t in layer_types)):
                 raise _err("layer_types", layer_types, f"a list of {layers} entries from {list(kinds)}")
@@ -1488,7 +1760,8 @@ class ModelConfig:
                 raise _err("linear_num_value_heads", linear_sizes["linear_num_value_heads"],
                            f"a multiple of linear_num_key_heads={linear_sizes['linear_num_key_heads']}")
 
-        mlp_types = _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
+        # (DeepSeek-V4: every layer MoE; its 'hash_moe' / 'moe' kinds are read by dynamoe.models.deepseek_v4)
+        mlp_types = () if fam.get("v4_layers") else _str_list(d, "mlp_layer_types", layers, MLP_LAYER_TYPES)
         if not mlp_types and fam.get("step_layers"):
             mlp_types = _step_mlp_types(d, layers)
         if not mlp_types and fam.get("moe_switch"):  # one switch for every layer (Doge's is_moe)
@@ -1502,6 +1775,17 @@ class ModelConfig:
             mlp_types = tuple("sparse" if t == "moe" else "dense" for t in layer_types)
         if not mlp_types and fam.get("jamba_layers"):
             mlp_types = _jamba_layers(d, layers, experts)[1]
+        if not mlp_types and fam.get("axk_mlp_layers"):  # A.X-K1/K2, dots3: MoE from first_k_dense_replace, every freq-th
+            first, freq = _int(d, "first_k_dense_replace", minimum=0), d.get("moe_layer_freq")
+            if isinstance(freq, (list, tuple)):  # (dots3: one flag per layer)
+                if len(freq) < layers:
+                    raise _err("moe_layer_freq", freq, f"an int >= 1 or a list of {layers} flags")
+                mlp_types = tuple("sparse" if i >= first and bool(freq[i]) else "dense" for i in range(layers))
+            else:
+                freq = _int(d, "moe_layer_freq")
+                mlp_types = tuple("sparse" if i >= first and i % freq == 0 else "dense" for i in range(layers))
+        if not mlp_types and fam.get("glm5_layers"):  # the first three dense
+            mlp_types = ("dense",) * min(3, layers) + ("sparse",) * max(0, layers - 3)
         if not mlp_types and fam.get("first_layer_dense"):
             mlp_types = ("dense",) + ("sparse",) * (layers - 1)
         if not mlp_types and fam.get("llama4_layers"):  # moe_layers, else every step-th layer from step - 1
@@ -1526,7 +1810,11 @@ class ModelConfig:
             prefix_rope = _int(d, "prefix_dense_sliding_window_pattern", required=True) == 1
             no_rope_layers = tuple(int(t == "sliding_attention" or (m == "dense" and prefix_rope))
                                    for t, m in zip(layer_types, mlp_types))
-        indexer_types = _indexer_types(d, layers)
+        if fam.get("hy_indexers"):  # Hy4: indexer_types, else full on layer 0 and every 4th from 1 (no other rule)
+            indexer_types = (_str_list(d, "indexer_types", layers, INDEXER_TYPES)
+                             or tuple("full" if i == 0 or (i - 1) % 4 == 0 else "shared" for i in range(layers)))
+        else:
+            indexer_types = _indexer_types(d, layers)
         mlp_only = _int_list(d, "mlp_only_layers")
         if any(not 0 <= i < layers for i in mlp_only):
             raise _err("mlp_only_layers", list(mlp_only), f"layer indices in [0, {layers})")
@@ -1535,14 +1823,21 @@ class ModelConfig:
         if quant is not None and not isinstance(quant, dict):
             raise _err("quantization_config", quant, "a dict")
         scoring = _str(d, "scoring_func", "softmax")
-        if scoring not in ("softmax", "sigmoid"):
-            raise _err("scoring_func", scoring, "'softmax' or 'sigmoid'")
+        scorings = fam.get("scoring_funcs", ("softmax", "sigmoid"))
+        if scoring not in scorings:
+            raise _err("scoring_func", scoring, " or ".join(repr(f) for f in scorings))
         n_group = _int(d, "n_group", 1) or 1  # null (DeepSeek-V2's greedy routing): one group
         topk_group = _int(d, "topk_group", 1) or 1
         if topk_group > n_group:
             raise _err("topk_group", topk_group, f"<= n_group={n_group}")
 
-        if fam.get("rope_by_layer_type") or fam.get("step_layers"):
+        if fam.get("v4_layers"):
+            layer_ropes = _v4_ropes(d, max_pos, head_dim)
+            rope = layer_ropes[0][1]
+        elif fam.get("dots3_layers"):
+            layer_ropes = _dots3_ropes(d, max_pos, layer_types)
+            rope = layer_ropes[0][1]
+        elif fam.get("rope_by_layer_type") or fam.get("step_layers"):
             layer_ropes = (_step_ropes(d, max_pos, layer_types) if fam.get("step_layers") else
                            _ropes_by_layer_type(d, max_pos, fam["rope_by_layer_type"], layer_types,
                                                 fam.get("rope_partial_default"), bool(fam.get("nope_kinds"))))
@@ -1596,7 +1891,7 @@ class ModelConfig:
             n_shared_experts=_int(d, "n_shared_experts", 0, minimum=0), scoring_func=scoring,
             topk_method=_str(d, "topk_method", None), use_qk_norm=_bool(d, "use_qk_norm", False),
             q_lora_rank=_int(d, "q_lora_rank"), kv_lora_rank=_int(d, "kv_lora_rank"),
-            qk_nope_head_dim=_int(d, "qk_nope_head_dim"), qk_rope_head_dim=_int(d, "qk_rope_head_dim"),
+            qk_nope_head_dim=_int(d, "qk_nope_head_dim"), qk_rope_head_dim=_int(d, "qk_rope_head_dim", minimum=0),
             v_head_dim=_int(d, "v_head_dim"), rope_interleave=_bool(d, "rope_interleave", fam.get("rope_interleave", False)),
             index_topk=_int(d, "index_topk"), index_head_dim=_int(d, "index_head_dim"),
             index_n_heads=_int(d, "index_n_heads"), indexer_types=indexer_types, mlp_layer_types=mlp_types,

@@ -66,31 +66,54 @@ class Indexer(nn.Module):
     kv_len) -> bool [B, 1, T, L] or None``: True where the query may attend (causal and selected);
     None when no query has more than ``index_topk`` keys to choose from (plain causal attention).
     Without a cache the keys are the T tokens themselves (k_pos None).
+
+    Mistral-Large-4's variant: ``query_norm`` (``q_input_norm``, a LayerNorm over the hidden size: the queries are
+    wq_b(LayerNorm(x)), ``q_lora_rank`` is then the hidden size and q_resid is not read), ``head_scale`` (the queries
+    scaled per head by ``softmax_scaling``, :class:`~dynamoe.models.mla.LogPositionScale`) and ``rotary`` None (no
+    RoPE: NoPE layers). Hy4's: ``rope_at_end`` (RoPE on the last R dims of q and k, not the first) and
+    ``k_norm_eps`` (the key LayerNorm's eps; 1e-6 elsewhere).
     """
 
     #: at most this many per-head scores (fp32) exist at once; longer prefills are scored in query chunks
     MAX_SCORES = 1 << 26
 
     def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, rope_dim: int, topk: int,
-                 layer_idx: int, rotary: RotaryEmbedding, rope_interleaved: bool = False,
-                 shared: SharedIndex | None = None, dtype=None):
+                 layer_idx: int, rotary: RotaryEmbedding | None, rope_interleaved: bool = False,
+                 shared: SharedIndex | None = None, query_norm: bool = False, head_scale: bool = False,
+                 rope_at_end: bool = False, k_norm_eps: float = 1e-6, dtype=None):
         super().__init__()
         if rope_dim > head_dim:
             raise ValueError(f"index_head_dim={head_dim} must be >= qk_rope_head_dim={rope_dim}")
         self.layer_idx, self.n_heads, self.head_dim, self.topk = layer_idx, n_heads, head_dim, topk
-        self.rope_interleaved = rope_interleaved
+        self.rope_interleaved, self.rope_at_end = rope_interleaved, rope_at_end
         self.softmax_scale = head_dim ** -0.5
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype)
         self.wk = nn.Linear(hidden_size, head_dim, bias=False, dtype=dtype)
-        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6, dtype=dtype)
+        self.k_norm = nn.LayerNorm(head_dim, eps=k_norm_eps, dtype=dtype)
         # transformers keeps it in fp32 (_keep_in_fp32_modules): the head weights decide the ranking
         self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False, dtype=torch.float32)
+        self.q_input_norm = self.softmax_scaling = None
+        if query_norm:
+            if q_lora_rank != hidden_size:
+                raise ValueError(f"an indexer with its own query norm reads x: q_lora_rank must be hidden_size "
+                                 f"({hidden_size}), got {q_lora_rank}")
+            self.q_input_norm = nn.LayerNorm(hidden_size, eps=1e-6, dtype=dtype)
+        if head_scale:
+            from .mla import LogPositionScale   # (mla imports this module)
+
+            self.softmax_scaling = LogPositionScale(n_heads, dtype=dtype)
         object.__setattr__(self, "rotary", rotary)
         object.__setattr__(self, "shared", shared)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.n_heads}, head_dim={self.head_dim}, topk={self.topk}, "
                 f"rope_interleaved={self.rope_interleaved}")
+
+    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if not self.rope_at_end:
+            return apply_rope(x, cos, sin, self.rope_interleaved)
+        R = 2 * cos.size(-1)
+        return torch.cat([x[..., :-R], apply_rope(x[..., -R:].contiguous(), cos, sin, self.rope_interleaved)], dim=-1)
 
     def _head_weights(self, x_BTD: Tensor) -> Tensor:
         proj = self.weights_proj  # an fp32 nn.Linear, or the loader's QuantizedLinear (a quantized checkpoint)
@@ -101,9 +124,10 @@ class Indexer(nn.Module):
              kv_len: int | None = None) -> Tensor:
         """The roped indexer keys [B, 1, L, d]: the T new ones, or with a cache (where they are written
         first) the slots' keys 0..kv_len-1."""
-        k = self.k_norm(self.wk(x_BTD))
-        cos, sin = self.rotary(positions_BT, k.dtype)
-        k = apply_rope(k.unsqueeze(1), cos, sin, self.rope_interleaved)                      # [B, 1, T, d]
+        k = self.k_norm(self.wk(x_BTD)).unsqueeze(1)                                         # [B, 1, T, d]
+        if self.rotary is not None:
+            cos, sin = self.rotary(positions_BT, k.dtype)
+            k = self._rope(k, cos, sin)
         if cache is not None:
             k = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, index_k=k)["index_k"]
         return k
@@ -111,9 +135,14 @@ class Indexer(nn.Module):
     def scores(self, x_BTD: Tensor, q_resid: Tensor, positions_BT: Tensor, k_B1Ld: Tensor) -> Tensor:
         """fp32 index scores [B, T, L] of the queries against the keys (before masking)."""
         B, T, _ = x_BTD.shape
+        if self.q_input_norm is not None:
+            q_resid = self.q_input_norm(x_BTD)
         q = self.wq_b(q_resid).view(B, T, self.n_heads, self.head_dim)
-        cos, sin = self.rotary(positions_BT, q.dtype)
-        q = apply_rope(q.transpose(1, 2), cos, sin, self.rope_interleaved).transpose(1, 2)  # [B, T, I, d]
+        if self.softmax_scaling is not None:
+            q = self.softmax_scaling(q, positions_BT, heads_first=False)
+        if self.rotary is not None:
+            cos, sin = self.rotary(positions_BT, q.dtype)
+            q = self._rope(q.transpose(1, 2), cos, sin).transpose(1, 2)                       # [B, T, I, d]
         w = self._head_weights(x_BTD).unsqueeze(-2)                                           # [B, T, 1, I]
         kT = k_B1Ld.float().transpose(-1, -2)                                                 # [B, 1, d, L]
         # the per-head scores [B, t, I, L] are the big intermediate (relu keeps the heads apart):

@@ -127,11 +127,16 @@ class KimiDeltaAttention(nn.Module):
 
     ``forward(x [B, T, D], positions [B, T], cache=None, slots=None, kv_len=None) -> [B, T, D]``: with a
     cache, row b continues slot ``slots[b]``'s state, or starts from zero where ``positions[b, 0] == 0``.
+
+    ``gate_lower_bound`` b (GLM-5.3's "safe gate"): the decay is g = b * sigmoid(exp(A_log) * (f_b(f_a(x)) +
+    dt_bias)), in (b, 0), instead of -exp(A_log) * softplus(...). ``a_log_shape``: how the checkpoint stores
+    ``A_log`` (Kimi-Linear: [1, 1, H, 1]; GLM-5.3: [H]).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, layer_idx: int,
                  norm_eps: float = 1e-6, activation: str = "silu", chunk_size: int = 64,
-                 checks_position: bool = False, dtype=None):
+                 checks_position: bool = False, gate_lower_bound: float | None = None,
+                 a_log_shape: tuple | None = None, dtype=None):
         super().__init__()
         if activation not in ("silu", "swish"):
             raise ValueError(f"config field 'hidden_act' must be 'silu' or 'swish' for Kimi Delta Attention, "
@@ -150,7 +155,10 @@ class KimiDeltaAttention(nn.Module):
         self.f_b_proj = nn.Linear(head_dim, C, **kw)
         # fp32 whatever the model's dtype (as transformers keeps it): it sets the decay rates
         self.dt_bias = nn.Parameter(torch.zeros(C, dtype=torch.float32))
-        self.A_log = nn.Parameter(torch.zeros(1, 1, num_heads, 1, dtype=dtype))
+        self.A_log = nn.Parameter(torch.zeros(*(a_log_shape or (1, 1, num_heads, 1)), dtype=dtype))
+        if self.A_log.numel() != num_heads:
+            raise ValueError(f"a_log_shape {a_log_shape} must hold one value per head ({num_heads})")
+        self.gate_lower_bound = gate_lower_bound
         self.b_proj = nn.Linear(hidden_size, num_heads, **kw)
         self.g_a_proj = nn.Linear(hidden_size, head_dim, **kw)
         self.g_b_proj = nn.Linear(head_dim, C, **kw)
@@ -169,10 +177,13 @@ class KimiDeltaAttention(nn.Module):
         return self.g_b_proj(self.g_a_proj(x_BTD))
 
     def decay(self, x_BTD: Tensor) -> Tensor:
-        """g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias), fp32 [B, T, H, k]."""
+        """g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) (or the bounded form, see the class), fp32 [B, T, H, k]."""
         B, T, _ = x_BTD.shape
         f = (self.f_b_proj(self.f_a_proj(x_BTD)).float() + self.dt_bias.float()).view(B, T, self.num_heads, -1)
-        return -self.A_log.float().exp() * F.softplus(f)
+        rate = self.A_log.float().view(1, 1, self.num_heads, 1).exp()
+        if self.gate_lower_bound is not None:
+            return self.gate_lower_bound * torch.sigmoid(rate * f)
+        return -rate * F.softplus(f)
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:

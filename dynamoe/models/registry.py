@@ -137,3 +137,17 @@ register("minimax", "dynamoe.models.minimax:MiniMaxForCausalLM", ("MiniMaxForCau
 register("bailing_hybrid", "dynamoe.models.bailing_hybrid:BailingHybridForCausalLM", ("BailingHybridForCausalLM",))
 register("minimax_m3_vl_text", "dynamoe.models.minimax_m3:MiniMaxM3ForCausalLM",
          ("MiniMaxM3VLForCausalLM", "MiniMaxM3SparseForConditionalGeneration"), aliases=("minimax_m3_vl",))
+register("deepseek_v4", "dynamoe.models.deepseek_v4:DeepseekV4ForCausalLM", ("DeepseekV4ForCausalLM",))
+register("glm5_next", "dynamoe.models.glm5_next:Glm5NextForCausalLM", ("Glm5NextForConditionalGeneration",),
+         aliases=("glm5_next_text",))
+register("mistral_large4", "dynamoe.models.mistral_large4:MistralLarge4ForCausalLM",
+         ("MistralLarge4ForConditionalGeneration",), aliases=("mistral_large4_text",))
+register("hy_v4", "dynamoe.models.hy_v4:HyV4ForCausalLM", ("HYV4ForCausalLM",))
+register("hy_v4_vl", "dynamoe.models.hy_v4:HyV4ForCausalLM", ("HYV4VLForConditionalGeneration",),
+         aliases=("hy_v4_vl_text",))
+# Sarvam-105B: transformers builds DeepseekV3ForCausalLM for it
+register("sarvam_mla", "dynamoe.models.deepseek_v3:DeepseekV3ForCausalLM", ("SarvamMLAForCausalLM",))
+register("axk1", "dynamoe.models.axk1:AXK1ForCausalLM", ("AXK1ForCausalLM",))
+register("axk2", "dynamoe.models.axk2:AXK2ForCausalLM", ("AXK2ForCausalLM",))
+register("dots3_note", "dynamoe.models.dots3_note:Dots3NoteForCausalLM",
+         ("Dots3NoteForConditionalGeneration", "Dots3NoteForCausalLM"), aliases=("dots3_note_text",))

@@ -26,16 +26,10 @@ def _text_of(wrapper: str, what: str) -> str:
 
 #: model_type -> why it does not load (kept sorted)
 UNSUPPORTED: dict[str, str] = {
-    "axk1": "A.X-K1 is not implemented yet: MLA attention variant with its own compressed layer kinds",
-    "axk2": "A.X-K2 is not implemented yet: MLA with a sparse-attention indexer and gated RMSNorm / gated MLPs",
     "deepseek_ocr2": _VLM,
     "deepseek_ocr2_text": _text_of("deepseek_ocr2", "the OCR model's text decoder is not ported"),
-    "deepseek_v4": "DeepSeek-V4 is not implemented yet: compressed sparse attention with hash routing, sinks "
-                   "and a sqrtsoftplus router",
     "diffusion_gemma": _VLM + " (and a diffusion, not autoregressive, decoder)",
     "diffusion_gemma_text": "a bidirectional diffusion language model, not an autoregressive causal LM",
-    "dots3_note": _VLM,
-    "dots3_note_text": _text_of("dots3_note", "MLA with bidirectional/sliding layer kinds"),
     "dots3_note_vision_encoder": "a vision encoder (part of dots3_note), not a causal LM",
     "ernie4_5_vl_moe": _VLM,
     "ernie4_5_vl_moe_text": _text_of("ernie4_5_vl_moe", "each MoE layer holds separate text and vision expert groups "
@@ -44,11 +38,6 @@ UNSUPPORTED: dict[str, str] = {
                                      "bias) that the loader would have to split"),
     "gemma4": _VLM,
     "gemma4_text": _text_of("gemma4", "per-layer embeddings, sliding/global layers and MoE beside a dense MLP"),
-    "glm5_next": _VLM,
-    "glm5_next_text": _text_of("glm5_next", "MLA mixed with linear-attention / convolution layers"),
-    "hy_v4": "Hy4 is not implemented yet: MLA with attention sinks",
-    "hy_v4_vl": _VLM,
-    "hy_v4_vl_text": _text_of("hy_v4_vl", "MLA with attention sinks"),
     "inkling2": _VLM,
     "inkling2_loop": _VLM,
     "inkling2_loop_text": _text_of("inkling2_loop", "short-convolution layers with looped blocks and sinks"),
@@ -57,8 +46,6 @@ UNSUPPORTED: dict[str, str] = {
     "inkling_text": _text_of("inkling", "short-convolution layers and multi-token prediction"),
     "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
                  "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
-    "mistral_large4": _VLM,
-    "mistral_large4_text": _text_of("mistral_large4", "MLA with Mistral's routing"),
     "muse_spark": _OMNI,
     "muse_spark_text": _text_of("muse_spark", "its convolution and sliding layer kinds"),
     "nemo_speechlm": ("a speech-language wrapper whose checkpoint layout is not mapped yet (its default language "
@@ -70,7 +57,6 @@ UNSUPPORTED: dict[str, str] = {
     "qwen3_omni_moe_talker_text": "the speech talker of Qwen3-Omni, not a text causal LM",
     "qwen4_exp": _VLM,
     "qwen4_exp_text": _text_of("qwen4_exp", "its layer kinds"),
-    "sarvam_mla": "Sarvam-105B is not implemented yet: MLA with Sarvam's routing and multi-token prediction",
     "switch_transformers": "Switch Transformers is an encoder-decoder (T5) model, not a decoder-only causal LM",
     "unlimited_ocr": _VLM,
     "unlimited_ocr_text": _text_of("unlimited_ocr", "the OCR model's text decoder is not ported"),

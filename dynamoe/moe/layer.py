@@ -364,6 +364,47 @@ class MoELayer(nn.Module):
         stats = plan.stats(capacity_factor=float(cf), layout=chosen_layout, losses=loss_terms)
         return self._finish(y_TO, out_shape, orig_dtype, l_aux, stats)
 
+    def forward_routed(self, input: Tensor, ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        """Extension point: the experts (and shared experts) of ``input`` [..., D] for a routing the caller chose,
+        ``ids_TK`` int64 [T, K] expert ids and ``weights_TK`` [T, K] their weights (T = the input's tokens) -- for
+        routers no gate type expresses (DeepSeek-V4's expert choice by token id). Dropless, no auxiliary loss, the
+        configured layout; ``routing_stats`` as :meth:`forward`'s. The gates are not run."""
+        x_TD, out_shape, orig_dtype = self._check_input(input, 1)
+        T, E = x_TD.size(0), self.num_global_experts
+        if (not isinstance(ids_TK, Tensor) or ids_TK.dim() != 2 or ids_TK.size(0) != T or ids_TK.dtype != torch.long
+                or not isinstance(weights_TK, Tensor) or weights_TK.shape != ids_TK.shape):
+            got = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in (ids_TK, weights_TK)]
+            raise ValueError(f"ids_TK must be int64 [tokens={T}, k] and weights_TK the same shape, got {got}")
+        K = ids_TK.size(1)
+        if self.sharded_count > 1:
+            raise ValueError("forward_routed does not support experts sharded over several ranks (sharded_count > 1)")
+        if T and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= E):
+            raise ValueError(f"ids_TK must be expert ids in [0, {E}), got values in [{int(ids_TK.min())}, "
+                             f"{int(ids_TK.max())}]")
+        layout = self._pick_layout(None, None, 0.0, T * K, E)
+        l_aux = x_TD.new_zeros((), dtype=torch.float32)
+        if T == 0 and self.world_size == 1:
+            return self._finish(x_TD.new_zeros(0, self._out_dim()), out_shape, orig_dtype, l_aux,
+                                self._empty_stats(K, 0.0, layout))
+        fused = None
+        if T <= MAX_ROWS and not torch.is_grad_enabled():
+            fused = self._fused_decode(x_TD, Routing(ids_TK, weights_TK, None, None, None), 0.0)
+        if fused is not None:  # a decode step's experts in one kernel call
+            y_TO, load_E, max_load = fused
+            stats = RoutingStats(load=load_E, kept=load_E, dropped=0, capacity=max_load, top_k=K, capacity_factor=0.0,
+                                 layout=layout, losses={})
+        else:
+            plan = build_plan(ids_TK, weights_TK, E, 0.0, None,
+                              agree_max=self.exchange.agree_max if self.world_size > 1 else None)
+            if plan.order_N.numel() or self.world_size > 1:
+                y_TO = self._experts_and_combine(x_TD, plan, layout, 1, self.config.use_2dh)
+            else:
+                y_TO = x_TD.new_zeros(plan.num_tokens, self._out_dim())
+            stats = plan.stats(capacity_factor=0.0, layout=layout, losses={})
+        if self.shared_experts is not None:
+            y_TO = y_TO + self.shared_experts(x_TD)
+        return self._finish(y_TO, out_shape, orig_dtype, l_aux, stats)
+
     # ---- pieces of forward --------------------------------------------------------------------
     def _clamp_top_k(self, k: int, E: int) -> int:
         if not self._k_clamp_warned:

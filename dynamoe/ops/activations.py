@@ -17,7 +17,7 @@ def relu_squared(x: Tensor) -> Tensor:
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu,
                                                       "relu2": relu_squared}
-GLU_KINDS = ("silu", "gelu", "gelu_tanh", "relu", "gpt_oss", "silu_clamp")
+GLU_KINDS = ("silu", "gelu", "gelu_tanh", "relu", "gpt_oss", "silu_clamp", "silu_clamp_in")
 
 
 def activation(fn) -> Callable[[Tensor], Tensor]:
@@ -30,7 +30,9 @@ def activation(fn) -> Callable[[Tensor], Tensor]:
 def glu_activation(gate: Tensor, up: Tensor, kind: str, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
     """act(gate) * up (SwiGLU, GeGLU, ReGLU). ``gpt_oss``: clamp gate above at ``limit`` and up to
     +-limit, then (up + 1) * gate * sigmoid(alpha * gate). ``silu_clamp`` (Step-3.5): silu(gate) clamped
-    above at ``limit`` times up clamped to +-limit (the clamp after the activation, unlike GPT-OSS's)."""
+    above at ``limit`` times up clamped to +-limit (the clamp after the activation, unlike GPT-OSS's).
+    ``silu_clamp_in`` (DeepSeek-V4): silu(gate clamped above at ``limit``) times up clamped to +-limit (the clamp
+    before the activation, as GPT-OSS's)."""
     if kind == "silu":
         return F.silu(gate) * up
     if kind == "gelu":
@@ -45,4 +47,6 @@ def glu_activation(gate: Tensor, up: Tensor, kind: str, alpha: float = 1.702, li
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
     if kind == "silu_clamp":
         return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
+    if kind == "silu_clamp_in":
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
     raise ValueError(f"glu activation must be one of {list(GLU_KINDS)}, got {kind!r}")
