@@ -48,8 +48,8 @@ class BailingDeltaAttention(KimiDeltaAttention):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, layer_idx: int,
                  norm_eps: float = 1e-6, activation: str = "silu", chunk_size: int = 64, checks_position: bool = False,
                  safe_gate: bool = True, lower_bound: float = -5.0, dtype=None):
-        super().__init__(hidden_size, num_heads, head_dim, conv_kernel, layer_idx, norm_eps, activation, chunk_size,
-                         checks_position, dtype)
+        super().__init__(hidden_size, num_heads, head_dim, conv_kernel, layer_idx, norm_eps=norm_eps,
+                         activation=activation, chunk_size=chunk_size, checks_position=checks_position, dtype=dtype)
         if safe_gate and not lower_bound < 0:
             raise ValueError(f"config field 'kda_lower_bound' must be < 0 (the log decay's floor), got {lower_bound!r}")
         C = self.channels

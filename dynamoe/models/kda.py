@@ -135,7 +135,7 @@ class KimiDeltaAttention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, layer_idx: int,
                  norm_eps: float = 1e-6, activation: str = "silu", chunk_size: int = 64,
-                 checks_position: bool = False, gate_lower_bound: float | None = None,
+                 checks_position: bool = False, *, gate_lower_bound: float | None = None,
                  a_log_shape: tuple | None = None, dtype=None):
         super().__init__()
         if activation not in ("silu", "swish"):
