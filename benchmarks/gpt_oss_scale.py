@@ -3,6 +3,7 @@
 
     python benchmarks/gpt_oss_scale.py build DIR            # writes the checkpoint (~13 GB; a few minutes)
     python benchmarks/gpt_oss_scale.py run DIR [--prompts 128 2048] [--new 16] [--threads 2]
+    python benchmarks/gpt_oss_scale.py llama DIR [--rounds 2] [--prompts 128 2048] [--new 16]
 
 ``build``: config.json as openai/gpt-oss-20b's (24 layers, hidden 2880, 64 query / 8 KV heads of 64, 32 experts
 top-4, intermediate 2880, vocab 201088, sliding window 128 on even layers, sinks, YaRN x32, swiglu_limit 7,
@@ -20,6 +21,14 @@ place from the mapped files, timed apart), then per prompt length a prefill of r
 to the first token's logits, and ``--new`` greedy decode steps; reports tok/s, ms/token, resident memory (the
 process's own and the mapped weights') after loading and the peak (VmHWM) after each phase -- the issue's bound
 is a peak <= 17 GB including a 2048-token prefill on the 24 GiB VM.
+
+``llama``: the same weights in llama.cpp, timed beside dynamoe in one run. llama.cpp is built as
+benchmarks/llama_cpp.py builds it (the llama-cpp-python sdist's vendor/llama.cpp, under ~/.cache/dynamoe-bench);
+its own convert_hf_to_gguf.py converts DIR (experts repacked as MXFP4 as they are, the rest bf16, no vocabulary:
+the random checkpoint has no tokenizer) into DIR.gguf once. Each round runs ``llama-bench -t 2 -p P1,P2 -n NEW``
+(its own warm-up first) and then this script's ``run`` in a fresh process (the two models do not fit in memory
+together: each round reads its weights from the page cache or the disk again, after its warm-up), the order
+alternating between rounds; medians over rounds.
 """
 from __future__ import annotations
 
@@ -32,6 +41,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 CONFIG = {
     "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "attention_dropout": 0.0,
@@ -131,7 +141,7 @@ def memory_gb() -> dict[str, float]:
     return vals
 
 
-def run(folder: str, prompts: list[int], new: int, threads: int) -> None:
+def run(folder: str, prompts: list[int], new: int, threads: int) -> dict:
     import dynamoe.models
 
     torch.set_num_threads(threads)
@@ -153,6 +163,7 @@ def run(folder: str, prompts: list[int], new: int, threads: int) -> None:
     print(f"warm-up: a 256-token prefill right after loading took {cold:.1f} s (weights read from the page cache)")
     print("\n| prompt | prefill tok/s | decode ms/token | resident after, GB (own + mapped) | peak so far, GB |")
     print("| ---: | ---: | ---: | ---: | ---: |")
+    out = {"load_s": time.perf_counter() - t0, "cold_prefill256_s": cold}
     for P in prompts:
         ids = torch.randint(0, CONFIG["vocab_size"], (1, P), generator=gen)
         cache = model.new_cache(1, P + new)
@@ -168,6 +179,61 @@ def run(folder: str, prompts: list[int], new: int, threads: int) -> None:
         m = memory_gb()
         print(f"| {P} | {P / prefill:.2f} | {1000 * step:.1f} | {m['VmRSS']:.2f} ({m['RssAnon']:.2f} + "
               f"{m['RssFile']:.2f}) | {m['VmHWM']:.2f} |", flush=True)
+        out[f"pp{P}"], out[f"decode_ms@{P}"], out[f"peak_gb@{P}"] = P / prefill, 1000 * step, m["VmHWM"]
+    return out
+
+
+CONVERT = r"""
+import sys
+src, hf, out = sys.argv[1:4]
+sys.path[:0] = [src, src + "/gguf-py"]
+import convert_hf_to_gguf as convert
+from conversion.gpt_oss import GptOssModel
+
+def set_vocab(self):  # a random model has no tokenizer: no vocabulary, vocab_size dummy tokens
+    self._set_vocab_none()
+    self.gguf_writer.add_vocab_size(self.hparams["vocab_size"])
+
+GptOssModel.set_vocab = set_vocab
+sys.argv = ["convert_hf_to_gguf.py", hf, "--outtype", "bf16", "--outfile", out]
+convert.main()
+"""
+
+
+def llama(folder: str, rounds: int, prompts: list[int], new: int) -> None:
+    import statistics
+    import subprocess
+
+    import llama_cpp as lc   # benchmarks/llama_cpp.py: the pinned llama.cpp source and its build
+
+    src = lc.llama_cpp_source(lc.LLAMA_CPP_PYTHON)
+    bins = lc.build_llama_cpp(src)
+    gguf = os.path.abspath(folder.rstrip("/")) + ".gguf"
+    if not os.path.exists(gguf):
+        lc.log(f"converting {folder} to {gguf} (convert_hf_to_gguf.py: MXFP4 experts, bf16 rest)")
+        lc.run([sys.executable, "-c", CONVERT, src, folder, gguf + ".tmp"])
+        os.replace(gguf + ".tmp", gguf)
+    results: dict[str, list[dict]] = {"llama.cpp": [], "dynamoe": []}
+    for r in range(rounds):
+        for engine in (["llama.cpp", "dynamoe"] if r % 2 == 0 else ["dynamoe", "llama.cpp"]):
+            lc.log(f"round {r + 1}: {engine}")
+            if engine == "llama.cpp":
+                results[engine].append(lc.bench_llama(bins, gguf, prompts, new))
+            else:
+                res = subprocess.run([sys.executable, __file__, "run", folder, "--new", str(new), "--json", "-",
+                                      "--prompts", *map(str, prompts)], capture_output=True, text=True, check=True)
+                results[engine].append(json.loads(res.stdout.strip().splitlines()[-1]))
+    med = {e: {k: statistics.median(x[k] for x in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
+           for e, runs in results.items()}
+    print(f"\n{rounds} rounds, medians; llama.cpp {results['llama.cpp'][0]['info'].get('build_commit')}, 2 threads\n")
+    print("| engine | " + " | ".join(f"prefill tok/s @{p}" for p in prompts) + " | decode ms/token |")
+    print("| --- | " + " | ".join("---:" for _ in prompts) + " | ---: |")
+    ll, dy = med["llama.cpp"], med["dynamoe"]
+    print("| llama.cpp | " + " | ".join(f"{ll[f'pp{p}']:.2f}" for p in prompts) + f" | {ll['decode_ms']:.1f} |")
+    dec = dy[f"decode_ms@{min(prompts)}"]   # (llama-bench decodes from an empty cache: ours after the shortest prompt)
+    print("| dynamoe | " + " | ".join(f"{dy[f'pp{p}']:.2f}" for p in prompts) + f" | {dec:.1f} |")
+    print("| dynamoe / llama.cpp (tok/s) | " + " | ".join(f"{dy[f'pp{p}'] / ll[f'pp{p}']:.2f}x" for p in prompts)
+          + f" | {ll['decode_ms'] / dec:.2f}x |")
 
 
 def main(argv=None) -> int:
@@ -180,11 +246,24 @@ def main(argv=None) -> int:
     r.add_argument("--prompts", type=int, nargs="+", default=[128, 2048])
     r.add_argument("--new", type=int, default=16, help="decode steps timed after each prefill")
     r.add_argument("--threads", type=int, default=2)
+    r.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-': a last line on stdout)")
+    q = sub.add_parser("llama", help="llama.cpp on the same weights beside dynamoe, interleaved rounds")
+    q.add_argument("folder")
+    q.add_argument("--rounds", type=int, default=2)
+    q.add_argument("--prompts", type=int, nargs="+", default=[128, 2048])
+    q.add_argument("--new", type=int, default=16)
     args = p.parse_args(argv)
     if args.cmd == "build":
         build(args.folder)
+    elif args.cmd == "llama":
+        llama(args.folder, args.rounds, args.prompts, args.new)
     else:
-        run(args.folder, args.prompts, args.new, args.threads)
+        out = run(args.folder, args.prompts, args.new, args.threads)
+        if args.json == "-":
+            print(json.dumps(out))
+        elif args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f)
     return 0
 
 
