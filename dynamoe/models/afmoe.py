@@ -29,7 +29,7 @@ from .config import ModelConfig
 from .granitemoe import _ScaledEmbedding
 from .moe_block import GatedMLP, SparseMoeBlock, glu_kind
 from .norms import RMSNorm
-from .rope import RotaryEmbedding, apply_rope
+from .rope import RotaryEmbedding
 from .weights import PerExpert
 
 __all__ = ["AfmoeForCausalLM", "AfmoeAttention", "SandwichDecoderLayer"]
@@ -53,14 +53,8 @@ class AfmoeAttention(Attention):
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:
         B, T, _ = x_BTD.shape
-        H, K, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self._project_qkv(x_BTD)
-        q = self.q_norm(q.reshape(B, T, H, d)).transpose(1, 2)                # [B, H, T, d]
-        k = self.k_norm(k.reshape(B, T, K, d)).transpose(1, 2)                # [B, K, T, d]
-        v = v.reshape(B, T, K, d).transpose(1, 2)
-        if self.use_rope:
-            cos, sin = self.rotary(positions_BT, q.dtype)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        H, d = self.num_heads, self.head_dim
+        q, k, v = self.heads(x_BTD, positions_BT)                             # [B, H|K, T, d]
         out = self.attend_cached(q, k, v, positions_BT, cache, slots, kv_len, self.sliding_window, self.sinks)
         out = out.transpose(1, 2).reshape(B, T, H * d) * torch.sigmoid(self.gate_proj(x_BTD))
         return self.o_proj(out)

@@ -399,6 +399,15 @@ class Attention(nn.Module):
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:
         B, T, _ = x_BTD.shape
+        q, k, v = self.heads(x_BTD, positions_BT)
+        out = self.attend_cached(q, k, v, positions_BT, cache, slots, kv_len, self.sliding_window, self.sinks)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    def heads(self, x_BTD: Tensor, positions_BT: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The queries [B, H, T, d], keys and values [B, K, T, d] of ``x`` at ``positions``: projected, clamped,
+        q/k-normed and rotated as this layer's options say (extension point: families that change what happens
+        after this -- gates, other masks -- call it and go on from there)."""
+        B, T, _ = x_BTD.shape
         H, K, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self._project_qkv(x_BTD)
         if self.qk_norm_all:
@@ -416,5 +425,4 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin, self.rope_interleaved), apply_rope(k, cos, sin, self.rope_interleaved)
         if per_head and self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attend_cached(q, k, v, positions_BT, cache, slots, kv_len, self.sliding_window, self.sinks)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * d))
+        return q, k, v

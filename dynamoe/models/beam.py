@@ -33,7 +33,7 @@ from .deepseek_v3 import DEEPSEEK_RENAMES
 from .mimo_v2_flash import RotaryByLayerType
 from .moe_block import GatedMLP, SparseMoeBlock, glu_kind
 from .norms import RMSNorm
-from .rope import RotaryEmbedding, apply_rope
+from .rope import RotaryEmbedding
 from .weights import PerExpert
 
 __all__ = ["BeamForCausalLM", "BeamAttention", "DepthScaledSandwichLayer"]
@@ -65,15 +65,9 @@ class BeamAttention(Attention):
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:
         B, T, _ = x_BTD.shape
-        H, K, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self._project_qkv(x_BTD)
-        q = self.q_norm(q.reshape(B, T, H, d)).transpose(1, 2)                # [B, H, T, d]
-        k = self.k_norm(k.reshape(B, T, K, d)).transpose(1, 2)                # [B, K, T, d]
-        v = v.reshape(B, T, K, d).transpose(1, 2)
-        if self.use_rope:
-            cos, sin = self.rotary(positions_BT, q.dtype)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:
+        H, d = self.num_heads, self.head_dim
+        q, k, v = self.heads(x_BTD, positions_BT)                             # [B, H|K, T, d]
+        if not self.use_rope:
             q = (q.float() * nope_query_scale(positions_BT)).to(q.dtype)
         out = self.attend_cached(q, k, v, positions_BT, cache, slots, kv_len, self.sliding_window)   # [B, H, T, d]
         gate = self.gate_proj(x_BTD).view(B, T, H, d) + self.gate_bias[:, None]

@@ -35,7 +35,7 @@ from .config import ModelConfig
 from .mimo_v2_flash import RotaryByLayerType
 from .moe_block import GatedMLP, SparseMoeBlock
 from .norms import RMSNorm
-from .rope import RotaryEmbedding, apply_rope
+from .rope import RotaryEmbedding
 from .weights import SplitStacked
 from .wrapped import TextOfWrapper, WrapperLayout
 
@@ -132,13 +132,8 @@ class Step3p5Attention(Attention):
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:
         B, T, _ = x_BTD.shape
-        H, K, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self._project_qkv(x_BTD)
-        q = self.q_norm(q.reshape(B, T, H, d)).transpose(1, 2)                # [B, H, T, d]
-        k = self.k_norm(k.reshape(B, T, K, d)).transpose(1, 2)                # [B, K, T, d]
-        v = v.reshape(B, T, K, d).transpose(1, 2)
-        cos, sin = self.rotary(positions_BT, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        H, d = self.num_heads, self.head_dim
+        q, k, v = self.heads(x_BTD, positions_BT)                             # [B, H|K, T, d]
         out = self.attend_cached(q, k, v, positions_BT, cache, slots, kv_len, self.sliding_window, self.sinks)
         gate_BHT1 = torch.sigmoid(self.g_proj(x_BTD)).transpose(1, 2).unsqueeze(-1)
         return self.o_proj((out * gate_BHT1).transpose(1, 2).reshape(B, T, H * d))
