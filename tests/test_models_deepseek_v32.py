@@ -123,3 +123,69 @@ def test_fp8_checkpoint(tmp_path):
     x = ids()
     check_logits(ref, model, x)
     check_cached_decode(model, ids(seed=2), prefill=9)
+
+
+# --- ties at the indexer's top-k boundary: the same keys whatever else is in the batch ------------------------
+
+def test_keep_top_breaks_ties_by_position_whatever_follows():
+    from dynamoe.models.indexer import keep_top
+
+    row = torch.tensor([0.5, 0.0, 0.0, 0.9, 0.0, 0.0])                   # relu's exact zeros tie at the boundary
+    want = torch.tensor([True, True, False, True, False, False])            # 0.9, 0.5, then the earliest zero
+    assert torch.equal(keep_top(row.view(1, 1, 6), 3)[0, 0], want)
+    padded = torch.cat([row, torch.full((10,), float("-inf"))]).view(1, 1, 16)
+    assert torch.equal(keep_top(padded, 3)[0, 0, :6], want) and not keep_top(padded, 3)[0, 0, 6:].any()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):   # any row, any padding: the kept set of the real keys is the same
+        r = torch.randint(0, 3, (1, 2, 12), generator=g).float()         # many ties
+        k = int(torch.randint(1, 12, (1,), generator=g))
+        p = torch.cat([r, torch.full((1, 2, 7), float("-inf"))], -1)
+        assert torch.equal(keep_top(p, k)[..., :12], keep_top(r, k))
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory):
+    # 4 indexer heads: every head's dot product negative for many keys -> exact-zero scores tie at the boundary
+    cfg = tiny_config(**MLA, n_group=2, topk_group=1, index_topk=6, index_head_dim=16, index_n_heads=4,
+                      first_k_dense_replace=0)
+    hf, path = make_pair(transformers.DeepseekV32ForCausalLM, cfg, tmp_path_factory.mktemp("dsv32_ties"))
+    return dm.load(path, progress=False)
+
+
+def test_ties_occur_in_this_model(tied_model, monkeypatch):
+    seen = []
+    scores = Indexer.scores
+
+    def spy(self, *a, **kw):
+        seen.append(scores(self, *a, **kw))
+        return seen[-1]
+    monkeypatch.setattr(Indexer, "scores", spy)
+    with torch.no_grad():
+        tied_model(ids(tokens=40, seed=3))
+    top = torch.cat([s.flatten(0, -2) for s in seen]).sort(dim=-1, descending=True).values
+    assert ((top[:, 5] == top[:, 6]) & (top[:, 5] == 0)).any(), "the model must tie at the top-k boundary, or this pins nothing"
+
+
+def test_greedy_tokens_alone_batched_chunked_and_prefix_cached_agree(tied_model):
+    from dynamoe.engine import GenerationEngine, SamplingParams
+
+    greedy = SamplingParams(temperature=0)
+    prompt = ids(tokens=20, seed=5)[0].tolist()
+    other = ids(tokens=33, seed=6)[0].tolist()
+
+    def run(prompts, **kw):
+        e = GenerationEngine(tied_model, max_seq_len=128, max_batch=4, **kw)
+        reqs = [e.add_request(p, greedy, 32, ignore_eos=True) for p in prompts]
+        e.run_until_done()
+        return [r.output_ids for r in reqs], e
+
+    alone, _ = run([prompt], prefix_caching=False)
+    batched, _ = run([other, prompt], prefix_caching=False)
+    chunked, _ = run([prompt], prefill_chunk=3, prefix_caching=False)
+    assert batched[1] == alone[0] and chunked[0] == alone[0]
+    e = GenerationEngine(tied_model, max_seq_len=128, max_batch=4)
+    first = e.add_request(prompt + [7, 8, 9], greedy, 4, ignore_eos=True)
+    e.run_until_done()
+    again = e.add_request(prompt, greedy, 32, ignore_eos=True)
+    e.run_until_done()
+    assert again.stats.cached_tokens > 0 and again.output_ids == alone[0] and first.output_ids

@@ -51,6 +51,7 @@ from .attention import _attend_with_sinks, attention_mask, cached_length
 from .base import CausalLM
 from .cache import KVCache
 from .config import ModelConfig, RopeConfig
+from .indexer import keep_top
 from .hyper_connections import HyperConnection, HyperDecoderLayer, HyperHeadNorm, StreamEmbedding, rms_unweighted
 from .mla import dense_weight
 from .moe_block import SparseMoeBlock
@@ -276,8 +277,7 @@ class V4Indexer(nn.Module):
         scores = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))) * self.dim ** -0.5
         weights = self.weights_proj(x_BTD).float() * self.heads ** -0.5          # [B, T, I]
         index = (scores * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~visible, float("-inf"))   # [B, T, W]
-        chosen = torch.zeros_like(visible).scatter_(-1, index.topk(min(self.topk, W), dim=-1).indices, True)
-        return chosen & visible
+        return keep_top(index, self.topk) & visible
 
 
 class V4Attention(nn.Module):

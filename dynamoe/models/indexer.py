@@ -19,9 +19,12 @@ score -inf and rank last), so a slot cache's padding changes nothing. While no q
 ``index_topk`` keys (every context up to 2048 tokens for the released models) nothing is scored:
 the keys are only cached.
 
-Ties: relu makes a score exactly 0 when every head's dot product is negative; which of several
-tied keys at the top-k boundary survives is up to ``torch.topk`` (as in transformers and DeepSeek's
-reference). It is rare with many heads (64 / 32 in the released models).
+Ties: relu makes a score exactly 0 when every head's dot product is negative, so several keys can tie at the
+top-k boundary (with 4 heads, within a few dozen tokens). ``torch.topk`` -- transformers' and DeepSeek's
+reference -- keeps an arbitrary one of them, and which one changes with the key axis's length: the same request
+alone, padded in a batch, chunked or on a cached prefix would attend to different keys and, greedy, drift apart.
+:func:`keep_top` keeps the earliest of tied keys instead (a stable sort): the kept set is a function of the
+query's own scores, whatever follows them. Where the boundary is not tied it is transformers' set.
 """
 from __future__ import annotations
 
@@ -33,7 +36,15 @@ from .attention import write_kv
 from .cache import KVCache
 from .rope import RotaryEmbedding, apply_rope
 
-__all__ = ["Indexer", "SharedIndex", "visible_mask"]
+__all__ = ["Indexer", "SharedIndex", "visible_mask", "keep_top"]
+
+
+def keep_top(index_BTL: Tensor, k: int) -> Tensor:
+    """bool [B, T, L]: the ``k`` highest scores of each query's row (masked keys scored -inf), the earliest key
+    first among equal scores (see the module docstring), whatever the length of the row's padding."""
+    k = min(k, index_BTL.size(-1))
+    top = torch.sort(index_BTL, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.zeros(index_BTL.shape, dtype=torch.bool, device=index_BTL.device).scatter_(-1, top, True)
 
 
 def visible_mask(q_pos_BT: Tensor, k_pos_BL: Tensor) -> Tensor:
@@ -165,8 +176,7 @@ class Indexer(nn.Module):
             index = self.scores(x_BTD, q_resid, positions_BT, k)
             visible = visible_mask(positions_BT, positions_BT if k_pos_BL is None else k_pos_BL)
             index = index.masked_fill(~visible, float("-inf"))
-            chosen = torch.zeros_like(visible).scatter_(-1, index.topk(self.topk, dim=-1).indices, True)
-            allowed = (chosen & visible).unsqueeze(1)
+            allowed = (keep_top(index, self.topk) & visible).unsqueeze(1)
         if self.shared is not None:
             self.shared.put(positions_BT, allowed)
         return allowed

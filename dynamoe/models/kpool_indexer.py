@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from .cache import KVCache
 from .deepseek_v4 import new_window_ends
-from .indexer import SharedIndex
+from .indexer import SharedIndex, keep_top
 
 __all__ = ["KPoolIndexer"]
 
@@ -97,8 +97,7 @@ class KPoolIndexer(nn.Module):
             index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)                  # [B, T, W]
             complete = (torch.arange(W, device=x_BTD.device) + 1) * P - 1 <= p          # [B, T, W]
             index = index.masked_fill(~complete, float("-inf"))
-            chosen = torch.zeros_like(complete).scatter_(-1, index.topk(min(self.topk // P, W), dim=-1).indices, True)
-            chosen = chosen & complete
+            chosen = keep_top(index, self.topk // P) & complete
             in_pool = torch.div(key_pos, P, rounding_mode="floor").clamp(max=W - 1)
             allowed = allowed | (chosen.gather(-1, in_pool.expand(B, T, L)) & (key_pos < W * P))
         allowed = allowed.unsqueeze(1)
