@@ -187,3 +187,25 @@ def test_rope_inference_kernel_matches_torch_path(dtype, interleaved, rotary_dim
             got = apply_rope(x, c, s, interleaved)
         assert got.shape == want.shape and got.dtype == dtype
         assert torch.equal(got, want)
+
+
+def test_dynamic_rope_rows_are_their_own_length():
+    # each row rotates with the base its own length gives (as transformers for that row alone), whatever the
+    # batch's other rows are: a request's output does not change with what shares its batch
+    from dynamoe.models.rope import RotaryEmbedding
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_moe", **BASE, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}})
+    rot = RotaryEmbedding(cfg.rope, 32, 64)
+    short, long = torch.arange(40, 45)[None], torch.arange(95, 100)[None]       # lengths 45 (< 64) and 100 (> 64)
+    both = torch.cat([short, long])
+    cos_s, sin_s = rot(short, torch.float32)
+    cos_l, sin_l = rot(long, torch.float32)
+    cos_b, sin_b = rot(both, torch.float32)
+    assert torch.equal(cos_b[0], cos_s[0]) and torch.equal(sin_b[0], sin_s[0])
+    assert torch.equal(cos_b[1], cos_l[0]) and torch.equal(sin_b[1], sin_l[0])
+    hf_cfg = transformers.Qwen3MoeConfig(**{**BASE, "max_position_embeddings": 64},
+                                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    want, _ = ROPE_INIT_FUNCTIONS["dynamic"](hf_cfg, None, seq_len=100)
+    torch.testing.assert_close(cos_l[0], torch.cos(long[0, :, None].float() * want[:16]), atol=1e-6, rtol=1e-6)
+    base = 1.0 / 10000.0 ** (torch.arange(0, 32, 2).float() / 32)      # the plain frequencies below the limit
+    torch.testing.assert_close(cos_s[0], torch.cos(short[0, :, None].float() * base), atol=1e-6, rtol=1e-6)

@@ -130,16 +130,29 @@ class RotaryEmbedding(nn.Module):
         last = self._last
         if last is not None and last[0] is positions_BT and last[1] == dtype:
             return last[2], last[3]
-        inv_freq = self.inv_freq
+        inv_freq = self.inv_freq.float()
         if self.rope.rope_type == "dynamic":
-            seq_len = int(positions_BT.max()) + 1
-            if seq_len > self.max_position_embeddings:
-                inv_freq = rope_frequencies(self.rope, self.dim, self.max_position_embeddings, seq_len)[0].to(inv_freq.device)
-        freqs = positions_BT[..., None].float() * inv_freq.float()
+            inv_freq = self._dynamic_inv_freq(positions_BT, inv_freq)
+        freqs = positions_BT[..., None].float() * inv_freq
         cos = (freqs.cos() * self.attention_scaling).to(dtype)
         sin = (freqs.sin() * self.attention_scaling).to(dtype)
         self._last = (positions_BT, dtype, cos, sin)
         return cos, sin
+
+    def _dynamic_inv_freq(self, positions_BT: Tensor, inv_freq: Tensor) -> Tensor:
+        """Dynamic NTK: each row's frequencies from its own length (its last position + 1; the base grows past
+        max_position_embeddings), [B, 1, R/2] -- as transformers computes them for that row alone (it takes the
+        batch's longest, so a request's output would change with what shares its batch)."""
+        if not positions_BT.numel() or int(positions_BT.max()) < self.max_position_embeddings:
+            return inv_freq
+        lengths = positions_BT.amax(dim=-1) + 1
+        rows = []
+        for n in lengths.tolist():
+            if n <= self.max_position_embeddings:
+                rows.append(inv_freq)
+            else:
+                rows.append(rope_frequencies(self.rope, self.dim, self.max_position_embeddings, n)[0].to(inv_freq.device).float())
+        return torch.stack(rows)[:, None, :]
 
     def decode_rows(self, positions_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
         """(cos [B, R/2], sin [B, R/2] contiguous, positions [B] int64 contiguous) of a decode step
