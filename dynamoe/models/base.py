@@ -23,7 +23,7 @@ from .cache import DEFAULT_BLOCK_SIZE, KVCache
 from .config import ModelConfig
 from .decode_plan import DecodePlan
 from .moe_block import SparseMoeBlock
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, rotary_dims
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,7 @@ class CausalLM(nn.Module):
 
     # ---- what a family provides -----------------------------------------------------------------
     def build_rotary(self, cfg: ModelConfig) -> RotaryEmbedding:
-        dim = int(cfg.head_dim * cfg.rope.partial_rotary_factor)
-        return RotaryEmbedding(cfg.rope, dim, cfg.max_position_embeddings)
+        return RotaryEmbedding(cfg.rope, rotary_dims(cfg.rope, cfg.head_dim), cfg.max_position_embeddings)
 
     def build_norm(self, cfg: ModelConfig, dim: int, dtype) -> nn.Module:
         from .norms import RMSNorm

@@ -23,16 +23,21 @@ parses as transformers reads it (tests/test_models_config_defaults.py compares e
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .unsupported import refusal
 
-__all__ = ["ModelConfig", "RopeConfig", "SSMConfig", "NEMOTRON_BLOCKS", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
-           "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config"]
+log = logging.getLogger(__name__)
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+__all__ = ["ModelConfig", "RopeConfig", "SSMConfig", "NEMOTRON_BLOCKS", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
+           "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config", "Gemma4Layer", "gemma4_attention_layers"]
+
+# 'proportional' (Gemma 4's global layers): RoPE over the whole head whose first partial_rotary_factor share of
+# frequency pairs rotate (exponents over the whole head dim) and the rest stand still
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 # 'chunked_attention' (Llama-4's local attention within chunks of attention_chunk_size positions) is a layer type
 # of the families that build it only (their _FAMILY_DEFAULTS entry says "chunked_layers"): anywhere else it is
 # refused, not read as full attention
@@ -81,6 +86,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "mistral_large4": TextWrapper(("text_config",), ("mistral_large4_text",)),
     "dots3_note": TextWrapper(("text_config",), ("dots3_note_text",)),
     "hy_v4_vl": TextWrapper(("text_config",), ("hy_v4_vl_text",)),
+    # (Gemma4ForConditionalGeneration ties by the wrapper's flag, default true)
+    "gemma4": TextWrapper(("text_config",), ("gemma4_text",), tie_default=True),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)
@@ -507,6 +514,28 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "doge": {"num_experts": 16384, "num_experts_per_tok": 64, "moe_switch": "is_moe",
              "fields": {"intermediate_size": 2048, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                         "keep_window_size": 2048, "is_moe": False, "mlp_bias": False, "norm_topk_prob": False}},
+    # Gemma4TextConfig (Gemma 4's language model): sliding / full attention layers (without layer_types every 6th full,
+    # the last always full: "gemma4_layers"), a RoPE per kind (sliding: default 1e4 over the whole head; full:
+    # 'proportional' 1e6 on a quarter), the full layers' head size and KV heads from per_layer_config (else
+    # global_head_dim, and num_global_key_value_heads when attention_k_eq_v: see gemma4_attention_layers); the MoE beside
+    # the dense MLP on every layer when enable_moe_block ("moe_switch"); its names hidden_activation and top_k_experts
+    "gemma4_text": {"num_experts": 0, "num_experts_per_tok": 0, "head_dim": 256, "moe_switch": "enable_moe_block",
+                    "gemma4_layers": True, "rope_partial_default": 1.0,
+                    "rope_by_layer_type": {
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1_000_000.0}},
+                    "ignored": ("hidden_act", "num_experts_per_tok", "num_local_experts", "n_routed_experts",
+                                "experts_per_token"),
+                    "aliases": {"hidden_act": "hidden_activation", "num_experts_per_tok": "top_k_experts"},
+                    "fields": {"vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216,
+                               "num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 4,
+                               "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                               "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "pad_token_id": 0,
+                               "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, "sliding_window": 512,
+                               "vocab_size_per_layer_input": 262_144, "hidden_size_per_layer_input": 256,
+                               "attention_k_eq_v": False, "num_kv_shared_layers": 0, "enable_moe_block": False,
+                               "use_double_wide_mlp": False}},
     # AriaTextConfig: its own names for the expert count, top-k and shared experts (intermediate_size wide each)
     "aria_text": {"num_experts": 8, "num_experts_per_tok": 2,
                   "ignored": ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
@@ -1061,7 +1090,9 @@ def _rotary_dim_factor(d: dict, head_dim: int) -> float:
 class RopeConfig:
     """Rotary embedding parameters, whichever style the config used.
 
-    rope_type: 'default' | 'linear' | 'dynamic' | 'yarn' | 'llama3' | 'longrope'. theta: the base.
+    rope_type: 'default' | 'linear' | 'dynamic' | 'yarn' | 'llama3' | 'longrope' | 'proportional' (Gemma 4: the
+    whole head rotates as pairs (i, i + d/2), the first partial_rotary_factor share of the pairs at frequencies
+    theta^(-2i/d) / factor, the others not at all; see rope.rotary_dims). theta: the base.
     factor: context scaling (linear, dynamic, yarn, llama3). original_max_position_embeddings: the
     pre-training length (yarn, llama3). beta_fast / beta_slow / truncate / mscale / mscale_all_dim /
     attention_factor: YaRN. low_freq_factor / high_freq_factor: llama3.
@@ -1119,6 +1150,9 @@ def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 100
     if rope_type == "default":
         return RopeConfig("default", theta, partial_rotary_factor=partial, llama_4_scaling_beta=beta,
                           original_max_position_embeddings=_int(merged, "original_max_position_embeddings"))
+    if rope_type == "proportional":  # (factor: divides every frequency, default 1)
+        return RopeConfig("proportional", theta, _float(merged, "factor", 1.0, positive=True),
+                          partial_rotary_factor=partial, llama_4_scaling_beta=beta)
     orig = _int(merged, "original_max_position_embeddings", d.get("original_max_position_embeddings"))
     if rope_type in ("yarn", "llama3") and orig is None:
         orig = max_position_embeddings  # transformers' standardize_rope_params does the same
@@ -1482,6 +1516,9 @@ class ModelConfig:
             per = {"sliding_attention": d, "heavily_compressed_attention": 4 * d,
                    "compressed_sparse_attention": 6 * d + 5 * i}
             return sum(per[t] for t in self.layer_types)
+        if (self.raw.get("text_model_type") or self.model_type) == "gemma4_text":  # own sizes; shared layers none
+            return sum(2 * g.num_key_value_heads * g.head_dim for i, g in enumerate(gemma4_attention_layers(self))
+                       if g.kv_source == i)
         if self.kv_lora_rank:
             per_layer = self.kv_lora_rank + (self.qk_rope_head_dim or 0) + (self.index_head_dim or 0)
         elif self.model_type == "mimo_v2_flash":  # values v_head_dim wide; sliding layers have twice the KV heads
@@ -1682,6 +1719,8 @@ class ModelConfig:
         elif fam.get("full_attention_every"):  # every n-th layer full attention, the others sliding (Kolibri-1)
             n = fam["full_attention_every"]
             layer_types = tuple("full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers))
+        elif fam.get("gemma4_layers"):  # every 6th layer full attention, the others sliding (the last: below)
+            layer_types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers))
         elif fam.get("beam_layers"):  # every 6th layer and the last full attention, the others sliding
             layer_types = tuple("full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention"
                                 for i in range(layers))
@@ -1746,6 +1785,11 @@ class ModelConfig:
         else:
             layer_types = ("full_attention",) * layers
             sliding = None  # as Qwen3MoeConfig: no window unless use_sliding_window
+        if fam.get("gemma4_layers") and layer_types and layer_types[-1] != "full_attention":
+            # (Gemma4TextConfig forces the last layer to full attention, with a warning)
+            log.warning("config field 'layer_types': the last layer must be 'full_attention', got %r; forcing it as "
+                        "transformers does", layer_types[-1])
+            layer_types = tuple(layer_types[:-1]) + ("full_attention",)
         if "sliding_attention" in layer_types and sliding is None:
             raise ValueError("config field 'sliding_window' is required when layer_types has 'sliding_attention'")
         if "chunked_attention" in layer_types and chunk is None:
@@ -1905,6 +1949,16 @@ class ModelConfig:
             bos_token_id=_int(d, "bos_token_id", minimum=0), eos_token_id=eos,
             pad_token_id=_int(d, "pad_token_id", minimum=0), quantization_config=quant, raw=dict(d),
         )
+        if fam.get("gemma4_layers"):
+            bidir = d.get("use_bidirectional_attention")
+            if bidir not in (None, "vision"):  # ('vision': image tokens see each other; text stays causal)
+                raise _err("use_bidirectional_attention", bidir, "null or 'vision' (dynamoe runs causal language "
+                           "models; 'all' makes every layer bidirectional)")
+            if _bool(d, "enable_moe_block", False) and not (cfg.num_experts and cfg.num_experts_per_tok
+                                                            and cfg.moe_intermediate_size):
+                raise ValueError("config fields 'num_experts', 'top_k_experts' and 'moe_intermediate_size' are required "
+                                 "when 'enable_moe_block' is true")
+            gemma4_attention_layers(cfg)   # (its errors now, not when the model is built)
         if cfg.num_experts and cfg.moe_intermediate_size is None and cfg.intermediate_size is None:
             raise ValueError("config field 'moe_intermediate_size' (or 'intermediate_size') is required for an MoE model")
         return cfg
@@ -1914,6 +1968,74 @@ class ModelConfig:
         """F of the routed experts: ``moe_intermediate_size`` (Qwen3, DeepSeek, GLM) or ``intermediate_size``
         (Mixtral, GPT-OSS, which have no dense layers)."""
         return self.moe_intermediate_size or self.intermediate_size
+
+
+@dataclass(frozen=True)
+class Gemma4Layer:
+    """One Gemma 4 attention layer's sizes: ``head_dim`` and ``num_key_value_heads`` (the full layers' differ:
+    per_layer_config), and ``kv_source``, the layer whose keys and values it attends over -- itself, or for the last
+    ``num_kv_shared_layers`` layers the last earlier layer of its kind that computes its own."""
+
+    head_dim: int
+    num_key_value_heads: int
+    kv_source: int
+
+
+_GEMMA4_LAYER_FIELDS = ("head_dim", "num_key_value_heads")
+
+
+def gemma4_attention_layers(cfg: "ModelConfig") -> tuple:
+    """Gemma 4's per-layer attention sizes (:class:`Gemma4Layer` per layer) as Gemma4TextConfig derives them:
+    ``per_layer_config`` (layer index -> overrides of head_dim / num_key_value_heads) when the file has one, else
+    the full layers get ``global_head_dim`` (512) and, with ``attention_k_eq_v``, ``num_global_key_value_heads`` KV
+    heads; layers of one kind must agree (their RoPE is one table). KV sharing: the last ``num_kv_shared_layers``
+    reuse the keys and values of the last earlier layer of their kind."""
+    d, n, types = cfg.raw, cfg.num_hidden_layers, cfg.layer_types
+    over: dict = {}
+    per_layer = d.get("per_layer_config")
+    if per_layer is None:
+        glob = {"head_dim": _int(d, "global_head_dim", 512)}
+        if _bool(d, "attention_k_eq_v", False) and d.get("num_global_key_value_heads") is not None:
+            glob["num_key_value_heads"] = _int(d, "num_global_key_value_heads")
+        over = {i: glob for i, t in enumerate(types) if t == "full_attention"}
+    else:
+        if not isinstance(per_layer, dict):
+            raise _err("per_layer_config", per_layer, "a dict of layer index -> overrides")
+        for key, fields in per_layer.items():
+            try:
+                i = int(key)
+            except (TypeError, ValueError):
+                i = -1
+            if not 0 <= i < n or not isinstance(fields, dict):
+                raise _err("per_layer_config", per_layer, f"a dict of layer indices in [0, {n}) -> dicts of overrides")
+            bad = sorted(set(fields) - set(_GEMMA4_LAYER_FIELDS))
+            if bad:
+                raise _err(f"per_layer_config.{key}", fields, f"overrides of {list(_GEMMA4_LAYER_FIELDS)} only (dynamoe "
+                           f"does not build other per-layer differences; got {bad})")
+            over[i] = {f: _int(fields, f, required=True) for f in fields}
+    shared = _int(d, "num_kv_shared_layers", 0, minimum=0) or 0
+    if shared >= n:
+        raise _err("num_kv_shared_layers", shared, f"an int < num_hidden_layers={n} (some layer must compute the keys "
+                   "and values the others share)")
+    first = n - shared
+    out, by_kind = [], {}
+    for i, t in enumerate(types):
+        o = over.get(i, {})
+        hd, kv = o.get("head_dim", cfg.head_dim), o.get("num_key_value_heads", cfg.num_key_value_heads)
+        if cfg.num_attention_heads % kv:
+            raise _err(f"num_key_value_heads of layer {i}", kv, f"a divisor of num_attention_heads={cfg.num_attention_heads}")
+        if by_kind.setdefault(t, (hd, kv)) != (hd, kv):
+            raise _err("per_layer_config", per_layer, f"one head_dim / num_key_value_heads for all {t!r} layers "
+                       f"(layer {i} has {(hd, kv)}, an earlier one {by_kind[t]})")
+        src = i
+        if i >= first:
+            earlier = [j for j in range(first) if types[j] == t]
+            if not earlier:
+                raise _err("num_kv_shared_layers", shared, f"a count that leaves a {t!r} layer before the shared ones "
+                           f"(layer {i} would share one)")
+            src = earlier[-1]
+        out.append(Gemma4Layer(hd, kv, src))
+    return tuple(out)
 
 
 def unwrap_text_config(d: dict) -> dict:

@@ -151,3 +151,5 @@ register("axk1", "dynamoe.models.axk1:AXK1ForCausalLM", ("AXK1ForCausalLM",))
 register("axk2", "dynamoe.models.axk2:AXK2ForCausalLM", ("AXK2ForCausalLM",))
 register("dots3_note", "dynamoe.models.dots3_note:Dots3NoteForCausalLM",
          ("Dots3NoteForConditionalGeneration", "Dots3NoteForCausalLM"), aliases=("dots3_note_text",))
+register("gemma4", "dynamoe.models.gemma4:Gemma4ForCausalLM", ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM"),
+         aliases=("gemma4_text",))

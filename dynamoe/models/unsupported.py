@@ -36,8 +36,6 @@ UNSUPPORTED: dict[str, str] = {
                                      "of different sizes with their own routers; text routes through the text group "
                                      "alone, but the checkpoint keeps both groups in one expert list (and one selection "
                                      "bias) that the loader would have to split"),
-    "gemma4": _VLM,
-    "gemma4_text": _text_of("gemma4", "per-layer embeddings, sliding/global layers and MoE beside a dense MLP"),
     "inkling2": _VLM,
     "inkling2_loop": _VLM,
     "inkling2_loop_text": _text_of("inkling2_loop", "short-convolution layers with looped blocks and sinks"),
