@@ -141,6 +141,8 @@ FAMILIES = {
     # layers with a RoPE per kind ('proportional' on the full ones) and their own head sizes, per-layer inputs
     "gemma4_text": ("Gemma4TextConfig", {}),
     "gemma4": ("Gemma4Config", {}),
+    # Lara-4-Mini: Gated DeltaNet, sliding RoPE and full NoPE layers (its released pattern), MoE with a shared expert
+    "lara_mini": ("LaraMiniConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -158,7 +160,7 @@ DOTS3 = {"dots3_note_text", "dots3_note"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
-HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
+HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "lara_mini"}
 MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid", "minimax_m3_vl_text", "minimax_m3_vl"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text", "sarvam_mla"}
@@ -241,7 +243,7 @@ def _hf_moe_layers(hf, mt):
                 for i in range(n)]
     if mt in ("mixtral", "minimax", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa",
               "flex_olmo", "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash",
-              "solar_open", "jetmoe", "kolibri1", "zaya", "aria", "aria_text"):
+              "solar_open", "jetmoe", "kolibri1", "zaya", "aria", "aria_text", "lara_mini"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
@@ -279,7 +281,7 @@ def _hf_windows(hf, mt):
     if mt == "zaya":
         return [hf.sliding_window if t == "hybrid_sliding" else None for t in hf.layer_types]
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
-              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam") or mt in DOTS3 | GEMMA4:
+              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam", "lara_mini") or mt in DOTS3 | GEMMA4:
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -823,6 +825,9 @@ def test_omitted_fields_default_as_transformers(mt):
     ("aria_text", {"moe_num_experts": 16, "moe_topk": 4, "moe_num_shared_experts": 1, "num_experts": 3,
                    "num_experts_per_tok": 1, "mlp_bias": True, "num_key_value_heads": 2, "head_dim": 16}),
     ("aria", {"moe_num_experts": 4, "moe_topk": 1, "rope_theta": 5e5}),
+    # Lara-4-Mini: its own layer kinds; Qwen3-Next's dense-layer fields are not read (every layer MoE)
+    ("lara_mini", {"layer_types": ["sliding_attention", "linear_attention", "full_attention", "linear_attention"],
+                   "intermediate_size": 96, "decoder_sparse_step": 2, "mlp_only_layers": [0], "norm_topk_prob": False}),
     # Gemma 4: the MoE, keys as values with their own KV heads and head size on the full layers, KV-shared last layers
     ("gemma4_text", {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 16,
                      "attention_k_eq_v": True, "num_global_key_value_heads": 2, "global_head_dim": 32,

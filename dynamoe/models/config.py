@@ -536,6 +536,19 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                "vocab_size_per_layer_input": 262_144, "hidden_size_per_layer_input": 256,
                                "attention_k_eq_v": False, "num_kv_shared_layers": 0, "enable_moe_block": False,
                                "use_double_wide_mlp": False}},
+    # LaraMiniConfig (Lara-4-Mini): Gated DeltaNet ('linear_attention'), sliding (RoPE) and full (NoPE) attention layers,
+    # without layer_types the released period-5 pattern ("lara_layers"); every layer MoE (softmax top-k, fp32 logits)
+    # plus an ungated shared expert; Qwen3-Next's dense-layer fields and the top-level partial RoPE are not read
+    "lara_mini": {"num_experts": 128, "num_experts_per_tok": 4, "head_dim": 128, "lara_layers": True,
+                  "ignored": ("intermediate_size", "decoder_sparse_step", "mlp_only_layers", "partial_rotary_factor",
+                              "full_attention_interval", "use_sliding_window"),
+                  "fields": {"vocab_size": 151936, "hidden_size": 1024, "num_hidden_layers": 34,
+                             "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+                             "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "eos_token_id": 151643,
+                             "sliding_window": 512, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                             "linear_value_head_dim": 128, "linear_num_key_heads": 8, "linear_num_value_heads": 16,
+                             "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                             "norm_topk_prob": True}},
     # AriaTextConfig: its own names for the expert count, top-k and shared experts (intermediate_size wide each)
     "aria_text": {"num_experts": 8, "num_experts_per_tok": 2,
                   "ignored": ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
@@ -1719,6 +1732,9 @@ class ModelConfig:
         elif fam.get("full_attention_every"):  # every n-th layer full attention, the others sliding (Kolibri-1)
             n = fam["full_attention_every"]
             layer_types = tuple("full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers))
+        elif fam.get("lara_layers"):  # the released pattern, period 5
+            pattern = ("linear_attention", "sliding_attention", "linear_attention", "full_attention", "sliding_attention")
+            layer_types = tuple(pattern[i % 5] for i in range(layers))
         elif fam.get("gemma4_layers"):  # every 6th layer full attention, the others sliding (the last: below)
             layer_types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers))
         elif fam.get("beam_layers"):  # every 6th layer and the last full attention, the others sliding

@@ -42,8 +42,6 @@ UNSUPPORTED: dict[str, str] = {
     "inkling2_text": _text_of("inkling2", "short-convolution layers, sliding windows and sinks"),
     "inkling_mm_model": _VLM,
     "inkling_text": _text_of("inkling", "short-convolution layers and multi-token prediction"),
-    "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
-                 "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
     "muse_spark": _OMNI,
     "muse_spark_text": _text_of("muse_spark", "its convolution and sliding layer kinds"),
     "nemo_speechlm": ("a speech-language wrapper whose checkpoint layout is not mapped yet (its default language "
