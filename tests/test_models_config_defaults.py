@@ -143,6 +143,8 @@ FAMILIES = {
     "gemma4": ("Gemma4Config", {}),
     # Lara-4-Mini: Gated DeltaNet, sliding RoPE and full NoPE layers (its released pattern), MoE with a shared expert
     "lara_mini": ("LaraMiniConfig", {}),
+    # Inkling's language model: no RoPE (a relative bias), sliding layers of their own sizes, short convolutions
+    "inkling_text": ("InklingTextConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -171,7 +173,7 @@ DEEPSEEK_ROUTING = (DEEPSEEK_LIKE | {"kimi_linear", "bailing_hybrid", "mimo_v2_f
                                      "sarvam_moe", "beam", "axk1", "axk2"} | GLM5 | HY4 | DOTS3)
 # no single rope_parameters dict: Kimi-Linear and Jamba have no RoPE, MiMo-V2-Flash one per layer type
 NO_SINGLE_ROPE = ({"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "jamba", "nemotron_h",
-                   "deepseek_v4"} | STEP | GLM5 | DOTS3 | GEMMA4)
+                   "deepseek_v4", "inkling_text"} | STEP | GLM5 | DOTS3 | GEMMA4)
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "deepseek_v4"} | STEP | DOTS3 | GEMMA4
 # ZAYA's layer kind names -> dynamoe's
 ZAYA_KINDS = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
@@ -252,7 +254,7 @@ def _hf_moe_layers(hf, mt):
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "bailing_hybrid",
               "minimax_m3_vl_text", "minimax_m3_vl", "mimo_v2_flash", "step3p5", "step3p7", "cohere2_moe", "hy_v3",
-              "laguna", "mellum", "beam") or mt in GLM5:
+              "laguna", "mellum", "beam", "inkling_text") or mt in GLM5:
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -278,7 +280,7 @@ def _hf_windows(hf, mt):
     n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral", "phimoe", "doge", "deepseek_v4"):  # (V4's compressed layers slide too)
         return [hf.sliding_window] * n
-    if mt == "zaya":
+    if mt in ("zaya", "inkling_text"):
         return [hf.sliding_window if t == "hybrid_sliding" else None for t in hf.layer_types]
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
               "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam", "lara_mini") or mt in DOTS3 | GEMMA4:
@@ -348,7 +350,8 @@ FIELDS = {
                    set(FAMILIES) - {"gpt_oss", "dbrx", "nemotron_h", "lfm2_moe"}),
     # DBRX: clip_qkv in attn_config
     "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
-    "tie_word_embeddings": (lambda hf, mt: hf.tie_word_embeddings, None, None),
+    # (Inkling never ties: its checkpoints keep embed and unembed apart, whatever the attribute says)
+    "tie_word_embeddings": (lambda hf, mt: mt != "inkling_text" and hf.tie_word_embeddings, None, None),
     # Mixtral's attention has no biases (and no attention_bias field)
     # (Kolibri-1's attention has no biases, whatever a config attribute says)
     "attention_bias": (lambda hf, mt: mt != "kolibri1" and getattr(hf, "attention_bias", False), None, None),
@@ -651,6 +654,17 @@ FIELDS = {
                     "attention_k_eq_v", "num_kv_shared_layers", "enable_moe_block", "use_double_wide_mlp",
                     "use_bidirectional_attention")},
     "intermediate_size_gemma4": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, GEMMA4),
+    # Inkling: layer kinds under dynamoe's names, the sliding layers' sizes, the bias, convolutions, router, head
+    "layer_types_inkling": (lambda hf, mt: tuple(ZAYA_KINDS[t] for t in hf.layer_types), lambda cfg: cfg.layer_types,
+                            {"inkling_text"}),
+    **{f"{name}_inkling": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
+                           {"inkling_text"})
+       for name in ("swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "d_rel", "rel_extent",
+                    "log_scaling_n_floor", "log_scaling_alpha", "conv_kernel_size", "route_scale",
+                    "logits_mup_width_multiplier", "unpadded_vocab_size")},
+    **{f"{name}_inkling": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                           {"inkling_text"})
+       for name in ("n_shared_experts", "intermediate_size")},
     # GLM-5.3: the clamp, the dense MLPs' width, hyper-connections, KDA's decay bound, the indexer's pools
     "swiglu_limit_glm5": (lambda hf, mt: hf.swiglu_limit, lambda cfg: cfg.swiglu_limit, GLM5),
     "intermediate_size_glm5": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, GLM5),
@@ -828,6 +842,9 @@ def test_omitted_fields_default_as_transformers(mt):
     # Lara-4-Mini: its own layer kinds; Qwen3-Next's dense-layer fields are not read (every layer MoE)
     ("lara_mini", {"layer_types": ["sliding_attention", "linear_attention", "full_attention", "linear_attention"],
                    "intermediate_size": 96, "decoder_sparse_step": 2, "mlp_only_layers": [0], "norm_topk_prob": False}),
+    # Inkling: the hub's names (sconv_kernel_size, model_max_length, dense_intermediate_size, dense_mlp_idx)
+    ("inkling_text", {"sconv_kernel_size": 2, "model_max_length": 512, "dense_intermediate_size": 32,
+                      "intermediate_size": 16, "dense_mlp_idx": 2, "local_layer_ids": [1, 2], "sliding_window": 64}),
     # Gemma 4: the MoE, keys as values with their own KV heads and head size on the full layers, KV-shared last layers
     ("gemma4_text", {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 16,
                      "attention_k_eq_v": True, "num_global_key_value_heads": 2, "global_head_dim": 32,

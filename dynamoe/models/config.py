@@ -33,7 +33,8 @@ from .unsupported import refusal
 log = logging.getLogger(__name__)
 
 __all__ = ["ModelConfig", "RopeConfig", "SSMConfig", "NEMOTRON_BLOCKS", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
-           "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config", "Gemma4Layer", "gemma4_attention_layers"]
+           "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config", "Gemma4Layer", "gemma4_attention_layers",
+           "inkling_attention_sizes"]
 
 # 'proportional' (Gemma 4's global layers): RoPE over the whole head whose first partial_rotary_factor share of
 # frequency pairs rotate (exponents over the whole head dim) and the rest stand still
@@ -549,6 +550,26 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                              "linear_value_head_dim": 128, "linear_num_key_heads": 8, "linear_num_value_heads": 16,
                              "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
                              "norm_topk_prob": True}},
+    # InklingTextConfig (Inkling's language model): layer kinds 'hybrid' (full) and 'hybrid_sliding' ("layer_type_names"),
+    # without layer_types sliding on local_layer_ids, else on every layer but each 6th ("inkling_layers"); the sliding
+    # layers' own heads / head size (swa_*), the window under sliding_window_size; MLP kinds from mlp_layer_types, else
+    # the hub's dense_mlp_idx first layers dense; the hub's dense_intermediate_size makes intermediate_size the
+    # experts' width (as the config class swaps them); never tied (its checkpoints keep embed and unembed apart)
+    "inkling_text": {"num_experts": 256, "num_experts_per_tok": 6, "head_dim": 128, "inkling_layers": True,
+                     "layer_type_names": {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"},
+                     "ignored": ("tie_word_embeddings", "num_experts"),
+                     "aliases": {"sliding_window": "sliding_window_size"},
+                     "overrides": {"conv_kernel_size": "sconv_kernel_size",
+                                   "max_position_embeddings": "model_max_length"},
+                     "fields": {"vocab_size": 201024, "hidden_size": 6144, "num_hidden_layers": 66,
+                                "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                                "swa_num_attention_heads": 64, "swa_num_key_value_heads": 16, "swa_head_dim": 128,
+                                "sliding_window_size": 512, "d_rel": 16, "rel_extent": 1024, "log_scaling_alpha": 0.1,
+                                "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "conv_kernel_size": 4,
+                                "intermediate_size": 24576, "moe_intermediate_size": 3072, "n_routed_experts": 256,
+                                "num_experts_per_tok": 6, "n_shared_experts": 2, "route_scale": 8.0,
+                                "logits_mup_width_multiplier": 24.0, "bos_token_id": 1, "eos_token_id": 2,
+                                "tie_word_embeddings": False}},
     # AriaTextConfig: its own names for the expert count, top-k and shared experts (intermediate_size wide each)
     "aria_text": {"num_experts": 8, "num_experts_per_tok": 2,
                   "ignored": ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
@@ -1508,6 +1529,11 @@ class ModelConfig:
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived ------------------------------------------------------------------------------
+    @property
+    def family_type(self) -> str:
+        """The model_type whose family defaults apply: a wrapper's text model type, else ``model_type``."""
+        return self.raw.get("text_model_type") or self.model_type
+
     def layer_sliding_window(self, i: int) -> Optional[int]:
         """The sliding window of layer i, or None for full attention (DeepSeek-V4's compressed layers attend over a
         window of uncompressed keys too)."""
@@ -1529,7 +1555,9 @@ class ModelConfig:
             per = {"sliding_attention": d, "heavily_compressed_attention": 4 * d,
                    "compressed_sparse_attention": 6 * d + 5 * i}
             return sum(per[t] for t in self.layer_types)
-        if (self.raw.get("text_model_type") or self.model_type) == "gemma4_text":  # own sizes; shared layers none
+        if self.family_type == "inkling_text":  # the sliding layers' own KV heads and head size
+            return sum(2 * kv * d for _, kv, d in inkling_attention_sizes(self))
+        if self.family_type == "gemma4_text":  # own sizes; shared layers none
             return sum(2 * g.num_key_value_heads * g.head_dim for i, g in enumerate(gemma4_attention_layers(self))
                        if g.kv_source == i)
         if self.kv_lora_rank:
@@ -1551,6 +1579,10 @@ class ModelConfig:
         """Fixed-size cache elements one sequence takes over all linear-attention (or Mamba) layers, whatever its
         length: ``conv_state`` (the conv window, in the cache's dtype) and ``recurrent_state`` (fp32);
         zeros for models without such layers."""
+        if self.family_type == "inkling_text":  # four short convolutions per layer: keys, values, both outputs
+            W = _int(self.raw, "conv_kernel_size", 4) - 1
+            return {"conv_state": sum((2 * kv * d + 2 * self.hidden_size) * W
+                                      for _, kv, d in inkling_attention_sizes(self)), "recurrent_state": 0}
         linear = sum(t in ("linear_attention", "conv") for t in self.layer_types)
         if not linear:
             return {"conv_state": 0, "recurrent_state": 0}
@@ -1631,6 +1663,9 @@ class ModelConfig:
                 and "deepseek_yarn" in (scaling.get("type"), scaling.get("rope_type"))):  # Sarvam: YaRN by another name
             d = {**d, "rope_parameters": {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": "yarn"}}
             del d["rope_scaling"]
+        if fam.get("inkling_layers") and d.get("dense_intermediate_size") is not None:
+            # (InklingTextConfig: the experts are intermediate_size wide, the dense MLPs dense_intermediate_size)
+            d = {**d, "moe_intermediate_size": d.get("intermediate_size"), "intermediate_size": d["dense_intermediate_size"]}
         if fam.get("window_size_plus_one") and d.get("sliding_window_size") is not None:
             d["sliding_window"] = _int(d, "sliding_window_size") + 1
         if d.get("routed_scaling_factor", 0) is None:
@@ -1732,6 +1767,13 @@ class ModelConfig:
         elif fam.get("full_attention_every"):  # every n-th layer full attention, the others sliding (Kolibri-1)
             n = fam["full_attention_every"]
             layer_types = tuple("full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers))
+        elif fam.get("inkling_layers"):  # sliding on local_layer_ids, else on all but every 6th
+            local = d.get("local_layer_ids")
+            if local is not None and (not isinstance(local, (list, tuple))
+                                      or any(isinstance(i, bool) or not isinstance(i, int) for i in local)):
+                raise _err("local_layer_ids", local, "a list of layer indices (the sliding-window layers)")
+            local = set(local) if local is not None else {i for i in range(layers) if (i + 1) % 6}
+            layer_types = tuple("sliding_attention" if i in local else "full_attention" for i in range(layers))
         elif fam.get("lara_layers"):  # the released pattern, period 5
             pattern = ("linear_attention", "sliding_attention", "linear_attention", "full_attention", "sliding_attention")
             layer_types = tuple(pattern[i % 5] for i in range(layers))
@@ -1826,6 +1868,9 @@ class ModelConfig:
             mlp_types = _step_mlp_types(d, layers)
         if not mlp_types and fam.get("moe_switch"):  # one switch for every layer (Doge's is_moe)
             mlp_types = ("sparse" if _bool(d, fam["moe_switch"], False) else "dense",) * layers
+        if not mlp_types and fam.get("inkling_layers"):  # the hub's first dense_mlp_idx layers dense
+            n = min(_int(d, "dense_mlp_idx", 0, minimum=0), layers)
+            mlp_types = ("dense",) * n + ("sparse",) * (layers - n)
         if not mlp_types and fam.get("dense_prefix"):  # the first n layers dense (Beam: 3)
             n = min(fam["dense_prefix"], layers)
             mlp_types = ("dense",) * n + ("sparse",) * (layers - n)
@@ -1984,6 +2029,18 @@ class ModelConfig:
         """F of the routed experts: ``moe_intermediate_size`` (Qwen3, DeepSeek, GLM) or ``intermediate_size``
         (Mixtral, GPT-OSS, which have no dense layers)."""
         return self.moe_intermediate_size or self.intermediate_size
+
+
+def inkling_attention_sizes(cfg: "ModelConfig") -> tuple:
+    """Inkling's (query heads, KV heads, head dim) per layer: the sliding layers' from ``swa_num_attention_heads`` /
+    ``swa_num_key_value_heads`` / ``swa_head_dim``, the full ones' from the plain fields."""
+    d = cfg.raw
+    swa = (_int(d, "swa_num_attention_heads", required=True), _int(d, "swa_num_key_value_heads", required=True),
+           _int(d, "swa_head_dim", required=True))
+    if swa[0] % swa[1]:
+        raise _err("swa_num_key_value_heads", swa[1], f"a divisor of swa_num_attention_heads={swa[0]}")
+    full = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    return tuple(swa if t == "sliding_attention" else full for t in cfg.layer_types)
 
 
 @dataclass(frozen=True)

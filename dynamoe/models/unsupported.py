@@ -41,7 +41,6 @@ UNSUPPORTED: dict[str, str] = {
     "inkling2_loop_text": _text_of("inkling2_loop", "short-convolution layers with looped blocks and sinks"),
     "inkling2_text": _text_of("inkling2", "short-convolution layers, sliding windows and sinks"),
     "inkling_mm_model": _VLM,
-    "inkling_text": _text_of("inkling", "short-convolution layers and multi-token prediction"),
     "muse_spark": _OMNI,
     "muse_spark_text": _text_of("muse_spark", "its convolution and sliding layer kinds"),
     "nemo_speechlm": ("a speech-language wrapper whose checkpoint layout is not mapped yet (its default language "
