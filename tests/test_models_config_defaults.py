@@ -145,13 +145,16 @@ FAMILIES = {
     "lara_mini": ("LaraMiniConfig", {}),
     # Inkling's language model: no RoPE (a relative bias), sliding layers of their own sizes, short convolutions
     "inkling_text": ("InklingTextConfig", {}),
+    "inkling_mm_model": ("InklingConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
            "llama4": ("text_config",), "step3p7": ("text_config",), "aria": ("text_config",),
            "minimax_m3_vl": ("text_config",), "glm5_next": ("text_config",), "mistral_large4": ("text_config",),
-           "hy_v4_vl": ("text_config",), "dots3_note": ("text_config",), "gemma4": ("text_config",)}
+           "hy_v4_vl": ("text_config",), "dots3_note": ("text_config",), "gemma4": ("text_config",),
+           "inkling_mm_model": ("text_config",)}
+INKLING = {"inkling_text", "inkling_mm_model"}
 GEMMA4 = {"gemma4_text", "gemma4"}
 ARIA = {"aria", "aria_text"}
 STEP = {"step3p5", "step3p7"}
@@ -173,7 +176,7 @@ DEEPSEEK_ROUTING = (DEEPSEEK_LIKE | {"kimi_linear", "bailing_hybrid", "mimo_v2_f
                                      "sarvam_moe", "beam", "axk1", "axk2"} | GLM5 | HY4 | DOTS3)
 # no single rope_parameters dict: Kimi-Linear and Jamba have no RoPE, MiMo-V2-Flash one per layer type
 NO_SINGLE_ROPE = ({"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "jamba", "nemotron_h",
-                   "deepseek_v4", "inkling_text"} | STEP | GLM5 | DOTS3 | GEMMA4)
+                   "deepseek_v4"} | INKLING | STEP | GLM5 | DOTS3 | GEMMA4)
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "deepseek_v4"} | STEP | DOTS3 | GEMMA4
 # ZAYA's layer kind names -> dynamoe's
 ZAYA_KINDS = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
@@ -254,7 +257,7 @@ def _hf_moe_layers(hf, mt):
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "bailing_hybrid",
               "minimax_m3_vl_text", "minimax_m3_vl", "mimo_v2_flash", "step3p5", "step3p7", "cohere2_moe", "hy_v3",
-              "laguna", "mellum", "beam", "inkling_text") or mt in GLM5:
+              "laguna", "mellum", "beam") or mt in GLM5 | INKLING:
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -280,7 +283,7 @@ def _hf_windows(hf, mt):
     n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral", "phimoe", "doge", "deepseek_v4"):  # (V4's compressed layers slide too)
         return [hf.sliding_window] * n
-    if mt in ("zaya", "inkling_text"):
+    if mt == "zaya" or mt in INKLING:
         return [hf.sliding_window if t == "hybrid_sliding" else None for t in hf.layer_types]
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
               "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam", "lara_mini") or mt in DOTS3 | GEMMA4:
@@ -351,7 +354,7 @@ FIELDS = {
     # DBRX: clip_qkv in attn_config
     "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
     # (Inkling never ties: its checkpoints keep embed and unembed apart, whatever the attribute says)
-    "tie_word_embeddings": (lambda hf, mt: mt != "inkling_text" and hf.tie_word_embeddings, None, None),
+    "tie_word_embeddings": (lambda hf, mt: mt not in INKLING and hf.tie_word_embeddings, None, None),
     # Mixtral's attention has no biases (and no attention_bias field)
     # (Kolibri-1's attention has no biases, whatever a config attribute says)
     "attention_bias": (lambda hf, mt: mt != "kolibri1" and getattr(hf, "attention_bias", False), None, None),
@@ -656,14 +659,14 @@ FIELDS = {
     "intermediate_size_gemma4": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, GEMMA4),
     # Inkling: layer kinds under dynamoe's names, the sliding layers' sizes, the bias, convolutions, router, head
     "layer_types_inkling": (lambda hf, mt: tuple(ZAYA_KINDS[t] for t in hf.layer_types), lambda cfg: cfg.layer_types,
-                            {"inkling_text"}),
+                            INKLING),
     **{f"{name}_inkling": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
-                           {"inkling_text"})
+                           INKLING)
        for name in ("swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "d_rel", "rel_extent",
                     "log_scaling_n_floor", "log_scaling_alpha", "conv_kernel_size", "route_scale",
                     "logits_mup_width_multiplier", "unpadded_vocab_size")},
     **{f"{name}_inkling": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
-                           {"inkling_text"})
+                           INKLING)
        for name in ("n_shared_experts", "intermediate_size")},
     # GLM-5.3: the clamp, the dense MLPs' width, hyper-connections, KDA's decay bound, the indexer's pools
     "swiglu_limit_glm5": (lambda hf, mt: hf.swiglu_limit, lambda cfg: cfg.swiglu_limit, GLM5),

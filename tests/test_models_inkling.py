@@ -30,13 +30,22 @@ VARIANTS = {
     # the default kinds (all sliding at 4 layers but one full by layer_types), every layer MoE, one shared expert
     "plain": dict(layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid_sliding"], n_shared_experts=1,
                   conv_kernel_size=4, route_scale=8.0),
+    # inside the multimodal wrapper, saved in the hub's layout (model.llm.*, interleaved w13): a dense first layer
+    "wrapped": dict(local_layer_ids=[0, 2, 3], dense_mlp_idx=1, log_scaling_n_floor=8, pad_token_id=0),
 }
+VISION = dict(text_hidden_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, patch_size=4)
+AUDIO = dict(text_hidden_size=64, n_mel_bins=4, mel_vocab_size=8)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def pair(request, tmp_path_factory):
     torch.manual_seed(0)
-    hf = transformers.InklingForCausalLM(transformers.InklingTextConfig(**{**SIZES, **VARIANTS[request.param]})).eval()
+    text = transformers.InklingTextConfig(**{**SIZES, **VARIANTS[request.param]})
+    if request.param == "wrapped":
+        cfg = transformers.InklingConfig(text_config=text.to_dict(), vision_config=VISION, audio_config=AUDIO)
+        hf = transformers.InklingForConditionalGeneration(cfg).eval()
+    else:
+        hf = transformers.InklingForCausalLM(text).eval()
     randomize_(hf, seed=1, scales={"lm_head": 0.2})
     with torch.no_grad():  # (buffers: randomize_ leaves them at zero) a selection bias that changes the choice
         for n, b in hf.named_buffers():
@@ -46,22 +55,27 @@ def pair(request, tmp_path_factory):
     return request.param, hf, dm.load(path, progress=False), path
 
 
+def _text(hf):
+    return getattr(hf.config, "text_config", hf.config)
+
+
 def test_structure(pair):
     name, hf, ours, _ = pair
-    cfg = ours.config
+    cfg, hcfg = ours.config, _text(hf)
+    assert ours.config.text_config_nested == (name == "wrapped") and ours.hub_names == (name == "wrapped")
     assert type(ours) is InklingForCausalLM and type(ours).recurrent_state is True
-    assert [t == "sliding_attention" for t in cfg.layer_types] == [t == "hybrid_sliding" for t in hf.config.layer_types]
-    for kind, mlp_kind, layer in zip(cfg.layer_types, hf.config.mlp_layer_types, ours.model.layers):
+    assert [t == "sliding_attention" for t in cfg.layer_types] == [t == "hybrid_sliding" for t in hcfg.layer_types]
+    for kind, mlp_kind, layer in zip(cfg.layer_types, hcfg.mlp_layer_types, ours.model.layers):
         attn = layer.self_attn
         assert type(attn) is InklingAttention
         sliding = kind == "sliding_attention"
         assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == ((2, 1, 8) if sliding else (4, 2, 16))
         assert attn.rel_logits_proj.proj.shape[-1] == (6 if sliding else 10) and attn.scale == 1 / attn.head_dim
-        assert attn.log_floor == (None if sliding else hf.config.log_scaling_n_floor)
+        assert attn.log_floor == (None if sliding else hcfg.log_scaling_n_floor)
         assert type(layer.mlp) is (InklingMoE if mlp_kind == "sparse" else InklingMLP)
         assert layer.attn_sconv.conv1d.weight.dtype == torch.float32
     assert not cfg.tie_word_embeddings and ours.lm_head.weight is not ours.model.embed_tokens.weight
-    assert ours.lm_head.keep == hf.config.unpadded_vocab_size
+    assert ours.lm_head.keep == hcfg.unpadded_vocab_size
     sizes = [(2, 1, 8) if t == "sliding_attention" else (4, 2, 16) for t in cfg.layer_types]
     assert cfg.kv_elements_per_position() == sum(2 * kv * d for _, kv, d in sizes)
     with torch.no_grad():
@@ -113,7 +127,8 @@ def test_engine_generates_each_requests_own_continuation(pair):
 
 def test_bf16_tracks_transformers_bf16(pair):
     # (transformers keeps the short convolutions, the selection bias and the router's scale in fp32: so here)
-    hf16 = transformers.InklingForCausalLM.from_pretrained(pair[3], dtype=torch.bfloat16).eval()
+    cls = transformers.InklingForConditionalGeneration if pair[0] == "wrapped" else transformers.InklingForCausalLM
+    hf16 = cls.from_pretrained(pair[3], dtype=torch.bfloat16).eval()
     check_bf16(pair[1], pair[3], hf16=hf16)
 
 
@@ -143,8 +158,30 @@ def test_each_feature_matters(pair):
                       if isinstance(layer.mlp, InklingMoE) else None)) > 1e-2
     assert far(edited(lambda layer: layer.mlp.moe.gates[0].e_score_correction_bias.zero_()
                       if isinstance(layer.mlp, InklingMoE) else None)) > 1e-2
-    if name == "log-scaled":
+    if name != "plain":
         assert far(edited(lambda layer: setattr(layer.self_attn, "log_floor", None))) > 1e-2
+
+
+def test_wrapper_parts_are_skipped_and_logged(pair, caplog):
+    import logging
+
+    name, *_, path = pair
+    if name != "wrapped":
+        pytest.skip("the wrapper's checkpoint only")
+    with caplog.at_level(logging.INFO, logger="dynamoe.models.loader"):
+        dm.load(path, progress=False)
+    notes = [r.getMessage() for r in caplog.records if "not loading" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].startswith("inkling_text: not loading"), notes
+    assert "model.visual.*" in notes[0] and "model.audio.*" in notes[0]
+
+
+def test_server_says_images_are_not_supported(pair, tmp_path):
+    from serve_testing import image_refusal
+
+    if pair[0] != "wrapped":
+        pytest.skip("the wrapper's checkpoint only")
+    msg = image_refusal(pair[2], str(tmp_path), "inkling-tiny")
+    assert "images are not supported by the model 'inkling-tiny' (inkling_mm_model): its vision and audio towers" in msg
 
 
 def test_config_defaults_and_kinds():

@@ -263,6 +263,13 @@ class CausalLM(nn.Module):
         only: the loader refuses a packed one."""
         return None
 
+    def checkpoint_slice(self, name: str) -> tuple[int, slice, int] | None:
+        """Extension point: (dim, slice, size) when our tensor ``name`` is the ``slice`` along dim ``dim`` (of
+        ``size`` entries on disk) of the checkpoint's tensor that :meth:`checkpoint_name` gives -- a strided part, such
+        as the gate rows of interleaved gate / up rows (Inkling's hub layout: rows 0::2) --, else None. Dense
+        checkpoints only; :meth:`checkpoint_rows` wins where both answer."""
+        return None
+
     def checkpoint_name(self, name: str) -> str:
         """Our parameter name -> the checkpoint's (first matching rename of ``checkpoint_renames``, after
         ``checkpoint_prefix``)."""

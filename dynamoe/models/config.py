@@ -87,6 +87,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "mistral_large4": TextWrapper(("text_config",), ("mistral_large4_text",)),
     "dots3_note": TextWrapper(("text_config",), ("dots3_note_text",)),
     "hy_v4_vl": TextWrapper(("text_config",), ("hy_v4_vl_text",)),
+    # (InklingForConditionalGeneration never ties: inkling_text ignores the flag)
+    "inkling_mm_model": TextWrapper(("text_config",), ("inkling_text",)),
     # (Gemma4ForConditionalGeneration ties by the wrapper's flag, default true)
     "gemma4": TextWrapper(("text_config",), ("gemma4_text",), tie_default=True),
 }

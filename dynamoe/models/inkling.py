@@ -38,6 +38,7 @@ from .mamba import conv_with_state
 from .moe_block import GatedMLP, SparseMoeBlock, glu_kind
 from .norms import RMSNorm
 from .weights import Stacked
+from .wrapped import TextOfWrapper, WrapperLayout
 
 __all__ = ["InklingForCausalLM", "InklingAttention", "InklingShortConv", "InklingMoE", "InklingDecoderLayer"]
 
@@ -256,8 +257,33 @@ class _InklingHead(nn.Linear):
         return logits if self.keep is None else logits[..., :self.keep]
 
 
-class InklingForCausalLM(CausalLM):
-    """Inkling's language model (see the module docstring)."""
+#: the hub's names (what transformers saves for the wrapper) for ours, after the wrapper's prefix
+_HUB_RENAMES = ((".self_attn.q_proj.", ".attn.wq_du."), (".self_attn.k_proj.", ".attn.wk_dv."),
+                (".self_attn.v_proj.", ".attn.wv_dv."), (".self_attn.r_proj.", ".attn.wr_du."),
+                (".self_attn.o_proj.", ".attn.wo_ud."), (".self_attn.k_sconv.conv1d.", ".attn.k_sconv."),
+                (".self_attn.v_sconv.conv1d.", ".attn.v_sconv."), (".self_attn.", ".attn."),
+                (".attn_sconv.conv1d.", ".attn_sconv."), (".mlp_sconv.conv1d.", ".mlp_sconv."),
+                (".input_layernorm.", ".attn_norm."), (".post_attention_layernorm.", ".mlp_norm."),
+                (".mlp.gate_proj.weight", ".mlp.w13_dn.weight"), (".mlp.up_proj.weight", ".mlp.w13_dn.weight"),
+                (".mlp.down_proj.weight", ".mlp.w2_md.weight"),
+                (".mlp.gate.e_score_correction_bias", ".mlp.gate.bias"),
+                (".mlp.shared_experts.gate_proj", ".mlp.shared_experts.shared_w13_weight"),
+                (".mlp.shared_experts.up_proj", ".mlp.shared_experts.shared_w13_weight"),
+                (".mlp.shared_experts.down_proj", ".mlp.shared_experts.shared_w2_weight"),
+                (".embed_tokens.embed_norm.", ".embed_norm."), (".embed_tokens.", ".embed."))
+#: our dense and shared experts' gate / up: interleaved rows of the hub's w13 (dim, slice)
+_HUB_PARTS = {".mlp.gate_proj.weight": (0, slice(0, None, 2)), ".mlp.up_proj.weight": (0, slice(1, None, 2)),
+              ".mlp.shared_experts.gate_proj": (1, slice(0, None, 2)),
+              ".mlp.shared_experts.up_proj": (1, slice(1, None, 2))}
+
+
+class InklingForCausalLM(TextOfWrapper, CausalLM):
+    """Inkling's language model (see the module docstring); from an ``inkling_mm_model`` checkpoint, text only (the
+    hub's layout, which transformers also saves for the wrapper: ``model.llm.*`` with its own tensor names --
+    ``attn.wq_du``..., interleaved ``w13`` gate / up rows -- and ``model.llm.unembed``)."""
+
+    wrapper_layouts = {"inkling_mm_model": WrapperLayout("model.llm.", "", unused=("model.visual.", "model.audio."))}
+    text_only_reason = "its vision and audio towers are not loaded (dynamoe serves the Inkling text model only)"
 
     #: per-sequence state beside the KV cache (the short convolutions' windows): no prefix reuse
     recurrent_state = True
@@ -266,7 +292,6 @@ class InklingForCausalLM(CausalLM):
                           (".mlp.router.shared_weight", ".mlp.gate.weight"),
                           (".mlp.router.global_scale", ".mlp.gate.global_scale"), (".mlp.moe.", ".mlp."))
     expert_layout = Stacked("gate_up_proj", "down_proj", suffix="")
-    unused_checkpoint_prefixes = ("model.mtp.",)
     use_decode_plan = False   # (the layers are this module's own: no fused kernels to lay out)
 
     def __init__(self, config: ModelConfig, dtype=None):
@@ -291,6 +316,12 @@ class InklingForCausalLM(CausalLM):
         object.__setattr__(self, "router_rows", {".mlp.moe.gates.0.wg.weight": (0, E, E + S),
                                                  ".mlp.router.shared_weight": (E, E + S, E + S)})
 
+    @property
+    def unused_checkpoint_prefixes(self) -> tuple:
+        """The wrapper's towers, and the multi-token-prediction layers (not run by plain decoding)."""
+        layout = self.wrapper_layout()
+        return ("model.mtp.",) if layout is None else (*layout.unused, layout.stack + "mtp.")
+
     def build_layer(self, cfg: ModelConfig, i: int, rotary, dtype) -> InklingDecoderLayer:
         D, kind = cfg.hidden_size, cfg.layer_types[i]
         if kind not in ("full_attention", "sliding_attention"):
@@ -314,4 +345,32 @@ class InklingForCausalLM(CausalLM):
         for suffix, rows in self.router_rows.items():
             if name.endswith(suffix):
                 return rows
+        return None
+
+    # ---- the hub's layout (the wrapper's checkpoints) ---------------------------------------------------------------
+    def adapt_to_checkpoint(self, names) -> None:
+        hub = any(".attn.wq_du." in n for n in names)
+        object.__setattr__(self, "hub_names", hub)
+        if hub:
+            object.__setattr__(self, "expert_layout", Stacked("w13_weight", "w2_weight", suffix="", interleaved=True))
+
+    def checkpoint_name(self, name: str) -> str:
+        out = super().checkpoint_name(name)
+        if not self.__dict__.get("hub_names"):
+            return out
+        if name == "lm_head.weight":
+            return (self.wrapper_layout().stack if self.wrapper_layout() else "") + "unembed.weight"
+        for ours, theirs in _HUB_RENAMES:
+            if ours in out:
+                return out.replace(ours, theirs, 1)
+        return out
+
+    def checkpoint_slice(self, name: str):
+        if not self.__dict__.get("hub_names"):
+            return None
+        for suffix, (dim, sl) in _HUB_PARTS.items():
+            if name.endswith(suffix):
+                module = self.get_submodule(name.rsplit(".", 1)[0]) if suffix.endswith(".weight") else None
+                size = 2 * (module.out_features if module is not None else self.get_parameter(name).size(1))
+                return dim, sl, size
         return None

@@ -154,4 +154,5 @@ register("dots3_note", "dynamoe.models.dots3_note:Dots3NoteForCausalLM",
 register("gemma4", "dynamoe.models.gemma4:Gemma4ForCausalLM", ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM"),
          aliases=("gemma4_text",))
 register("lara_mini", "dynamoe.models.lara_mini:LaraMiniForCausalLM", ("LaraMiniForCausalLM",))
-register("inkling_text", "dynamoe.models.inkling:InklingForCausalLM", ("InklingForCausalLM",))
+register("inkling_text", "dynamoe.models.inkling:InklingForCausalLM",
+         ("InklingForCausalLM", "InklingForConditionalGeneration"), aliases=("inkling_mm_model",))

@@ -40,7 +40,6 @@ UNSUPPORTED: dict[str, str] = {
     "inkling2_loop": _VLM,
     "inkling2_loop_text": _text_of("inkling2_loop", "short-convolution layers with looped blocks and sinks"),
     "inkling2_text": _text_of("inkling2", "short-convolution layers, sliding windows and sinks"),
-    "inkling_mm_model": _VLM,
     "muse_spark": _OMNI,
     "muse_spark_text": _text_of("muse_spark", "its convolution and sliding layer kinds"),
     "nemo_speechlm": ("a speech-language wrapper whose checkpoint layout is not mapped yet (its default language "
