@@ -146,6 +146,8 @@ FAMILIES = {
     # Inkling's language model: no RoPE (a relative bias), sliding layers of their own sizes, short convolutions
     "inkling_text": ("InklingTextConfig", {}),
     "inkling_mm_model": ("InklingConfig", {}),
+    # ERNIE-4.5-VL's multimodal config: its text model's [text, vision] expert widths, a dense first layer
+    "ernie4_5_vl_moe": ("Ernie4_5_VLMoeConfig", {}),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -153,7 +155,7 @@ WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "g
            "llama4": ("text_config",), "step3p7": ("text_config",), "aria": ("text_config",),
            "minimax_m3_vl": ("text_config",), "glm5_next": ("text_config",), "mistral_large4": ("text_config",),
            "hy_v4_vl": ("text_config",), "dots3_note": ("text_config",), "gemma4": ("text_config",),
-           "inkling_mm_model": ("text_config",)}
+           "inkling_mm_model": ("text_config",), "ernie4_5_vl_moe": ("text_config",)}
 INKLING = {"inkling_text", "inkling_mm_model"}
 GEMMA4 = {"gemma4_text", "gemma4"}
 ARIA = {"aria", "aria_text"}
@@ -257,7 +259,7 @@ def _hf_moe_layers(hf, mt):
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "bailing_hybrid",
               "minimax_m3_vl_text", "minimax_m3_vl", "mimo_v2_flash", "step3p5", "step3p7", "cohere2_moe", "hy_v3",
-              "laguna", "mellum", "beam") or mt in GLM5 | INKLING:
+              "laguna", "mellum", "beam", "ernie4_5_vl_moe") or mt in GLM5 | INKLING:
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -376,6 +378,8 @@ FIELDS = {
                            | LLAMA4
                            # (Gemma 4's dense models have no expert width: dynamoe's falls back to the dense one)
                            else (hf.moe_intermediate_size or hf.intermediate_size) if mt in GEMMA4
+                           # (ERNIE-4.5-VL: [text, vision]; dynamoe runs the text group)
+                           else hf.moe_intermediate_size[0] if mt == "ernie4_5_vl_moe"
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
@@ -405,7 +409,11 @@ FIELDS = {
        for name in ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob")},
     "n_shared_experts_exaone": (lambda hf, mt: hf.num_shared_experts, lambda cfg: cfg.n_shared_experts, {"exaone_moe"}),
     # ERNIE-4.5 (shared experts under its own name)
-    "n_shared_experts_ernie": (lambda hf, mt: hf.moe_num_shared_experts, lambda cfg: cfg.n_shared_experts, {"ernie4_5_moe"}),
+    "n_shared_experts_ernie": (lambda hf, mt: hf.moe_num_shared_experts, lambda cfg: cfg.n_shared_experts,
+                               {"ernie4_5_moe", "ernie4_5_vl_moe"}),
+    "ernie_vl_widths": (lambda hf, mt: tuple(hf.moe_intermediate_size),
+                        lambda cfg: (cfg.moe_intermediate_size, cfg.raw.get("vision_moe_intermediate_size")),
+                        {"ernie4_5_vl_moe"}),
     # OLMoE
     "clip_qkv": (lambda hf, mt: hf.clip_qkv, None, {"olmoe"}),
     "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, QWEN3_RULE),
@@ -848,6 +856,10 @@ def test_omitted_fields_default_as_transformers(mt):
     # Inkling: the hub's names (sconv_kernel_size, model_max_length, dense_intermediate_size, dense_mlp_idx)
     ("inkling_text", {"sconv_kernel_size": 2, "model_max_length": 512, "dense_intermediate_size": 32,
                       "intermediate_size": 16, "dense_mlp_idx": 2, "local_layer_ids": [1, 2], "sliding_window": 64}),
+    # ERNIE-4.5-VL: its own expert widths and names, another RoPE base with an mrope_section
+    ("ernie4_5_vl_moe", {"moe_intermediate_size": [32, 16], "moe_num_experts": 8, "moe_k": 2,
+                         "moe_num_shared_experts": 1, "mlp_layer_types": ["dense", "dense", "sparse", "sparse"],
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 2, 4]}}),
     # Gemma 4: the MoE, keys as values with their own KV heads and head size on the full layers, KV-shared last layers
     ("gemma4_text", {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 16,
                      "attention_k_eq_v": True, "num_global_key_value_heads": 2, "global_head_dim": 32,

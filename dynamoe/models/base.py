@@ -263,6 +263,11 @@ class CausalLM(nn.Module):
         only: the loader refuses a packed one."""
         return None
 
+    def checkpoint_transposed(self, name: str) -> bool:
+        """Extension point: True when the checkpoint stores our 2D tensor ``name`` transposed (in->out: ERNIE-4.5-VL's
+        router, [D, E]). Dense checkpoints only; applied after :meth:`checkpoint_rows`, before :meth:`checkpoint_slice`."""
+        return False
+
     def checkpoint_slice(self, name: str) -> tuple[int, slice, int] | None:
         """Extension point: (dim, slice, size) when our tensor ``name`` is the ``slice`` along dim ``dim`` (of
         ``size`` entries on disk) of the checkpoint's tensor that :meth:`checkpoint_name` gives -- a strided part, such

@@ -87,6 +87,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "mistral_large4": TextWrapper(("text_config",), ("mistral_large4_text",)),
     "dots3_note": TextWrapper(("text_config",), ("dots3_note_text",)),
     "hy_v4_vl": TextWrapper(("text_config",), ("hy_v4_vl_text",)),
+    # (Ernie4_5_VLMoeForConditionalGeneration ties by the wrapper's flag, default true)
+    "ernie4_5_vl_moe": TextWrapper(("text_config",), ("ernie4_5_vl_moe_text",), tie_default=True),
     # (InklingForConditionalGeneration never ties: inkling_text ignores the flag)
     "inkling_mm_model": TextWrapper(("text_config",), ("inkling_text",)),
     # (Gemma4ForConditionalGeneration ties by the wrapper's flag, default true)
@@ -572,6 +574,20 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                 "num_experts_per_tok": 6, "n_shared_experts": 2, "route_scale": 8.0,
                                 "logits_mup_width_multiplier": 24.0, "bos_token_id": 1, "eos_token_id": 2,
                                 "tie_word_embeddings": False}},
+    # Ernie4_5_VLMoeTextConfig (ERNIE-4.5-VL's language model): ERNIE-4.5-MoE's names; its MoE layers hold a text and a
+    # vision expert group, moe_intermediate_size [text, vision] wide ("ernie_vl": the text group's is the experts'
+    # width, the vision group's is kept as vision_moe_intermediate_size); the first layer dense unless mlp_layer_types;
+    # RoPE 5e5 with an mrope_section (plain RoPE on interleaved pairs for text)
+    "ernie4_5_vl_moe_text": {"rope_theta": 500000.0, "num_experts": 64, "num_experts_per_tok": 6, "ernie_vl": True,
+                             "first_layer_dense": True,
+                             "aliases": {"num_experts": "moe_num_experts", "num_experts_per_tok": "moe_k",
+                                         "n_shared_experts": "moe_num_shared_experts"},
+                             "fields": {"vocab_size": 103424, "hidden_size": 2560, "intermediate_size": 12288,
+                                        "num_hidden_layers": 28, "num_attention_heads": 20, "num_key_value_heads": 4,
+                                        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                                        "tie_word_embeddings": True, "use_bias": False, "moe_intermediate_size": [1536, 512],
+                                        "moe_k": 6, "moe_num_experts": 64, "moe_num_shared_experts": 2,
+                                        "moe_norm_min": 1e-12}},
     # AriaTextConfig: its own names for the expert count, top-k and shared experts (intermediate_size wide each)
     "aria_text": {"num_experts": 8, "num_experts_per_tok": 2,
                   "ignored": ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
@@ -1665,6 +1681,13 @@ class ModelConfig:
                 and "deepseek_yarn" in (scaling.get("type"), scaling.get("rope_type"))):  # Sarvam: YaRN by another name
             d = {**d, "rope_parameters": {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": "yarn"}}
             del d["rope_scaling"]
+        if fam.get("ernie_vl"):  # [text, vision] expert widths: the text group's is the experts' (dynamoe runs text)
+            sizes = d.get("moe_intermediate_size")
+            if (not isinstance(sizes, (list, tuple)) or len(sizes) != 2
+                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes)):
+                raise _err("moe_intermediate_size", sizes, "a list of two ints >= 1 (the text and the vision experts' "
+                           "widths)")
+            d = {**d, "moe_intermediate_size": sizes[0], "vision_moe_intermediate_size": sizes[1]}
         if fam.get("inkling_layers") and d.get("dense_intermediate_size") is not None:
             # (InklingTextConfig: the experts are intermediate_size wide, the dense MLPs dense_intermediate_size)
             d = {**d, "moe_intermediate_size": d.get("intermediate_size"), "intermediate_size": d["dense_intermediate_size"]}

@@ -156,3 +156,5 @@ register("gemma4", "dynamoe.models.gemma4:Gemma4ForCausalLM", ("Gemma4ForConditi
 register("lara_mini", "dynamoe.models.lara_mini:LaraMiniForCausalLM", ("LaraMiniForCausalLM",))
 register("inkling_text", "dynamoe.models.inkling:InklingForCausalLM",
          ("InklingForCausalLM", "InklingForConditionalGeneration"), aliases=("inkling_mm_model",))
+register("ernie4_5_vl_moe", "dynamoe.models.ernie4_5_vl_moe:Ernie4_5_VLMoeForCausalLM",
+         ("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"))

@@ -31,11 +31,9 @@ UNSUPPORTED: dict[str, str] = {
     "diffusion_gemma": _VLM + " (and a diffusion, not autoregressive, decoder)",
     "diffusion_gemma_text": "a bidirectional diffusion language model, not an autoregressive causal LM",
     "dots3_note_vision_encoder": "a vision encoder (part of dots3_note), not a causal LM",
-    "ernie4_5_vl_moe": _VLM,
-    "ernie4_5_vl_moe_text": _text_of("ernie4_5_vl_moe", "each MoE layer holds separate text and vision expert groups "
-                                     "of different sizes with their own routers; text routes through the text group "
-                                     "alone, but the checkpoint keeps both groups in one expert list (and one selection "
-                                     "bias) that the loader would have to split"),
+    "ernie4_5_vl_moe_text": ("the base language model of ERNIE-4.5-VL (Ernie4_5_VLMoeTextModel: transformers has no "
+                             "causal LM with a head for it, and saves it without one); its multimodal checkpoints "
+                             "(model_type 'ernie4_5_vl_moe') load, text only"),
     "inkling2": _VLM,
     "inkling2_loop": _VLM,
     "inkling2_loop_text": _text_of("inkling2_loop", "short-convolution layers with looped blocks and sinks"),
