@@ -148,6 +148,10 @@ FAMILIES = {
     "inkling_mm_model": ("InklingConfig", {}),
     # ERNIE-4.5-VL's multimodal config: its text model's [text, vision] expert widths, a dense first layer
     "ernie4_5_vl_moe": ("Ernie4_5_VLMoeConfig", {}),
+    # DeepSeek-OCR-2's multimodal config: DeepSeek-V2's routing under Llama attention; its text config has no top-k
+    # or MLP-kind defaults (its model cannot run without them)
+    "deepseek_ocr2": ("DeepseekOcr2Config", dict(num_experts_per_tok=2, mlp_layer_types=["dense"] + ["sparse"] * 3,
+                                                 moe_intermediate_size=32)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -155,7 +159,8 @@ WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "g
            "llama4": ("text_config",), "step3p7": ("text_config",), "aria": ("text_config",),
            "minimax_m3_vl": ("text_config",), "glm5_next": ("text_config",), "mistral_large4": ("text_config",),
            "hy_v4_vl": ("text_config",), "dots3_note": ("text_config",), "gemma4": ("text_config",),
-           "inkling_mm_model": ("text_config",), "ernie4_5_vl_moe": ("text_config",)}
+           "inkling_mm_model": ("text_config",), "ernie4_5_vl_moe": ("text_config",),
+           "deepseek_ocr2": ("text_config",)}
 INKLING = {"inkling_text", "inkling_mm_model"}
 GEMMA4 = {"gemma4_text", "gemma4"}
 ARIA = {"aria", "aria_text"}
@@ -259,7 +264,7 @@ def _hf_moe_layers(hf, mt):
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "bailing_hybrid",
               "minimax_m3_vl_text", "minimax_m3_vl", "mimo_v2_flash", "step3p5", "step3p7", "cohere2_moe", "hy_v3",
-              "laguna", "mellum", "beam", "ernie4_5_vl_moe") or mt in GLM5 | INKLING:
+              "laguna", "mellum", "beam", "ernie4_5_vl_moe", "deepseek_ocr2") or mt in GLM5 | INKLING:
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -611,7 +616,13 @@ FIELDS = {
     # DeepSeek-V2's greedy routing leaves them null: one group
     "n_group": (lambda hf, mt: hf.n_group or 1, None, DEEPSEEK_ROUTING),
     "topk_group": (lambda hf, mt: hf.topk_group or 1, None, DEEPSEEK_ROUTING),
-    "topk_method": (lambda hf, mt: hf.topk_method, None, {"deepseek_v2"}),
+    "topk_method": (lambda hf, mt: hf.topk_method, None, {"deepseek_v2", "deepseek_ocr2"}),
+    **{f"{name}_ocr2": (lambda hf, mt, name=name: getattr(hf, name) or 1, lambda cfg, name=name: getattr(cfg, name),
+                        {"deepseek_ocr2"})
+       for name in ("n_group", "topk_group")},
+    **{f"{name}_ocr2": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                        {"deepseek_ocr2"})
+       for name in ("routed_scaling_factor", "n_shared_experts")},
     "routed_scaling_factor": (lambda hf, mt: hf.routed_scaling_factor, None, DEEPSEEK_ROUTING),
     # MiMo-V2-Flash has no shared experts (and no such field)
     "n_shared_experts": (lambda hf, mt: getattr(hf, "n_shared_experts", 0), None, DEEPSEEK_ROUTING),

@@ -87,6 +87,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "mistral_large4": TextWrapper(("text_config",), ("mistral_large4_text",)),
     "dots3_note": TextWrapper(("text_config",), ("dots3_note_text",)),
     "hy_v4_vl": TextWrapper(("text_config",), ("hy_v4_vl_text",)),
+    # (DeepseekOcr2ForConditionalGeneration ties by the wrapper's flag, default false)
+    "deepseek_ocr2": TextWrapper(("text_config",), ("deepseek_ocr2_text",)),
     # (Ernie4_5_VLMoeForConditionalGeneration ties by the wrapper's flag, default true)
     "ernie4_5_vl_moe": TextWrapper(("text_config",), ("ernie4_5_vl_moe_text",), tie_default=True),
     # (InklingForConditionalGeneration never ties: inkling_text ignores the flag)
@@ -588,6 +590,19 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                         "tie_word_embeddings": True, "use_bias": False, "moe_intermediate_size": [1536, 512],
                                         "moe_k": 6, "moe_num_experts": 64, "moe_num_shared_experts": 2,
                                         "moe_norm_min": 1e-12}},
+    # DeepseekOcr2TextConfig (DeepSeek-OCR-2's language model): DeepSeek-V2's routing (softmax, greedy or group-limited,
+    # times routed_scaling_factor, shared experts) under Llama attention (no MLA: its fields are not read, head_dim is
+    # hidden_size / heads whatever the file says); MLP kinds from mlp_layer_types (required: its model has no other
+    # rule), top-k without a default
+    "deepseek_ocr2_text": {"num_experts": 64,
+                           "ignored": ("head_dim", "first_k_dense_replace", "kv_lora_rank", "q_lora_rank",
+                                       "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "norm_topk_prob"),
+                           "fields": {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008,
+                                      "moe_intermediate_size": 1407, "num_hidden_layers": 32, "num_attention_heads": 32,
+                                      "n_shared_experts": 2, "routed_scaling_factor": 1.0, "topk_method": "greedy",
+                                      "n_group": None, "topk_group": None, "max_position_embeddings": 2048,
+                                      "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+                                      "tie_word_embeddings": False}},
     # AriaTextConfig: its own names for the expert count, top-k and shared experts (intermediate_size wide each)
     "aria_text": {"num_experts": 8, "num_experts_per_tok": 2,
                   "ignored": ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",

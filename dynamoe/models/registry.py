@@ -158,3 +158,4 @@ register("inkling_text", "dynamoe.models.inkling:InklingForCausalLM",
          ("InklingForCausalLM", "InklingForConditionalGeneration"), aliases=("inkling_mm_model",))
 register("ernie4_5_vl_moe", "dynamoe.models.ernie4_5_vl_moe:Ernie4_5_VLMoeForCausalLM",
          ("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"))
+register("deepseek_ocr2", "dynamoe.models.deepseek_ocr2:DeepseekOcr2ForCausalLM", ("DeepseekOcr2ForConditionalGeneration",))

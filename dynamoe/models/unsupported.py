@@ -26,8 +26,8 @@ def _text_of(wrapper: str, what: str) -> str:
 
 #: model_type -> why it does not load (kept sorted)
 UNSUPPORTED: dict[str, str] = {
-    "deepseek_ocr2": _VLM,
-    "deepseek_ocr2_text": _text_of("deepseek_ocr2", "the OCR model's text decoder is not ported"),
+    "deepseek_ocr2_text": ("the base language model of DeepSeek-OCR-2 (DeepseekOcr2TextModel: transformers has no causal "
+                           "LM with a head for it); its multimodal checkpoints (model_type 'deepseek_ocr2') load, text only"),
     "diffusion_gemma": _VLM + " (and a diffusion, not autoregressive, decoder)",
     "diffusion_gemma_text": "a bidirectional diffusion language model, not an autoregressive causal LM",
     "dots3_note_vision_encoder": "a vision encoder (part of dots3_note), not a causal LM",
