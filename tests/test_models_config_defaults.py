@@ -152,6 +152,9 @@ FAMILIES = {
     # or MLP-kind defaults (its model cannot run without them)
     "deepseek_ocr2": ("DeepseekOcr2Config", dict(num_experts_per_tok=2, mlp_layer_types=["dense"] + ["sparse"] * 3,
                                                  moe_intermediate_size=32)),
+    # Muse Spark's multimodal config (16 KV heads by default; its audio adapter checks the text width): sliding / full
+    # NoPE layers, the pooled MoE
+    "muse_spark": ("MuseSparkConfig", dict(num_key_value_heads=8, hidden_size=8192)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -160,7 +163,7 @@ WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "g
            "minimax_m3_vl": ("text_config",), "glm5_next": ("text_config",), "mistral_large4": ("text_config",),
            "hy_v4_vl": ("text_config",), "dots3_note": ("text_config",), "gemma4": ("text_config",),
            "inkling_mm_model": ("text_config",), "ernie4_5_vl_moe": ("text_config",),
-           "deepseek_ocr2": ("text_config",)}
+           "deepseek_ocr2": ("text_config",), "muse_spark": ("text_config",)}
 INKLING = {"inkling_text", "inkling_mm_model"}
 GEMMA4 = {"gemma4_text", "gemma4"}
 ARIA = {"aria", "aria_text"}
@@ -264,7 +267,7 @@ def _hf_moe_layers(hf, mt):
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "bailing_hybrid",
               "minimax_m3_vl_text", "minimax_m3_vl", "mimo_v2_flash", "step3p5", "step3p7", "cohere2_moe", "hy_v3",
-              "laguna", "mellum", "beam", "ernie4_5_vl_moe", "deepseek_ocr2") or mt in GLM5 | INKLING:
+              "laguna", "mellum", "beam", "ernie4_5_vl_moe", "deepseek_ocr2", "muse_spark") or mt in GLM5 | INKLING:
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -293,7 +296,7 @@ def _hf_windows(hf, mt):
     if mt == "zaya" or mt in INKLING:
         return [hf.sliding_window if t == "hybrid_sliding" else None for t in hf.layer_types]
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
-              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam", "lara_mini") or mt in DOTS3 | GEMMA4:
+              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam", "lara_mini", "muse_spark") or mt in DOTS3 | GEMMA4:
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -426,8 +429,8 @@ FIELDS = {
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
                     HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "cohere2_moe", "laguna",
-                             "mellum", "kolibri1", "beam", "deepseek_v4"} | LLAMA4 | STEP | MAMBA | GLM5 | DOTS3
-                    | GEMMA4),
+                             "mellum", "kolibri1", "beam", "deepseek_v4", "muse_spark"} | LLAMA4 | STEP | MAMBA | GLM5
+                    | DOTS3 | GEMMA4),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
                         lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
@@ -669,6 +672,16 @@ FIELDS = {
     "shared_experts_intermediate_size": (lambda hf, mt: hf.shared_experts_intermediate_size,
                                          lambda cfg: cfg.raw.get("shared_experts_intermediate_size"), DOTS3),
     "intermediate_size_dots3": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, DOTS3),
+    # Muse Spark: NoPE where layer_rope_theta is 0, its scales and widths
+    "layer_uses_rope_muse": (lambda hf, mt: [bool(t) for t in hf.layer_rope_theta],
+                             lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], {"muse_spark"}),
+    **{f"{name}_muse": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
+                        {"muse_spark"})
+       for name in ("qk_scale_factor", "output_multiplier", "post_norm_eps", "moe_hidden_size",
+                    "residual_gate_temperature", "final_logit_softcapping")},
+    **{f"{name}_muse": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                        {"muse_spark"})
+       for name in ("routed_scaling_factor", "intermediate_size")},
     # Gemma 4: each layer's head size, KV heads and KV source; per-layer inputs, switches, the logits' cap
     "gemma4_layers": (lambda hf, mt: _hf_gemma4_layers(hf), lambda cfg: _gemma4_layers(cfg), GEMMA4),
     **{f"{name}_gemma4": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name), GEMMA4)

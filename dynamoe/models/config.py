@@ -91,6 +91,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "deepseek_ocr2": TextWrapper(("text_config",), ("deepseek_ocr2_text",)),
     # (Ernie4_5_VLMoeForConditionalGeneration ties by the wrapper's flag, default true)
     "ernie4_5_vl_moe": TextWrapper(("text_config",), ("ernie4_5_vl_moe_text",), tie_default=True),
+    # (MuseSparkConfig has no tie flag: its text config's decides)
+    "muse_spark": TextWrapper(("text_config",), ("muse_spark_text",), tie_by_text=True),
     # (InklingForConditionalGeneration never ties: inkling_text ignores the flag)
     "inkling_mm_model": TextWrapper(("text_config",), ("inkling_text",)),
     # (Gemma4ForConditionalGeneration ties by the wrapper's flag, default true)
@@ -603,6 +605,20 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                       "n_group": None, "topk_group": None, "max_position_embeddings": 2048,
                                       "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
                                       "tie_word_embeddings": False}},
+    # MuseSparkTextConfig (Muse Spark's language model, on Muse Glimmer's decoder): without layer_types every 4th layer
+    # counted back from the last full attention, the others sliding; those full layers NoPE unless layer_rope_theta
+    # says otherwise (0 = NoPE: "muse_layers"); every layer MoE unless mlp_layer_types; its hidden_activation is not
+    # read (hidden_act is)
+    "muse_spark_text": {"rope_theta": 500_000.0, "num_experts": 256, "num_experts_per_tok": 8, "head_dim": 64,
+                        "muse_layers": True, "ignored": ("hidden_activation",),
+                        "fields": {"vocab_size": 202_048, "hidden_size": 8192, "intermediate_size": 16384,
+                                   "num_hidden_layers": 62, "num_attention_heads": 128, "num_key_value_heads": 16,
+                                   "head_dim": 64, "max_position_embeddings": 1_048_576, "rms_norm_eps": 1e-5,
+                                   "eos_token_id": 200_001, "bos_token_id": 200_000, "tie_word_embeddings": False,
+                                   "sliding_window": 2048, "final_logit_softcapping": 20.0,
+                                   "qk_scale_factor": 5.4730064863875, "output_multiplier": 0.1767766952966369,
+                                   "post_norm_eps": 1e-8, "moe_intermediate_size": 4096, "routed_scaling_factor": 1.0,
+                                   "moe_hidden_size": 4096, "residual_gate_temperature": 0.3}},
     # AriaTextConfig: its own names for the expert count, top-k and shared experts (intermediate_size wide each)
     "aria_text": {"num_experts": 8, "num_experts_per_tok": 2,
                   "ignored": ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
@@ -1814,6 +1830,9 @@ class ModelConfig:
                 raise _err("local_layer_ids", local, "a list of layer indices (the sliding-window layers)")
             local = set(local) if local is not None else {i for i in range(layers) if (i + 1) % 6}
             layer_types = tuple("sliding_attention" if i in local else "full_attention" for i in range(layers))
+        elif fam.get("muse_layers"):  # every 4th layer counted back from the last full attention, the others sliding
+            layer_types = tuple("full_attention" if (layers - 1 - i) % 4 == 0 else "sliding_attention"
+                                for i in range(layers))
         elif fam.get("lara_layers"):  # the released pattern, period 5
             pattern = ("linear_attention", "sliding_attention", "linear_attention", "full_attention", "sliding_attention")
             layer_types = tuple(pattern[i % 5] for i in range(layers))
@@ -1883,6 +1902,15 @@ class ModelConfig:
         else:
             layer_types = ("full_attention",) * layers
             sliding = None  # as Qwen3MoeConfig: no window unless use_sliding_window
+        if fam.get("muse_layers"):  # layer_rope_theta: 0 = NoPE (its other values are not read: one RoPE base)
+            thetas = d.get("layer_rope_theta")
+            if thetas is None:
+                no_rope_layers = tuple(int((layers - 1 - i) % 4 != 0) for i in range(layers))
+            elif (not isinstance(thetas, (list, tuple)) or len(thetas) != layers
+                  or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in thetas)):
+                raise _err("layer_rope_theta", thetas, f"a list of {layers} numbers >= 0 (0: no RoPE in that layer)")
+            else:
+                no_rope_layers = tuple(int(bool(t)) for t in thetas)
         if fam.get("gemma4_layers") and layer_types and layer_types[-1] != "full_attention":
             # (Gemma4TextConfig forces the last layer to full attention, with a warning)
             log.warning("config field 'layer_types': the last layer must be 'full_attention', got %r; forcing it as "

@@ -159,3 +159,4 @@ register("inkling_text", "dynamoe.models.inkling:InklingForCausalLM",
 register("ernie4_5_vl_moe", "dynamoe.models.ernie4_5_vl_moe:Ernie4_5_VLMoeForCausalLM",
          ("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"))
 register("deepseek_ocr2", "dynamoe.models.deepseek_ocr2:DeepseekOcr2ForCausalLM", ("DeepseekOcr2ForConditionalGeneration",))
+register("muse_spark", "dynamoe.models.muse_spark:MuseSparkForCausalLM", ("MuseSparkForConditionalGeneration",))

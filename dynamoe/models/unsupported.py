@@ -45,12 +45,8 @@ UNSUPPORTED: dict[str, str] = {
                               "queries and relative states, and the experts a softcapped SwiGLU dynamoe's expert "
                               "kernels do not compute; the hub's layout (which transformers saves) renames and "
                               "interleaves its tensors (Inkling's own text model, inkling_text, loads)"),
-    "muse_spark": _OMNI,
-    "muse_spark_text": _text_of("muse_spark", "Muse Glimmer's decoder (centred and input-scaled norms, scaleless q/k "
-                                "norms times qk_scale_factor, a normed and gated attention output, per-layer RoPE "
-                                "bases with NoPE layers, sigmoid residual gates) with an MoE pooled to "
-                                "moe_hidden_size whose experts' outputs are each RMS-normed before their routing "
-                                "weight (the MoE layer's combine has no per-expert output norm)"),
+    "muse_spark_text": ("the base language model of Muse Spark (MuseSparkTextModel: transformers has no causal LM with "
+                        "a head for it); its multimodal checkpoints (model_type 'muse_spark') load, text only"),
     "nemo_speechlm": ("a speech-language wrapper whose checkpoint layout is not mapped yet (its default language "
                       "model, Nemotron-H, loads on its own as model_type 'nemotron_h')"),
     "nemotron_h_omni": ("a multimodal (audio / vision) wrapper whose checkpoint layout (llm_config / text_config) is not "
