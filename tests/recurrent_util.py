@@ -19,9 +19,11 @@ def states(cache, slot, names=STATE_NAMES) -> dict:
             if name in names}
 
 
-def check_chunked_prefill(ours, cuts=((0, 13), (13, 15), (15, 28)), total=30, seed=3, expect_states=None) -> None:
+def check_chunked_prefill(ours, cuts=((0, 13), (13, 15), (15, 28)), total=30, seed=3, expect_states=None, *,
+                          state_names=STATE_NAMES) -> None:
     """Prefill in chunks (one shorter than a conv window) gives the one-pass logits and leaves the same states;
-    decoding on from either gives the same logits. ``expect_states``: how many state tensors the slot holds."""
+    decoding on from either gives the same logits. ``expect_states``: how many state tensors the slot holds (of the
+    buffers named ``state_names``)."""
     ids = _ids(rows=1, tokens=total, seed=seed)
     end = cuts[-1][1]
     with torch.no_grad():
@@ -30,7 +32,7 @@ def check_chunked_prefill(ours, cuts=((0, 13), (13, 15), (15, 28)), total=30, se
         parts_cache = ours.new_cache(1, total + 8)
         parts = [ours(ids[:, a:b], cache=parts_cache) for a, b in cuts]
         torch.testing.assert_close(torch.cat(parts, 1), full, atol=ATOL, rtol=0)
-        s1, s3 = states(one, 0), states(parts_cache, 0)
+        s1, s3 = states(one, 0, state_names), states(parts_cache, 0, state_names)
         assert s1 and (expect_states is None or len(s1) == expect_states), sorted(s1)
         for key in s1:
             torch.testing.assert_close(s3[key], s1[key], atol=ATOL, rtol=0)
@@ -118,16 +120,18 @@ def check_engine(ours) -> None:
         assert r.output_ids == greedy(ours, torch.tensor([p]), 8)[0, len(p):].tolist()
 
 
-def check_bf16(hf, path, seeds=(0, 1, 2, 3)) -> None:
+def check_bf16(hf, path, seeds=(0, 1, 2, 3), *, hf16=None) -> None:
     """bf16 weights: the recurrent states stay fp32 (conv windows in the cache's dtype), cached decode runs, and over
     a few prompts the logits are no further from the fp32 ones than transformers' own bf16 logits are (random
-    layers amplify rounding, differently for each prompt: the errors are summed over the prompts)."""
+    layers amplify rounding, differently for each prompt: the errors are summed over the prompts). ``hf16``:
+    transformers' bf16 model (default: ``hf`` cast whole; a family whose modules transformers keeps in fp32 passes
+    its ``from_pretrained(path, dtype=torch.bfloat16)``)."""
     import copy
 
     import dynamoe.models as dm
 
     ours = dm.load(path, dtype="bfloat16", progress=False)
-    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16) if hf16 is None else hf16
     ours_err = hf_err = steps_err = 0.0
     with torch.no_grad():
         for seed in seeds:

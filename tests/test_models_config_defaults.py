@@ -137,13 +137,35 @@ FAMILIES = {
     "dots3_note_text": ("Dots3NoteTextConfig", dict(num_key_value_heads=8)),
     # (its towers' adapters default to the released text width: the config class checks they match)
     "dots3_note": ("Dots3NoteConfig", dict(num_key_value_heads=8, hidden_size=5120)),
+    # Gemma 4's language model (dense unless enable_moe_block), alone and in its multimodal wrapper: sliding / full
+    # layers with a RoPE per kind ('proportional' on the full ones) and their own head sizes, per-layer inputs
+    "gemma4_text": ("Gemma4TextConfig", {}),
+    "gemma4": ("Gemma4Config", {}),
+    # Lara-4-Mini: Gated DeltaNet, sliding RoPE and full NoPE layers (its released pattern), MoE with a shared expert
+    "lara_mini": ("LaraMiniConfig", {}),
+    # Inkling's language model: no RoPE (a relative bias), sliding layers of their own sizes, short convolutions
+    "inkling_text": ("InklingTextConfig", {}),
+    "inkling_mm_model": ("InklingConfig", {}),
+    # ERNIE-4.5-VL's multimodal config: its text model's [text, vision] expert widths, a dense first layer
+    "ernie4_5_vl_moe": ("Ernie4_5_VLMoeConfig", {}),
+    # DeepSeek-OCR-2's multimodal config: DeepSeek-V2's routing under Llama attention; its text config has no top-k
+    # or MLP-kind defaults (its model cannot run without them)
+    "deepseek_ocr2": ("DeepseekOcr2Config", dict(num_experts_per_tok=2, mlp_layer_types=["dense"] + ["sparse"] * 3,
+                                                 moe_intermediate_size=32)),
+    # Muse Spark's multimodal config (16 KV heads by default; its audio adapter checks the text width): sliding / full
+    # NoPE layers, the pooled MoE
+    "muse_spark": ("MuseSparkConfig", dict(num_key_value_heads=8, hidden_size=8192)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
            "qwen3_omni_moe_thinker": ("text_config",), "qwen3_omni_moe": ("thinker_config", "text_config"),
            "llama4": ("text_config",), "step3p7": ("text_config",), "aria": ("text_config",),
            "minimax_m3_vl": ("text_config",), "glm5_next": ("text_config",), "mistral_large4": ("text_config",),
-           "hy_v4_vl": ("text_config",), "dots3_note": ("text_config",)}
+           "hy_v4_vl": ("text_config",), "dots3_note": ("text_config",), "gemma4": ("text_config",),
+           "inkling_mm_model": ("text_config",), "ernie4_5_vl_moe": ("text_config",),
+           "deepseek_ocr2": ("text_config",), "muse_spark": ("text_config",)}
+INKLING = {"inkling_text", "inkling_mm_model"}
+GEMMA4 = {"gemma4_text", "gemma4"}
 ARIA = {"aria", "aria_text"}
 STEP = {"step3p5", "step3p7"}
 GLM5 = {"glm5_next_text", "glm5_next"}
@@ -153,7 +175,7 @@ DOTS3 = {"dots3_note_text", "dots3_note"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
-HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"}
+HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "lara_mini"}
 MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid", "minimax_m3_vl_text", "minimax_m3_vl"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text", "sarvam_mla"}
@@ -164,8 +186,8 @@ DEEPSEEK_ROUTING = (DEEPSEEK_LIKE | {"kimi_linear", "bailing_hybrid", "mimo_v2_f
                                      "sarvam_moe", "beam", "axk1", "axk2"} | GLM5 | HY4 | DOTS3)
 # no single rope_parameters dict: Kimi-Linear and Jamba have no RoPE, MiMo-V2-Flash one per layer type
 NO_SINGLE_ROPE = ({"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "jamba", "nemotron_h",
-                   "deepseek_v4"} | STEP | GLM5 | DOTS3)
-ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "deepseek_v4"} | STEP | DOTS3
+                   "deepseek_v4"} | INKLING | STEP | GLM5 | DOTS3 | GEMMA4)
+ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "deepseek_v4"} | STEP | DOTS3 | GEMMA4
 # ZAYA's layer kind names -> dynamoe's
 ZAYA_KINDS = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 GQA_FAMILIES = set(FAMILIES) - MLA_FAMILIES - ML4  # (Mistral-Large-4's MLA: num_key_value_heads is unused)
@@ -213,15 +235,30 @@ def _v4(cfg):
     return v4_fields(cfg)
 
 
+def _gemma4_layers(cfg):
+    from dynamoe.models.config import gemma4_attention_layers
+
+    return tuple((g.head_dim, g.num_key_value_heads, g.kv_source) for g in gemma4_attention_layers(cfg))
+
+
+def _hf_gemma4_layers(hf):
+    modes = hf.kv_sharing_modes
+    return tuple((hf.per_layer_config[i].head_dim, hf.per_layer_config[i].num_key_value_heads,
+                  max(j for j in range(i) if modes[j] != "reuse" and hf.layer_types[j] == t) if modes[i] == "reuse"
+                  else i) for i, t in enumerate(hf.layer_types))
+
+
 def _hf_moe_layers(hf, mt):
     """Which layers have routed experts, by each transformers modeling file's rule."""
     n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
+    if mt in GEMMA4:
+        return [hf.enable_moe_block and bool(hf.num_experts)] * n
     if mt in QWEN3_RULE:
         return [i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
                 for i in range(n)]
     if mt in ("mixtral", "minimax", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa",
               "flex_olmo", "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash",
-              "solar_open", "jetmoe", "kolibri1", "zaya", "aria", "aria_text"):
+              "solar_open", "jetmoe", "kolibri1", "zaya", "aria", "aria_text", "lara_mini"):
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
@@ -230,7 +267,7 @@ def _hf_moe_layers(hf, mt):
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "bailing_hybrid",
               "minimax_m3_vl_text", "minimax_m3_vl", "mimo_v2_flash", "step3p5", "step3p7", "cohere2_moe", "hy_v3",
-              "laguna", "mellum", "beam") or mt in GLM5:
+              "laguna", "mellum", "beam", "ernie4_5_vl_moe", "deepseek_ocr2", "muse_spark") or mt in GLM5 | INKLING:
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -256,10 +293,10 @@ def _hf_windows(hf, mt):
     n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral", "phimoe", "doge", "deepseek_v4"):  # (V4's compressed layers slide too)
         return [hf.sliding_window] * n
-    if mt == "zaya":
+    if mt == "zaya" or mt in INKLING:
         return [hf.sliding_window if t == "hybrid_sliding" else None for t in hf.layer_types]
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
-              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam") or mt in DOTS3:
+              "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam", "lara_mini", "muse_spark") or mt in DOTS3 | GEMMA4:
         return [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
     return [None] * n
 
@@ -321,21 +358,25 @@ FIELDS = {
                            lambda cfg: {k: _our_rope(r) for k, r in cfg.rope_by_layer_type}, ROPE_PER_LAYER_TYPE),
     # GPT-OSS: its own SwiGLU; Nemotron-H: mlp_hidden_act / mamba_hidden_act (see ssm_nemotron); JetMoE:
     # activation_function
-    "hidden_act": (lambda hf, mt: hf.activation_function if mt == "jetmoe" else hf.hidden_act, None,
+    "hidden_act": (lambda hf, mt: hf.activation_function if mt == "jetmoe" else hf.hidden_activation if mt in GEMMA4
+                   else hf.hidden_act, None,
                    set(FAMILIES) - {"gpt_oss", "dbrx", "nemotron_h", "lfm2_moe"}),
     # DBRX: clip_qkv in attn_config
     "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
-    "tie_word_embeddings": (lambda hf, mt: hf.tie_word_embeddings, None, None),
+    # (Inkling never ties: its checkpoints keep embed and unembed apart, whatever the attribute says)
+    "tie_word_embeddings": (lambda hf, mt: mt not in INKLING and hf.tie_word_embeddings, None, None),
     # Mixtral's attention has no biases (and no attention_bias field)
     # (Kolibri-1's attention has no biases, whatever a config attribute says)
     "attention_bias": (lambda hf, mt: mt != "kolibri1" and getattr(hf, "attention_bias", False), None, None),
     "layer_windows": (lambda hf, mt: _hf_windows(hf, mt),
                       lambda cfg: [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)], None),
     "num_experts": (lambda hf, mt: hf.ffn_config.moe_num_experts if mt == "dbrx" else hf.moe_num_experts if mt in ARIA
+                    else (hf.num_experts or 0) if mt in GEMMA4
                     else next(getattr(hf, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
                               if hasattr(hf, k)),
                     None, None),
-    "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt in {"hunyuan_v1_moe"} | ARIA else hf.ffn_config.moe_top_k
+    "num_experts_per_tok": (lambda hf, mt: hf.moe_topk if mt in {"hunyuan_v1_moe"} | ARIA else (hf.top_k_experts or 0)
+                            if mt in GEMMA4 else hf.ffn_config.moe_top_k
                             if mt == "dbrx" else hf.num_experts_per_tok, None, None),
     # Mixtral and GPT-OSS size their experts with intermediate_size
     "expert_hidden_size": (lambda hf, mt: hf.ffn_config.ffn_hidden_size if mt == "dbrx" else hf.intermediate_size if mt in {"jamba", "granitemoehybrid", "minimax", "minimax_m3_vl_text", "minimax_m3_vl", "mixtral", "gpt_oss", "olmoe", "minimax_m2",
@@ -343,6 +384,10 @@ FIELDS = {
                                                                           "hunyuan_v1_moe", "phimoe", "cohere2_moe", "jetmoe",
                                                                           "doge"} | ARIA
                            | LLAMA4
+                           # (Gemma 4's dense models have no expert width: dynamoe's falls back to the dense one)
+                           else (hf.moe_intermediate_size or hf.intermediate_size) if mt in GEMMA4
+                           # (ERNIE-4.5-VL: [text, vision]; dynamoe runs the text group)
+                           else hf.moe_intermediate_size[0] if mt == "ernie4_5_vl_moe"
                            else hf.moe_intermediate_size, None, None),
     "moe_layers": (lambda hf, mt: _hf_moe_layers(hf, mt),
                    lambda cfg: [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)], None),
@@ -372,7 +417,11 @@ FIELDS = {
        for name in ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob")},
     "n_shared_experts_exaone": (lambda hf, mt: hf.num_shared_experts, lambda cfg: cfg.n_shared_experts, {"exaone_moe"}),
     # ERNIE-4.5 (shared experts under its own name)
-    "n_shared_experts_ernie": (lambda hf, mt: hf.moe_num_shared_experts, lambda cfg: cfg.n_shared_experts, {"ernie4_5_moe"}),
+    "n_shared_experts_ernie": (lambda hf, mt: hf.moe_num_shared_experts, lambda cfg: cfg.n_shared_experts,
+                               {"ernie4_5_moe", "ernie4_5_vl_moe"}),
+    "ernie_vl_widths": (lambda hf, mt: tuple(hf.moe_intermediate_size),
+                        lambda cfg: (cfg.moe_intermediate_size, cfg.raw.get("vision_moe_intermediate_size")),
+                        {"ernie4_5_vl_moe"}),
     # OLMoE
     "clip_qkv": (lambda hf, mt: hf.clip_qkv, None, {"olmoe"}),
     "decoder_sparse_step": (lambda hf, mt: hf.decoder_sparse_step, None, QWEN3_RULE),
@@ -380,7 +429,8 @@ FIELDS = {
     # Qwen3-Next / Qwen3.5-MoE: layer kinds (from full_attention_interval), Gated DeltaNet sizes
     "layer_types": (lambda hf, mt: tuple(hf.layer_types), None,
                     HYBRID | {"kimi_linear", "mimo_v2_flash", "flint", "granitemoe_swa", "afmoe", "cohere2_moe", "laguna",
-                             "mellum", "kolibri1", "beam", "deepseek_v4"} | LLAMA4 | STEP | MAMBA | GLM5 | DOTS3),
+                             "mellum", "kolibri1", "beam", "deepseek_v4", "muse_spark"} | LLAMA4 | STEP | MAMBA | GLM5
+                    | DOTS3 | GEMMA4),
     # Llama-4: chunked RoPE layers, NoPE layers with temperature tuning, L2 q/k norm, the dense layers' width
     "layer_uses_rope": (lambda hf, mt: [bool(r) for r in hf.no_rope_layers[:hf.num_hidden_layers]],
                         lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], LLAMA4),
@@ -569,7 +619,13 @@ FIELDS = {
     # DeepSeek-V2's greedy routing leaves them null: one group
     "n_group": (lambda hf, mt: hf.n_group or 1, None, DEEPSEEK_ROUTING),
     "topk_group": (lambda hf, mt: hf.topk_group or 1, None, DEEPSEEK_ROUTING),
-    "topk_method": (lambda hf, mt: hf.topk_method, None, {"deepseek_v2"}),
+    "topk_method": (lambda hf, mt: hf.topk_method, None, {"deepseek_v2", "deepseek_ocr2"}),
+    **{f"{name}_ocr2": (lambda hf, mt, name=name: getattr(hf, name) or 1, lambda cfg, name=name: getattr(cfg, name),
+                        {"deepseek_ocr2"})
+       for name in ("n_group", "topk_group")},
+    **{f"{name}_ocr2": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                        {"deepseek_ocr2"})
+       for name in ("routed_scaling_factor", "n_shared_experts")},
     "routed_scaling_factor": (lambda hf, mt: hf.routed_scaling_factor, None, DEEPSEEK_ROUTING),
     # MiMo-V2-Flash has no shared experts (and no such field)
     "n_shared_experts": (lambda hf, mt: getattr(hf, "n_shared_experts", 0), None, DEEPSEEK_ROUTING),
@@ -616,6 +672,34 @@ FIELDS = {
     "shared_experts_intermediate_size": (lambda hf, mt: hf.shared_experts_intermediate_size,
                                          lambda cfg: cfg.raw.get("shared_experts_intermediate_size"), DOTS3),
     "intermediate_size_dots3": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, DOTS3),
+    # Muse Spark: NoPE where layer_rope_theta is 0, its scales and widths
+    "layer_uses_rope_muse": (lambda hf, mt: [bool(t) for t in hf.layer_rope_theta],
+                             lambda cfg: [cfg.layer_uses_rope(i) for i in range(cfg.num_hidden_layers)], {"muse_spark"}),
+    **{f"{name}_muse": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
+                        {"muse_spark"})
+       for name in ("qk_scale_factor", "output_multiplier", "post_norm_eps", "moe_hidden_size",
+                    "residual_gate_temperature", "final_logit_softcapping")},
+    **{f"{name}_muse": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                        {"muse_spark"})
+       for name in ("routed_scaling_factor", "intermediate_size")},
+    # Gemma 4: each layer's head size, KV heads and KV source; per-layer inputs, switches, the logits' cap
+    "gemma4_layers": (lambda hf, mt: _hf_gemma4_layers(hf), lambda cfg: _gemma4_layers(cfg), GEMMA4),
+    **{f"{name}_gemma4": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name), GEMMA4)
+       for name in ("final_logit_softcapping", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+                    "attention_k_eq_v", "num_kv_shared_layers", "enable_moe_block", "use_double_wide_mlp",
+                    "use_bidirectional_attention")},
+    "intermediate_size_gemma4": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, GEMMA4),
+    # Inkling: layer kinds under dynamoe's names, the sliding layers' sizes, the bias, convolutions, router, head
+    "layer_types_inkling": (lambda hf, mt: tuple(ZAYA_KINDS[t] for t in hf.layer_types), lambda cfg: cfg.layer_types,
+                            INKLING),
+    **{f"{name}_inkling": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
+                           INKLING)
+       for name in ("swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "d_rel", "rel_extent",
+                    "log_scaling_n_floor", "log_scaling_alpha", "conv_kernel_size", "route_scale",
+                    "logits_mup_width_multiplier", "unpadded_vocab_size")},
+    **{f"{name}_inkling": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
+                           INKLING)
+       for name in ("n_shared_experts", "intermediate_size")},
     # GLM-5.3: the clamp, the dense MLPs' width, hyper-connections, KDA's decay bound, the indexer's pools
     "swiglu_limit_glm5": (lambda hf, mt: hf.swiglu_limit, lambda cfg: cfg.swiglu_limit, GLM5),
     "intermediate_size_glm5": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, GLM5),
@@ -642,7 +726,7 @@ def _compare(mt: str, d: dict):
             hf.tie_word_embeddings = getattr(parent, "tie_word_embeddings", False)  # (Step3p7Config has none: false)
     else:
         hf = getattr(transformers, cls_name).from_dict(fields)
-    if mt in STEP | DOTS3:  # (head counts vary by layer: the global one is the full layers'; step_heads /
+    if mt in STEP | DOTS3 | GEMMA4:  # (head counts vary by layer: the global one is the full layers'; step_heads /
         # dots3_layer_sizes check each)
         hf.allow_global_per_layer_attribute_access = True
     cfg = ModelConfig.from_dict(dict(d))
@@ -790,6 +874,25 @@ def test_omitted_fields_default_as_transformers(mt):
     ("aria_text", {"moe_num_experts": 16, "moe_topk": 4, "moe_num_shared_experts": 1, "num_experts": 3,
                    "num_experts_per_tok": 1, "mlp_bias": True, "num_key_value_heads": 2, "head_dim": 16}),
     ("aria", {"moe_num_experts": 4, "moe_topk": 1, "rope_theta": 5e5}),
+    # Lara-4-Mini: its own layer kinds; Qwen3-Next's dense-layer fields are not read (every layer MoE)
+    ("lara_mini", {"layer_types": ["sliding_attention", "linear_attention", "full_attention", "linear_attention"],
+                   "intermediate_size": 96, "decoder_sparse_step": 2, "mlp_only_layers": [0], "norm_topk_prob": False}),
+    # Inkling: the hub's names (sconv_kernel_size, model_max_length, dense_intermediate_size, dense_mlp_idx)
+    ("inkling_text", {"sconv_kernel_size": 2, "model_max_length": 512, "dense_intermediate_size": 32,
+                      "intermediate_size": 16, "dense_mlp_idx": 2, "local_layer_ids": [1, 2], "sliding_window": 64}),
+    # ERNIE-4.5-VL: its own expert widths and names, another RoPE base with an mrope_section
+    ("ernie4_5_vl_moe", {"moe_intermediate_size": [32, 16], "moe_num_experts": 8, "moe_k": 2,
+                         "moe_num_shared_experts": 1, "mlp_layer_types": ["dense", "dense", "sparse", "sparse"],
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 2, 4]}}),
+    # Gemma 4: the MoE, keys as values with their own KV heads and head size on the full layers, KV-shared last layers
+    ("gemma4_text", {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 16,
+                     "attention_k_eq_v": True, "num_global_key_value_heads": 2, "global_head_dim": 32,
+                     "num_kv_shared_layers": 2, "layer_types": ["full_attention", "sliding_attention",
+                                                                "sliding_attention", "full_attention"]}),
+    ("gemma4", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "proportional", "rope_theta": 1e4}},
+                "hidden_activation": "gelu", "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0,
+                "sliding_window": 16, "tie_word_embeddings": False}),
     ("cohere2_moe", {"layer_types": ["sliding_attention"] * 4, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}),
     ("jamba", {"attn_layer_period": 2, "attn_layer_offset": 0, "expert_layer_period": 4, "expert_layer_offset": 3,
                "mamba_dt_rank": 7, "mamba_expand": 3, "mamba_d_state": 4, "mamba_conv_bias": False}),

@@ -112,9 +112,9 @@ def test_refused_types_raise_before_parsing(moe_types):
 
 
 @pytest.mark.parametrize("mt,why", [
-    ("deepseek_ocr2", "wrapper"),                         # was: 'hidden_size' is required
-    ("lara_mini", "Gated DeltaNet"),                      # a hybrid: would complain about layer_types
-    ("inkling2_text", "short-convolution"),               # a hybrid with convolution layers
+    ("qwen4_exp", "wrapper"),                             # was: 'hidden_size' is required
+    ("nllb-moe", "encoder-decoder"),                      # not a decoder-only model: would complain about its fields
+    ("inkling2_text", "block attention residuals"),       # a hybrid with convolution layers
 ])
 def test_load_names_the_refused_type(moe_types, mt, why, tmp_path):
     d = _default_config(moe_types[mt], mt)
@@ -128,11 +128,11 @@ def test_load_names_the_refused_type(moe_types, mt, why, tmp_path):
 def test_registering_a_refused_type_lifts_the_refusal():
     from dynamoe.models import registry
 
-    d = {"model_type": "lara_mini", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}
-    with pytest.raises(ValueError, match="^lara_mini: "):
+    d = {"model_type": "nllb-moe", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}
+    with pytest.raises(ValueError, match="^nllb-moe: "):
         dm.ModelConfig.from_dict(d)
-    registry.register("lara_mini", lambda cfg, dtype=None: None)
+    registry.register("nllb-moe", lambda cfg, dtype=None: None)
     try:
-        assert dm.ModelConfig.from_dict(d).model_type == "lara_mini"
+        assert dm.ModelConfig.from_dict(d).model_type == "nllb-moe"
     finally:
-        registry._FAMILIES.pop("lara_mini")
+        registry._FAMILIES.pop("nllb-moe")

@@ -23,7 +23,7 @@ from .cache import DEFAULT_BLOCK_SIZE, KVCache
 from .config import ModelConfig
 from .decode_plan import DecodePlan
 from .moe_block import SparseMoeBlock
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, rotary_dims
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,7 @@ class CausalLM(nn.Module):
 
     # ---- what a family provides -----------------------------------------------------------------
     def build_rotary(self, cfg: ModelConfig) -> RotaryEmbedding:
-        dim = int(cfg.head_dim * cfg.rope.partial_rotary_factor)
-        return RotaryEmbedding(cfg.rope, dim, cfg.max_position_embeddings)
+        return RotaryEmbedding(cfg.rope, rotary_dims(cfg.rope, cfg.head_dim), cfg.max_position_embeddings)
 
     def build_norm(self, cfg: ModelConfig, dim: int, dtype) -> nn.Module:
         from .norms import RMSNorm
@@ -262,6 +261,18 @@ class CausalLM(nn.Module):
         checkpoint's tensor of ``total`` rows that :meth:`checkpoint_name` gives -- one tensor on disk for several of
         ours (Sarvam's fused ``query_key_value`` [q | k | v]) --, else None (the whole tensor). Dense checkpoints
         only: the loader refuses a packed one."""
+        return None
+
+    def checkpoint_transposed(self, name: str) -> bool:
+        """Extension point: True when the checkpoint stores our 2D tensor ``name`` transposed (in->out: ERNIE-4.5-VL's
+        router, [D, E]). Dense checkpoints only; applied after :meth:`checkpoint_rows`, before :meth:`checkpoint_slice`."""
+        return False
+
+    def checkpoint_slice(self, name: str) -> tuple[int, slice, int] | None:
+        """Extension point: (dim, slice, size) when our tensor ``name`` is the ``slice`` along dim ``dim`` (of
+        ``size`` entries on disk) of the checkpoint's tensor that :meth:`checkpoint_name` gives -- a strided part, such
+        as the gate rows of interleaved gate / up rows (Inkling's hub layout: rows 0::2) --, else None. Dense
+        checkpoints only; :meth:`checkpoint_rows` wins where both answer."""
         return None
 
     def checkpoint_name(self, name: str) -> str:

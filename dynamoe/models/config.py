@@ -23,16 +23,22 @@ parses as transformers reads it (tests/test_models_config_defaults.py compares e
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .unsupported import refusal
 
-__all__ = ["ModelConfig", "RopeConfig", "SSMConfig", "NEMOTRON_BLOCKS", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
-           "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config"]
+log = logging.getLogger(__name__)
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+__all__ = ["ModelConfig", "RopeConfig", "SSMConfig", "NEMOTRON_BLOCKS", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
+           "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config", "Gemma4Layer", "gemma4_attention_layers",
+           "inkling_attention_sizes"]
+
+# 'proportional' (Gemma 4's global layers): RoPE over the whole head whose first partial_rotary_factor share of
+# frequency pairs rotate (exponents over the whole head dim) and the rest stand still
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 # 'chunked_attention' (Llama-4's local attention within chunks of attention_chunk_size positions) is a layer type
 # of the families that build it only (their _FAMILY_DEFAULTS entry says "chunked_layers"): anywhere else it is
 # refused, not read as full attention
@@ -81,6 +87,16 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "mistral_large4": TextWrapper(("text_config",), ("mistral_large4_text",)),
     "dots3_note": TextWrapper(("text_config",), ("dots3_note_text",)),
     "hy_v4_vl": TextWrapper(("text_config",), ("hy_v4_vl_text",)),
+    # (DeepseekOcr2ForConditionalGeneration ties by the wrapper's flag, default false)
+    "deepseek_ocr2": TextWrapper(("text_config",), ("deepseek_ocr2_text",)),
+    # (Ernie4_5_VLMoeForConditionalGeneration ties by the wrapper's flag, default true)
+    "ernie4_5_vl_moe": TextWrapper(("text_config",), ("ernie4_5_vl_moe_text",), tie_default=True),
+    # (MuseSparkConfig has no tie flag: its text config's decides)
+    "muse_spark": TextWrapper(("text_config",), ("muse_spark_text",), tie_by_text=True),
+    # (InklingForConditionalGeneration never ties: inkling_text ignores the flag)
+    "inkling_mm_model": TextWrapper(("text_config",), ("inkling_text",)),
+    # (Gemma4ForConditionalGeneration ties by the wrapper's flag, default true)
+    "gemma4": TextWrapper(("text_config",), ("gemma4_text",), tie_default=True),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)
@@ -507,6 +523,102 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "doge": {"num_experts": 16384, "num_experts_per_tok": 64, "moe_switch": "is_moe",
              "fields": {"intermediate_size": 2048, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                         "keep_window_size": 2048, "is_moe": False, "mlp_bias": False, "norm_topk_prob": False}},
+    # Gemma4TextConfig (Gemma 4's language model): sliding / full attention layers (without layer_types every 6th full,
+    # the last always full: "gemma4_layers"), a RoPE per kind (sliding: default 1e4 over the whole head; full:
+    # 'proportional' 1e6 on a quarter), the full layers' head size and KV heads from per_layer_config (else
+    # global_head_dim, and num_global_key_value_heads when attention_k_eq_v: see gemma4_attention_layers); the MoE beside
+    # the dense MLP on every layer when enable_moe_block ("moe_switch"); its names hidden_activation and top_k_experts
+    "gemma4_text": {"num_experts": 0, "num_experts_per_tok": 0, "head_dim": 256, "moe_switch": "enable_moe_block",
+                    "gemma4_layers": True, "rope_partial_default": 1.0,
+                    "rope_by_layer_type": {
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1_000_000.0}},
+                    "ignored": ("hidden_act", "num_experts_per_tok", "num_local_experts", "n_routed_experts",
+                                "experts_per_token"),
+                    "aliases": {"hidden_act": "hidden_activation", "num_experts_per_tok": "top_k_experts"},
+                    "fields": {"vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216,
+                               "num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 4,
+                               "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                               "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "pad_token_id": 0,
+                               "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, "sliding_window": 512,
+                               "vocab_size_per_layer_input": 262_144, "hidden_size_per_layer_input": 256,
+                               "attention_k_eq_v": False, "num_kv_shared_layers": 0, "enable_moe_block": False,
+                               "use_double_wide_mlp": False}},
+    # LaraMiniConfig (Lara-4-Mini): Gated DeltaNet ('linear_attention'), sliding (RoPE) and full (NoPE) attention layers,
+    # without layer_types the released period-5 pattern ("lara_layers"); every layer MoE (softmax top-k, fp32 logits)
+    # plus an ungated shared expert; Qwen3-Next's dense-layer fields and the top-level partial RoPE are not read
+    "lara_mini": {"num_experts": 128, "num_experts_per_tok": 4, "head_dim": 128, "lara_layers": True,
+                  "ignored": ("intermediate_size", "decoder_sparse_step", "mlp_only_layers", "partial_rotary_factor",
+                              "full_attention_interval", "use_sliding_window"),
+                  "fields": {"vocab_size": 151936, "hidden_size": 1024, "num_hidden_layers": 34,
+                             "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+                             "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "eos_token_id": 151643,
+                             "sliding_window": 512, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                             "linear_value_head_dim": 128, "linear_num_key_heads": 8, "linear_num_value_heads": 16,
+                             "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                             "norm_topk_prob": True}},
+    # InklingTextConfig (Inkling's language model): layer kinds 'hybrid' (full) and 'hybrid_sliding' ("layer_type_names"),
+    # without layer_types sliding on local_layer_ids, else on every layer but each 6th ("inkling_layers"); the sliding
+    # layers' own heads / head size (swa_*), the window under sliding_window_size; MLP kinds from mlp_layer_types, else
+    # the hub's dense_mlp_idx first layers dense; the hub's dense_intermediate_size makes intermediate_size the
+    # experts' width (as the config class swaps them); never tied (its checkpoints keep embed and unembed apart)
+    "inkling_text": {"num_experts": 256, "num_experts_per_tok": 6, "head_dim": 128, "inkling_layers": True,
+                     "layer_type_names": {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"},
+                     "ignored": ("tie_word_embeddings", "num_experts"),
+                     "aliases": {"sliding_window": "sliding_window_size"},
+                     "overrides": {"conv_kernel_size": "sconv_kernel_size",
+                                   "max_position_embeddings": "model_max_length"},
+                     "fields": {"vocab_size": 201024, "hidden_size": 6144, "num_hidden_layers": 66,
+                                "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                                "swa_num_attention_heads": 64, "swa_num_key_value_heads": 16, "swa_head_dim": 128,
+                                "sliding_window_size": 512, "d_rel": 16, "rel_extent": 1024, "log_scaling_alpha": 0.1,
+                                "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "conv_kernel_size": 4,
+                                "intermediate_size": 24576, "moe_intermediate_size": 3072, "n_routed_experts": 256,
+                                "num_experts_per_tok": 6, "n_shared_experts": 2, "route_scale": 8.0,
+                                "logits_mup_width_multiplier": 24.0, "bos_token_id": 1, "eos_token_id": 2,
+                                "tie_word_embeddings": False}},
+    # Ernie4_5_VLMoeTextConfig (ERNIE-4.5-VL's language model): ERNIE-4.5-MoE's names; its MoE layers hold a text and a
+    # vision expert group, moe_intermediate_size [text, vision] wide ("ernie_vl": the text group's is the experts'
+    # width, the vision group's is kept as vision_moe_intermediate_size); the first layer dense unless mlp_layer_types;
+    # RoPE 5e5 with an mrope_section (plain RoPE on interleaved pairs for text)
+    "ernie4_5_vl_moe_text": {"rope_theta": 500000.0, "num_experts": 64, "num_experts_per_tok": 6, "ernie_vl": True,
+                             "first_layer_dense": True,
+                             "aliases": {"num_experts": "moe_num_experts", "num_experts_per_tok": "moe_k",
+                                         "n_shared_experts": "moe_num_shared_experts"},
+                             "fields": {"vocab_size": 103424, "hidden_size": 2560, "intermediate_size": 12288,
+                                        "num_hidden_layers": 28, "num_attention_heads": 20, "num_key_value_heads": 4,
+                                        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                                        "tie_word_embeddings": True, "use_bias": False, "moe_intermediate_size": [1536, 512],
+                                        "moe_k": 6, "moe_num_experts": 64, "moe_num_shared_experts": 2,
+                                        "moe_norm_min": 1e-12}},
+    # DeepseekOcr2TextConfig (DeepSeek-OCR-2's language model): DeepSeek-V2's routing (softmax, greedy or group-limited,
+    # times routed_scaling_factor, shared experts) under Llama attention (no MLA: its fields are not read, head_dim is
+    # hidden_size / heads whatever the file says); MLP kinds from mlp_layer_types (required: its model has no other
+    # rule), top-k without a default
+    "deepseek_ocr2_text": {"num_experts": 64,
+                           "ignored": ("head_dim", "first_k_dense_replace", "kv_lora_rank", "q_lora_rank",
+                                       "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "norm_topk_prob"),
+                           "fields": {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008,
+                                      "moe_intermediate_size": 1407, "num_hidden_layers": 32, "num_attention_heads": 32,
+                                      "n_shared_experts": 2, "routed_scaling_factor": 1.0, "topk_method": "greedy",
+                                      "n_group": None, "topk_group": None, "max_position_embeddings": 2048,
+                                      "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+                                      "tie_word_embeddings": False}},
+    # MuseSparkTextConfig (Muse Spark's language model, on Muse Glimmer's decoder): without layer_types every 4th layer
+    # counted back from the last full attention, the others sliding; those full layers NoPE unless layer_rope_theta
+    # says otherwise (0 = NoPE: "muse_layers"); every layer MoE unless mlp_layer_types; its hidden_activation is not
+    # read (hidden_act is)
+    "muse_spark_text": {"rope_theta": 500_000.0, "num_experts": 256, "num_experts_per_tok": 8, "head_dim": 64,
+                        "muse_layers": True, "ignored": ("hidden_activation",),
+                        "fields": {"vocab_size": 202_048, "hidden_size": 8192, "intermediate_size": 16384,
+                                   "num_hidden_layers": 62, "num_attention_heads": 128, "num_key_value_heads": 16,
+                                   "head_dim": 64, "max_position_embeddings": 1_048_576, "rms_norm_eps": 1e-5,
+                                   "eos_token_id": 200_001, "bos_token_id": 200_000, "tie_word_embeddings": False,
+                                   "sliding_window": 2048, "final_logit_softcapping": 20.0,
+                                   "qk_scale_factor": 5.4730064863875, "output_multiplier": 0.1767766952966369,
+                                   "post_norm_eps": 1e-8, "moe_intermediate_size": 4096, "routed_scaling_factor": 1.0,
+                                   "moe_hidden_size": 4096, "residual_gate_temperature": 0.3}},
     # AriaTextConfig: its own names for the expert count, top-k and shared experts (intermediate_size wide each)
     "aria_text": {"num_experts": 8, "num_experts_per_tok": 2,
                   "ignored": ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
@@ -1061,7 +1173,9 @@ def _rotary_dim_factor(d: dict, head_dim: int) -> float:
 class RopeConfig:
     """Rotary embedding parameters, whichever style the config used.
 
-    rope_type: 'default' | 'linear' | 'dynamic' | 'yarn' | 'llama3' | 'longrope'. theta: the base.
+    rope_type: 'default' | 'linear' | 'dynamic' | 'yarn' | 'llama3' | 'longrope' | 'proportional' (Gemma 4: the
+    whole head rotates as pairs (i, i + d/2), the first partial_rotary_factor share of the pairs at frequencies
+    theta^(-2i/d) / factor, the others not at all; see rope.rotary_dims). theta: the base.
     factor: context scaling (linear, dynamic, yarn, llama3). original_max_position_embeddings: the
     pre-training length (yarn, llama3). beta_fast / beta_slow / truncate / mscale / mscale_all_dim /
     attention_factor: YaRN. low_freq_factor / high_freq_factor: llama3.
@@ -1119,6 +1233,9 @@ def parse_rope(d: dict, max_position_embeddings: int, default_theta: float = 100
     if rope_type == "default":
         return RopeConfig("default", theta, partial_rotary_factor=partial, llama_4_scaling_beta=beta,
                           original_max_position_embeddings=_int(merged, "original_max_position_embeddings"))
+    if rope_type == "proportional":  # (factor: divides every frequency, default 1)
+        return RopeConfig("proportional", theta, _float(merged, "factor", 1.0, positive=True),
+                          partial_rotary_factor=partial, llama_4_scaling_beta=beta)
     orig = _int(merged, "original_max_position_embeddings", d.get("original_max_position_embeddings"))
     if rope_type in ("yarn", "llama3") and orig is None:
         orig = max_position_embeddings  # transformers' standardize_rope_params does the same
@@ -1461,6 +1578,11 @@ class ModelConfig:
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived ------------------------------------------------------------------------------
+    @property
+    def family_type(self) -> str:
+        """The model_type whose family defaults apply: a wrapper's text model type, else ``model_type``."""
+        return self.raw.get("text_model_type") or self.model_type
+
     def layer_sliding_window(self, i: int) -> Optional[int]:
         """The sliding window of layer i, or None for full attention (DeepSeek-V4's compressed layers attend over a
         window of uncompressed keys too)."""
@@ -1482,6 +1604,11 @@ class ModelConfig:
             per = {"sliding_attention": d, "heavily_compressed_attention": 4 * d,
                    "compressed_sparse_attention": 6 * d + 5 * i}
             return sum(per[t] for t in self.layer_types)
+        if self.family_type == "inkling_text":  # the sliding layers' own KV heads and head size
+            return sum(2 * kv * d for _, kv, d in inkling_attention_sizes(self))
+        if self.family_type == "gemma4_text":  # own sizes; shared layers none
+            return sum(2 * g.num_key_value_heads * g.head_dim for i, g in enumerate(gemma4_attention_layers(self))
+                       if g.kv_source == i)
         if self.kv_lora_rank:
             per_layer = self.kv_lora_rank + (self.qk_rope_head_dim or 0) + (self.index_head_dim or 0)
         elif self.model_type == "mimo_v2_flash":  # values v_head_dim wide; sliding layers have twice the KV heads
@@ -1501,6 +1628,10 @@ class ModelConfig:
         """Fixed-size cache elements one sequence takes over all linear-attention (or Mamba) layers, whatever its
         length: ``conv_state`` (the conv window, in the cache's dtype) and ``recurrent_state`` (fp32);
         zeros for models without such layers."""
+        if self.family_type == "inkling_text":  # four short convolutions per layer: keys, values, both outputs
+            W = _int(self.raw, "conv_kernel_size", 4) - 1
+            return {"conv_state": sum((2 * kv * d + 2 * self.hidden_size) * W
+                                      for _, kv, d in inkling_attention_sizes(self)), "recurrent_state": 0}
         linear = sum(t in ("linear_attention", "conv") for t in self.layer_types)
         if not linear:
             return {"conv_state": 0, "recurrent_state": 0}
@@ -1581,6 +1712,16 @@ class ModelConfig:
                 and "deepseek_yarn" in (scaling.get("type"), scaling.get("rope_type"))):  # Sarvam: YaRN by another name
             d = {**d, "rope_parameters": {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": "yarn"}}
             del d["rope_scaling"]
+        if fam.get("ernie_vl"):  # [text, vision] expert widths: the text group's is the experts' (dynamoe runs text)
+            sizes = d.get("moe_intermediate_size")
+            if (not isinstance(sizes, (list, tuple)) or len(sizes) != 2
+                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes)):
+                raise _err("moe_intermediate_size", sizes, "a list of two ints >= 1 (the text and the vision experts' "
+                           "widths)")
+            d = {**d, "moe_intermediate_size": sizes[0], "vision_moe_intermediate_size": sizes[1]}
+        if fam.get("inkling_layers") and d.get("dense_intermediate_size") is not None:
+            # (InklingTextConfig: the experts are intermediate_size wide, the dense MLPs dense_intermediate_size)
+            d = {**d, "moe_intermediate_size": d.get("intermediate_size"), "intermediate_size": d["dense_intermediate_size"]}
         if fam.get("window_size_plus_one") and d.get("sliding_window_size") is not None:
             d["sliding_window"] = _int(d, "sliding_window_size") + 1
         if d.get("routed_scaling_factor", 0) is None:
@@ -1682,6 +1823,21 @@ class ModelConfig:
         elif fam.get("full_attention_every"):  # every n-th layer full attention, the others sliding (Kolibri-1)
             n = fam["full_attention_every"]
             layer_types = tuple("full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers))
+        elif fam.get("inkling_layers"):  # sliding on local_layer_ids, else on all but every 6th
+            local = d.get("local_layer_ids")
+            if local is not None and (not isinstance(local, (list, tuple))
+                                      or any(isinstance(i, bool) or not isinstance(i, int) for i in local)):
+                raise _err("local_layer_ids", local, "a list of layer indices (the sliding-window layers)")
+            local = set(local) if local is not None else {i for i in range(layers) if (i + 1) % 6}
+            layer_types = tuple("sliding_attention" if i in local else "full_attention" for i in range(layers))
+        elif fam.get("muse_layers"):  # every 4th layer counted back from the last full attention, the others sliding
+            layer_types = tuple("full_attention" if (layers - 1 - i) % 4 == 0 else "sliding_attention"
+                                for i in range(layers))
+        elif fam.get("lara_layers"):  # the released pattern, period 5
+            pattern = ("linear_attention", "sliding_attention", "linear_attention", "full_attention", "sliding_attention")
+            layer_types = tuple(pattern[i % 5] for i in range(layers))
+        elif fam.get("gemma4_layers"):  # every 6th layer full attention, the others sliding (the last: below)
+            layer_types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers))
         elif fam.get("beam_layers"):  # every 6th layer and the last full attention, the others sliding
             layer_types = tuple("full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention"
                                 for i in range(layers))
@@ -1746,6 +1902,20 @@ class ModelConfig:
         else:
             layer_types = ("full_attention",) * layers
             sliding = None  # as Qwen3MoeConfig: no window unless use_sliding_window
+        if fam.get("muse_layers"):  # layer_rope_theta: 0 = NoPE (its other values are not read: one RoPE base)
+            thetas = d.get("layer_rope_theta")
+            if thetas is None:
+                no_rope_layers = tuple(int((layers - 1 - i) % 4 != 0) for i in range(layers))
+            elif (not isinstance(thetas, (list, tuple)) or len(thetas) != layers
+                  or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in thetas)):
+                raise _err("layer_rope_theta", thetas, f"a list of {layers} numbers >= 0 (0: no RoPE in that layer)")
+            else:
+                no_rope_layers = tuple(int(bool(t)) for t in thetas)
+        if fam.get("gemma4_layers") and layer_types and layer_types[-1] != "full_attention":
+            # (Gemma4TextConfig forces the last layer to full attention, with a warning)
+            log.warning("config field 'layer_types': the last layer must be 'full_attention', got %r; forcing it as "
+                        "transformers does", layer_types[-1])
+            layer_types = tuple(layer_types[:-1]) + ("full_attention",)
         if "sliding_attention" in layer_types and sliding is None:
             raise ValueError("config field 'sliding_window' is required when layer_types has 'sliding_attention'")
         if "chunked_attention" in layer_types and chunk is None:
@@ -1766,6 +1936,9 @@ class ModelConfig:
             mlp_types = _step_mlp_types(d, layers)
         if not mlp_types and fam.get("moe_switch"):  # one switch for every layer (Doge's is_moe)
             mlp_types = ("sparse" if _bool(d, fam["moe_switch"], False) else "dense",) * layers
+        if not mlp_types and fam.get("inkling_layers"):  # the hub's first dense_mlp_idx layers dense
+            n = min(_int(d, "dense_mlp_idx", 0, minimum=0), layers)
+            mlp_types = ("dense",) * n + ("sparse",) * (layers - n)
         if not mlp_types and fam.get("dense_prefix"):  # the first n layers dense (Beam: 3)
             n = min(fam["dense_prefix"], layers)
             mlp_types = ("dense",) * n + ("sparse",) * (layers - n)
@@ -1905,6 +2078,16 @@ class ModelConfig:
             bos_token_id=_int(d, "bos_token_id", minimum=0), eos_token_id=eos,
             pad_token_id=_int(d, "pad_token_id", minimum=0), quantization_config=quant, raw=dict(d),
         )
+        if fam.get("gemma4_layers"):
+            bidir = d.get("use_bidirectional_attention")
+            if bidir not in (None, "vision"):  # ('vision': image tokens see each other; text stays causal)
+                raise _err("use_bidirectional_attention", bidir, "null or 'vision' (dynamoe runs causal language "
+                           "models; 'all' makes every layer bidirectional)")
+            if _bool(d, "enable_moe_block", False) and not (cfg.num_experts and cfg.num_experts_per_tok
+                                                            and cfg.moe_intermediate_size):
+                raise ValueError("config fields 'num_experts', 'top_k_experts' and 'moe_intermediate_size' are required "
+                                 "when 'enable_moe_block' is true")
+            gemma4_attention_layers(cfg)   # (its errors now, not when the model is built)
         if cfg.num_experts and cfg.moe_intermediate_size is None and cfg.intermediate_size is None:
             raise ValueError("config field 'moe_intermediate_size' (or 'intermediate_size') is required for an MoE model")
         return cfg
@@ -1914,6 +2097,86 @@ class ModelConfig:
         """F of the routed experts: ``moe_intermediate_size`` (Qwen3, DeepSeek, GLM) or ``intermediate_size``
         (Mixtral, GPT-OSS, which have no dense layers)."""
         return self.moe_intermediate_size or self.intermediate_size
+
+
+def inkling_attention_sizes(cfg: "ModelConfig") -> tuple:
+    """Inkling's (query heads, KV heads, head dim) per layer: the sliding layers' from ``swa_num_attention_heads`` /
+    ``swa_num_key_value_heads`` / ``swa_head_dim``, the full ones' from the plain fields."""
+    d = cfg.raw
+    swa = (_int(d, "swa_num_attention_heads", required=True), _int(d, "swa_num_key_value_heads", required=True),
+           _int(d, "swa_head_dim", required=True))
+    if swa[0] % swa[1]:
+        raise _err("swa_num_key_value_heads", swa[1], f"a divisor of swa_num_attention_heads={swa[0]}")
+    full = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    return tuple(swa if t == "sliding_attention" else full for t in cfg.layer_types)
+
+
+@dataclass(frozen=True)
+class Gemma4Layer:
+    """One Gemma 4 attention layer's sizes: ``head_dim`` and ``num_key_value_heads`` (the full layers' differ:
+    per_layer_config), and ``kv_source``, the layer whose keys and values it attends over -- itself, or for the last
+    ``num_kv_shared_layers`` layers the last earlier layer of its kind that computes its own."""
+
+    head_dim: int
+    num_key_value_heads: int
+    kv_source: int
+
+
+_GEMMA4_LAYER_FIELDS = ("head_dim", "num_key_value_heads")
+
+
+def gemma4_attention_layers(cfg: "ModelConfig") -> tuple:
+    """Gemma 4's per-layer attention sizes (:class:`Gemma4Layer` per layer) as Gemma4TextConfig derives them:
+    ``per_layer_config`` (layer index -> overrides of head_dim / num_key_value_heads) when the file has one, else
+    the full layers get ``global_head_dim`` (512) and, with ``attention_k_eq_v``, ``num_global_key_value_heads`` KV
+    heads; layers of one kind must agree (their RoPE is one table). KV sharing: the last ``num_kv_shared_layers``
+    reuse the keys and values of the last earlier layer of their kind."""
+    d, n, types = cfg.raw, cfg.num_hidden_layers, cfg.layer_types
+    over: dict = {}
+    per_layer = d.get("per_layer_config")
+    if per_layer is None:
+        glob = {"head_dim": _int(d, "global_head_dim", 512)}
+        if _bool(d, "attention_k_eq_v", False) and d.get("num_global_key_value_heads") is not None:
+            glob["num_key_value_heads"] = _int(d, "num_global_key_value_heads")
+        over = {i: glob for i, t in enumerate(types) if t == "full_attention"}
+    else:
+        if not isinstance(per_layer, dict):
+            raise _err("per_layer_config", per_layer, "a dict of layer index -> overrides")
+        for key, fields in per_layer.items():
+            try:
+                i = int(key)
+            except (TypeError, ValueError):
+                i = -1
+            if not 0 <= i < n or not isinstance(fields, dict):
+                raise _err("per_layer_config", per_layer, f"a dict of layer indices in [0, {n}) -> dicts of overrides")
+            bad = sorted(set(fields) - set(_GEMMA4_LAYER_FIELDS))
+            if bad:
+                raise _err(f"per_layer_config.{key}", fields, f"overrides of {list(_GEMMA4_LAYER_FIELDS)} only (dynamoe "
+                           f"does not build other per-layer differences; got {bad})")
+            over[i] = {f: _int(fields, f, required=True) for f in fields}
+    shared = _int(d, "num_kv_shared_layers", 0, minimum=0) or 0
+    if shared >= n:
+        raise _err("num_kv_shared_layers", shared, f"an int < num_hidden_layers={n} (some layer must compute the keys "
+                   "and values the others share)")
+    first = n - shared
+    out, by_kind = [], {}
+    for i, t in enumerate(types):
+        o = over.get(i, {})
+        hd, kv = o.get("head_dim", cfg.head_dim), o.get("num_key_value_heads", cfg.num_key_value_heads)
+        if cfg.num_attention_heads % kv:
+            raise _err(f"num_key_value_heads of layer {i}", kv, f"a divisor of num_attention_heads={cfg.num_attention_heads}")
+        if by_kind.setdefault(t, (hd, kv)) != (hd, kv):
+            raise _err("per_layer_config", per_layer, f"one head_dim / num_key_value_heads for all {t!r} layers "
+                       f"(layer {i} has {(hd, kv)}, an earlier one {by_kind[t]})")
+        src = i
+        if i >= first:
+            earlier = [j for j in range(first) if types[j] == t]
+            if not earlier:
+                raise _err("num_kv_shared_layers", shared, f"a count that leaves a {t!r} layer before the shared ones "
+                           f"(layer {i} would share one)")
+            src = earlier[-1]
+        out.append(Gemma4Layer(hd, kv, src))
+    return tuple(out)
 
 
 def unwrap_text_config(d: dict) -> dict:

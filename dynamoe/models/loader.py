@@ -140,6 +140,21 @@ class _Filler:
             start, stop, total = rows
             check_shape(name, t.shape, (total, *expected_shape[1:]))
             t = t[start:stop]
+        if self.model.checkpoint_transposed(ours):  # stored in->out (ERNIE-4.5-VL's router): ours is its transpose
+            if isinstance(t, QuantizedWeight) or t.dim() != 2:
+                raise ValueError(f"tensor {name!r}: dynamoe reads {ours!r} as its transpose, which it does for dense 2D "
+                                 f"tensors only, found {type(t).__name__} of shape {tuple(t.shape)}")
+            t = t.t()
+        part = self.model.checkpoint_slice(ours) if rows is None else None
+        if part is not None:  # our tensor is a strided part of the checkpoint's along one dim (interleaved gate / up)
+            dim, sl, size = part
+            if isinstance(t, QuantizedWeight):
+                raise ValueError(f"tensor {name!r} is quantized: dynamoe reads {ours!r} as a part of it along dim "
+                                 f"{dim}, which it does for dense tensors only")
+            if t.dim() <= dim or t.shape[dim] != size:
+                raise ValueError(f"tensor {name!r}: expected {size} entries along dim {dim}, found shape "
+                                 f"{tuple(t.shape)}")
+            t = t[(slice(None),) * dim + (sl,)]
         check_shape(name, t.shape, expected_shape)
         return t
 

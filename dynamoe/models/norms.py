@@ -70,18 +70,19 @@ class RMSNorm(nn.Module):
 
 class GatedRMSNorm(nn.Module):
     """y = (weight * (x / rms(x)) in x's dtype) * silu(z) in fp32, cast to x's dtype, over the last dim
-    (Gated DeltaNet's output norm; the weight is a plain scale, initialised to ones).
+    (Gated DeltaNet's output norm; the weight is a plain scale, initialised to ones). ``weight_in_fp32``: the weight
+    multiplies the fp32 normed x, before any cast (Lara-4-Mini); the two agree in fp32.
     ``forward(x [..., d], z [..., d]) -> [..., d]``."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, dtype=None, device=None):
+    def __init__(self, dim: int, eps: float = 1e-6, dtype=None, device=None, *, weight_in_fp32: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.weight_in_fp32 = eps, weight_in_fp32
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(x.dtype)
+        h = self.weight.float() * h if self.weight_in_fp32 else self.weight * h.to(x.dtype)
         return (h * F.silu(z.float())).to(x.dtype)
 
     def extra_repr(self) -> str:

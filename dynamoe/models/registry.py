@@ -151,3 +151,12 @@ register("axk1", "dynamoe.models.axk1:AXK1ForCausalLM", ("AXK1ForCausalLM",))
 register("axk2", "dynamoe.models.axk2:AXK2ForCausalLM", ("AXK2ForCausalLM",))
 register("dots3_note", "dynamoe.models.dots3_note:Dots3NoteForCausalLM",
          ("Dots3NoteForConditionalGeneration", "Dots3NoteForCausalLM"), aliases=("dots3_note_text",))
+register("gemma4", "dynamoe.models.gemma4:Gemma4ForCausalLM", ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM"),
+         aliases=("gemma4_text",))
+register("lara_mini", "dynamoe.models.lara_mini:LaraMiniForCausalLM", ("LaraMiniForCausalLM",))
+register("inkling_text", "dynamoe.models.inkling:InklingForCausalLM",
+         ("InklingForCausalLM", "InklingForConditionalGeneration"), aliases=("inkling_mm_model",))
+register("ernie4_5_vl_moe", "dynamoe.models.ernie4_5_vl_moe:Ernie4_5_VLMoeForCausalLM",
+         ("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"))
+register("deepseek_ocr2", "dynamoe.models.deepseek_ocr2:DeepseekOcr2ForCausalLM", ("DeepseekOcr2ForConditionalGeneration",))
+register("muse_spark", "dynamoe.models.muse_spark:MuseSparkForCausalLM", ("MuseSparkForConditionalGeneration",))

@@ -13,7 +13,13 @@ from torch import Tensor, nn
 from ..ops import cpu_kernels
 from .config import RopeConfig
 
-__all__ = ["rope_frequencies", "yarn_mscale", "RotaryEmbedding", "apply_rope"]
+__all__ = ["rope_frequencies", "rotary_dims", "yarn_mscale", "RotaryEmbedding", "apply_rope"]
+
+
+def rotary_dims(rope: RopeConfig, head_dim: int) -> int:
+    """The dims of a head the rotary tables cover: its ``partial_rotary_factor`` share, or the whole head for
+    'proportional' RoPE (whose still pairs have frequency 0: cos 1, sin 0)."""
+    return head_dim if rope.rope_type == "proportional" else int(head_dim * rope.partial_rotary_factor)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -53,9 +59,15 @@ def rope_frequencies(rope: RopeConfig, dim: int, max_position_embeddings: int,
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":
         return _yarn(rope, dim)
+    if kind == "proportional":  # dim is the whole head (rotary_dims): its first share of pairs rotate
+        angles = int(rope.partial_rotary_factor * dim // 2)
+        inv_freq = torch.zeros(dim // 2)
+        inv_freq[:angles] = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / dim))
+        return inv_freq / rope.factor, 1.0
     if kind == "longrope":
         return _longrope(rope, dim, seq_len)
-    raise ValueError(f"rope_type must be one of 'default', 'linear', 'dynamic', 'yarn', 'llama3', 'longrope', got {kind!r}")
+    raise ValueError(f"rope_type must be one of 'default', 'linear', 'dynamic', 'yarn', 'llama3', 'longrope', "
+                     f"'proportional', got {kind!r}")
 
 
 def _longrope(rope: RopeConfig, dim: int, seq_len: int | None) -> tuple[Tensor, float]:

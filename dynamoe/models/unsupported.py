@@ -26,28 +26,27 @@ def _text_of(wrapper: str, what: str) -> str:
 
 #: model_type -> why it does not load (kept sorted)
 UNSUPPORTED: dict[str, str] = {
-    "deepseek_ocr2": _VLM,
-    "deepseek_ocr2_text": _text_of("deepseek_ocr2", "the OCR model's text decoder is not ported"),
+    "deepseek_ocr2_text": ("the base language model of DeepSeek-OCR-2 (DeepseekOcr2TextModel: transformers has no causal "
+                           "LM with a head for it); its multimodal checkpoints (model_type 'deepseek_ocr2') load, text only"),
     "diffusion_gemma": _VLM + " (and a diffusion, not autoregressive, decoder)",
     "diffusion_gemma_text": "a bidirectional diffusion language model, not an autoregressive causal LM",
     "dots3_note_vision_encoder": "a vision encoder (part of dots3_note), not a causal LM",
-    "ernie4_5_vl_moe": _VLM,
-    "ernie4_5_vl_moe_text": _text_of("ernie4_5_vl_moe", "each MoE layer holds separate text and vision expert groups "
-                                     "of different sizes with their own routers; text routes through the text group "
-                                     "alone, but the checkpoint keeps both groups in one expert list (and one selection "
-                                     "bias) that the loader would have to split"),
-    "gemma4": _VLM,
-    "gemma4_text": _text_of("gemma4", "per-layer embeddings, sliding/global layers and MoE beside a dense MLP"),
+    "ernie4_5_vl_moe_text": ("the base language model of ERNIE-4.5-VL (Ernie4_5_VLMoeTextModel: transformers has no "
+                             "causal LM with a head for it, and saves it without one); its multimodal checkpoints "
+                             "(model_type 'ernie4_5_vl_moe') load, text only"),
     "inkling2": _VLM,
     "inkling2_loop": _VLM,
-    "inkling2_loop_text": _text_of("inkling2_loop", "short-convolution layers with looped blocks and sinks"),
-    "inkling2_text": _text_of("inkling2", "short-convolution layers, sliding windows and sinks"),
-    "inkling_mm_model": _VLM,
-    "inkling_text": _text_of("inkling", "short-convolution layers and multi-token prediction"),
-    "lara_mini": "Lara mixes Gated DeltaNet linear attention with full attention: not implemented yet (the Gated "
-                 "DeltaNet layers exist, for qwen3_next; its own layer kinds and blocks are not ported)",
-    "muse_spark": _OMNI,
-    "muse_spark_text": _text_of("muse_spark", "its convolution and sliding layer kinds"),
+    "inkling2_loop_text": _text_of("inkling2_loop", "Inkling-2's decoder (see inkling2_text) whose middle layers "
+                                   "run loop_num_passes times, each pass's residual blocks mixed into the next by "
+                                   "low-rank message gates"),
+    "inkling2_text": _text_of("inkling2", "its layers' inputs are attention over earlier blocks' residual states "
+                              "(block attention residuals), full layers convolve keys and values with per-token "
+                              "(dynamic) taps, attention has per-token sink logits, L2-clipped and log-scaled "
+                              "queries and relative states, and the experts a softcapped SwiGLU dynamoe's expert "
+                              "kernels do not compute; the hub's layout (which transformers saves) renames and "
+                              "interleaves its tensors (Inkling's own text model, inkling_text, loads)"),
+    "muse_spark_text": ("the base language model of Muse Spark (MuseSparkTextModel: transformers has no causal LM with "
+                        "a head for it); its multimodal checkpoints (model_type 'muse_spark') load, text only"),
     "nemo_speechlm": ("a speech-language wrapper whose checkpoint layout is not mapped yet (its default language "
                       "model, Nemotron-H, loads on its own as model_type 'nemotron_h')"),
     "nemotron_h_omni": ("a multimodal (audio / vision) wrapper whose checkpoint layout (llm_config / text_config) is not "
@@ -56,10 +55,15 @@ UNSUPPORTED: dict[str, str] = {
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
     "qwen3_omni_moe_talker_text": "the speech talker of Qwen3-Omni, not a text causal LM",
     "qwen4_exp": _VLM,
-    "qwen4_exp_text": _text_of("qwen4_exp", "its layer kinds"),
+    "qwen4_exp_text": _text_of("qwen4_exp", "Qwen3.5's hybrid decoder extended with a QSA sparse-attention indexer "
+                               "over compressed keys, gated residuals over hyper-connection streams, hashed n-gram "
+                               "embeddings and per-layer embeddings with their own short convolutions"),
     "switch_transformers": "Switch Transformers is an encoder-decoder (T5) model, not a decoder-only causal LM",
     "unlimited_ocr": _VLM,
-    "unlimited_ocr_text": _text_of("unlimited_ocr", "the OCR model's text decoder is not ported"),
+    "unlimited_ocr_text": _text_of("unlimited_ocr", "its 'reference_sliding_attention' layers let every token see the "
+                                   "whole prompt but only a window of generated tokens, so attention depends on where "
+                                   "the prompt ended -- a per-sequence prefill length the cache and the engine do not "
+                                   "carry (a recompute of prompt plus output would attend differently from decoding)"),
     "vitpose": "a pose-estimation vision model, not a causal LM",
     "vitpose_backbone": "a vision backbone (ViTPose), not a causal LM",
 }

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -93,6 +93,8 @@ class Stacked:
     #: after the names: ".weight" (GraniteMoE), or "" (transformers' fused experts as it saves them:
     #: ``experts.gate_up_proj`` [E, 2F, D], ``experts.down_proj`` [E, D, F] -- Mistral-4)
     suffix: str = ".weight"
+    #: the gate / up rows interleaved on disk (gate rows 0::2, up rows 1::2 of the 2F: Inkling's hub ``w13_weight``)
+    interleaved: bool = field(default=False, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,9 @@ def _read_stacked(tensors: Mapping, qcfg, prefix: str, layout: Stacked, E: int, 
         if isinstance(t, QuantizedWeight):
             raise ValueError(f"tensor {name!r} is quantized: stacked (GraniteMoE-style) experts load dense only")
         check_shape(name, t.shape, want)
-        out.append(t.to(dtype=dtype, device=device).contiguous())
+        if layout.interleaved and not out:   # gate / up rows interleaved: gate rows, then up rows
+            t = t.view(E, F_, 2, D).transpose(1, 2)
+        out.append(t.to(dtype=dtype, device=device).reshape(want).contiguous())
     return ExpertWeights(*out)
 
 
