@@ -1045,10 +1045,11 @@ MLA_PARITY = {
     # GLM-4.5: rms_norm_eps 1e-5, 128 experts, top-8
     "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(num_key_value_heads=2, head_dim=16),
                  ("rms_norm_eps", "num_experts", "num_experts_per_tok")),
-    # GLM-5: rms_norm_eps 1e-5
+    # GLM-5: rms_norm_eps 1e-5 (16 index heads: with few, exact-zero scores tie at the top-k boundary, where
+    # transformers' torch.topk keeps arbitrary keys and dynamoe the earliest -- dynamoe.models.indexer.keep_top)
     "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig",
                     dict(**MLA, n_routed_experts=8, num_experts_per_tok=2, index_topk=8, index_head_dim=16,
-                         index_n_heads=4), ("rms_norm_eps",)),
+                         index_n_heads=16), ("rms_norm_eps",)),
     # DeepSeek-V3: 256 experts in 8 groups (4 eligible), top-8
     "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(**MLA), ("num_experts", "num_experts_per_tok")),
 }
