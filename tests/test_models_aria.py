@@ -124,10 +124,9 @@ def test_decode_runs_the_fused_kernels(pair):
             assert fused.weights is not None, fused.extra
 
 
+@pytest.mark.parametrize("pair", ["wrapped"], indirect=True)
 def test_vision_parts_are_skipped_and_logged(pair, caplog):
     name, *_, path = pair
-    if name != "wrapped":
-        pytest.skip("the wrapper's checkpoint only")
     with caplog.at_level(logging.INFO, logger="dynamoe.models.loader"):
         dm.load(path, progress=False)
     notes = [r.getMessage() for r in caplog.records if "not loading" in r.getMessage()]
@@ -157,11 +156,10 @@ def test_config_defaults_as_transformers():
         assert dm.ModelConfig.from_dict(d).tie_word_embeddings is hf.tie_word_embeddings, (outer, inner)
 
 
+@pytest.mark.parametrize("pair", ["wrapped"], indirect=True)
 def test_server_says_images_are_not_supported(pair, tmp_path):
     from serve_testing import image_refusal
 
-    if pair[0] != "wrapped":
-        pytest.skip("the wrapper's checkpoint only")
     msg = image_refusal(pair[2], str(tmp_path), "aria-tiny")
     assert "images are not supported by the model 'aria-tiny' (aria): its vision tower is not loaded" in msg
 

@@ -91,12 +91,11 @@ def test_rows_at_different_lengths(pair):
     check_ragged_batch(pair[2])
 
 
+@pytest.mark.parametrize("pair", ["topk"], indirect=True)
 def test_ties_are_broken_as_transformers_breaks_them(pair):
     """With repeated tokens (tied key biases) a cached decode may keep other keys than the full forward -- in
     transformers itself, shown here; dynamoe's cached decode gives transformers' cached decode's logits."""
     name, hf, ours, _ = pair
-    if name != "topk":
-        pytest.skip("only the top-k variant drops keys")
     x = _ids(seed=2)
     with torch.no_grad():
         full = hf(x).logits
@@ -169,13 +168,14 @@ def test_cdmoe_is_refused_with_the_reason():
         DogeForCausalLM(dm.ModelConfig.from_dict({**cfg.to_dict(), "model_type": "doge"}))
 
 
+# (not the top-k variant: greedy text repeats tokens, and top-k ties make its kept keys depend on the batch, as
+# test_ties_ shows in transformers itself)
+@pytest.mark.parametrize("pair", sorted(set(VARIANTS) - {"topk"}), indirect=True)
 def test_engine_generation_matches_generate(pair):
     """The serving engine (continuous batching, chunked prefill) gives transformers' greedy tokens per prompt."""
     from dynamoe.engine import GenerationEngine, SamplingParams
 
-    name, hf, ours = pair[0], pair[1], pair[2]
-    if name == "topk":
-        pytest.skip("greedy text repeats tokens: top-k ties make the kept keys depend on the batch (see test_ties_)")
+    hf, ours = pair[1], pair[2]
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 19)]
     engine = GenerationEngine(ours, None, max_seq_len=48, max_batch=2, prefill_chunk=8)

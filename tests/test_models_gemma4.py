@@ -139,10 +139,9 @@ def test_the_test_exercises_what_it_claims(pair):
         assert differs([layers[src].self_attn.k_norm.weight], lambda t: t.mul_(3.0))
 
 
+@pytest.mark.parametrize("pair", ["wrapped"], indirect=True)
 def test_wrapper_parts_are_skipped_and_logged(pair, caplog):
     name, *_, path = pair
-    if name != "wrapped":
-        pytest.skip("the wrapper's checkpoint only")
     with caplog.at_level(logging.INFO, logger="dynamoe.models.loader"):
         dm.load(path, progress=False)
     notes = [r.getMessage() for r in caplog.records if "not loading" in r.getMessage()]
@@ -150,11 +149,10 @@ def test_wrapper_parts_are_skipped_and_logged(pair, caplog):
     assert "model.vision_tower.*" in notes[0] and "model.embed_vision.*" in notes[0]
 
 
+@pytest.mark.parametrize("pair", ["wrapped"], indirect=True)
 def test_server_says_images_are_not_supported(pair, tmp_path):
     from serve_testing import image_refusal
 
-    if pair[0] != "wrapped":
-        pytest.skip("the wrapper's checkpoint only")
     msg = image_refusal(pair[2], str(tmp_path), "gemma4-tiny")
     assert "images are not supported by the model 'gemma4-tiny' (gemma4): its vision and audio towers" in msg
 

@@ -162,12 +162,11 @@ def test_each_feature_matters(pair):
         assert far(edited(lambda layer: setattr(layer.self_attn, "log_floor", None))) > 1e-2
 
 
+@pytest.mark.parametrize("pair", ["wrapped"], indirect=True)
 def test_wrapper_parts_are_skipped_and_logged(pair, caplog):
     import logging
 
     name, *_, path = pair
-    if name != "wrapped":
-        pytest.skip("the wrapper's checkpoint only")
     with caplog.at_level(logging.INFO, logger="dynamoe.models.loader"):
         dm.load(path, progress=False)
     notes = [r.getMessage() for r in caplog.records if "not loading" in r.getMessage()]
@@ -175,11 +174,10 @@ def test_wrapper_parts_are_skipped_and_logged(pair, caplog):
     assert "model.visual.*" in notes[0] and "model.audio.*" in notes[0]
 
 
+@pytest.mark.parametrize("pair", ["wrapped"], indirect=True)
 def test_server_says_images_are_not_supported(pair, tmp_path):
     from serve_testing import image_refusal
 
-    if pair[0] != "wrapped":
-        pytest.skip("the wrapper's checkpoint only")
     msg = image_refusal(pair[2], str(tmp_path), "inkling-tiny")
     assert "images are not supported by the model 'inkling-tiny' (inkling_mm_model): its vision and audio towers" in msg
 
