@@ -19,6 +19,10 @@ inline void bind_decode_enums(pybind11::module& m) {
   py::enum_<dynamoe::WeightFormat>(m, "WeightFormat", py::module_local(), "how expert weights are stored")
       .value("fp8_block", dynamoe::kFp8Block).value("mxfp4", dynamoe::kMxfp4).value("nvfp4", dynamoe::kNvfp4)
       .value("int4", dynamoe::kInt4).value("dense", dynamoe::kDense);
+  py::enum_<dynamoe::GateKind>(m, "GateKind", py::module_local(),
+                               "an output gate on the attention: none, sigmoid, softplus")
+      .value("none", dynamoe::kNoGate).value("sigmoid", dynamoe::kSigmoidGate)
+      .value("softplus", dynamoe::kSoftplusGate);
   py::enum_<dynamoe::ExpertKind>(m, "ExpertKind", py::module_local(), "GLU or Tutel's FFN experts")
       .value("glu", dynamoe::kGlu).value("ffn", dynamoe::kFfn);
 }
