@@ -323,12 +323,10 @@ class Attention(nn.Module):
 
     def _decode_weights(self, kernels, holds: Holds, norm: nn.Module, dtype: torch.dtype):
         """The kernel's ``AttentionWeights``; raises Unfusable with the reason where it does not apply.
-        (The kernel norms q/k per head before RoPE, always rotates, does not clamp, and reads the norm
-        weight as the scale.) Families whose attention differs override this to say so."""
+        (The kernel norms q/k per head before RoPE, rotates unless NoPE, does not clamp, and scales the norms by
+        their weight or, zero-centred, by 1 + weight.) Families whose attention differs override this to say so."""
         if type(norm) is not RMSNorm:
-            raise Unfusable(f"the input norm is a {type(norm).__name__} (the kernel takes RMSNorm with its weight as the scale)")
-        if holds.attr(norm, "zero_centered"):
-            raise Unfusable("the input norm is zero-centred (scale 1 + weight: the kernel takes the weight as the scale)")
+            raise Unfusable(f"the input norm is a {type(norm).__name__} (the kernel takes RMSNorm)")
         for name, why in (("qk_norm_all", "q/k norms over all heads"), ("clip_qkv", "q/k/v clipping"),
                           ("qk_norm_after_rope", "q/k norms after RoPE")):
             if holds.attr(self, name):
@@ -340,8 +338,9 @@ class Attention(nn.Module):
             raise Unfusable(f"steps of {dtype} (the kernel takes bf16 or fp32)")
         qkv = self._decode_qkv(kernels, holds, dtype)
         o, qn, kn = holds.module(self, "o_proj"), holds.module(self, "q_norm"), holds.module(self, "k_norm")
-        if qn is not None and qn.zero_centered:
-            raise Unfusable("the q/k norms are zero-centred")
+        if qn is not None and (type(qn) is not RMSNorm or type(kn) is not RMSNorm
+                               or qn.zero_centered != kn.zero_centered or qn.weight_in_fp32 != kn.weight_in_fp32):
+            raise Unfusable("the q and k norms are not RMSNorms of one kind")
         sinks = holds.param(self, "sinks")
         norm_w = holds.param(norm, "weight")
         qn_w = None if qn is None else holds.param(qn, "weight")
@@ -350,8 +349,11 @@ class Attention(nn.Module):
             raise Unfusable(f"the norm and q/k norm weights are not CPU {dtype}")
         gate_kind, gate_per_head, gate = self._decode_gate(kernels, holds, dtype)
         w = struct(kernels.AttentionWeights, holds, norm_w=norm_w, norm_eps=float(holds.attr(norm, "eps")),
-                   norm_fp32=bool(holds.attr(norm, "weight_in_fp32")), qkv=qkv, q_norm=qn_w,
-                   k_norm=kn_w, qk_eps=1e-6 if qn is None else float(holds.attr(qn, "eps")), rope=rope,
+                   norm_fp32=bool(holds.attr(norm, "weight_in_fp32")),
+                   norm_zero_centered=bool(holds.attr(norm, "zero_centered")), qkv=qkv, q_norm=qn_w,
+                   k_norm=kn_w, qk_eps=1e-6 if qn is None else float(holds.attr(qn, "eps")),
+                   qk_fp32=qn is not None and bool(holds.attr(qn, "weight_in_fp32")),
+                   qk_zero_centered=qn is not None and bool(holds.attr(qn, "zero_centered")), rope=rope,
                    interleaved=bool(holds.attr(self, "rope_interleaved")),
                    window=int(holds.attr(self, "sliding_window") or 0), sinks=holds.fp32(sinks),
                    scale=float(holds.attr(self, "scale")), gate_kind=gate_kind, gate_per_head=gate_per_head,

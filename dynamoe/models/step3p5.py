@@ -16,8 +16,8 @@ Checkpoint (the hub's names, which transformers also saves): ``self_attn.{q,k,v,
 [E, F, D], ``moe.down_proj.weight`` [E, D, F], ``share_expert.{gate,up,down}_proj``, dense ``mlp.*_proj``; the
 trailing multi-token-prediction layers (``model.layers.{n}`` for n >= num_hidden_layers) are not loaded.
 
-No fused decode kernels: the attention kernel runs the gate per head but has no zero-centred norms (scale 1 + weight),
-and the MLP kernels read the norm weight as the scale, so every layer runs op by op (each refusal says so).
+Decode: the fused kernels take the layers (the attention kernel's sigmoid gate per head, zero-centred norms in the
+attention and MLP kernels); each refusal says why where one does not apply.
 """
 from __future__ import annotations
 

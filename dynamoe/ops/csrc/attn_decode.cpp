@@ -1,6 +1,6 @@
 // A decode step (one new token for each of B <= 16 sequences) through a decoder layer's attention block
 // in one call (CPU, bf16 or fp32), reading the layer's AttentionWeights (decode_weights.h). Per row b:
-//   x = RMSNorm(h_b); q, k, v = x W_qkv^T (+ b); q/k RMSNorm per head (optional); RoPE on q and k at
+//   x = RMSNorm(h_b) (scale w or 1 + w); q, k, v = x W_qkv^T (+ b); q/k RMSNorm per head (optional); RoPE on q and k at
 //   position pos_b (none on a NoPE layer); k, v written into the paged cache at (slot_b, pos_b) -- block
 //   table[slot_b][pos_b / bs], offset pos_b % bs; per query head, softmax(q k_j^T * scale) over the keys j
 //   of its KV head in [pos_b - window + 1, pos_b] (all of 0..pos_b without a
@@ -164,8 +164,9 @@ const scalar_t* opt_ptr(const c10::optional<torch::Tensor>& t, int64_t n, c10::S
 
 template <typename scalar_t>
 void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double norm_eps, bool norm_weight_fp32,
-                 const std::vector<dynamoe::LinearWeights>& w_qkv,
+                 bool norm_zero_centered, const std::vector<dynamoe::LinearWeights>& w_qkv,
                  const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm, double qk_eps,
+                 bool qk_fp32, bool qk_zero_centered,
                  const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved, torch::Tensor& k_cache,
                  torch::Tensor& v_cache, const torch::Tensor& block_table, const torch::Tensor& slots,
                  const torch::Tensor& positions, int64_t window,
@@ -236,7 +237,7 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
   std::vector<scalar_t> x(B * D), qkv(B * Q), tmp(d), q(B * H * d), attn(B * H * d), o(B * D);
   for (int64_t b = 0; b < B; ++b)
     dynamoe::rms_row(hp + b * D, norm_w.data_ptr<scalar_t>(), D, static_cast<float>(norm_eps), norm_weight_fp32,
-                     x.data() + b * D);
+                     x.data() + b * D, norm_zero_centered);
   for (int64_t i = 0, col = 0; i < static_cast<int64_t>(w_qkv.size()); ++i)
     col += linear_rows(x.data(), B, D, w_qkv[i], dt, "qkv", qkv.data(), Q, col);
   const float qe = static_cast<float>(qk_eps);
@@ -249,7 +250,7 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
     for (int64_t i = 0; i < H + K; ++i) {  // query heads, then key heads: norm, RoPE
       const scalar_t* src = row + i * d;
       if (qn) {
-        dynamoe::rms_row(src, i < H ? qn : kn, d, qe, false, tmp.data());
+        dynamoe::rms_row(src, i < H ? qn : kn, d, qe, qk_fp32, tmp.data(), qk_zero_centered);
         src = tmp.data();
       }
       scalar_t* dst = i < H ? q.data() + (b * H + i) * d : kc + pg.at(sp[b], i - H, pp[b]);
@@ -282,12 +283,14 @@ void attn_decode_out(torch::Tensor h, const dynamoe::AttentionWeights& w, torch:
   TORCH_CHECK(w.norm_w.defined(), "AttentionWeights needs norm_w");
   switch (h.scalar_type()) {
     case torch::kBFloat16:
-      attn_decode<c10::BFloat16>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.qkv, w.q_norm, w.k_norm, w.qk_eps, cos, sin,
+      attn_decode<c10::BFloat16>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.norm_zero_centered, w.qkv, w.q_norm, w.k_norm,
+                                 w.qk_eps, w.qk_fp32, w.qk_zero_centered, cos, sin,
                                  w.interleaved, k_cache, v_cache, block_table, slots, positions, w.window, w.sinks,
                                  w.scale, w.rope, w.gate_kind, w.gate_per_head, w.gate, w.o, out);
       break;
     case torch::kFloat:
-      attn_decode<float>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.qkv, w.q_norm, w.k_norm, w.qk_eps, cos, sin,
+      attn_decode<float>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.norm_zero_centered, w.qkv, w.q_norm, w.k_norm, w.qk_eps,
+                         w.qk_fp32, w.qk_zero_centered, cos, sin,
                          w.interleaved, k_cache, v_cache, block_table, slots, positions, w.window, w.sinks, w.scale,
                          w.rope, w.gate_kind, w.gate_per_head, w.gate, w.o, out);
       break;

@@ -12,7 +12,8 @@ inline void bind_decode_enums(pybind11::module& m) {
   py::enum_<dynamoe::Activation>(m, "Activation", py::module_local(),
                                  "expert activations (the gate part of a GLU, or an FFN's)")
       .value("silu", dynamoe::kSilu).value("gelu", dynamoe::kGelu).value("gelu_tanh", dynamoe::kGeluTanh)
-      .value("relu", dynamoe::kRelu).value("gpt_oss", dynamoe::kGptOss);
+      .value("relu", dynamoe::kRelu).value("gpt_oss", dynamoe::kGptOss).value("silu_clamp", dynamoe::kSiluClamp)
+      .value("silu_clamp_in", dynamoe::kSiluClampIn).value("relu2", dynamoe::kReluSquared);
   py::enum_<dynamoe::RouterKind>(m, "RouterKind", py::module_local(),
                                  "softmax top-k, or DeepSeek's sigmoid group-limited top-k")
       .value("softmax", dynamoe::kSoftmaxTopK).value("sigmoid", dynamoe::kSigmoidGroupTopK);

@@ -88,8 +88,10 @@ template <typename T>
 void bind_attention(pybind11::class_<T>& c) {
   c.def(pybind11::init<>())
       .def_readwrite("norm_w", &T::norm_w).def_readwrite("norm_eps", &T::norm_eps)
-      .def_readwrite("norm_fp32", &T::norm_fp32).def_readwrite("qkv", &T::qkv)
+      .def_readwrite("norm_fp32", &T::norm_fp32).def_readwrite("norm_zero_centered", &T::norm_zero_centered)
+      .def_readwrite("qkv", &T::qkv)
       .def_readwrite("q_norm", &T::q_norm).def_readwrite("k_norm", &T::k_norm).def_readwrite("qk_eps", &T::qk_eps)
+      .def_readwrite("qk_fp32", &T::qk_fp32).def_readwrite("qk_zero_centered", &T::qk_zero_centered)
       .def_readwrite("rope", &T::rope).def_readwrite("interleaved", &T::interleaved).def_readwrite("window", &T::window)
       .def_readwrite("sinks", &T::sinks).def_readwrite("scale", &T::scale).def_readwrite("gate_kind", &T::gate_kind)
       .def_readwrite("gate_per_head", &T::gate_per_head).def_readwrite("gate", &T::gate).def_readwrite("o", &T::o);
@@ -99,7 +101,8 @@ template <typename T>
 void bind_moe(pybind11::class_<T>& c) {
   c.def(pybind11::init<>())
       .def_readwrite("norm_w", &T::norm_w).def_readwrite("norm_eps", &T::norm_eps)
-      .def_readwrite("norm_fp32", &T::norm_fp32).def_readwrite("residual", &T::residual)
+      .def_readwrite("norm_fp32", &T::norm_fp32).def_readwrite("norm_zero_centered", &T::norm_zero_centered)
+      .def_readwrite("residual", &T::residual)
       .def_readwrite("gate_w", &T::gate_w).def_readwrite("gate_bias", &T::gate_bias)
       .def_readwrite("sel_bias", &T::sel_bias).def_readwrite("router", &T::router)
       .def_readwrite("renormalize", &T::renormalize).def_readwrite("route_scale", &T::route_scale)

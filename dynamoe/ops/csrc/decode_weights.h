@@ -18,8 +18,11 @@ namespace dynamoe {
 // the most rows (decode sequences or tokens) one fused call takes: one accumulator per row in registers
 constexpr int64_t kMaxRows = 16;
 
-// expert activations: the gate part of a GLU (act(gate) * up), or an FFN's activation
-enum Activation : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kRelu = 3, kGptOss = 4 };
+// expert activations: the gate part of a GLU (act(gate) * up), or an FFN's activation; GLU only: gpt_oss, and
+// silu_clamp (Step-3.5: min(silu(gate), limit) * clamp(up, +-limit)) / silu_clamp_in (DeepSeek-V4: silu(min(gate,
+// limit)) * clamp(up, +-limit)); FFN only: relu2 (relu(x)^2, Nemotron-H)
+enum Activation : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kRelu = 3, kGptOss = 4, kSiluClamp = 5,
+                            kSiluClampIn = 6, kReluSquared = 7 };
 // routers: softmax top-k, or DeepSeek's sigmoid scores with selection bias and group-limited top-k
 enum RouterKind : int64_t { kSoftmaxTopK = 0, kSigmoidGroupTopK = 1 };
 // how expert weights are stored: packed formats (moe_decode_packed.cpp's codes), or plain bf16/fp32
@@ -55,9 +58,11 @@ struct AttentionWeights {
   torch::Tensor norm_w;          // [D] of h's dtype
   double norm_eps = 1e-6;
   bool norm_fp32 = false;        // the norm weight applied in fp32 before the cast back (dynamoe.models.RMSNorm)
+  bool norm_zero_centered = false;  // the scale is 1 + norm_w, in fp32 (Qwen3-Next, Step-3.5)
   std::vector<LinearWeights> qkv;  // one stacked [(H + 2K) d, D] projection, or q, k and v apart
   OptTensor q_norm, k_norm;      // [d] per-head RMSNorm weights (together or neither)
   double qk_eps = 1e-6;
+  bool qk_fp32 = false, qk_zero_centered = false;  // as norm_fp32 / norm_zero_centered, for the q/k norms
   bool rope = true;              // false: a layer without position encoding (NoPE): q and k are not rotated
   bool interleaved = false;      // RoPE on (even, odd) pairs instead of halves
   int64_t window = 0;            // sliding window (0: none)
@@ -78,6 +83,7 @@ struct MoEWeights {
   OptTensor norm_w;              // RMSNorm before the router (none: x = h)
   double norm_eps = 1e-6;
   bool norm_fp32 = false;
+  bool norm_zero_centered = false;  // the scale is 1 + norm_w, in fp32
   bool residual = false;         // out = h + y instead of y
   // router: logits = x W^T (+ bias) in fp32
   torch::Tensor gate_w;          // [E, D] of h's dtype or fp32
