@@ -112,10 +112,36 @@ def test_the_test_exercises_what_it_claims(pair):
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
-def test_attention_kernel_refuses_with_reason(pair):
-    layer = pair[2].model.layers[0]
-    fused = layer.self_attn.decode_fused(layer.input_layernorm, torch.float32)
-    assert fused.weights is None and "gate_proj" in fused.extra
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_kernel_equals_op_by_op(pair, dtype):
+    """The attention block alone through the fused kernel (sigmoid gate per channel; RoPE on the sliding layers, none
+    on the NoPE ones, which have no rotary embedding) equals the op-by-op block, rows at different positions; the
+    decode plan runs the sandwich layers as modules and says why."""
+    ours = dm.load(pair[3], dtype=dtype, progress=False)
+    g = torch.Generator().manual_seed(3)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    slots, start = torch.tensor([1, 0]), torch.tensor([0, 3])
+    D = ours.config.hidden_size
+    for layer in ours.model.layers:
+        attn, norm = layer.self_attn, layer.input_layernorm
+        fast_cache, slow_cache = ours.new_cache(2, 40), ours.new_cache(2, 40)
+        with torch.no_grad():
+            for step in range(10):
+                h = torch.randn(2, 1, D, generator=g).to(dtype)
+                positions = (start + step)[:, None]
+                for c in (fast_cache, slow_cache):
+                    for s, p in zip(slots.tolist(), positions[:, 0].tolist()):
+                        c.reserve(s, p + 1)
+                fast = attn.decode_step(h, norm, positions, fast_cache, slots)
+                slow = h + attn(norm(h), positions, slow_cache, slots, int(positions.max()) + 1)
+                assert fast is not None, attn.decode_fused(norm, dtype).extra
+                torch.testing.assert_close(fast.float(), slow.float(), atol=tol * slow.abs().max().item(), rtol=tol)
+    assert {a.self_attn.use_rope for a in ours.model.layers} == {True, False}  # both kinds were checked
+    cache = ours.new_cache(1, 8)
+    with torch.no_grad():
+        ours(torch.tensor([[1, 2]]), cache=cache, slots=torch.tensor([0]))
+        ours(torch.tensor([[3]]), cache=cache, slots=torch.tensor([0]))
+    assert "SandwichDecoderLayer has its own forward" in ours.__dict__["_plan"][2].describe()
 
 
 def test_refusals():

@@ -1,7 +1,8 @@
 """One sequence's decode step through an attention block in one kernel call (Attention.decode_step,
 csrc/attn_decode.cpp) for every attention variant the GQA families use -- q/k norm (Qwen3), sinks +
 sliding window shorter than the sequence + biases + YaRN (GPT-OSS), partial RoPE + q/k/v biases (GLM-4.5),
-a plain sliding window (Mixtral): fp32 steps equal the full recompute, bf16 steps equal the op-by-op
+a plain sliding window (Mixtral), a softplus output gate per head or per channel (Laguna), NoPE layers beside
+sliding RoPE ones (EXAONE-MoE): fp32 steps equal the full recompute, bf16 steps equal the op-by-op
 path within bf16 rounding, and the kernel runs only where it applies."""
 import pytest
 import torch
@@ -30,6 +31,16 @@ FAMILIES = {
         first_k_dense_replace=1, n_shared_experts=1, attention_bias=True, use_qk_norm=True, **COMMON)),
     "mixtral_window": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, **COMMON)),
+    "laguna_head": lambda: transformers.LagunaForCausalLM(transformers.LagunaConfig(
+        intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+        num_experts_per_tok=2, **COMMON)),
+    "laguna_channel": lambda: transformers.LagunaForCausalLM(transformers.LagunaConfig(
+        intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+        num_experts_per_tok=2, gating="per-element", layer_types=["sliding_attention", "full_attention"],
+        sliding_window=5, **COMMON)),
+    "exaone_nope": lambda: transformers.ExaoneMoeForCausalLM(transformers.ExaoneMoeConfig(
+        intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, sliding_window=5,
+        sliding_window_pattern=2, **COMMON)),
 }
 
 

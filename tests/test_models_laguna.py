@@ -126,12 +126,16 @@ def test_the_test_exercises_what_it_claims(pair):
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
-def test_kernels_refuse_with_reasons(pair):
+def test_kernels_apply_or_refuse_with_reasons(pair):
+    """The attention kernel takes every layer (its softplus gate per head or per channel); the MoE kernel refuses
+    softcapped router logits only."""
     name, _, ours, _ = pair
     with torch.no_grad():
         for layer in ours.model.layers:
             fused = layer.self_attn.decode_fused(layer.input_layernorm, torch.float32)
-            assert fused.weights is None and "softplus" in fused.extra
+            assert fused.weights is not None, fused.extra
+            assert fused.weights.gate_kind == fused.extra.GateKind.softplus
+            assert fused.weights.gate_per_head == (name == "plain")
             fused = layer.mlp.decode_fused(torch.zeros(1, 64), layer.post_attention_layernorm)
             softcapped = isinstance(layer.mlp, SparseMoeBlock) and name == "mixed"
             assert (fused.weights is None) == softcapped, fused.extra

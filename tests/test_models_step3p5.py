@@ -189,15 +189,24 @@ def test_the_test_exercises_what_it_claims(pair):
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
-def test_decode_kernels_refuse_with_reasons(pair):
-    """No layer has a fused decode kernel, and each sub-block says why."""
+def test_decode_kernels_take_every_layer(pair):
+    """Both sub-blocks of every layer have their fused kernel: the attention's with its sigmoid gate per head and
+    zero-centred norms, the MLP's with its zero-centred norm and SwiGLU clamps; a decode step runs them all fused."""
     ours = pair[2]
     h = torch.randn(1, 64)
     for layer in ours.model.layers:
         attn = layer.self_attn.decode_fused(layer.input_layernorm, torch.float32)
-        assert attn.weights is None and "g_proj" in attn.extra
+        assert attn.weights is not None, attn.extra
+        w = attn.weights
+        assert w.gate_kind == attn.extra.GateKind.sigmoid and w.gate_per_head
+        assert w.norm_zero_centered and w.qk_zero_centered
         mlp = layer.mlp.decode_fused(h, layer.post_attention_layernorm)
-        assert mlp.weights is None and "norm" in mlp.extra
+        assert mlp.weights is not None and mlp.weights.norm_zero_centered, mlp.extra
+    cache = ours.new_cache(1, 8)
+    with torch.no_grad():
+        ours(torch.tensor([[1, 2]]), cache=cache, slots=torch.tensor([0]))
+        ours(torch.tensor([[3]]), cache=cache, slots=torch.tensor([0]))
+    assert ours.__dict__["_plan"][2].describe() == "4 of 4 layers fused"
 
 
 def test_refusals(tmp_path):

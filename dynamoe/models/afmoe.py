@@ -11,8 +11,9 @@ Checkpoint (transformers' names, which the hub's are): ``self_attn.{q,k,v,o,gate
 ``{input,post_attention,pre_mlp,post_mlp}_layernorm``, ``mlp.router.gate.weight`` [E, D], ``mlp.expert_bias`` [E],
 ``mlp.experts.{e}.{gate,up,down}_proj``, ``mlp.shared_experts.*``, dense ``mlp.*_proj``.
 
-No fused decode kernels: the layers have their own forward (sandwich norms), and the attention kernel has no output
-gate (the attention says so).
+No fused decode kernels: the layers have their own forward (sandwich norms: a norm between the attention and the
+residual add, which the attention kernel does not have). The attention alone would fit the kernel (its gate and NoPE
+layers are kernel options: ``decode_fused`` gives its weights), but no layer path calls it.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..ops.fused import Unfusable
 from .attention import Attention
 from .base import CausalLM
 from .cache import KVCache
@@ -47,8 +47,8 @@ class AfmoeAttention(Attention):
                          dtype=dtype)
         self.gate_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False, dtype=dtype)
 
-    def _decode_weights(self, kernels, holds, norm, dtype):
-        raise Unfusable("a sigmoid gate on the attention output (gate_proj): the fused kernel has none")
+    def _decode_gate(self, kernels, holds, dtype):
+        return self._gate_weights(kernels, holds, dtype, "gate_proj", "sigmoid")
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:

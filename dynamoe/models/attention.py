@@ -26,7 +26,7 @@ from .rope import RotaryEmbedding, apply_rope
 
 _DECODE_DTYPES = (torch.bfloat16, torch.float32)
 
-__all__ = ["Attention", "attention_mask", "attend", "write_kv", "cached_length"]
+__all__ = ["Attention", "attention_mask", "attend", "write_kv", "cached_length", "decode_rows"]
 
 
 def attention_mask(q_pos_BT: Tensor, k_pos_BL: Tensor, window: int | None, chunk: int | None = None) -> Tensor:
@@ -181,6 +181,16 @@ def write_kv(cache: KVCache, layer: int, slots_B: Tensor, positions_BT: Tensor, 
     return cache.write(layer, slots_B, positions_BT, kv_len, **new)
 
 
+def decode_rows(rotary: RotaryEmbedding | None, positions_BT: Tensor, dtype: torch.dtype) -> tuple:
+    """The fused kernel's (cos, sin, positions) rows of a decode step: ``rotary.decode_rows``, or without a rotary
+    embedding (layers that are all NoPE) empty cos/sin [B, 0] that the kernel does not read."""
+    if rotary is not None:
+        return rotary.decode_rows(positions_BT, dtype)
+    B = positions_BT.size(0)
+    empty = torch.empty(B, 0, dtype=dtype)
+    return empty, empty, positions_BT.reshape(B).to(torch.long).contiguous()
+
+
 class Attention(nn.Module):
     """GQA self-attention of one decoder layer (parameter names as Hugging Face's: ``q_proj``,
     ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``, ``sinks``).
@@ -313,34 +323,61 @@ class Attention(nn.Module):
 
     def _decode_weights(self, kernels, holds: Holds, norm: nn.Module, dtype: torch.dtype):
         """The kernel's ``AttentionWeights``; raises Unfusable with the reason where it does not apply.
-        (The kernel norms q/k per head before RoPE, always rotates, does not clamp, and reads the norm
-        weight as the scale.) Families whose attention differs override this to say so."""
-        if type(norm) is not RMSNorm or holds.attr(norm, "zero_centered"):
-            raise Unfusable(f"the input norm is a {type(norm).__name__} (the kernel takes RMSNorm with its weight as the scale)")
+        (The kernel norms q/k per head before RoPE, rotates unless NoPE, does not clamp, and scales the norms by
+        their weight or, zero-centred, by 1 + weight.) Families whose attention differs override this to say so."""
+        if type(norm) is not RMSNorm:
+            raise Unfusable(f"the input norm is a {type(norm).__name__} (the kernel takes RMSNorm)")
         for name, why in (("qk_norm_all", "q/k norms over all heads"), ("clip_qkv", "q/k/v clipping"),
                           ("qk_norm_after_rope", "q/k norms after RoPE")):
             if holds.attr(self, name):
                 raise Unfusable(why)
-        if not holds.attr(self, "use_rope"):
-            raise Unfusable("a layer without RoPE (NoPE)")
+        rope = bool(holds.attr(self, "use_rope"))
+        if rope and holds.attr(self, "rotary") is None:
+            raise Unfusable("use_rope without a rotary embedding")
         if dtype not in _DECODE_DTYPES:
             raise Unfusable(f"steps of {dtype} (the kernel takes bf16 or fp32)")
         qkv = self._decode_qkv(kernels, holds, dtype)
         o, qn, kn = holds.module(self, "o_proj"), holds.module(self, "q_norm"), holds.module(self, "k_norm")
-        if qn is not None and qn.zero_centered:
-            raise Unfusable("the q/k norms are zero-centred")
+        if qn is not None and (type(qn) is not RMSNorm or type(kn) is not RMSNorm
+                               or qn.zero_centered != kn.zero_centered or qn.weight_in_fp32 != kn.weight_in_fp32):
+            raise Unfusable("the q and k norms are not RMSNorms of one kind")
         sinks = holds.param(self, "sinks")
         norm_w = holds.param(norm, "weight")
         qn_w = None if qn is None else holds.param(qn, "weight")
         kn_w = None if kn is None else holds.param(kn, "weight")
         if norm_w.dtype != dtype or (qn_w is not None and qn_w.dtype != dtype) or norm_w.device.type != "cpu":
             raise Unfusable(f"the norm and q/k norm weights are not CPU {dtype}")
-        return struct(kernels.AttentionWeights, holds, norm_w=norm_w, norm_eps=float(holds.attr(norm, "eps")),
-                      norm_fp32=bool(holds.attr(norm, "weight_in_fp32")), qkv=qkv, q_norm=qn_w,
-                      k_norm=kn_w, qk_eps=1e-6 if qn is None else float(holds.attr(qn, "eps")),
-                      interleaved=bool(holds.attr(self, "rope_interleaved")),
-                      window=int(holds.attr(self, "sliding_window") or 0), sinks=holds.fp32(sinks),
-                      scale=float(holds.attr(self, "scale")), o=linear_weights(kernels, holds, o, dtype, "o_proj"))
+        gate_kind, gate_per_head, gate = self._decode_gate(kernels, holds, dtype)
+        w = struct(kernels.AttentionWeights, holds, norm_w=norm_w, norm_eps=float(holds.attr(norm, "eps")),
+                   norm_fp32=bool(holds.attr(norm, "weight_in_fp32")),
+                   norm_zero_centered=bool(holds.attr(norm, "zero_centered")), qkv=qkv, q_norm=qn_w,
+                   k_norm=kn_w, qk_eps=1e-6 if qn is None else float(holds.attr(qn, "eps")),
+                   qk_fp32=qn is not None and bool(holds.attr(qn, "weight_in_fp32")),
+                   qk_zero_centered=qn is not None and bool(holds.attr(qn, "zero_centered")), rope=rope,
+                   interleaved=bool(holds.attr(self, "rope_interleaved")),
+                   window=int(holds.attr(self, "sliding_window") or 0), sinks=holds.fp32(sinks),
+                   scale=float(holds.attr(self, "scale")), gate_kind=gate_kind, gate_per_head=gate_per_head,
+                   o=linear_weights(kernels, holds, o, dtype, "o_proj"))
+        if gate is not None:
+            w.gate = gate
+        return w
+
+    def _decode_gate(self, kernels, holds: Holds, dtype: torch.dtype) -> tuple:
+        """The output gate as the kernel reads it: ``(kernels.GateKind, per_head, LinearWeights or None)`` -- the
+        attention output times act(gate(x)) before o_proj, x the block's normed input, one gate per head ([H, D])
+        or per channel ([H d, D]). None here; gated families override it (:meth:`_gate_weights`)."""
+        return kernels.GateKind.none, False, None
+
+    def _gate_weights(self, kernels, holds: Holds, dtype: torch.dtype, name: str, act: str) -> tuple:
+        """:meth:`_decode_gate` for the Linear ``name`` with activation ``act`` ('sigmoid' or 'softplus'), per head
+        or per channel from its output features (H or H d)."""
+        proj = holds.module(self, name)
+        H, d = self.num_heads, self.head_dim
+        out = proj.out_features if isinstance(proj, nn.Linear) else holds.attr(proj, "out_features")
+        if out not in (H, H * d):
+            raise Unfusable(f"{name} gives {out} gates (the kernel takes one per head, {H}, or per channel, {H * d})")
+        return (kernels.GateKind.__members__[act], out == H and d > 1,
+                linear_weights(kernels, holds, proj, dtype, name))
 
     def _decode_qkv(self, kernels, holds: Holds, dtype: torch.dtype) -> list:
         """The q/k/v projections as the kernel reads them: the one fused dense buffer (:meth:`fuse_qkv_`), or
@@ -394,7 +431,7 @@ class Attention(nn.Module):
             return None
         h = h_BTD.view(B, -1) if h_BTD.is_contiguous() else h_BTD.reshape(B, -1).contiguous()
         slots = slots if slots.dtype == torch.long and slots.is_contiguous() else slots.to(torch.long).contiguous()
-        return self.decode_with(fused, h, self.rotary.decode_rows(positions_BT, dt), cache, slots).view(h_BTD.shape)
+        return self.decode_with(fused, h, decode_rows(self.rotary, positions_BT, dt), cache, slots).view(h_BTD.shape)
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:

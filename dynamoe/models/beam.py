@@ -13,8 +13,8 @@ Checkpoint (transformers' names): ``self_attn.{q,k,v,o,gate}_proj``, ``self_attn
 ``{input,post_attention,pre_feedforward,post_feedforward}_layernorm``, ``mlp.gate.weight`` [E, D] fp32,
 ``mlp.gate.e_score_correction_bias``, ``mlp.experts.{e}.{gate,up,down}_proj``, dense ``mlp.*_proj``.
 
-No fused decode kernels: the layers have their own forward (sandwich norms, scaled residuals) and the attention
-kernel has no output gate (it says so).
+No fused decode kernels: the layers have their own forward (sandwich norms, scaled residuals), and the attention
+kernel's output gate has no bias per head (the attention says so).
 """
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ class BeamAttention(Attention):
         self.gate_bias = nn.Parameter(torch.zeros(num_heads, dtype=dtype))
 
     def _decode_weights(self, kernels, holds, norm, dtype):
-        raise Unfusable("a sigmoid gate on the attention output (gate_proj, gate_bias): the fused kernel has none")
+        raise Unfusable("a bias per head on the output gate's logits (gate_bias)"
+                        + ("" if self.use_rope else " and the NoPE layers' query scale") + ": the fused kernel has "
+                        + ("none" if self.use_rope else "neither"))
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:

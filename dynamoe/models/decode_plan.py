@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..ops.fused import MAX_ROWS, Fused, Holds
+from .attention import decode_rows
 
 __all__ = ["DecodePlan"]
 
@@ -99,7 +100,7 @@ class _FusedRun:
         return self._buffers
 
     def run(self, h_BD: Tensor, positions_BT: Tensor, cache, slots: Tensor) -> Tensor:
-        cos, sin, pos = self.rotary.decode_rows(positions_BT, h_BD.dtype)
+        cos, sin, pos = decode_rows(self.rotary, positions_BT, h_BD.dtype)
         k, v = self._caches(cache)
         loads = torch.empty(len(self.layers), self.experts, dtype=torch.long)
         out = torch.empty_like(h_BD)

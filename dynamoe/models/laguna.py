@@ -12,8 +12,8 @@ Checkpoint (the hub's names, which transformers saves): ``self_attn.{q,k,v,o,g}_
 ``mlp.gate.weight`` [E, D], ``mlp.experts.e_score_correction_bias`` [E], ``mlp.experts.{e}.{gate,up,down}_proj``,
 ``mlp.shared_expert.*``, dense ``mlp.*_proj``.
 
-Decode: the attention kernel has no output gate, so Laguna's attention refuses it (saying so); the MoE kernel runs
-the layers' routing unless the logits are softcapped (the kernel computes plain logits: such a gate refuses it).
+Decode: the fused attention kernel runs the softplus gate (per head or per channel); the MoE kernel runs the layers'
+routing unless the logits are softcapped (the kernel computes plain logits: such a gate refuses it).
 ``moe_apply_router_weight_on_input`` (the weights scaling the experts' inputs) is refused, as transformers does.
 """
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..moe.gates import LinearGate
-from ..ops.fused import Unfusable
 from .attention import Attention
 from .base import CausalLM, DecoderLayer
 from .cache import KVCache
@@ -59,8 +58,8 @@ class LagunaAttention(Attention):
         self.g_proj = nn.Linear(hidden_size, num_heads if gate_per_head else num_heads * head_dim, bias=False,
                                 dtype=dtype)
 
-    def _decode_weights(self, kernels, holds, norm, dtype):
-        raise Unfusable("a softplus gate on the attention output (g_proj): the fused kernel has none")
+    def _decode_gate(self, kernels, holds, dtype):
+        return self._gate_weights(kernels, holds, dtype, "g_proj", "softplus")
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:

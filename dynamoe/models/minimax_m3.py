@@ -147,7 +147,9 @@ class M3Attention(Attention):
         self.indexer = indexer
 
     def _decode_weights(self, kernels, holds, norm, dtype):
-        raise Unfusable("Gemma-style (1 + w) q/k norms and, on sparse layers, the indexer's block selection")
+        if holds.module(self, "indexer") is not None:
+            raise Unfusable("the indexer's block selection (a sparse layer): the fused kernel attends over every key")
+        return super()._decode_weights(kernels, holds, norm, dtype)  # (the (1 + w) q/k norms are a kernel option)
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:
@@ -185,7 +187,7 @@ class _SharedExpertMoe(SparseMoeBlock):
         return super().forward(x_BTD) + self.shared_experts(x_BTD)
 
     def decode_block(self, h_BTD: Tensor, norm: nn.Module) -> None:
-        return None  # (the fused kernel knows no separate shared MLP; the norm is zero-centred anyway)
+        return None  # (the fused kernel knows no separate shared MLP of this kind)
 
 
 class MiniMaxM3ForCausalLM(TextOfWrapper, CausalLM):

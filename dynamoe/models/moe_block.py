@@ -48,11 +48,12 @@ def glu_kind(hidden_act: str) -> str:
 
 
 def _rms_spec(holds: Holds, norm: nn.Module) -> RMSNormSpec:
-    """The norm before a fused MLP kernel, recorded in ``holds``; Unfusable unless an RMSNorm that scales by its weight."""
-    if type(norm) is not RMSNorm or holds.attr(norm, "zero_centered"):
-        raise Unfusable(f"the norm before the MLP is a {type(norm).__name__} (the kernel takes RMSNorm with its "
-                        "weight as the scale)")
-    return RMSNormSpec(holds.param(norm, "weight"), holds.attr(norm, "eps"), holds.attr(norm, "weight_in_fp32"))
+    """The norm before a fused MLP kernel, recorded in ``holds``; Unfusable unless an RMSNorm (scale w, or 1 + w
+    zero-centred)."""
+    if type(norm) is not RMSNorm:
+        raise Unfusable(f"the norm before the MLP is a {type(norm).__name__} (the kernel takes RMSNorm)")
+    return RMSNormSpec(holds.param(norm, "weight"), holds.attr(norm, "eps"), holds.attr(norm, "weight_in_fp32"),
+                       bool(holds.attr(norm, "zero_centered")))
 
 
 class GatedMLP(StackedLinears, nn.Module):

@@ -12,8 +12,9 @@ block one of (``layer_types`` / the hub's ``hybrid_override_pattern``)
 RMSNorms (eps ``layer_norm_epsilon``, the weight applied in fp32) before every block and at the end.
 
 The routed experts are dynamoe's non-gated (FFN) experts with the 'relu2' activation: up_proj into
-``batched_fc1_w``, down_proj (transposed) into ``batched_fc2_w``. Their decode runs the general MoE path (the fused
-kernels know ReLU, GELU and SiLU, not relu2), and a packed (quantized) expert checkpoint is dequantized on load.
+``batched_fc1_w``, down_proj (transposed) into ``batched_fc2_w``. At decode the MoE layer runs its experts through
+the FFN expert kernel (relu2 is one of its activations) inside the block's own forward (no fused layer: the block has
+its own forward and a non-gated shared expert); a packed (quantized) expert checkpoint is dequantized on load.
 
 Checkpoint: ``backbone.embeddings``, ``backbone.layers.{i}.norm``, ``backbone.layers.{i}.mixer.*`` (Mamba:
 ``in_proj, conv1d, dt_bias, A_log, D, norm, out_proj``; attention: ``{q,k,v,o}_proj``; MoE: ``gate.weight``,

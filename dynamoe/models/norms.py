@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
 
     ``zero_centered``: the stored weight w is centred on zero and the scale is ``1 + w`` (Qwen3-Next,
     Qwen3.5: y = (x / rms(x) * (1 + w)) in fp32, then cast), so a fresh weight is zeros. The fused
-    decode kernels that read ``weight`` directly must refuse such a norm (they check the flag).
+    decode kernels read the flag (``zero_centered``: the same 1 + w in fp32).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, weight_in_fp32: bool = False, zero_centered: bool = False,
@@ -38,11 +38,12 @@ class RMSNorm(nn.Module):
         return self.weight.float() + 1.0 if self.zero_centered else self.weight
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.zero_centered:  # (1 + w) in fp32: the kernel below takes the weight in x's dtype, so only fp32
-            if not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel():
+        if self.zero_centered:  # (1 + w) in fp32, in the kernel too (the fused decode kernels' rounding)
+            if (not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES
+                    and self.weight.dtype == x.dtype and x.numel()):
                 k = cpu_kernels.load()
                 if k is not None:
-                    return self._kernel(k, x, self.scale().contiguous())
+                    return self._kernel(k, x, self.weight.contiguous())
             h = x.float()
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
             return (h * self.scale()).to(x.dtype)
@@ -61,7 +62,7 @@ class RMSNorm(nn.Module):
         rows = x.reshape(-1, x.size(-1))
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         out = torch.empty(x.shape, dtype=x.dtype)
-        k.rms_norm_out(rows, weight, self.eps, self.weight_in_fp32, out)
+        k.rms_norm_out(rows, weight, self.eps, self.weight_in_fp32, out, self.zero_centered)
         return out
 
     def extra_repr(self) -> str:

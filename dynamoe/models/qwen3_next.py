@@ -54,7 +54,7 @@ __all__ = ["Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "GatedAttention", "S
 class GatedAttention(Attention):
     """GQA whose ``q_proj`` [2 H d, D] gives per head [query (d) | gate (d)]; the attention output is
     multiplied by sigmoid(gate) before ``o_proj``. q/k norms are zero-centred RMSNorms over d. No fused
-    decode kernel (it knows no gate): the op-by-op path always runs."""
+    decode kernel (its gate is read from a projection of its own, not from q_proj's rows): the op-by-op path runs."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
                  rotary: RotaryEmbedding, bias: bool = False, norm_eps: float = 1e-6, dtype=None):
@@ -65,7 +65,8 @@ class GatedAttention(Attention):
         self.k_norm = RMSNorm(head_dim, norm_eps, zero_centered=True, dtype=dtype)
 
     def _decode_weights(self, kernels, holds, norm, dtype):
-        raise Unfusable("gated attention (the fused kernel has no output gate)")
+        raise Unfusable("the output gate interleaved with the queries in q_proj (per head [query | gate]): the "
+                        "fused kernel reads a gate projection of its own")
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:

@@ -16,8 +16,8 @@ Checkpoint (the hub's names, which transformers also saves): ``self_attn.{q,k,v,
 [E, F, D], ``moe.down_proj.weight`` [E, D, F], ``share_expert.{gate,up,down}_proj``, dense ``mlp.*_proj``; the
 trailing multi-token-prediction layers (``model.layers.{n}`` for n >= num_hidden_layers) are not loaded.
 
-No fused decode kernels: the attention kernel has no output gate and no zero-centred norms, and the MLP kernels
-read the norm weight as the scale, so every layer runs op by op (each refusal says so).
+Decode: the fused kernels take the layers (the attention kernel's sigmoid gate per head, zero-centred norms in the
+attention and MLP kernels); each refusal says why where one does not apply.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..ops.fused import Unfusable
 from .attention import Attention
 from .base import CausalLM, DecoderLayer
 from .cache import KVCache
@@ -125,9 +124,8 @@ class Step3p5Attention(Attention):
         self.k_norm = RMSNorm(head_dim, norm_eps, zero_centered=True, dtype=dtype)
         self.g_proj = nn.Linear(hidden_size, num_heads, bias=False, dtype=dtype)
 
-    def _decode_weights(self, kernels, holds, norm, dtype):
-        raise Unfusable("a sigmoid gate per head on the attention output (g_proj) and zero-centred norms: the fused "
-                        "kernel has neither")
+    def _decode_gate(self, kernels, holds, dtype):
+        return self._gate_weights(kernels, holds, dtype, "g_proj", "sigmoid")
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:

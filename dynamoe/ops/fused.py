@@ -35,11 +35,13 @@ MAX_ROWS = cpu_kernels.MAX_ROWS
 
 @dataclass(frozen=True)
 class RMSNormSpec:
-    """An RMSNorm a fused kernel applies first (dynamoe.models.RMSNorm's weight, eps, where the weight is applied)."""
+    """An RMSNorm a fused kernel applies first (dynamoe.models.RMSNorm's weight, eps, where the weight is applied,
+    and whether the scale is 1 + weight)."""
 
     weight: Tensor
     eps: float
     weight_in_fp32: bool
+    zero_centered: bool = False
 
 
 class Unfusable(Exception):

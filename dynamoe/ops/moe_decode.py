@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import cpu_kernels
+from .activations import relu_squared
 from .fused import MAX_ROWS, Holds, RMSNormSpec, Unfusable, struct
 from .linear_decode import PACKED_FORMATS, int4_kernel_applies, packed_acts, packed_fields
 
@@ -25,7 +26,7 @@ __all__ = ["route_decode", "glu_decode", "ffn_decode", "packed_glu_decode", "moe
            "glu_mlp_fields", "dense_mlp_weights"]
 
 #: FFN activations (Tutel's experts hold the function) by their kernels.Activation name
-_FFN_ACTS = {F.relu: "relu", F.gelu: "gelu", F.silu: "silu"}
+_FFN_ACTS = {F.relu: "relu", F.gelu: "gelu", F.silu: "silu", relu_squared: "relu2"}
 
 
 def _code(kernels, name: str) -> int:
@@ -150,7 +151,7 @@ def _expert_fields(kernels, holds: Holds, h_TD: Tensor, kind: str, experts) -> d
     if kind == "ffn":
         act = _FFN_ACTS.get(holds.attr(experts, "activation_fn"))
         if act is None:
-            raise Unfusable("FFN activation other than ReLU, GELU or SiLU")
+            raise Unfusable("FFN activation other than ReLU, GELU, SiLU or relu2")
         ws = [experts._parameters.get(n) for n in ("batched_fc1_w", "batched_fc2_w", "batched_fc1_bias", "batched_fc2_bias")]
         if not all(_usable(t, dt) for t in ws):
             raise Unfusable(f"expert weights are not contiguous {dt} CPU tensors")
@@ -212,7 +213,8 @@ def _norm_fields(h_TD: Tensor, norm: RMSNormSpec, out_dim: int) -> dict:
         raise Unfusable(f"the norm weight is not a contiguous {h_TD.dtype} [D] CPU tensor")
     if out_dim != h_TD.size(1):
         raise Unfusable(f"the experts' output dim {out_dim} is not the model dim (no residual)")
-    return dict(norm_w=nw, norm_eps=float(norm.eps), norm_fp32=bool(norm.weight_in_fp32), residual=True)
+    return dict(norm_w=nw, norm_eps=float(norm.eps), norm_fp32=bool(norm.weight_in_fp32),
+                norm_zero_centered=bool(norm.zero_centered), residual=True)
 
 
 def moe_weights(kernels, holds: Holds, h_TD: Tensor, gate, gate_type: str, top_k: int, renormalize: bool,
@@ -265,7 +267,7 @@ def moe_decode_with(kernels, weights, h_TD: Tensor) -> tuple[Tensor, Tensor, int
 
 def ffn_decode(x_TD: Tensor, ids_TK: Tensor, weights_TK: Tensor, experts) -> tuple[Tensor, Tensor, int] | None:
     """:func:`glu_decode` for FFN experts in Tutel's layout (``batched_fc1_w`` [E, F, D], ``batched_fc2_w``
-    [E, F, O], optional biases; ReLU, GELU or SiLU): fc1 as GEMVs, fc2 as row-scaled sums of its rows."""
+    [E, F, O], optional biases; ReLU, GELU, SiLU or relu2): fc1 as GEMVs, fc2 as row-scaled sums of its rows."""
     T = x_TD.size(0)
     act = _FFN_ACTS.get(experts.activation_fn)
     if (act is None or not 1 <= T <= MAX_ROWS or x_TD.device.type != "cpu" or x_TD.dtype not in DTYPES

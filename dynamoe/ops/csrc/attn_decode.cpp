@@ -1,10 +1,12 @@
 // A decode step (one new token for each of B <= 16 sequences) through a decoder layer's attention block
 // in one call (CPU, bf16 or fp32), reading the layer's AttentionWeights (decode_weights.h). Per row b:
-//   x = RMSNorm(h_b); q, k, v = x W_qkv^T (+ b); q/k RMSNorm per head (optional); RoPE on q and k at
-//   position pos_b; k, v written into the paged cache at (slot_b, pos_b) -- block table[slot_b][pos_b / bs],
-//   offset pos_b % bs; per query head, softmax(q k_j^T *
-//   scale) over the keys j of its KV head in [pos_b - window + 1, pos_b] (all of 0..pos_b without a
-//   window), with an optional per-head sink logit in the softmax's denominator (GPT-OSS);
+//   x = RMSNorm(h_b) (scale w or 1 + w); q, k, v = x W_qkv^T (+ b); q/k RMSNorm per head (optional); RoPE on q and k at
+//   position pos_b (none on a NoPE layer); k, v written into the paged cache at (slot_b, pos_b) -- block
+//   table[slot_b][pos_b / bs], offset pos_b % bs; per query head, softmax(q k_j^T * scale) over the keys j
+//   of its KV head in [pos_b - window + 1, pos_b] (all of 0..pos_b without a
+//   window), with an optional per-head sink logit in the softmax's denominator (GPT-OSS); an optional
+//   output gate: each head's attention output times act(x W_gate^T (+ b)), one gate per head or per channel,
+//   act sigmoid or softplus (AFMoE, Step-3.5, Qwen3-Next, Laguna);
 //   out_b = h_b + (attention W_o^T (+ b)). The projections run as GEMVs over all B rows at once: dense ones
 //   through gemv_blocks.h, packed ones (LinearWeights, decode_weights.h) through packed_gemv.cpp's kernels.
 // It replaces ~40 small ops per layer and step. Roundings follow the op-by-op path where it rounds
@@ -146,6 +148,12 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   });
 }
 
+// the gate's activation in fp32, as torch computes sigmoid and softplus (beta 1, threshold 20)
+inline float gate_act(dynamoe::GateKind kind, float g) {
+  if (kind == dynamoe::kSoftplusGate) return g > 20.f ? g : std::log1p(std::exp(g));
+  return 1.f / (1.f + std::exp(-g));
+}
+
 template <typename scalar_t>
 const scalar_t* opt_ptr(const c10::optional<torch::Tensor>& t, int64_t n, c10::ScalarType dtype, const char* name) {
   if (!t.has_value()) return nullptr;
@@ -156,12 +164,14 @@ const scalar_t* opt_ptr(const c10::optional<torch::Tensor>& t, int64_t n, c10::S
 
 template <typename scalar_t>
 void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double norm_eps, bool norm_weight_fp32,
-                 const std::vector<dynamoe::LinearWeights>& w_qkv,
+                 bool norm_zero_centered, const std::vector<dynamoe::LinearWeights>& w_qkv,
                  const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm, double qk_eps,
+                 bool qk_fp32, bool qk_zero_centered,
                  const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved, torch::Tensor& k_cache,
                  torch::Tensor& v_cache, const torch::Tensor& block_table, const torch::Tensor& slots,
                  const torch::Tensor& positions, int64_t window,
-                 const c10::optional<torch::Tensor>& sinks, double scale, const dynamoe::LinearWeights& w_o,
+                 const c10::optional<torch::Tensor>& sinks, double scale, bool rope, dynamoe::GateKind gate_kind,
+                 bool gate_per_head, const dynamoe::LinearWeights& w_gate, const dynamoe::LinearWeights& w_o,
                  torch::Tensor& out) {
   const c10::ScalarType dt = h.scalar_type();
   TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= dynamoe::kMaxRows,
@@ -216,12 +226,18 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
   const scalar_t* qn = opt_ptr<scalar_t>(q_norm, d, dt, "q_norm");
   const scalar_t* kn = opt_ptr<scalar_t>(k_norm, d, dt, "k_norm");
   TORCH_CHECK((qn == nullptr) == (kn == nullptr), "q_norm and k_norm go together");
+  TORCH_CHECK(gate_kind == dynamoe::kNoGate || gate_kind == dynamoe::kSigmoidGate ||
+                  gate_kind == dynamoe::kSoftplusGate,
+              "unknown gate kind ", static_cast<int64_t>(gate_kind));
+  const int64_t G = gate_kind == dynamoe::kNoGate ? 0 : gate_per_head ? H : H * d;  // gates per row
+  TORCH_CHECK(G == 0 || (w_gate.w.defined() && w_gate.w.dim() >= 2 && w_gate.w.size(0) == G), "gate must give ", G,
+              gate_per_head ? " outputs (one per head)" : " outputs (one per channel)");
 
   const scalar_t* hp = h.data_ptr<scalar_t>();
   std::vector<scalar_t> x(B * D), qkv(B * Q), tmp(d), q(B * H * d), attn(B * H * d), o(B * D);
   for (int64_t b = 0; b < B; ++b)
     dynamoe::rms_row(hp + b * D, norm_w.data_ptr<scalar_t>(), D, static_cast<float>(norm_eps), norm_weight_fp32,
-                     x.data() + b * D);
+                     x.data() + b * D, norm_zero_centered);
   for (int64_t i = 0, col = 0; i < static_cast<int64_t>(w_qkv.size()); ++i)
     col += linear_rows(x.data(), B, D, w_qkv[i], dt, "qkv", qkv.data(), Q, col);
   const float qe = static_cast<float>(qk_eps);
@@ -234,16 +250,26 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
     for (int64_t i = 0; i < H + K; ++i) {  // query heads, then key heads: norm, RoPE
       const scalar_t* src = row + i * d;
       if (qn) {
-        dynamoe::rms_row(src, i < H ? qn : kn, d, qe, false, tmp.data());
+        dynamoe::rms_row(src, i < H ? qn : kn, d, qe, qk_fp32, tmp.data(), qk_zero_centered);
         src = tmp.data();
       }
       scalar_t* dst = i < H ? q.data() + (b * H + i) * d : kc + pg.at(sp[b], i - H, pp[b]);
-      dynamoe::rope_row(src, c, s, half, d, interleaved, dst);
+      dynamoe::rope_row(src, c, s, rope ? half : 0, d, interleaved, dst);  // (half 0: a copy)
     }
     for (int64_t g = 0; g < K; ++g)
       std::copy(row + (H + K + g) * d, row + (H + K + g + 1) * d, vc + pg.at(sp[b], g, pp[b]));
   }
   attend(q.data(), kc, vc, pg, sp, pp, window, B, H, K, static_cast<float>(scale), sk, attn.data());
+  if (G > 0) {  // gate = act(x W_gate^T) rounded to the dtype; attention * gate rounded, as the op-by-op path
+    std::vector<scalar_t> gate(B * G);
+    linear_rows(x.data(), B, D, w_gate, dt, "gate", gate.data(), G, 0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < H * d; ++i) {
+        const float g = static_cast<float>(gate[b * G + (gate_per_head ? i / d : i)]);
+        scalar_t& a = attn[b * H * d + i];
+        a = static_cast<scalar_t>(static_cast<float>(a) * dynamoe::round_to<scalar_t>(gate_act(gate_kind, g)));
+      }
+  }
   linear_rows(attn.data(), B, H * d, w_o, dt, "o", o.data(), D, 0);
   scalar_t* op = out.data_ptr<scalar_t>();
   for (int64_t i = 0; i < B * D; ++i) op[i] = static_cast<scalar_t>(static_cast<float>(hp[i]) + static_cast<float>(o[i]));
@@ -257,14 +283,16 @@ void attn_decode_out(torch::Tensor h, const dynamoe::AttentionWeights& w, torch:
   TORCH_CHECK(w.norm_w.defined(), "AttentionWeights needs norm_w");
   switch (h.scalar_type()) {
     case torch::kBFloat16:
-      attn_decode<c10::BFloat16>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.qkv, w.q_norm, w.k_norm, w.qk_eps, cos, sin,
+      attn_decode<c10::BFloat16>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.norm_zero_centered, w.qkv, w.q_norm, w.k_norm,
+                                 w.qk_eps, w.qk_fp32, w.qk_zero_centered, cos, sin,
                                  w.interleaved, k_cache, v_cache, block_table, slots, positions, w.window, w.sinks,
-                                 w.scale, w.o, out);
+                                 w.scale, w.rope, w.gate_kind, w.gate_per_head, w.gate, w.o, out);
       break;
     case torch::kFloat:
-      attn_decode<float>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.qkv, w.q_norm, w.k_norm, w.qk_eps, cos, sin,
+      attn_decode<float>(h, w.norm_w, w.norm_eps, w.norm_fp32, w.norm_zero_centered, w.qkv, w.q_norm, w.k_norm, w.qk_eps,
+                         w.qk_fp32, w.qk_zero_centered, cos, sin,
                          w.interleaved, k_cache, v_cache, block_table, slots, positions, w.window, w.sinks, w.scale,
-                         w.o, out);
+                         w.rope, w.gate_kind, w.gate_per_head, w.gate, w.o, out);
       break;
     default:
       TORCH_CHECK(false, "h must be bf16 or fp32, got ", h.scalar_type());

@@ -12,13 +12,18 @@ inline void bind_decode_enums(pybind11::module& m) {
   py::enum_<dynamoe::Activation>(m, "Activation", py::module_local(),
                                  "expert activations (the gate part of a GLU, or an FFN's)")
       .value("silu", dynamoe::kSilu).value("gelu", dynamoe::kGelu).value("gelu_tanh", dynamoe::kGeluTanh)
-      .value("relu", dynamoe::kRelu).value("gpt_oss", dynamoe::kGptOss);
+      .value("relu", dynamoe::kRelu).value("gpt_oss", dynamoe::kGptOss).value("silu_clamp", dynamoe::kSiluClamp)
+      .value("silu_clamp_in", dynamoe::kSiluClampIn).value("relu2", dynamoe::kReluSquared);
   py::enum_<dynamoe::RouterKind>(m, "RouterKind", py::module_local(),
                                  "softmax top-k, or DeepSeek's sigmoid group-limited top-k")
       .value("softmax", dynamoe::kSoftmaxTopK).value("sigmoid", dynamoe::kSigmoidGroupTopK);
   py::enum_<dynamoe::WeightFormat>(m, "WeightFormat", py::module_local(), "how expert weights are stored")
       .value("fp8_block", dynamoe::kFp8Block).value("mxfp4", dynamoe::kMxfp4).value("nvfp4", dynamoe::kNvfp4)
       .value("int4", dynamoe::kInt4).value("dense", dynamoe::kDense);
+  py::enum_<dynamoe::GateKind>(m, "GateKind", py::module_local(),
+                               "an output gate on the attention: none, sigmoid, softplus")
+      .value("none", dynamoe::kNoGate).value("sigmoid", dynamoe::kSigmoidGate)
+      .value("softplus", dynamoe::kSoftplusGate);
   py::enum_<dynamoe::ExpertKind>(m, "ExpertKind", py::module_local(), "GLU or Tutel's FFN experts")
       .value("glu", dynamoe::kGlu).value("ffn", dynamoe::kFfn);
 }

@@ -16,7 +16,8 @@ int64_t moe_glu_decode_out(torch::Tensor x, torch::Tensor ids, torch::Tensor wei
                            c10::optional<torch::Tensor> b_down, int64_t act, double alpha, double limit,
                            torch::Tensor out, torch::Tensor load);
 
-void rms_norm_out(torch::Tensor x, torch::Tensor w, double eps, bool weight_in_fp32, torch::Tensor out);
+void rms_norm_out(torch::Tensor x, torch::Tensor w, double eps, bool weight_in_fp32, torch::Tensor out,
+                  bool zero_centered = false);
 
 void rope_out(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, bool interleaved, torch::Tensor out);
 

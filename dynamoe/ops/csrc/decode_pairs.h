@@ -86,6 +86,12 @@ inline float act_gate(float g, int64_t kind, float alpha, float limit) {
     case kGelu: return 0.5f * g * (1.f + std::erf(g * 0.70710678118654752f));
     case kGeluTanh: return 0.5f * g * (1.f + std::tanh(0.79788456080286536f * (g + 0.044715f * g * g * g)));
     case kRelu: return g > 0.f ? g : 0.f;
+    case kReluSquared: return g > 0.f ? g * g : 0.f;
+    case kSiluClamp: return std::min(g / (1.f + std::exp(-g)), limit);
+    case kSiluClampIn: {
+      const float c = std::min(g, limit);
+      return c / (1.f + std::exp(-c));
+    }
     default: {  // gpt_oss: gate clamped above at limit, then gate * sigmoid(alpha * gate)
       const float c = std::min(g, limit);
       return c / (1.f + std::exp(-alpha * c));
@@ -93,9 +99,10 @@ inline float act_gate(float g, int64_t kind, float alpha, float limit) {
   }
 }
 
-// one GLU output: act(gate) * up (gpt_oss: up clamped to +-limit, plus one)
+// one GLU output: act(gate) * up (gpt_oss: up clamped to +-limit, plus one; silu_clamp(_in): up clamped to +-limit)
 inline float glu_value(float g, float u, int64_t kind, float alpha, float limit) {
   if (kind == kGptOss) u = std::min(std::max(u, -limit), limit) + 1.f;
+  if (kind == kSiluClamp || kind == kSiluClampIn) u = std::min(std::max(u, -limit), limit);
   return act_gate(g, kind, alpha, limit) * u;
 }
 }  // namespace dynamoe

@@ -83,9 +83,11 @@ template <typename scalar_t>
 inline float round_to(float v) { return static_cast<float>(static_cast<scalar_t>(v)); }
 
 // RMSNorm of one row: h = x / sqrt(mean(x^2) + eps) in fp32; out = w * h with h rounded to x's dtype
-// first (Llama/Qwen/DeepSeek), or w * h in fp32 (weight_fp32: GPT-OSS), rounded to x's dtype.
+// first (Llama/Qwen/DeepSeek), or w * h in fp32 (weight_fp32: GPT-OSS), rounded to x's dtype. zero_centered:
+// the scale is 1 + w, in fp32 (Qwen3-Next, Step-3.5: (h * (1 + w)) in fp32, then rounded; weight_fp32 implied).
 template <typename scalar_t>
-inline void rms_row(const scalar_t* x, const scalar_t* w, int64_t dim, float eps, bool weight_fp32, scalar_t* out) {
+inline void rms_row(const scalar_t* x, const scalar_t* w, int64_t dim, float eps, bool weight_fp32, scalar_t* out,
+                    bool zero_centered = false) {
   float ss = 0.f;
   for (int64_t i = 0; i < dim; ++i) {
     const float v = static_cast<float>(x[i]);
@@ -94,7 +96,8 @@ inline void rms_row(const scalar_t* x, const scalar_t* w, int64_t dim, float eps
   const float r = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
   for (int64_t i = 0; i < dim; ++i) {
     const float h = static_cast<float>(x[i]) * r;
-    out[i] = weight_fp32 ? static_cast<scalar_t>(static_cast<float>(w[i]) * h)
+    out[i] = zero_centered ? static_cast<scalar_t>((static_cast<float>(w[i]) + 1.f) * h)
+           : weight_fp32 ? static_cast<scalar_t>(static_cast<float>(w[i]) * h)
                          : static_cast<scalar_t>(static_cast<float>(w[i]) * round_to<scalar_t>(h));
   }
 }

@@ -88,17 +88,21 @@ template <typename T>
 void bind_attention(pybind11::class_<T>& c) {
   c.def(pybind11::init<>())
       .def_readwrite("norm_w", &T::norm_w).def_readwrite("norm_eps", &T::norm_eps)
-      .def_readwrite("norm_fp32", &T::norm_fp32).def_readwrite("qkv", &T::qkv)
+      .def_readwrite("norm_fp32", &T::norm_fp32).def_readwrite("norm_zero_centered", &T::norm_zero_centered)
+      .def_readwrite("qkv", &T::qkv)
       .def_readwrite("q_norm", &T::q_norm).def_readwrite("k_norm", &T::k_norm).def_readwrite("qk_eps", &T::qk_eps)
-      .def_readwrite("interleaved", &T::interleaved).def_readwrite("window", &T::window)
-      .def_readwrite("sinks", &T::sinks).def_readwrite("scale", &T::scale).def_readwrite("o", &T::o);
+      .def_readwrite("qk_fp32", &T::qk_fp32).def_readwrite("qk_zero_centered", &T::qk_zero_centered)
+      .def_readwrite("rope", &T::rope).def_readwrite("interleaved", &T::interleaved).def_readwrite("window", &T::window)
+      .def_readwrite("sinks", &T::sinks).def_readwrite("scale", &T::scale).def_readwrite("gate_kind", &T::gate_kind)
+      .def_readwrite("gate_per_head", &T::gate_per_head).def_readwrite("gate", &T::gate).def_readwrite("o", &T::o);
 }
 
 template <typename T>
 void bind_moe(pybind11::class_<T>& c) {
   c.def(pybind11::init<>())
       .def_readwrite("norm_w", &T::norm_w).def_readwrite("norm_eps", &T::norm_eps)
-      .def_readwrite("norm_fp32", &T::norm_fp32).def_readwrite("residual", &T::residual)
+      .def_readwrite("norm_fp32", &T::norm_fp32).def_readwrite("norm_zero_centered", &T::norm_zero_centered)
+      .def_readwrite("residual", &T::residual)
       .def_readwrite("gate_w", &T::gate_w).def_readwrite("gate_bias", &T::gate_bias)
       .def_readwrite("sel_bias", &T::sel_bias).def_readwrite("router", &T::router)
       .def_readwrite("renormalize", &T::renormalize).def_readwrite("route_scale", &T::route_scale)
@@ -129,7 +133,8 @@ void register_decode_stack(pybind11::module& m) {
   bind_moe(moe);
   m.def("attn_decode_out", &attn_decode_out, py::call_guard<py::gil_scoped_release>(),
         "a decode step of B <= MAX_ROWS sequences through an attention block: out = h + o_proj(attention(RoPE(qk-norm("
-        "qkv(norm(h)))))) with k/v written into the paged cache [K, blocks, block_size, d] at (slots, positions) "
+        "qkv(x)))) [* act(gate(x))]), x = norm(h), with k/v written into the paged cache [K, blocks, block_size, d] "
+        "at (slots, positions) "
         "through block_table [slots, blocks per slot]",
         py::arg("h"), py::arg("weights"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_table"), py::arg("slots"), py::arg("positions"), py::arg("out"));

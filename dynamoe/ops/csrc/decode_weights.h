@@ -18,12 +18,18 @@ namespace dynamoe {
 // the most rows (decode sequences or tokens) one fused call takes: one accumulator per row in registers
 constexpr int64_t kMaxRows = 16;
 
-// expert activations: the gate part of a GLU (act(gate) * up), or an FFN's activation
-enum Activation : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kRelu = 3, kGptOss = 4 };
+// expert activations: the gate part of a GLU (act(gate) * up), or an FFN's activation; GLU only: gpt_oss, and
+// silu_clamp (Step-3.5: min(silu(gate), limit) * clamp(up, +-limit)) / silu_clamp_in (DeepSeek-V4: silu(min(gate,
+// limit)) * clamp(up, +-limit)); FFN only: relu2 (relu(x)^2, Nemotron-H)
+enum Activation : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kRelu = 3, kGptOss = 4, kSiluClamp = 5,
+                            kSiluClampIn = 6, kReluSquared = 7 };
 // routers: softmax top-k, or DeepSeek's sigmoid scores with selection bias and group-limited top-k
 enum RouterKind : int64_t { kSoftmaxTopK = 0, kSigmoidGroupTopK = 1 };
 // how expert weights are stored: packed formats (moe_decode_packed.cpp's codes), or plain bf16/fp32
 enum WeightFormat : int64_t { kFp8Block = 0, kMxfp4 = 1, kNvfp4 = 2, kInt4 = 3, kDense = 4 };
+// an output gate on the attention (per head or per channel, from the block's normed input x): none, sigmoid
+// (AFMoE, Step-3.5, Qwen3-Next) or softplus (Laguna)
+enum GateKind : int64_t { kNoGate = 0, kSigmoidGate = 1, kSoftplusGate = 2 };
 // the experts' shape: GLU (gate_up [E, 2F, D], down [E, O, F]) or Tutel's FFN (fc1 [E, F, D], fc2 [E, F, O])
 enum ExpertKind : int64_t { kGlu = 0, kFfn = 1 };
 
@@ -47,18 +53,26 @@ struct LinearWeights {
   int64_t out_features() const { return w.size(0); }
 };
 
-// h -> h + o_proj(attention(RoPE(qk-norm(qkv(RMSNorm(h)))))) (csrc/attn_decode.cpp)
+// h -> h + o_proj(attention(RoPE(qk-norm(qkv(x)))) [* act(gate(x))]), x = RMSNorm(h) (csrc/attn_decode.cpp)
 struct AttentionWeights {
   torch::Tensor norm_w;          // [D] of h's dtype
   double norm_eps = 1e-6;
   bool norm_fp32 = false;        // the norm weight applied in fp32 before the cast back (dynamoe.models.RMSNorm)
+  bool norm_zero_centered = false;  // the scale is 1 + norm_w, in fp32 (Qwen3-Next, Step-3.5)
   std::vector<LinearWeights> qkv;  // one stacked [(H + 2K) d, D] projection, or q, k and v apart
   OptTensor q_norm, k_norm;      // [d] per-head RMSNorm weights (together or neither)
   double qk_eps = 1e-6;
+  bool qk_fp32 = false, qk_zero_centered = false;  // as norm_fp32 / norm_zero_centered, for the q/k norms
+  bool rope = true;              // false: a layer without position encoding (NoPE): q and k are not rotated
   bool interleaved = false;      // RoPE on (even, odd) pairs instead of halves
   int64_t window = 0;            // sliding window (0: none)
   OptTensor sinks;               // fp32 [H] per-head sink logits
   double scale = 1.0;            // softmax scale
+  // the attention output (each head's d values, in h's dtype) times act(x W_gate^T (+ b)) rounded to h's dtype
+  // before o: one gate per head (gate [H, D]) or per channel ([H d, D]); gate unread with kNoGate
+  GateKind gate_kind = kNoGate;
+  bool gate_per_head = false;
+  LinearWeights gate;
   LinearWeights o;               // [D, H d]
 };
 
@@ -69,6 +83,7 @@ struct MoEWeights {
   OptTensor norm_w;              // RMSNorm before the router (none: x = h)
   double norm_eps = 1e-6;
   bool norm_fp32 = false;
+  bool norm_zero_centered = false;  // the scale is 1 + norm_w, in fp32
   bool residual = false;         // out = h + y instead of y
   // router: logits = x W^T (+ bias) in fp32
   torch::Tensor gate_w;          // [E, D] of h's dtype or fp32

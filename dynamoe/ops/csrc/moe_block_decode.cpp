@@ -96,7 +96,7 @@ int64_t moe_decode_out(torch::Tensor h, const dynamoe::MoEWeights& w, torch::Ten
   torch::Tensor x = h;
   if (w.norm_w.has_value()) {
     x = torch::empty_like(h);
-    rms_norm_out(h, *w.norm_w, w.norm_eps, w.norm_fp32, x);
+    rms_norm_out(h, *w.norm_w, w.norm_eps, w.norm_fp32, x, w.norm_zero_centered);
   }
   if (!w.residual) return mlp(w, x, out, load);
   auto y = torch::empty_like(h);

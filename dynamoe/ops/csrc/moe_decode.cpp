@@ -93,7 +93,9 @@ int64_t moe_glu_decode(torch::Tensor x, torch::Tensor ids, torch::Tensor weights
   const int64_t O = w_down.size(1);
   TORCH_CHECK(F2 % 2 == 0 && w_down.size(0) == E && w_down.size(2) == F, "w_down must be [", E, ", O, ", F, "]");
   check_x_out(x, out, dtype, D, O);
-  TORCH_CHECK(act >= 0 && act <= 4, "act must be 0..4 (silu, gelu, gelu_tanh, relu, gpt_oss), got ", act);
+  TORCH_CHECK(act >= 0 && act <= dynamoe::kSiluClampIn,
+              "act must be a GLU activation 0..6 (silu, gelu, gelu_tanh, relu, gpt_oss, silu_clamp, silu_clamp_in), got ",
+              act);
   const scalar_t* bgu = optional_bias<scalar_t>(b_gate_up, E, F2, dtype, "b_gate_up");
   const scalar_t* bd = optional_bias<scalar_t>(b_down, E, O, dtype, "b_down");
   const int64_t T = x.size(0);
@@ -130,8 +132,8 @@ int64_t moe_ffn_decode(torch::Tensor x, torch::Tensor ids, torch::Tensor weights
               "w2 must be contiguous ", dtype, " [", E, ", ", F, ", O]");
   const int64_t O = w2.size(2);
   check_x_out(x, out, dtype, D, O);
-  TORCH_CHECK(act == dynamoe::kSilu || act == dynamoe::kGelu || act == dynamoe::kRelu,
-              "act must be Activation.silu, gelu or relu for FFN experts, got ", act);
+  TORCH_CHECK(act == dynamoe::kSilu || act == dynamoe::kGelu || act == dynamoe::kRelu || act == dynamoe::kReluSquared,
+              "act must be Activation.silu, gelu, relu or relu2 for FFN experts, got ", act);
   const scalar_t* bp1 = optional_bias<scalar_t>(b1, E, F, dtype, "b1");
   const scalar_t* bp2 = optional_bias<scalar_t>(b2, E, O, dtype, "b2");
   const int64_t T = x.size(0);

@@ -243,7 +243,9 @@ int64_t packed_moe_glu_decode_out(int64_t fmt, torch::Tensor x, torch::Tensor id
               x.size(1) == D, "x must be contiguous ", bf16_acts ? "bf16" : "fp32", " [T, ", D, "]");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == O && out.scalar_type() == torch::kFloat &&
               out.is_contiguous(), "out must be contiguous fp32 [T, ", O, "]");
-  TORCH_CHECK(act >= 0 && act <= 4, "act must be 0..4 (silu, gelu, gelu_tanh, relu, gpt_oss), got ", act);
+  TORCH_CHECK(act >= 0 && act <= dynamoe::kSiluClampIn,
+              "act must be a GLU activation 0..6 (silu, gelu, gelu_tanh, relu, gpt_oss, silu_clamp, silu_clamp_in), got ",
+              act);
   const float* bp1 = nullptr;
   const float* bp2 = nullptr;
   if (b1.has_value()) {

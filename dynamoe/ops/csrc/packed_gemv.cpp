@@ -302,7 +302,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "or bf16 with bf16_acts: AVX512-BF16 dot products where compiled in, h rounded to bf16; acts PackedActs.int8: "
         "x and h quantized to int8 per 32 elements, VNNI dot products, 4-bit formats)");
   m.def("rope_out", &rope_out, pybind11::call_guard<pybind11::gil_scoped_release>(), "rotary embedding of x [B, H, T, d] (bf16 or fp32) with cos/sin [B, T, R/2] into out");
-  m.def("rms_norm_out", &rms_norm_out, pybind11::call_guard<pybind11::gil_scoped_release>(), "RMSNorm of x [N, dim] (bf16 or fp32) into out, fp32 statistics");
+  m.def("rms_norm_out", &rms_norm_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "RMSNorm of x [N, dim] (bf16 or fp32) into out, fp32 statistics; zero_centered: the scale is 1 + w",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("weight_in_fp32"), pybind11::arg("out"),
+        pybind11::arg("zero_centered") = false);
   m.def("moe_glu_decode_out", &moe_glu_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "a decode step's routed GLU experts (T <= 16 rows, bf16 or fp32): out [T, O], load [E] filled; returns the max load");
   m.def("bf16_gemv_out", &bf16_gemv_out, pybind11::call_guard<pybind11::gil_scoped_release>(), "out [T, O] = x [T, I] @ W^T (+ bias): bf16 in and out, fp32 accumulation");

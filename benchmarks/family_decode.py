@@ -1,0 +1,144 @@
+"""Decode speed of every registered family at one small-but-not-tiny size, next to Qwen3-MoE's (the fused reference),
+and which of its layers run fused (the DecodePlan's summary).
+
+    python benchmarks/family_decode.py [--families qwen3_moe laguna ...] [--steps 32] [--prefill 64] [--dtype bfloat16]
+
+Each family is built from its transformers configuration class (the text config of a multimodal wrapper) with the
+sizes of ``SIZES`` -- hidden 512, 4 layers, 8 heads / 2 KV heads of 64, 8 experts top-2 of 512, vocab 4096 -- under
+whichever of their names the configuration class takes (``FAMILY_OVERRIDES`` for the few that need more), random weights,
+saved as safetensors to a temporary folder and loaded by ``dynamoe.models.load`` in ``--dtype``. Batch 1: a
+``--prefill``-token prompt, then ``--steps`` decode steps of one token; ms/token is their median (after two warm-up
+steps). "fused" is the DecodePlan's "x of N layers fused" (no plan: the model decodes through its own forward).
+"ratio" is ms/token over qwen3_moe's (measured first, twice: the faster). A family whose configuration cannot be built at these
+sizes is listed with the error instead of a time.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import dynamoe.models  # noqa: E402
+from dynamoe.models.registry import supported_families  # noqa: E402
+
+D, F_MOE, F_DENSE, LAYERS, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, VOCAB = 512, 512, 1024, 4, 8, 2, 64, 8, 2, 4096
+# one value under every name the families' configuration classes use for it (each class gets the names it takes)
+SIZES = dict(
+    vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+    head_dim=HEAD_DIM, intermediate_size=F_DENSE, moe_intermediate_size=F_MOE, expert_intermediate_size=F_MOE,
+    shared_expert_intermediate_size=F_MOE, share_expert_dim=F_MOE, num_experts=EXPERTS, num_local_experts=EXPERTS,
+    n_routed_experts=EXPERTS, moe_num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_k=TOP_K, moe_topk=TOP_K,
+    n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=4096, tie_word_embeddings=False,
+    kv_lora_rank=128, q_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, n_shared_experts=1,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+# what a family needs besides (or instead of) SIZES at this size
+FAMILY_OVERRIDES: dict[str, dict] = {
+    "dbrx": dict(d_model=D, n_layers=LAYERS, n_heads=HEADS, max_seq_len=4096,
+                 attn_config=dict(kv_n_heads=KV_HEADS, rope_theta=10000.0), ffn_config=dict(ffn_hidden_size=F_MOE, moe_num_experts=EXPERTS,
+                                                                        moe_top_k=TOP_K)),
+    "jetmoe": dict(kv_channels=HEAD_DIM, num_key_value_heads=HEADS // 2),
+    "dots3_note": dict(num_key_value_heads=HEADS),  # (MLA: as many KV heads as query heads)
+    "dots3_note_text": dict(num_key_value_heads=HEADS),
+}
+# families whose checkpoints come from another configuration class (step3p5: the text model of Step-3.7's wrapper)
+CONFIG_OF = {"kimi_k2": "deepseek_v3", "step3p5": "step3p7"}
+REFERENCE = "qwen3_moe"
+
+
+def build_config(family: str):
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[CONFIG_OF.get(family, family)]
+    text = getattr(cls, "sub_configs", {}).get("text_config")  # a multimodal wrapper: the sizes are its text model's
+    own = inspect.signature((text or cls).__init__).parameters
+    kw = {**{k: v for k, v in SIZES.items() if k in own}, **FAMILY_OVERRIDES.get(family, {})}
+    if text is not None:
+        return cls(text_config=kw, tie_word_embeddings=False)
+    return cls(**kw)
+
+
+def build_checkpoint(family: str, folder: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = build_config(family)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg)
+    except ValueError:  # wrappers that only the image-text auto class knows
+        from transformers import AutoModelForImageTextToText
+        model = AutoModelForImageTextToText.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # (some initialisers leave zeros; every family gets the same random spread)
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.uniform_(0.9, 1.1)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def time_decode(model, prefill: int, steps: int) -> tuple[float, str]:
+    ids = torch.randint(0, VOCAB, (1, prefill + steps + 2), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(1, ids.size(1))
+    slots = torch.zeros(1, dtype=torch.long)
+    times = []
+    with torch.no_grad():
+        model(ids[:, :prefill], cache=cache, slots=slots)
+        for t in range(prefill, ids.size(1)):
+            t0 = time.perf_counter()
+            model(ids[:, t:t + 1], cache=cache, slots=slots)
+            times.append(time.perf_counter() - t0)
+    plan = model.__dict__.get("_plan")
+    desc = plan[2].describe() if plan and plan[2] is not None else "no decode plan (the model's own forward)"
+    return statistics.median(times[2:]) * 1e3, desc
+
+
+def measure(family: str, dtype: torch.dtype, prefill: int, steps: int) -> tuple[float | None, str]:
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                build_checkpoint(family, folder)
+            model = dynamoe.models.load(folder, dtype=dtype, progress=False)
+        except Exception as exc:  # noqa: BLE001 (reported in the table: one family's failure is not the run's)
+            return None, f"not built: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
+        return time_decode(model, prefill, steps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", nargs="*", default=None, help="families to time (default: every registered one)")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=64)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    args = ap.parse_args()
+    known = supported_families()
+    families = args.families or known
+    unknown = [f for f in families if f not in known]
+    if unknown:
+        raise SystemExit(f"unknown families {unknown}; registered: {', '.join(known)}")
+    dtype = getattr(torch, args.dtype)
+    # the reference twice (a warm-up of the process's threads and kernels, then the time), the faster one
+    runs = [measure(REFERENCE, dtype, args.prefill, args.steps) for _ in range(2)]
+    ref_ms, ref_desc = min(runs, key=lambda r: float("inf") if r[0] is None else r[0])
+    if ref_ms is None:
+        raise SystemExit(f"the reference {REFERENCE} failed: {ref_desc}")
+    print(f"| family | layers fused | ms/token | ratio to {REFERENCE} | plan |")
+    print("|---|---|---:|---:|---|")
+    print(f"| {REFERENCE} | {ref_desc.split(';')[0]} | {ref_ms:.2f} | 1.00 | {ref_desc} |", flush=True)
+    for family in families:
+        if family == REFERENCE:
+            continue
+        ms, desc = measure(family, dtype, args.prefill, args.steps)
+        fused = desc.split(";")[0] if "layers fused" in desc else "-"
+        cells = ("-", "-") if ms is None else (f"{ms:.2f}", f"{ms / ref_ms:.2f}")
+        print(f"| {family} | {fused} | {cells[0]} | {cells[1]} | {desc} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
