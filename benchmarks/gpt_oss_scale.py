@@ -183,23 +183,6 @@ def run(folder: str, prompts: list[int], new: int, threads: int) -> dict:
     return out
 
 
-CONVERT = r"""
-import sys
-src, hf, out = sys.argv[1:4]
-sys.path[:0] = [src, src + "/gguf-py"]
-import convert_hf_to_gguf as convert
-from conversion.gpt_oss import GptOssModel
-
-def set_vocab(self):  # a random model has no tokenizer: no vocabulary, vocab_size dummy tokens
-    self._set_vocab_none()
-    self.gguf_writer.add_vocab_size(self.hparams["vocab_size"])
-
-GptOssModel.set_vocab = set_vocab
-sys.argv = ["convert_hf_to_gguf.py", hf, "--outtype", "bf16", "--outfile", out]
-convert.main()
-"""
-
-
 def llama(folder: str, rounds: int, prompts: list[int], new: int) -> None:
     import statistics
     import subprocess
@@ -211,7 +194,7 @@ def llama(folder: str, rounds: int, prompts: list[int], new: int) -> None:
     gguf = os.path.abspath(folder.rstrip("/")) + ".gguf"
     if not os.path.exists(gguf):
         lc.log(f"converting {folder} to {gguf} (convert_hf_to_gguf.py: MXFP4 experts, bf16 rest)")
-        lc.run([sys.executable, "-c", CONVERT, src, folder, gguf + ".tmp"])
+        lc.run([sys.executable, "-c", lc.convert_script("conversion.gpt_oss", "GptOssModel"), src, folder, gguf + ".tmp"])
         os.replace(gguf + ".tmp", gguf)
     results: dict[str, list[dict]] = {"llama.cpp": [], "dynamoe": []}
     for r in range(rounds):

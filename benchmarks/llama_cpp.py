@@ -251,21 +251,27 @@ def make_checkpoint(folder: str) -> None:
         json.dump(config, f, indent=2)
 
 
-CONVERT = r"""
+def convert_script(module: str, cls: str) -> str:
+    """A ``python -c`` script: llama.cpp's convert_hf_to_gguf.py on a checkpoint of converter class ``module.cls``
+    without a tokenizer (arguments: the llama.cpp source, the checkpoint folder, the output GGUF)."""
+    return rf"""
 import sys
 src, hf, out = sys.argv[1:4]
 sys.path[:0] = [src, src + "/gguf-py"]
 import convert_hf_to_gguf as convert
-from conversion.qwen import Qwen3MoeModel
+from {module} import {cls}
 
 def set_vocab(self):  # a random model has no tokenizer: no vocabulary, vocab_size dummy tokens
     self._set_vocab_none()
     self.gguf_writer.add_vocab_size(self.hparams["vocab_size"])
 
-Qwen3MoeModel.set_vocab = set_vocab
+{cls}.set_vocab = set_vocab
 sys.argv = ["convert_hf_to_gguf.py", hf, "--outtype", "bf16", "--outfile", out]
 convert.main()
 """
+
+
+CONVERT = convert_script("conversion.qwen", "Qwen3MoeModel")
 
 
 def make_gguf(src: str, bins: dict, hf: str, work: str, name: str) -> str:
