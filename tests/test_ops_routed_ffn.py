@@ -57,6 +57,11 @@ def _rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
 
 
+def _close(a, b, rtol, atol):
+    """max |a - b| <= rtol * max |b| + atol."""
+    return float((a.float() - b.float()).abs().max()) <= rtol * float(b.float().abs().max()) + atol
+
+
 def _check(T, D, Fh, O, counts, bias, seed=0):
     x, token, s, w1, b1, w2, b2 = _problem(T, D, Fh, O, counts, bias, seed)
     leaves = [t for t in (x, s, w1, b1, w2, b2) if t is not None]
@@ -76,11 +81,13 @@ def _check(T, D, Fh, O, counts, bias, seed=0):
     w2r = next(it)
     b2r = next(it) if bias else None
     y_r, want_r = _grads(lambda: rf.routed_ffn_reference(xr, token, sr, counts, w1r, b1r, w2r, b2r), ref_leaves, g)
-    # same rounding points as the torch path: about one bf16 ulp apart; the fp32 loop a few
-    assert _rel(y, y_t) < 2e-2 and _rel(y, y_r) < 3e-2
+    # same rounding points as the torch path: about one bf16 ulp apart; the fp32 loop a few -- plus an absolute
+    # floor of bf16 rounding at these O(1) inputs: where ReLU cancels nearly everything (an output or gradient
+    # of 1e-3 from terms of 1e-1) the bf16 paths agree with each other but not to 3 % with fp32 (hypothesis finds it)
+    assert _rel(y, y_t) < 2e-2 and _close(y, y_r, 3e-2, 2e-3)
     for a, b, c in zip(got, want_t, want_r):
         assert a.shape == c.shape and a.dtype == b.dtype
-        assert _rel(a, b) < 3e-2 and _rel(a, c) < 5e-2
+        assert _rel(a, b) < 3e-2 and _close(a, c, 5e-2, 1e-2)
     idle = [e for e, c in enumerate(counts) if c == 0]
     if idle:  # experts without rows: zero gradients, not garbage
         assert got[2][idle].abs().sum() == 0 and got[3 if not bias else 4][idle].abs().sum() == 0
