@@ -9,7 +9,8 @@ whichever of their names the configuration class takes (``FAMILY_OVERRIDES`` for
 saved as safetensors to a temporary folder and loaded by ``dynamoe.models.load`` in ``--dtype``. Batch 1: a
 ``--prefill``-token prompt, then ``--steps`` decode steps of one token; ms/token is their median (after two warm-up
 steps). "fused" is the DecodePlan's "x of N layers fused" (no plan: the model decodes through its own forward).
-"ratio" is ms/token over qwen3_moe's (measured first, twice: the faster). A family whose configuration cannot be built at these
+"ratio" is ms/token over qwen3_moe's, the reference model's decode steps interleaved with the family's (one step
+each in turn, each on its own cache), so that both see the same load on a shared machine. A family whose configuration cannot be built at these
 sizes is listed with the error instead of a time.
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
                  attn_config=dict(kv_n_heads=KV_HEADS, rope_theta=10000.0), ffn_config=dict(ffn_hidden_size=F_MOE, moe_num_experts=EXPERTS,
                                                                         moe_top_k=TOP_K)),
     "jetmoe": dict(kv_channels=HEAD_DIM, num_key_value_heads=HEADS // 2),
+    "longcat_flash": dict(num_layers=LAYERS, ffn_hidden_size=F_DENSE, expert_ffn_hidden_size=F_MOE),
     "dots3_note": dict(num_key_value_heads=HEADS),  # (MLA: as many KV heads as query heads)
     "dots3_note_text": dict(num_key_value_heads=HEADS),
 }
@@ -82,32 +84,44 @@ def build_checkpoint(family: str, folder: str) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
-def time_decode(model, prefill: int, steps: int) -> tuple[float, str]:
+def time_decode(models: list, prefill: int, steps: int) -> list[float]:
+    """Median ms per decode step of each model, their steps interleaved (a shared machine's load drifts: each
+    model's steps see the same conditions), after two warm-up steps each."""
     ids = torch.randint(0, VOCAB, (1, prefill + steps + 2), generator=torch.Generator().manual_seed(0))
-    cache = model.new_cache(1, ids.size(1))
     slots = torch.zeros(1, dtype=torch.long)
-    times = []
+    caches = [m.new_cache(1, ids.size(1)) for m in models]
+    times = [[] for _ in models]
     with torch.no_grad():
-        model(ids[:, :prefill], cache=cache, slots=slots)
+        for m, c in zip(models, caches):
+            m(ids[:, :prefill], cache=c, slots=slots)
         for t in range(prefill, ids.size(1)):
-            t0 = time.perf_counter()
-            model(ids[:, t:t + 1], cache=cache, slots=slots)
-            times.append(time.perf_counter() - t0)
+            for m, c, ts in zip(models, caches, times):
+                t0 = time.perf_counter()
+                m(ids[:, t:t + 1], cache=c, slots=slots)
+                ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts[2:]) * 1e3 for ts in times]
+
+
+def params(model) -> float:
+    """Millions of parameters (the families' configs differ in what the shared sizes build: a column to read the
+    times beside)."""
+    return sum(p.numel() for p in model.parameters()) / 1e6
+
+
+def describe(model) -> str:
     plan = model.__dict__.get("_plan")
-    desc = plan[2].describe() if plan and plan[2] is not None else "no decode plan (the model's own forward)"
-    return statistics.median(times[2:]) * 1e3, desc
+    return plan[2].describe() if plan and plan[2] is not None else "no decode plan (the model's own forward)"
 
 
-def measure(family: str, dtype: torch.dtype, prefill: int, steps: int) -> tuple[float | None, str]:
-    with tempfile.TemporaryDirectory() as folder:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                build_checkpoint(family, folder)
-            model = dynamoe.models.load(folder, dtype=dtype, progress=False)
-        except Exception as exc:  # noqa: BLE001 (reported in the table: one family's failure is not the run's)
-            return None, f"not built: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
-        return time_decode(model, prefill, steps)
+def load(family: str, dtype: torch.dtype, folder: str):
+    """The family's model at these sizes, or the reason it could not be built (a string)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            build_checkpoint(family, folder)
+        return dynamoe.models.load(folder, dtype=dtype, progress=False)
+    except Exception as exc:  # noqa: BLE001 (reported in the table: one family's failure is not the run's)
+        return f"not built: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
 
 
 def main() -> None:
@@ -123,21 +137,34 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown families {unknown}; registered: {', '.join(known)}")
     dtype = getattr(torch, args.dtype)
-    # the reference twice (a warm-up of the process's threads and kernels, then the time), the faster one
-    runs = [measure(REFERENCE, dtype, args.prefill, args.steps) for _ in range(2)]
-    ref_ms, ref_desc = min(runs, key=lambda r: float("inf") if r[0] is None else r[0])
-    if ref_ms is None:
-        raise SystemExit(f"the reference {REFERENCE} failed: {ref_desc}")
-    print(f"| family | layers fused | ms/token | ratio to {REFERENCE} | plan |")
-    print("|---|---|---:|---:|---|")
-    print(f"| {REFERENCE} | {ref_desc.split(';')[0]} | {ref_ms:.2f} | 1.00 | {ref_desc} |", flush=True)
-    for family in families:
-        if family == REFERENCE:
-            continue
-        ms, desc = measure(family, dtype, args.prefill, args.steps)
-        fused = desc.split(";")[0] if "layers fused" in desc else "-"
-        cells = ("-", "-") if ms is None else (f"{ms:.2f}", f"{ms / ref_ms:.2f}")
-        print(f"| {family} | {fused} | {cells[0]} | {cells[1]} | {desc} |", flush=True)
+    with tempfile.TemporaryDirectory() as ref_folder:
+        ref = load(REFERENCE, dtype, ref_folder)
+        if isinstance(ref, str):
+            raise SystemExit(f"the reference {REFERENCE} failed: {ref}")
+        ref_ms = time_decode([ref], args.prefill, args.steps)[0]
+        print(f"| family | params (M) | layers fused | ms/token | {REFERENCE} ms/token beside it | ratio to {REFERENCE} "
+              "| plan |")
+        print("|---|---:|---|---:|---:|---:|---|")
+        print(f"| {REFERENCE} | {params(ref):.0f} | {describe(ref).split(';')[0]} | {ref_ms:.2f} | {ref_ms:.2f} | 1.00 "
+              f"| {describe(ref)} |", flush=True)
+        for family in families:
+            if family == REFERENCE:
+                continue
+            with tempfile.TemporaryDirectory() as folder:
+                model = load(family, dtype, folder)
+                if isinstance(model, str):
+                    print(f"| {family} | - | - | - | - | - | {model} |", flush=True)
+                    continue
+                try:
+                    ms, ref_ms = time_decode([model, ref], args.prefill, args.steps)
+                except Exception as exc:  # noqa: BLE001 (as a build failure: reported, the run goes on)
+                    print(f"| {family} | {params(model):.0f} | - | - | - | - | decode failed: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:150]} |", flush=True)
+                    continue
+                desc = describe(model)
+                fused = desc.split(";")[0] if "layers fused" in desc else "-"
+                print(f"| {family} | {params(model):.0f} | {fused} | {ms:.2f} | {ref_ms:.2f} | {ms / ref_ms:.2f} | {desc} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

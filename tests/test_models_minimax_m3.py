@@ -78,6 +78,20 @@ def test_rows_at_different_lengths(pair):
     check_ragged_batch(pair[1])
 
 
+def test_full_attention_moe_layers_decode_with_their_shared_mlp(tmp_path):
+    """Full-attention layers take the fused attention kernel (zero-centred q/k norms); an MoE block with its shared
+    GateUpMLP refuses the fused MoE kernel, so a decode plan runs those layers as modules (the shared MLP included):
+    cached decode equals recompute and the greedy tokens transformers'."""
+    hf = _build(layer_types=["full_attention"] * 3, mlp_layer_types=["sparse"] * 3)
+    ours = dm.load(save_tiny(hf, tmp_path), progress=False)
+    layer = ours.model.layers[0]
+    assert layer.self_attn.decode_fused(layer.input_layernorm, torch.float32).weights is not None
+    check_cached_decode(ours, _ids(seed=2), prefill=9)
+    check_greedy(hf, ours, _ids(seed=1), new_tokens=16)
+    desc = ours.__dict__["_plan"][2].describe()
+    assert desc.startswith("0 of 3 layers fused") and "shared GateUpMLP" in desc, desc
+
+
 def test_indexer_selects_blocks():
     """The chosen keys: causal, whole blocks by absolute position, the query's own block always, at most
     index_topk_blocks blocks per query and group -- and fewer than all keys once a query sees more blocks."""

@@ -186,8 +186,7 @@ class _SharedExpertMoe(SparseMoeBlock):
     def forward(self, x_BTD: Tensor) -> Tensor:
         return super().forward(x_BTD) + self.shared_experts(x_BTD)
 
-    def decode_block(self, h_BTD: Tensor, norm: nn.Module) -> None:
-        return None  # (the fused kernel knows no separate shared MLP of this kind)
+    decode_refusal = "a shared GateUpMLP beside the routed experts (the fused kernel knows no separate shared MLP)"
 
 
 class MiniMaxM3ForCausalLM(TextOfWrapper, CausalLM):

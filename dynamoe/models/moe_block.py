@@ -262,10 +262,17 @@ class SparseMoeBlock(nn.Module):
         self.last_stats = y.routing_stats
         return y
 
+    #: why the fused kernel cannot run this block (a subclass whose forward adds what the kernel lacks, e.g. a
+    #: shared MLP of its own beside ``moe``), or None. Both :meth:`decode_block` and a DecodePlan read it through
+    #: :meth:`decode_fused`.
+    decode_refusal: str | None = None
+
     def decode_fused(self, h_TD: Tensor, norm: nn.Module) -> Fused:
         """The fused kernel of ``h + self(norm(h))`` for decode steps like ``h_TD`` [T, D]
         (MoELayer.decode_fused with the norm and the residual), cached while current; its ``weights`` is
         None (and ``extra`` the reason) where it does not apply."""
+        if self.decode_refusal is not None:
+            return Fused(None, Holds(), self.decode_refusal)
         cache = slot(self)
         fused = cache.get((norm, h_TD.dtype))
         if fused is not None:

@@ -66,8 +66,7 @@ class NemotronHMoE(SparseMoeBlock):
     def forward(self, x_BTD: Tensor) -> Tensor:
         return super().forward(x_BTD) + self.shared_experts(x_BTD)
 
-    def decode_block(self, h_BTD: Tensor, norm: nn.Module) -> None:
-        return None  # the fused kernel has no non-gated shared expert
+    decode_refusal = "a non-gated relu2 shared expert (the fused kernel's shared experts are GLUs)"
 
 
 class NemotronHBlock(nn.Module):

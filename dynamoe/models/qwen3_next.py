@@ -99,8 +99,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         shared = torch.sigmoid(self.shared_expert_gate(x_BTD)) * self.shared_expert(x_BTD)
         return super().forward(x_BTD) + shared
 
-    def decode_block(self, h_BTD: Tensor, norm: nn.Module) -> None:
-        return None  # the fused kernel has no gated shared expert
+    decode_refusal = "a shared expert gated outside the MoE layer (shared_expert_gate on the block)"
 
 
 class HybridDecoderLayer(nn.Module):
