@@ -134,3 +134,21 @@ def check_ragged_batch(ours, lengths=(10, 17), decode_steps: int = 6, seed: int 
         together = torch.cat([ours(nexts[:, s:s + 1], cache=cache, slots=slots) for s in range(decode_steps)], dim=1)
     assert cache.lengths.tolist() == [lengths[1] + decode_steps, 0, lengths[0] + decode_steps]
     torch.testing.assert_close(together, torch.cat(alone, dim=0), atol=ATOL, rtol=0)
+
+
+def check_engine_with_shared_prefix(hf, ours, vocab: int) -> None:
+    """The serving engine (continuous batching, chunked prefill, prefix reuse of a shared prompt head) gives
+    transformers' greedy tokens per prompt."""
+    from dynamoe.engine import GenerationEngine, SamplingParams
+
+    g = torch.Generator().manual_seed(11)
+    head = torch.randint(0, vocab, (17,), generator=g).tolist()
+    prompts = [torch.randint(0, vocab, (6,), generator=g).tolist(), head + [5, 9], head + [7]]
+    engine = GenerationEngine(ours, None, max_seq_len=48, max_batch=2, prefill_chunk=7)
+    reqs = [engine.add_request(p, SamplingParams(temperature=0), 10, ignore_eos=True) for p in prompts]
+    engine.run_until_done()
+    assert engine.totals["cached_tokens"] >= 16   # the third prompt reused the second's first block
+    for p, r in zip(prompts, reqs):
+        want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert r.output_ids == want

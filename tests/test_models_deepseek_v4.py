@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models_util import one_thread  # noqa: F401 (autouse fixture)
+from models_util import check_engine_with_shared_prefix
 from models_util import VOCAB, check_cached_decode, check_greedy, check_logits, check_ragged_batch, greedy, randomize_
 from models_util import ids as _ids
 from models_util import save_tiny
@@ -98,20 +99,7 @@ def test_rows_at_different_lengths(pair):
 def test_engine_generation_matches_generate(pair):
     """The serving engine (continuous batching, chunked prefill, prefix reuse of a shared prompt head) gives
     transformers' greedy tokens per prompt."""
-    from dynamoe.engine import GenerationEngine, SamplingParams
-
-    hf, ours = pair[1], pair[2]
-    g = torch.Generator().manual_seed(11)
-    head = torch.randint(0, VOCAB, (17,), generator=g).tolist()
-    prompts = [torch.randint(0, VOCAB, (6,), generator=g).tolist(), head + [5, 9], head + [7]]
-    engine = GenerationEngine(ours, None, max_seq_len=48, max_batch=2, prefill_chunk=7)
-    reqs = [engine.add_request(p, SamplingParams(temperature=0), 10, ignore_eos=True) for p in prompts]
-    engine.run_until_done()
-    assert engine.totals["cached_tokens"] >= 16   # the third prompt reused the second's first block
-    for p, r in zip(prompts, reqs):
-        want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                           max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-        assert r.output_ids == want
+    check_engine_with_shared_prefix(pair[1], pair[2], VOCAB)
 
 
 def test_the_test_exercises_what_it_claims(pair):
