@@ -64,6 +64,10 @@ def test_index_health_metrics(server):
     assert metric(text, "dynamoe_time_to_first_token_seconds_count") >= 1
     assert metric(text, "dynamoe_request_latency_seconds_count") >= 1
     assert "dynamoe_queue_depth 0" in text and "dynamoe_max_num_seqs 8" in text
+    # the startup heap (torch, the model, the tokenizer, the app) is out of the collector's reach, so a full
+    # collection does not walk it while every stream waits
+    assert metric(text, "dynamoe_gc_frozen_objects") > 50_000
+    assert metric(text, "python_gc_collections_total", generation=0) >= 1
 
 
 def test_errors_and_limits(server):

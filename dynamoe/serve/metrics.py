@@ -11,6 +11,7 @@ Legend: E experts of a layer.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import math
 import threading
@@ -206,6 +207,7 @@ class Metrics:
             L.append(f"dynamoe_prefix_cache_queries_total {kv_cache['prefix_queries']}")
             head("dynamoe_prefix_cache_hits_total", "counter", "Full prompt blocks found in the prefix cache.")
             L.append(f"dynamoe_prefix_cache_hits_total {kv_cache['prefix_hits']}")
+        _gc_lines(head, L)
         head("dynamoe_model_info", "gauge", "The served model.")
         L.append(f"dynamoe_model_info{_labels(model=model_name)} 1")
         head("dynamoe_moe_expert_tokens_total", "counter",
@@ -217,3 +219,19 @@ class Metrics:
         for layer, (_, dropped) in expert_load.items():
             L.append(f"dynamoe_moe_dropped_tokens_total{_labels(layer=layer)} {dropped}")
         return "\n".join(L) + "\n"
+
+
+def _gc_lines(head, L: list[str]) -> None:
+    """The cyclic garbage collector's counts (a full collection stops every stream while it holds the GIL), under
+    the names of the Prometheus Python client's collector, and the objects ``dynamoe serve`` froze out of its reach
+    at startup (:func:`dynamoe.serve.cli.freeze_startup_heap`)."""
+    stats = gc.get_stats()
+    head("python_gc_collections_total", "counter", "Collections by the cyclic garbage collector, by generation.")
+    for g, st in enumerate(stats):
+        L.append(f"python_gc_collections_total{_labels(generation=g)} {st['collections']}")
+    head("python_gc_objects_collected_total", "counter", "Objects the cyclic garbage collector freed, by generation.")
+    for g, st in enumerate(stats):
+        L.append(f"python_gc_objects_collected_total{_labels(generation=g)} {st['collected']}")
+    head("dynamoe_gc_frozen_objects", "gauge", "Objects built at startup (model, tokenizer, libraries) that garbage "
+         "collections do not scan (gc.freeze).")
+    L.append(f"dynamoe_gc_frozen_objects {gc.get_freeze_count()}")

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from .cli import announce, build_engine, server_config
+from .cli import announce, build_engine, freeze_startup_heap, server_config
 
 __all__ = ["serve_ranks", "rank_device"]
 
@@ -65,6 +65,7 @@ def serve_ranks(args, path: str, api_key: str | None, ranks: tuple[int, int, int
                 print(f"dynamoe serve: error: rank {rank}: another rank could not load the model", file=err)
             _leave(1, clean=True)
         model, tokenizer = loaded
+        freeze_startup_heap()   # (every rank: a follower's collection would hold up the whole group's step)
         if rank == 0:
             code = _lead(args, path, api_key, model, tokenizer, channel, world, device, err)
         else:
