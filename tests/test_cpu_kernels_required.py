@@ -53,3 +53,24 @@ def test_required_only_where_the_kernels_are_written_for(broken):
     broken.setattr(cpu_kernels, "cpu_supported", lambda: False)
     assert not cpu_kernels.required()
     assert cpu_kernels.load() is None
+
+
+def _cpuinfo(path, flags: str, mhz: str) -> str:
+    path.write_text("".join(f"processor\t: {i}\nmodel name\t: Intel(R) Xeon(R) Platinum 8488C\ncpu MHz\t\t: {mhz}\n"
+                            f"flags\t\t: {flags}\n\n" for i in range(2)))
+    return str(path)
+
+
+def test_build_name_follows_the_cpu_kind(tmp_path, monkeypatch):
+    """A home directory shared by machines of different kinds keeps one build per kind: a library compiled with
+    -march=native where AMX exists must never be loaded where it does not (an illegal instruction)."""
+    amx = _cpuinfo(tmp_path / "a", "fpu sse avx512f avx512_bf16 amx_bf16 amx_tile", "2400.0")
+    amx_busy = _cpuinfo(tmp_path / "b", "fpu sse avx512f avx512_bf16 amx_bf16 amx_tile", "3100.7")
+    no_amx = _cpuinfo(tmp_path / "c", "fpu sse avx512f avx512_bf16", "2400.0")
+    assert cpu_kernels._cpu_tag(amx) == cpu_kernels._cpu_tag(amx_busy)   # the clock is not the kind
+    assert cpu_kernels._cpu_tag(amx) != cpu_kernels._cpu_tag(no_amx)
+    assert cpu_kernels._cpu_tag(str(tmp_path / "missing"))   # no /proc: still a name
+    monkeypatch.setattr(cpu_kernels, "_cpu_tag", lambda: "kindA")
+    a = cpu_kernels._module_name(cpu_kernels.os.path.dirname(cpu_kernels.__file__) + "/csrc")
+    monkeypatch.setattr(cpu_kernels, "_cpu_tag", lambda: "kindB")
+    assert a != cpu_kernels._module_name(cpu_kernels.os.path.dirname(cpu_kernels.__file__) + "/csrc")

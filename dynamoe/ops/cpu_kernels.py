@@ -53,10 +53,30 @@ def _csrc_hash(folder: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _cpu_tag(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """A digest of what ``-march=native`` compiles for: the CPU's model and instruction-set flags (Linux's
+    /proc/cpuinfo; elsewhere what :mod:`platform` says). A library built for a CPU with AMX or AVX-512 dies of an
+    illegal instruction on one without, so a home directory (torch's extension cache) shared by machines of
+    different kinds -- a cluster's network home -- keeps one build per kind."""
+    h = hashlib.sha1(f"{platform.machine()} {platform.processor()}".encode())
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags", "Features", "CPU part"):   # (x86; Arm's names)
+                    h.update(line.encode())
+                elif not line.strip():   # the first processor's block is enough
+                    break
+    except OSError:
+        pass
+    return h.hexdigest()[:8]
+
+
 def _module_name(here: str) -> str:
-    """The extension's name, one per version of the sources: two dynamoe checkouts (or a running
-    process and a newer one) never rebuild each other's library under torch's extension cache."""
-    return f"dynamoe_cpu_kernels_{_csrc_hash(here)}"
+    """The extension's name, one per version of the sources and kind of CPU: two dynamoe checkouts (or a running
+    process and a newer one) never rebuild each other's library under torch's extension cache, and a machine never
+    loads a library built for another's instruction set (:func:`_cpu_tag`)."""
+    return f"dynamoe_cpu_kernels_{_csrc_hash(here)}_{_cpu_tag()}"
 
 
 def _will_build(here: str) -> bool:
