@@ -69,3 +69,47 @@ def test_sinks_with_autograd_take_the_materialized_path_and_agree(dtype):
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(fast.double(), want, atol=tol, rtol=tol)
     torch.testing.assert_close(slow.detach().double(), want, atol=tol, rtol=tol)
+
+
+@settings(max_examples=30, deadline=None)
+@given(K=st.sampled_from([1, 2, 4]), G=st.sampled_from([1, 3, 4]), T=st.integers(2, 12), past=st.integers(12, 60),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99))
+def test_a_chunk_over_its_cached_prefix_splits_and_equals_the_reference(K, G, T, past, dtype, seed):
+    """One sequence's chunk at the end of its keys: the prefix without a mask and the chunk's causal square,
+    merged by log-sum-exp (the threshold lowered so that small shapes take that path)."""
+    from unittest import mock
+
+    from dynamoe.models import attention
+
+    g = torch.Generator().manual_seed(seed)
+    H, d, L = K * G, 16, past + T
+    q, k, v = (torch.randn(1, n, m, d, generator=g).to(dtype) for n, m in ((H, T), (K, L), (K, L)))
+    q_pos, k_pos = torch.arange(past, L)[None], torch.arange(L)[None]
+    calls = []
+    split = attention._prefix_then_causal
+    with mock.patch.object(attention, "_SPLIT_MIN_PREFIX", 0), \
+            mock.patch.object(attention, "_prefix_then_causal", lambda *a: calls.append(1) or split(*a)):
+        with torch.inference_mode():
+            got = attend(q, k, v, q_pos, k_pos, 0.3)
+            shifted = attend(q, k, v, q_pos - 1, k_pos, 0.3)     # not at the end of its keys: the masked path
+    assert len(calls) == (1 if past >= T else 0) and got.dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), reference(q, k, v, q_pos, k_pos, 0.3), atol=tol, rtol=tol)
+    torch.testing.assert_close(shifted.double(), reference(q, k, v, q_pos - 1, k_pos, 0.3), atol=tol, rtol=tol)
+
+
+def test_a_long_prompt_chunked_equals_it_whole():
+    """A chunk over a cached prefix past the split threshold (what a long prompt beside running streams, or a new
+    turn after a cached conversation, runs) attends as the same queries of the whole prompt's causal pass."""
+    from dynamoe.models import attention
+
+    L, T = attention._SPLIT_MIN_PREFIX + 40, 24
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, L, 16, generator=g)
+    k = torch.randn(1, 2, L, 16, generator=g)
+    v = torch.randn(1, 2, L, 16, generator=g)
+    with torch.inference_mode():
+        whole = attend(q, k, v, torch.arange(L)[None], None, 0.25)
+        chunk = attend(q[:, :, L - T:], k, v, torch.arange(L - T, L)[None], torch.arange(L)[None], 0.25)
+    assert attention._is_chunk_over_its_prefix(q[:, :, L - T:], k, v, torch.arange(L - T, L)[None])
+    torch.testing.assert_close(chunk, whole[:, :, L - T:], atol=1e-5, rtol=1e-5)

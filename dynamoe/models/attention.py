@@ -113,6 +113,8 @@ def attend(q_BHTd: Tensor, k_BKLd: Tensor, v_BKLd: Tensor, q_pos_BT: Tensor, k_p
         # one sequence's decode step over exactly its keys 0..position: every key is visible, so
         # no mask (building one costs more than this step's attention)
         return _sdpa(q_BHTd, k_BKLd, v_BKLd, None, scale, causal=False)
+    if window is None and sinks_H is None and chunk is None and _is_chunk_over_its_prefix(q_BHTd, k_BKLd, v_BKLd, q_pos_BT):
+        return _prefix_then_causal(q_BHTd, k_BKLd, v_BKLd, scale)
     span = window or chunk
     if span is not None and k_BKLd.size(2) > 2 * span and (q_BHTd.size(2) > 1 or chunk is not None):
         spans = _window_spans(q_pos_BT, k_pos_BL, k_BKLd.size(2), window, chunk)
@@ -123,6 +125,43 @@ def attend(q_BHTd: Tensor, k_BKLd: Tensor, v_BKLd: Tensor, q_pos_BT: Tensor, k_p
                               for a, b, lo, hi in spans], dim=2)
     return _masked(q_BHTd, k_BKLd, v_BKLd, q_pos_BT, q_pos_BT if k_pos_BL is None else k_pos_BL, scale, window, sinks_H,
                    chunk)
+
+
+#: the shortest cached prefix worth splitting off (below it, the mask costs little and two kernel calls more)
+_SPLIT_MIN_PREFIX = 256
+
+
+def _is_chunk_over_its_prefix(q: Tensor, k: Tensor, v: Tensor, q_pos_BT: Tensor) -> bool:
+    """One sequence's prefill chunk of T > 1 queries at the last T of its L keys 0..L-1, the first L - T of which
+    (>= :data:`_SPLIT_MIN_PREFIX`) every query sees: what a chunked or prefix-cached prefill runs on the CPU."""
+    B, _, T, d = q.shape
+    L = k.size(2)
+    if (B != 1 or T < 2 or L - T < max(T, _SPLIT_MIN_PREFIX) or _FLASH_LSE is None or q.device.type != "cpu"
+            or v.size(-1) != d or not q.dtype == k.dtype == v.dtype
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))):
+        return False
+    pos = q_pos_BT[0]
+    return int(pos[0]) == L - T and int(pos[-1]) == L - 1 and bool((pos[1:] - pos[:-1] == 1).all())
+
+
+def _prefix_then_causal(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Attention of T queries at positions L-T..L-1 over keys 0..L-1 (see :func:`_is_chunk_over_its_prefix`) as
+    two mask-free passes merged by their log-sum-exps: every query over the cached prefix 0..L-T-1 (the G query
+    heads of a key/value head as G*T rows: one pass over its keys), and causal attention among the T new ones.
+    The masked kernel builds and reads a [T, L] mask and takes a slower path: 1.3-1.7x the time at 11k keys."""
+    B, H, T, d = q.shape
+    K, L = k.size(1), k.size(2)
+    G, P = H // K, L - T
+    out_p, lse_p = _FLASH_LSE(q.reshape(B, K, G * T, d), k[:, :, :P], v[:, :, :P], 0.0, False, scale=scale)[:2]
+    k_t, v_t = k[:, :, P:], v[:, :, P:]
+    if G > 1:
+        k_t, v_t = k_t.repeat_interleave(G, dim=1), v_t.repeat_interleave(G, dim=1)
+    out_t, lse_t = _FLASH_LSE(q, k_t, v_t, 0.0, True, scale=scale)[:2]
+    lse_p, lse_t = lse_p.reshape(B, H, T, 1).float(), lse_t.reshape(B, H, T, 1).float()
+    top = torch.maximum(lse_p, lse_t)
+    w_p, w_t = torch.exp(lse_p - top), torch.exp(lse_t - top)
+    out = (out_p.reshape(B, H, T, d).float() * w_p + out_t.float() * w_t) / (w_p + w_t)
+    return out.to(q.dtype)
 
 
 def _masked(q: Tensor, k: Tensor, v: Tensor, q_pos_BT: Tensor, k_pos_BL: Tensor, scale: float,
