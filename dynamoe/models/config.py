@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ModelConfig", "RopeConfig", "SSMConfig", "NEMOTRON_BLOCKS", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
            "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config", "Gemma4Layer", "gemma4_attention_layers",
-           "inkling_attention_sizes"]
+           "inkling_attention_sizes", "Qwen4Fields", "qwen4_fields"]
 
 # 'proportional' (Gemma 4's global layers): RoPE over the whole head whose first partial_rotary_factor share of
 # frequency pairs rotate (exponents over the whole head dim) and the rest stand still
@@ -87,6 +87,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "mistral_large4": TextWrapper(("text_config",), ("mistral_large4_text",)),
     "dots3_note": TextWrapper(("text_config",), ("dots3_note_text",)),
     "hy_v4_vl": TextWrapper(("text_config",), ("hy_v4_vl_text",)),
+    # (Qwen4ExpForConditionalGeneration ties by the wrapper's flag, default false)
+    "qwen4_exp": TextWrapper(("text_config",), ("qwen4_exp_text",)),
     # (DeepseekOcr2ForConditionalGeneration ties by the wrapper's flag, default false)
     "deepseek_ocr2": TextWrapper(("text_config",), ("deepseek_ocr2_text",)),
     # (Ernie4_5_VLMoeForConditionalGeneration ties by the wrapper's flag, default true)
@@ -128,7 +130,16 @@ _HY4 = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "pad_token_id":
         "v_head_dim": 256, "index_topk": 2048, "index_head_dim": 128, "swiglu_limit": 10.0}
 _QWEN3_5_MOE = {"partial_rotary_factor": 0.25, "full_attention_interval": 4, "num_experts": 256,
                 "num_experts_per_tok": 8, "fields": _HYBRID_FIELDS}
+# Qwen4ExpTextConfig: Qwen3.5's hybrid sizes, but RoPE over the whole head (its config class skips Qwen3.5's 0.25),
+# 512 experts, top-10, and 'indexed_attention' (QSA) layers every full_attention_interval-th ('full_attention' read
+# as such: "qwen4_layers"); the QSA indexer sizes under our index_* names; hyper-connections, per-layer n-gram
+# embeddings and the QSA block size in dynamoe.models.qwen4_exp (qwen4_fields)
+_QWEN4_EXP_TEXT = {"full_attention_interval": 4, "qwen4_layers": True, "num_experts": 512, "num_experts_per_tok": 10,
+                   "aliases": {"index_n_heads": "indexer_n_heads", "index_head_dim": "indexer_head_dim",
+                               "index_topk": "indexer_budget"},
+                   "fields": {**_HYBRID_FIELDS, "norm_topk_prob": True}}
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen4_exp_text": _QWEN4_EXP_TEXT,
     "qwen3_next": {"partial_rotary_factor": 0.25, "full_attention_interval": 4, "num_experts": 512,
                    "num_experts_per_tok": 10,
                    "fields": {**_HYBRID_FIELDS, "intermediate_size": 5632, "norm_topk_prob": True}},
@@ -1804,6 +1815,18 @@ class ModelConfig:
                 raise _err("layer_types", d.get("layer_types"), f"a list of {layers} entries from ['linear_attention', "
                            "'indexed_attention', 'full_attention']")
             layer_types = tuple(layer_types)
+        elif fam.get("qwen4_layers"):  # every n-th layer QSA-indexed attention, the others linear; 'full_attention'
+            # is read as 'indexed_attention' (the released configs say so of their indexed layers)
+            if layer_types is None:
+                n = _int(d, "full_attention_interval", fam["full_attention_interval"])
+                layer_types = ["indexed_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(layers)]
+            if isinstance(layer_types, (list, tuple)):
+                layer_types = ["indexed_attention" if t == "full_attention" else t for t in layer_types]
+            if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
+                    or any(t not in ("linear_attention", "indexed_attention") for t in layer_types)):
+                raise _err("layer_types", d.get("layer_types"), f"a list of {layers} entries from ['linear_attention', "
+                           "'indexed_attention', 'full_attention']")
+            layer_types = tuple(layer_types)
         elif layer_types is not None:
             if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
                     or any(t not in kinds for t in layer_types)):
@@ -2109,6 +2132,78 @@ def inkling_attention_sizes(cfg: "ModelConfig") -> tuple:
         raise _err("swa_num_key_value_heads", swa[1], f"a divisor of swa_num_attention_heads={swa[0]}")
     full = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     return tuple(swa if t == "sliding_attention" else full for t in cfg.layer_types)
+
+
+@dataclass(frozen=True)
+class Qwen4Fields:
+    """Qwen4-Exp's own values (:func:`qwen4_fields`): hyper-connection streams and the mixers' rank; the QSA block size
+    (its heads, head size and token budget are ``index_n_heads`` / ``index_head_dim`` / ``index_topk``); the per-layer
+    n-gram embeddings (PLE: 0-based ``ple_layers``, empty for none) and the linear attention's output-gate activation.
+    """
+
+    hc_count: int
+    hc_lowrank: int
+    indexer_compress_ratio: int
+    output_gate_type: str
+    ple_layers: tuple
+    ple_embed_dim: int
+    ple_conv_kernel_size: int
+    ngram_size: int
+    heads_per_ngram: int
+    ngram_vocab_size_base: int
+    make_ngram_vocab_size_divisible_by: int
+    seed: int
+    split_ngram_parts: int
+
+
+def qwen4_fields(cfg: "ModelConfig") -> Qwen4Fields:
+    """Qwen4-Exp's fields as Qwen4ExpTextConfig reads and checks them (defaults: 4 streams, rank 320, no PLE, PLE
+    embedding width = hidden size, conv kernel 4, trigrams, 8 heads per n-gram, 20M n-gram vocabulary base padded to
+    multiples of 128, seed 1234, 512 checkpoint shards per table). The QSA fields are required together (transformers'
+    attention layers cannot be built without them)."""
+    d, layers = cfg.raw, cfg.num_hidden_layers
+    hc_count = _int(d, "hc_count", 4, minimum=2)
+    qsa = {"indexer_n_heads": cfg.index_n_heads, "indexer_head_dim": cfg.index_head_dim, "indexer_budget": cfg.index_topk,
+           "indexer_compress_ratio": _int(d, "indexer_compress_ratio"), "indexer_kv_heads": _int(d, "indexer_kv_heads")}
+    missing = [k for k, v in qsa.items() if v is None]
+    if missing and "indexed_attention" in cfg.layer_types:
+        raise ValueError(f"config fields {missing} are required: the 'indexed_attention' layers of {cfg.model_type!r} "
+                         "select their keys with the QSA indexer, which needs all of indexer_n_heads, indexer_kv_heads, "
+                         "indexer_head_dim, indexer_budget and indexer_compress_ratio")
+    ratio = qsa["indexer_compress_ratio"] or 1
+    if qsa["indexer_kv_heads"] not in (None, 1):
+        raise _err("indexer_kv_heads", qsa["indexer_kv_heads"], "1 (Qwen4-Exp's QSA has one key head)")
+    if qsa["indexer_budget"] is not None and qsa["indexer_budget"] % ratio:
+        raise _err("indexer_budget", qsa["indexer_budget"], f"a multiple of indexer_compress_ratio={ratio}")
+    rotary = int(cfg.head_dim * cfg.rope.partial_rotary_factor)
+    if qsa["indexer_head_dim"] is not None and rotary > qsa["indexer_head_dim"]:
+        raise _err("indexer_head_dim", qsa["indexer_head_dim"], f"an int >= the attention's rotary dims ({rotary}: "
+                   "the indexer's queries and keys take the same RoPE)")
+    gate = _str(d, "output_gate_type", None) or cfg.hidden_act
+    if gate not in ("silu", "sigmoid"):
+        raise _err("output_gate_type", gate, "'silu' or 'sigmoid' (default: hidden_act)")
+    ids = d.get("ple_layer_ids")
+    if ids is None:
+        ids = []
+    if (not isinstance(ids, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
+            or any(not 1 <= i <= layers for i in ids)):
+        raise _err("ple_layer_ids", ids, f"a list of one-based layer ids in [1, {layers}]")
+    ple = tuple(sorted({i - 1 for i in ids}))
+    bad = [i + 1 for i in ple if cfg.layer_types[i] != "linear_attention"]
+    if bad:
+        raise _err("ple_layer_ids", ids, f"ids of 'linear_attention' layers only (layers {bad} are not)")
+    ngram, heads = _int(d, "ngram_size", 3, minimum=2), _int(d, "heads_per_ngram", 8)
+    width = _int(d, "ple_embed_dim", cfg.hidden_size)
+    if ple:
+        if width % ((ngram - 1) * heads):
+            raise _err("ple_embed_dim", width, f"a multiple of (ngram_size - 1) * heads_per_ngram = {(ngram - 1) * heads}")
+        if not cfg.eos_token_id:
+            raise ValueError("config field 'eos_token_id' is required when ple_layer_ids is set (the n-gram "
+                             "embeddings restart after it)")
+    return Qwen4Fields(hc_count, _int(d, "hc_lowrank", 320), ratio, gate, ple, width,
+                       _int(d, "ple_conv_kernel_size", 4), ngram, heads, _int(d, "ngram_vocab_size_base", 20_000_000),
+                       _int(d, "make_ngram_vocab_size_divisible_by", 128), _int(d, "seed", 1234, minimum=0),
+                       _int(d, "split_ngram_parts", 512))
 
 
 @dataclass(frozen=True)
