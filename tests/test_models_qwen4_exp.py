@@ -94,6 +94,21 @@ def test_structure(pair):
     indexer = layers[1].self_attn.indexer
     assert (indexer.n_heads, indexer.head_dim, indexer.block, indexer.keep) == (8, 12, 4, 2)
     assert ours.model.rotary_emb.inv_freq.numel() * 2 == 8    # RoPE on half of the 16 head dims
+    # the cache sizing counts what the layers store: keys, values and the QSA's raw and block keys per position (two
+    # indexed layers); the linear layers' conv windows and states, the PLE layers' conv windows per sequence
+    assert ours.config.kv_elements_per_position() == 2 * (2 * 2 * 16 + 2 * 12)
+    with torch.no_grad():
+        cache = ours.new_cache(3, 16)
+        ours(_ids(rows=1, tokens=9), cache=cache)
+    paged = sum(t[:, 0, 0].numel() for t in cache._paged)
+    assert paged == ours.config.kv_elements_per_position()
+    sizes = {"conv_state": sum(layer[n][0].numel() for layer in cache.layers for n in ("conv_state", "ple_conv_state")
+                               if n in layer),
+             "recurrent_state": sum(layer["recurrent_state"][0].numel() for layer in cache.layers
+                                    if "recurrent_state" in layer)}
+    ple = 2 * streams * 32 * 3 * 3 if name == "text" else streams * 32 * 2 * 4
+    assert ours.config.state_elements_per_sequence() == sizes == {"conv_state": 2 * 64 * 3 + ple,
+                                                                  "recurrent_state": 2 * 4 * 8 * 8}
 
 
 def test_ngram_tables_and_hashes_match_transformers(pair):
@@ -293,3 +308,19 @@ def test_config_refusals():
                        ({"ple_layer_ids": [1], "eos_token_id": None}, "eos_token_id")):
         with pytest.raises(ValueError, match=field):
             Qwen4ExpForCausalLM(dm.ModelConfig.from_dict({**base, **bad}))
+
+
+def test_ngrams_restart_after_the_text_configs_eos():
+    """A wrapper whose own eos differs from its text config's: the n-grams restart after the text config's (what
+    transformers' text model reads), while generation stops at the wrapper's."""
+    text = {"vocab_size": 8, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 8, "layer_types": ["linear_attention", "full_attention"],
+            "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
+            "indexer_compress_ratio": 4, "ple_layer_ids": [1], "ple_embed_dim": 16, "eos_token_id": 5}
+    cfg = dm.ModelConfig.from_dict({"model_type": "qwen4_exp", "eos_token_id": 7, "text_config": text})
+    from dynamoe.models.config import qwen4_fields
+
+    assert cfg.eos_token_id == (7,) and qwen4_fields(cfg).ple_eos == 5
+    with pytest.raises(ValueError, match="eos_token_id"):
+        qwen4_fields(dm.ModelConfig.from_dict({"model_type": "qwen4_exp", "eos_token_id": 7,
+                                               "text_config": {**text, "eos_token_id": None}}))

@@ -1620,6 +1620,9 @@ class ModelConfig:
         if self.family_type == "gemma4_text":  # own sizes; shared layers none
             return sum(2 * g.num_key_value_heads * g.head_dim for i, g in enumerate(gemma4_attention_layers(self))
                        if g.kv_source == i)
+        if self.family_type == "qwen4_exp_text":  # indexed layers: keys, values, the QSA's raw and block keys
+            per = 2 * self.num_key_value_heads * self.head_dim + 2 * (self.index_head_dim or 0)
+            return per * sum(t == "indexed_attention" for t in self.layer_types)
         if self.kv_lora_rank:
             per_layer = self.kv_lora_rank + (self.qk_rope_head_dim or 0) + (self.index_head_dim or 0)
         elif self.model_type == "mimo_v2_flash":  # values v_head_dim wide; sliding layers have twice the KV heads
@@ -1650,7 +1653,12 @@ class ModelConfig:
             return {"conv_state": linear * self.ssm.conv_channels * (self.ssm.conv_kernel - 1),
                     "recurrent_state": linear * self.ssm.state_elements}
         key, value = self.linear_num_key_heads * self.linear_key_head_dim, self.linear_num_value_heads * self.linear_value_head_dim
-        return {"conv_state": linear * (2 * key + value) * (self.linear_conv_kernel_dim - 1),
+        conv = linear * (2 * key + value) * (self.linear_conv_kernel_dim - 1)
+        if self.family_type == "qwen4_exp_text":  # + each PLE layer's dilated conv window over the streams (and its
+            # n - 1 context token ids, int64, not counted)
+            f = qwen4_fields(self)
+            conv += len(f.ple_layers) * f.hc_count * self.hidden_size * (f.ple_conv_kernel_size - 1) * f.ngram_size
+        return {"conv_state": conv,
                 "recurrent_state": linear * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim}
 
     def is_moe_layer(self, i: int) -> bool:
@@ -2138,7 +2146,8 @@ def inkling_attention_sizes(cfg: "ModelConfig") -> tuple:
 class Qwen4Fields:
     """Qwen4-Exp's own values (:func:`qwen4_fields`): hyper-connection streams and the mixers' rank; the QSA block size
     (its heads, head size and token budget are ``index_n_heads`` / ``index_head_dim`` / ``index_topk``); the per-layer
-    n-gram embeddings (PLE: 0-based ``ple_layers``, empty for none) and the linear attention's output-gate activation.
+    n-gram embeddings (PLE: 0-based ``ple_layers``, empty for none; ``ple_eos``, the token their n-grams restart after,
+    None without PLE) and the linear attention's output-gate activation.
     """
 
     hc_count: int
@@ -2154,6 +2163,7 @@ class Qwen4Fields:
     make_ngram_vocab_size_divisible_by: int
     seed: int
     split_ngram_parts: int
+    ple_eos: int | None
 
 
 def qwen4_fields(cfg: "ModelConfig") -> Qwen4Fields:
@@ -2194,16 +2204,19 @@ def qwen4_fields(cfg: "ModelConfig") -> Qwen4Fields:
         raise _err("ple_layer_ids", ids, f"ids of 'linear_attention' layers only (layers {bad} are not)")
     ngram, heads = _int(d, "ngram_size", 3, minimum=2), _int(d, "heads_per_ngram", 8)
     width = _int(d, "ple_embed_dim", cfg.hidden_size)
+    # (the text config's own eos when a wrapper nests it: transformers' text model reads its config's, whatever the
+    # wrapper's says)
+    eos = _int_list(d, "text_eos_token_id") if "text_eos_token_id" in d else cfg.eos_token_id
     if ple:
         if width % ((ngram - 1) * heads):
             raise _err("ple_embed_dim", width, f"a multiple of (ngram_size - 1) * heads_per_ngram = {(ngram - 1) * heads}")
-        if not cfg.eos_token_id:
+        if not eos:
             raise ValueError("config field 'eos_token_id' is required when ple_layer_ids is set (the n-gram "
                              "embeddings restart after it)")
     return Qwen4Fields(hc_count, _int(d, "hc_lowrank", 320), ratio, gate, ple, width,
                        _int(d, "ple_conv_kernel_size", 4), ngram, heads, _int(d, "ngram_vocab_size_base", 20_000_000),
                        _int(d, "make_ngram_vocab_size_divisible_by", 128), _int(d, "seed", 1234, minimum=0),
-                       _int(d, "split_ngram_parts", 512))
+                       _int(d, "split_ngram_parts", 512), eos[0] if ple else None)
 
 
 @dataclass(frozen=True)
@@ -2281,7 +2294,8 @@ def unwrap_text_config(d: dict) -> dict:
     gives them; ``tie_word_embeddings`` from the level right above the text config (else the wrapper's
     default; or the text config's own flag alone where the wrapper says ``tie_by_text``: :class:`TextWrapper`); ``quantization_config`` from whichever level has it (ValueError if two
     differ); ``model_type`` the outer one and ``text_model_type`` the inner one (whose family defaults
-    apply); ``vision_config`` kept for reference. Any other dict comes back as it is."""
+    apply); ``text_eos_token_id`` the text config's own eos (what a text model's layers read, Qwen4-Exp's n-gram
+    embeddings); ``vision_config`` kept for reference. Any other dict comes back as it is."""
     outer_type = d.get("model_type")
     spec = TEXT_WRAPPERS.get(outer_type)
     if spec is None:
@@ -2299,6 +2313,7 @@ def unwrap_text_config(d: dict) -> dict:
         raise _err(f"{name}.model_type", inner_type, f"one of {list(spec.text_types)} (a {outer_type!r} "
                    f"checkpoint's text model)")
     flat = dict(text)
+    flat["text_eos_token_id"] = text.get("eos_token_id")
     for key in _WRAPPER_FIELDS:
         given = [level[key] for level in levels[:-1] if level.get(key) is not None]
         if given:

@@ -176,7 +176,7 @@ class Qwen4ExpForCausalLM(TextOfWrapper, CausalLM):
             table = NGramEmbedding(cfg.vocab_size, f.ple_embed_dim, f.ngram_size, f.heads_per_ngram,
                                    f.ngram_vocab_size_base, f.make_ngram_vocab_size_divisible_by, f.split_ngram_parts,
                                    k, f.seed, dtype=dtype)
-            ple = PerLayerEmbedding(D, f.hc_count, f.ple_embed_dim, f.ple_conv_kernel_size, cfg.eos_token_id[0], i,
+            ple = PerLayerEmbedding(D, f.hc_count, f.ple_embed_dim, f.ple_conv_kernel_size, f.ple_eos, i,
                                     table, eps, dtype=dtype)
         hcs = [GatedStreamMixer(D, f.hc_count, f.hc_lowrank, eps, dtype=dtype) for _ in range(2)]
         return Qwen4DecoderLayer(mixer, SharedExpertMoeBlock(cfg, cfg.norm_topk_prob, dtype=dtype), *hcs, ple,
