@@ -169,6 +169,17 @@ def test_chunked_prefill_equals_one_pass(pair):
                                    rtol=0)
 
 
+def test_scoring_in_query_chunks_changes_nothing(pair, monkeypatch):
+    """A long prefill's indexer scores its queries in chunks (bounded memory): the same logits as in one piece."""
+    from dynamoe.models.qsa_indexer import QSAIndexer
+
+    ours, x = pair[2], _with_eos(_ids(tokens=30, seed=6))
+    with torch.no_grad():
+        whole = ours(x)
+        monkeypatch.setattr(QSAIndexer, "MAX_SCORES", 2 * 8 * 7 * 4)    # 4 queries per chunk (B 2, I 8, W 7)
+        torch.testing.assert_close(ours(x), whole, atol=1e-5, rtol=0)
+
+
 def test_rows_at_different_lengths(pair):
     check_ragged_batch(pair[2], lengths=(10, 19), decode_steps=8)
 
@@ -208,6 +219,29 @@ def test_engine_generates_transformers_tokens(pair):
         want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                            max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
         assert r.output_ids == want
+
+
+def test_bf16_tracks_transformers_bf16(pair):
+    """bf16 weights: cached decode runs (the recurrent state fp32, the conv windows in the cache's dtype, the n-gram
+    context int64), and the logits are no further from the fp32 ones than transformers' own bf16 logits are."""
+    import copy
+
+    name, hf, _, path = pair
+    ours = dm.load(path, dtype="bfloat16", progress=False)
+    ids = _with_eos(_ids(seed=2))
+    with torch.no_grad():
+        ref32, hf16 = hf(ids).logits, copy.deepcopy(hf).to(torch.bfloat16)(ids).logits.float()
+        full = ours(ids)
+        cache = ours.new_cache(2, 32)
+        steps = [ours(ids[:, :9], cache=cache)] + [ours(ids[:, t:t + 1], cache=cache) for t in range(9, 24)]
+    assert full.dtype == torch.bfloat16
+    ple = next(i for i, layer in enumerate(ours.model.layers) if layer.ple is not None)
+    assert cache.layers[ple]["recurrent_state"].dtype == torch.float32
+    assert cache.layers[ple]["ple_conv_state"].dtype == torch.bfloat16
+    assert cache.layers[ple]["ngram_context"].dtype == torch.long
+    ours_err, hf_err = (full.float() - ref32).abs().max(), (hf16 - ref32).abs().max()
+    assert ours_err <= 1.5 * hf_err, (ours_err, hf_err)
+    assert (torch.cat(steps, 1).float() - ref32).abs().max() <= 1.5 * hf_err
 
 
 def test_the_test_exercises_what_it_claims(pair):

@@ -43,6 +43,9 @@ class QSAIndexer(nn.Module):
     ``k_layernorm``). ``forward(x [B, T, D], positions [B, T], cache, slots, kv_len) -> bool [B, 1, T, L] or None``:
     True where the query may attend (causal and selected), None when every causal key is kept."""
 
+    #: at most this many per-head scores (fp32) exist at once; longer prefills are scored in query chunks
+    MAX_SCORES = 1 << 26
+
     def __init__(self, hidden_size: int, n_heads: int, head_dim: int, budget: int, block: int, layer_idx: int,
                  rotary: RotaryEmbedding, eps: float = 1e-6, dtype=None):
         super().__init__()
@@ -96,8 +99,12 @@ class QSAIndexer(nn.Module):
         cos, sin = self.rotary(positions_BT, q.dtype)
         q = apply_rope(q.transpose(1, 2).contiguous(), cos, sin).transpose(1, 2)          # [B, T, I, i]
         W = blocks.size(1)
-        scores = F.relu(torch.matmul(q.float(), blocks.float().transpose(-1, -2).unsqueeze(1)))   # [B, T, I, W]
-        index = scores.sum(dim=2) / d ** 0.5                                               # [B, T, W]
+        kT = blocks.float().transpose(-1, -2).unsqueeze(1)                                 # [B, 1, i, W]
+        # the per-head scores [B, t, I, W] are the big intermediate (relu keeps the heads apart): a long prefill
+        # takes its queries in chunks of at most MAX_SCORES of them
+        step = max(1, self.MAX_SCORES // max(1, B * I * W))
+        index = torch.cat([F.relu(torch.matmul(q[:, t0:t0 + step].float(), kT)).sum(dim=2) / d ** 0.5
+                           for t0 in range(0, T, step)], dim=1)                            # [B, T, W]
         p = positions_BT[:, :, None]                                                       # [B, T, 1]
         complete = (torch.arange(W, device=x_BTD.device) + 1) * P - 1 <= p                 # [B, T, W]
         chosen = keep_top(index.masked_fill(~complete, float("-inf")), self.keep) & complete
