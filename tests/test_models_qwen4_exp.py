@@ -245,9 +245,9 @@ def test_bf16_tracks_transformers_bf16(pair):
 
 
 def test_the_test_exercises_what_it_claims(pair):
-    """Sanity of the test itself: the indexer's selection, the PLE (its n-grams' eos cut, its conv, the whole of it),
-    the mixers' inject weights, the output gate's activation and the shared expert each change the logits (so the
-    parity above pins them)."""
+    """Sanity of the test itself: the indexer's selection, the PLE (its n-grams' eos cut, their hash, its conv, the
+    whole of it), the mixers' inject and mix weights, the output gate's activation and the shared expert each change
+    the logits (so the parity above pins them)."""
     name, _, ours, _ = pair
     x = _with_eos(_ids(tokens=30))
     with torch.no_grad():
@@ -276,7 +276,10 @@ def test_the_test_exercises_what_it_claims(pair):
     assert differs(*setting(ples, "eos", EOS + 1))                   # n-grams no longer cut at the eos tokens
     assert differs(*zeroed([p.conv1d.weight for p in ples]))
     assert differs(*zeroed([p.value_proj.weight for p in ples]))
+    tables = [p.ple_embedding for p in ples]
+    assert differs(*setting(tables, "multipliers", [1] * tables[0].ngram_size))   # another hash of the n-grams
     assert differs(*zeroed([layer.mlp_hyper_connection.block_inject_weight.weight for layer in layers]))
+    assert differs(*zeroed([layer.attn_hyper_connection.input_mix_weight_up.weight for layer in layers]))  # plain mean
     norms = [layer.linear_attn.norm for layer in layers if hasattr(layer, "linear_attn")]
     assert differs(*setting(norms, "activation", "silu" if name == "wrapped" else "sigmoid"))
     assert differs(*zeroed([layer.mlp.shared_expert_gate.weight for layer in layers]))
