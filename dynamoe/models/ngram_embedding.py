@@ -26,7 +26,6 @@ and ``ngram_heads_offsets`` buffers are derived from the config and not read.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -68,14 +67,18 @@ def _is_prime(v: int) -> bool:
     return all(v % q for q in range(3, math.isqrt(v) + 1, 2))
 
 
-@functools.lru_cache(maxsize=None)
-def _primes_from(base: int, count: int) -> tuple:
-    out, v = [], base
+_PRIMES: dict[int, list[int]] = {}   # base -> the primes >= base found so far, in order (every layer extends them)
+
+
+def _primes_from(base: int, count: int) -> list[int]:
+    """The first ``count`` primes >= ``base``."""
+    out = _PRIMES.setdefault(base, [])
+    v = out[-1] + 1 if out else base
     while len(out) < count:
         if _is_prime(v):
             out.append(v)
         v += 1
-    return tuple(out)
+    return out[:count]
 
 
 def head_vocab_sizes(base: int, heads: int, ple_index: int) -> list[int]:
