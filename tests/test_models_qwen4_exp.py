@@ -36,9 +36,10 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, shared_e
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=32)
 VARIANTS = {
-    # the text model alone: two streams, PLE on both linear layers, trigrams, the silu output gate
+    # the text model alone: two streams, PLE on both linear layers, trigrams, the silu output gate, the n-gram tables
+    # in 12 checkpoint chunks (shard_10 sorts before shard_2 by name: read in chunk order)
     "text": dict(layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"], hc_count=2,
-                 ple_layer_ids=[1, 3]),
+                 ple_layer_ids=[1, 3], split_ngram_parts=12),
     # in the vision-language wrapper: three streams, 4-grams on one layer, the sigmoid output gate, layer kinds from
     # full_attention_interval, a shorter PLE conv
     "wrapped": dict(full_attention_interval=2, hc_count=3, ple_layer_ids=[3], ngram_size=4, heads_per_ngram=1,
