@@ -155,6 +155,13 @@ FAMILIES = {
     # Muse Spark's multimodal config (16 KV heads by default; its audio adapter checks the text width): sliding / full
     # NoPE layers, the pooled MoE
     "muse_spark": ("MuseSparkConfig", dict(num_key_value_heads=8, hidden_size=8192)),
+    # Qwen4-Exp's language model, alone and in its vision-language wrapper: Qwen3.5's hybrid with QSA-indexed attention
+    # (whose five fields have no defaults: its attention layers cannot be built without them), hyper-connection
+    # streams, per-layer n-gram embeddings
+    "qwen4_exp_text": ("Qwen4ExpTextConfig", dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=256,
+                                                  indexer_budget=64, indexer_compress_ratio=16)),
+    "qwen4_exp": ("Qwen4ExpConfig", dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=256, indexer_budget=64,
+                                         indexer_compress_ratio=16)),
 }
 # wrapper model_type -> the sub-config keys down to its text model's config
 WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "glm4v_moe": ("text_config",),
@@ -163,7 +170,7 @@ WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "g
            "minimax_m3_vl": ("text_config",), "glm5_next": ("text_config",), "mistral_large4": ("text_config",),
            "hy_v4_vl": ("text_config",), "dots3_note": ("text_config",), "gemma4": ("text_config",),
            "inkling_mm_model": ("text_config",), "ernie4_5_vl_moe": ("text_config",),
-           "deepseek_ocr2": ("text_config",), "muse_spark": ("text_config",)}
+           "deepseek_ocr2": ("text_config",), "muse_spark": ("text_config",), "qwen4_exp": ("text_config",)}
 INKLING = {"inkling_text", "inkling_mm_model"}
 GEMMA4 = {"gemma4_text", "gemma4"}
 ARIA = {"aria", "aria_text"}
@@ -175,7 +182,8 @@ DOTS3 = {"dots3_note_text", "dots3_note"}
 LLAMA4 = {"llama4_text", "llama4"}
 QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_thinker",
               "qwen3_omni_moe", "flint"}
-HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "lara_mini"}
+QWEN4 = {"qwen4_exp_text", "qwen4_exp"}
+HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "lara_mini"} | QWEN4
 MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid", "minimax_m3_vl_text", "minimax_m3_vl"}
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text", "sarvam_mla"}
@@ -229,6 +237,12 @@ def _glm5(cfg):
     return glm5_fields(cfg)
 
 
+def _qwen4(cfg):
+    from dynamoe.models.config import qwen4_fields
+
+    return qwen4_fields(cfg)
+
+
 def _v4(cfg):
     from dynamoe.models.deepseek_v4 import v4_fields
 
@@ -258,7 +272,7 @@ def _hf_moe_layers(hf, mt):
                 for i in range(n)]
     if mt in ("mixtral", "minimax", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa",
               "flex_olmo", "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash",
-              "solar_open", "jetmoe", "kolibri1", "zaya", "aria", "aria_text", "lara_mini"):
+              "solar_open", "jetmoe", "kolibri1", "zaya", "aria", "aria_text", "lara_mini") or mt in QWEN4:
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
@@ -398,7 +412,7 @@ FIELDS = {
     "norm_topk_prob": (lambda hf, mt: hf.norm_topk_prob, None, {"qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo",
                                                                   "qwen3_next", "qwen3_omni_moe_thinker", "qwen3_omni_moe", "flint",
                                                                   "mellum", "kolibri1"}
-                       | DEEPSEEK_ROUTING),
+                       | DEEPSEEK_ROUTING | QWEN4),
     # Qwen3-VL-MoE's router has no norm_topk_prob: it always renormalises
     "norm_topk_prob_vl": (lambda hf, mt: True, lambda cfg: cfg.norm_topk_prob, {"qwen3_vl_moe", "qwen3_vl_moe_text"}),
     # GraniteMoE (a shared MLP only in granitemoeshared, and only when its size is > 0)
@@ -450,7 +464,7 @@ FIELDS = {
     **{name: (lambda hf, mt, name=name: getattr(hf, name), None, HYBRID)
        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                     "linear_num_value_heads")},
-    "intermediate_size": (lambda hf, mt: hf.intermediate_size, None, {"qwen3_next", "sarvam_moe", "mellum"} | set(WRAPPED) - {"qwen3_5_moe"}
+    "intermediate_size": (lambda hf, mt: hf.intermediate_size, None, {"qwen3_next", "sarvam_moe", "mellum"} | set(WRAPPED) - {"qwen3_5_moe", "qwen4_exp"}
                           | {"qwen3_vl_moe_text", "glm4v_moe_text"}),
     # LongCat-Flash: zero-computation experts, route scale, the dense MLPs' width
     "zero_experts": (lambda hf, mt: hf.zero_expert_num, None, {"longcat_flash"}),
@@ -706,6 +720,21 @@ FIELDS = {
     **{f"{name}_glm5": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(_glm5(cfg), name),
                         GLM5)
        for name in ("hc_mult", "hc_sinkhorn_iters", "hc_eps", "linear_lower_bound", "index_kpool")},
+    # Qwen4-Exp: the QSA indexer under our index_* names, the linear attention's output gate (hidden_act when null),
+    # hyper-connections, per-layer n-gram embeddings (one-based ids in transformers, 0-based layers here)
+    **{f"{ours}_qwen4": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
+                         QWEN4)
+       for ours, theirs in (("index_n_heads", "indexer_n_heads"), ("index_head_dim", "indexer_head_dim"),
+                            ("index_topk", "indexer_budget"))},
+    "output_gate_type_qwen4": (lambda hf, mt: hf.output_gate_type or hf.hidden_act,
+                               lambda cfg: _qwen4(cfg).output_gate_type, QWEN4),
+    "ple_layers_qwen4": (lambda hf, mt: tuple(i - 1 for i in hf.ple_layer_ids), lambda cfg: _qwen4(cfg).ple_layers,
+                         QWEN4),
+    **{f"{name}_qwen4": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(_qwen4(cfg), name),
+                         QWEN4)
+       for name in ("hc_count", "hc_lowrank", "indexer_compress_ratio", "ple_embed_dim", "ple_conv_kernel_size",
+                    "ngram_size", "heads_per_ngram", "ngram_vocab_size_base", "make_ngram_vocab_size_divisible_by",
+                    "seed", "split_ngram_parts")},
 }
 
 
@@ -967,6 +996,13 @@ def test_omitted_fields_default_as_transformers(mt):
                                                   "qk_rope_head_dim": 32, "head_dim": 160} for i in (1, 3)}}),
     ("llama4", {"rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}, "rope_theta": 5e5}),
+    # Qwen4-Exp: 'full_attention' is its QSA-indexed attention; PLE layers (one-based, unsorted, repeated), its width
+    # by default the hidden size; the output gate's own activation; layer kinds from full_attention_interval
+    ("qwen4_exp_text", {"layer_types": ["linear_attention", "full_attention", "linear_attention", "indexed_attention"],
+                        "ple_layer_ids": [3, 1, 3], "eos_token_id": [5, 6], "output_gate_type": "sigmoid"}),
+    ("qwen4_exp", {"full_attention_interval": 2, "ple_layer_ids": [1], "eos_token_id": 2, "hc_count": 3,
+                   "ngram_size": 4, "heads_per_ngram": 4, "ple_embed_dim": 48,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))
 def test_given_fields_derive_as_transformers(mt, extra):
     _compare(mt, {"model_type": mt, **SIZES, **FAMILIES[mt][1], **extra})

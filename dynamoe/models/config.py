@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ModelConfig", "RopeConfig", "SSMConfig", "NEMOTRON_BLOCKS", "ROPE_TYPES", "LAYER_TYPES", "MLP_LAYER_TYPES", "INDEXER_TYPES", "parse_rope",
            "TEXT_WRAPPERS", "TextWrapper", "unwrap_text_config", "Gemma4Layer", "gemma4_attention_layers",
-           "inkling_attention_sizes"]
+           "inkling_attention_sizes", "Qwen4Fields", "qwen4_fields"]
 
 # 'proportional' (Gemma 4's global layers): RoPE over the whole head whose first partial_rotary_factor share of
 # frequency pairs rotate (exponents over the whole head dim) and the rest stand still
@@ -87,6 +87,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "mistral_large4": TextWrapper(("text_config",), ("mistral_large4_text",)),
     "dots3_note": TextWrapper(("text_config",), ("dots3_note_text",)),
     "hy_v4_vl": TextWrapper(("text_config",), ("hy_v4_vl_text",)),
+    # (Qwen4ExpForConditionalGeneration ties by the wrapper's flag, default false)
+    "qwen4_exp": TextWrapper(("text_config",), ("qwen4_exp_text",)),
     # (DeepseekOcr2ForConditionalGeneration ties by the wrapper's flag, default false)
     "deepseek_ocr2": TextWrapper(("text_config",), ("deepseek_ocr2_text",)),
     # (Ernie4_5_VLMoeForConditionalGeneration ties by the wrapper's flag, default true)
@@ -128,7 +130,16 @@ _HY4 = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "pad_token_id":
         "v_head_dim": 256, "index_topk": 2048, "index_head_dim": 128, "swiglu_limit": 10.0}
 _QWEN3_5_MOE = {"partial_rotary_factor": 0.25, "full_attention_interval": 4, "num_experts": 256,
                 "num_experts_per_tok": 8, "fields": _HYBRID_FIELDS}
+# Qwen4ExpTextConfig: Qwen3.5's hybrid sizes, but RoPE over the whole head (its config class skips Qwen3.5's 0.25),
+# 512 experts, top-10, and 'indexed_attention' (QSA) layers every full_attention_interval-th ('full_attention' read
+# as such: "qwen4_layers"); the QSA indexer sizes under our index_* names; hyper-connections, per-layer n-gram
+# embeddings and the QSA block size in dynamoe.models.qwen4_exp (qwen4_fields)
+_QWEN4_EXP_TEXT = {"full_attention_interval": 4, "qwen4_layers": True, "num_experts": 512, "num_experts_per_tok": 10,
+                   "aliases": {"index_n_heads": "indexer_n_heads", "index_head_dim": "indexer_head_dim",
+                               "index_topk": "indexer_budget"},
+                   "fields": {**_HYBRID_FIELDS, "norm_topk_prob": True}}
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen4_exp_text": _QWEN4_EXP_TEXT,
     "qwen3_next": {"partial_rotary_factor": 0.25, "full_attention_interval": 4, "num_experts": 512,
                    "num_experts_per_tok": 10,
                    "fields": {**_HYBRID_FIELDS, "intermediate_size": 5632, "norm_topk_prob": True}},
@@ -1609,6 +1620,9 @@ class ModelConfig:
         if self.family_type == "gemma4_text":  # own sizes; shared layers none
             return sum(2 * g.num_key_value_heads * g.head_dim for i, g in enumerate(gemma4_attention_layers(self))
                        if g.kv_source == i)
+        if self.family_type == "qwen4_exp_text":  # indexed layers: keys, values, the QSA's raw and block keys
+            per = 2 * self.num_key_value_heads * self.head_dim + 2 * (self.index_head_dim or 0)
+            return per * sum(t == "indexed_attention" for t in self.layer_types)
         if self.kv_lora_rank:
             per_layer = self.kv_lora_rank + (self.qk_rope_head_dim or 0) + (self.index_head_dim or 0)
         elif self.model_type == "mimo_v2_flash":  # values v_head_dim wide; sliding layers have twice the KV heads
@@ -1639,7 +1653,12 @@ class ModelConfig:
             return {"conv_state": linear * self.ssm.conv_channels * (self.ssm.conv_kernel - 1),
                     "recurrent_state": linear * self.ssm.state_elements}
         key, value = self.linear_num_key_heads * self.linear_key_head_dim, self.linear_num_value_heads * self.linear_value_head_dim
-        return {"conv_state": linear * (2 * key + value) * (self.linear_conv_kernel_dim - 1),
+        conv = linear * (2 * key + value) * (self.linear_conv_kernel_dim - 1)
+        if self.family_type == "qwen4_exp_text":  # + each PLE layer's dilated conv window over the streams (and its
+            # n - 1 context token ids, int64, not counted)
+            f = qwen4_fields(self)
+            conv += len(f.ple_layers) * f.hc_count * self.hidden_size * (f.ple_conv_kernel_size - 1) * f.ngram_size
+        return {"conv_state": conv,
                 "recurrent_state": linear * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim}
 
     def is_moe_layer(self, i: int) -> bool:
@@ -1797,6 +1816,18 @@ class ModelConfig:
         elif fam.get("glm5_layers"):  # every 4th layer (from 3) MLA, the others KDA; 'full_attention' is MLA
             if layer_types is None:
                 layer_types = ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(layers)]
+            if isinstance(layer_types, (list, tuple)):
+                layer_types = ["indexed_attention" if t == "full_attention" else t for t in layer_types]
+            if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
+                    or any(t not in ("linear_attention", "indexed_attention") for t in layer_types)):
+                raise _err("layer_types", d.get("layer_types"), f"a list of {layers} entries from ['linear_attention', "
+                           "'indexed_attention', 'full_attention']")
+            layer_types = tuple(layer_types)
+        elif fam.get("qwen4_layers"):  # every n-th layer QSA-indexed attention, the others linear; 'full_attention'
+            # is read as 'indexed_attention' (the released configs say so of their indexed layers)
+            if layer_types is None:
+                n = _int(d, "full_attention_interval", fam["full_attention_interval"])
+                layer_types = ["indexed_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(layers)]
             if isinstance(layer_types, (list, tuple)):
                 layer_types = ["indexed_attention" if t == "full_attention" else t for t in layer_types]
             if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
@@ -2112,6 +2143,83 @@ def inkling_attention_sizes(cfg: "ModelConfig") -> tuple:
 
 
 @dataclass(frozen=True)
+class Qwen4Fields:
+    """Qwen4-Exp's own values (:func:`qwen4_fields`): hyper-connection streams and the mixers' rank; the QSA block size
+    (its heads, head size and token budget are ``index_n_heads`` / ``index_head_dim`` / ``index_topk``); the per-layer
+    n-gram embeddings (PLE: 0-based ``ple_layers``, empty for none; ``ple_eos``, the token their n-grams restart after,
+    None without PLE) and the linear attention's output-gate activation.
+    """
+
+    hc_count: int
+    hc_lowrank: int
+    indexer_compress_ratio: int
+    output_gate_type: str
+    ple_layers: tuple
+    ple_embed_dim: int
+    ple_conv_kernel_size: int
+    ngram_size: int
+    heads_per_ngram: int
+    ngram_vocab_size_base: int
+    make_ngram_vocab_size_divisible_by: int
+    seed: int
+    split_ngram_parts: int
+    ple_eos: int | None
+
+
+def qwen4_fields(cfg: "ModelConfig") -> Qwen4Fields:
+    """Qwen4-Exp's fields as Qwen4ExpTextConfig reads and checks them (defaults: 4 streams, rank 320, no PLE, PLE
+    embedding width = hidden size, conv kernel 4, trigrams, 8 heads per n-gram, 20M n-gram vocabulary base padded to
+    multiples of 128, seed 1234, 512 checkpoint shards per table). The QSA fields are required together (transformers'
+    attention layers cannot be built without them)."""
+    d, layers = cfg.raw, cfg.num_hidden_layers
+    hc_count = _int(d, "hc_count", 4, minimum=2)
+    qsa = {"indexer_n_heads": cfg.index_n_heads, "indexer_head_dim": cfg.index_head_dim, "indexer_budget": cfg.index_topk,
+           "indexer_compress_ratio": _int(d, "indexer_compress_ratio"), "indexer_kv_heads": _int(d, "indexer_kv_heads")}
+    missing = [k for k, v in qsa.items() if v is None]
+    if missing and "indexed_attention" in cfg.layer_types:
+        raise ValueError(f"config fields {missing} are required: the 'indexed_attention' layers of {cfg.model_type!r} "
+                         "select their keys with the QSA indexer, which needs all of indexer_n_heads, indexer_kv_heads, "
+                         "indexer_head_dim, indexer_budget and indexer_compress_ratio")
+    ratio = qsa["indexer_compress_ratio"] or 1
+    if qsa["indexer_kv_heads"] not in (None, 1):
+        raise _err("indexer_kv_heads", qsa["indexer_kv_heads"], "1 (Qwen4-Exp's QSA has one key head)")
+    if qsa["indexer_budget"] is not None and qsa["indexer_budget"] % ratio:
+        raise _err("indexer_budget", qsa["indexer_budget"], f"a multiple of indexer_compress_ratio={ratio}")
+    rotary = int(cfg.head_dim * cfg.rope.partial_rotary_factor)
+    if qsa["indexer_head_dim"] is not None and rotary > qsa["indexer_head_dim"]:
+        raise _err("indexer_head_dim", qsa["indexer_head_dim"], f"an int >= the attention's rotary dims ({rotary}: "
+                   "the indexer's queries and keys take the same RoPE)")
+    gate = _str(d, "output_gate_type", None) or cfg.hidden_act
+    if gate not in ("silu", "sigmoid"):
+        raise _err("output_gate_type", gate, "'silu' or 'sigmoid' (default: hidden_act)")
+    ids = d.get("ple_layer_ids")
+    if ids is None:
+        ids = []
+    if (not isinstance(ids, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
+            or any(not 1 <= i <= layers for i in ids)):
+        raise _err("ple_layer_ids", ids, f"a list of one-based layer ids in [1, {layers}]")
+    ple = tuple(sorted({i - 1 for i in ids}))
+    bad = [i + 1 for i in ple if cfg.layer_types[i] != "linear_attention"]
+    if bad:
+        raise _err("ple_layer_ids", ids, f"ids of 'linear_attention' layers only (layers {bad} are not)")
+    ngram, heads = _int(d, "ngram_size", 3, minimum=2), _int(d, "heads_per_ngram", 8)
+    width = _int(d, "ple_embed_dim", cfg.hidden_size)
+    # (the text config's own eos when a wrapper nests it: transformers' text model reads its config's, whatever the
+    # wrapper's says)
+    eos = _int_list(d, "text_eos_token_id") if "text_eos_token_id" in d else cfg.eos_token_id
+    if ple:
+        if width % ((ngram - 1) * heads):
+            raise _err("ple_embed_dim", width, f"a multiple of (ngram_size - 1) * heads_per_ngram = {(ngram - 1) * heads}")
+        if not eos:
+            raise ValueError("config field 'eos_token_id' is required when ple_layer_ids is set (the n-gram "
+                             "embeddings restart after it)")
+    return Qwen4Fields(hc_count, _int(d, "hc_lowrank", 320), ratio, gate, ple, width,
+                       _int(d, "ple_conv_kernel_size", 4), ngram, heads, _int(d, "ngram_vocab_size_base", 20_000_000),
+                       _int(d, "make_ngram_vocab_size_divisible_by", 128), _int(d, "seed", 1234, minimum=0),
+                       _int(d, "split_ngram_parts", 512), eos[0] if ple else None)
+
+
+@dataclass(frozen=True)
 class Gemma4Layer:
     """One Gemma 4 attention layer's sizes: ``head_dim`` and ``num_key_value_heads`` (the full layers' differ:
     per_layer_config), and ``kv_source``, the layer whose keys and values it attends over -- itself, or for the last
@@ -2186,7 +2294,8 @@ def unwrap_text_config(d: dict) -> dict:
     gives them; ``tie_word_embeddings`` from the level right above the text config (else the wrapper's
     default; or the text config's own flag alone where the wrapper says ``tie_by_text``: :class:`TextWrapper`); ``quantization_config`` from whichever level has it (ValueError if two
     differ); ``model_type`` the outer one and ``text_model_type`` the inner one (whose family defaults
-    apply); ``vision_config`` kept for reference. Any other dict comes back as it is."""
+    apply); ``text_eos_token_id`` the text config's own eos (what a text model's layers read, Qwen4-Exp's n-gram
+    embeddings); ``vision_config`` kept for reference. Any other dict comes back as it is."""
     outer_type = d.get("model_type")
     spec = TEXT_WRAPPERS.get(outer_type)
     if spec is None:
@@ -2204,6 +2313,7 @@ def unwrap_text_config(d: dict) -> dict:
         raise _err(f"{name}.model_type", inner_type, f"one of {list(spec.text_types)} (a {outer_type!r} "
                    f"checkpoint's text model)")
     flat = dict(text)
+    flat["text_eos_token_id"] = text.get("eos_token_id")
     for key in _WRAPPER_FIELDS:
         given = [level[key] for level in levels[:-1] if level.get(key) is not None]
         if given:

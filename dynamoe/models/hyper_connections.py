@@ -8,6 +8,11 @@ then Sinkhorn-normalised towards a doubly stochastic matrix: mixes the streams),
 The independent variant (Hy4, :class:`IndependentHyperConnection`) has no comb: h <- h + post * f(norm(sum_n pre_n
 h_n)), post = ``hc_magnitude`` sigmoid(.) + eps.
 
+The gated variant (Qwen4-Exp, :class:`GatedStreamMixer`) normalises each stream (:class:`StreamRMSNorm`), collapses
+them by the mean of per-channel sigmoid gates from a low-rank projection, and spreads the output with per-stream
+weights: h <- h + inject * f(mean_n(gate_n * norm(h)_n)), inject = 2 sigmoid(.); its last mixer (no inject) is the
+model's final collapse.
+
 Legend: B batch rows, T tokens, N streams (``hc_mult``), D model dim.
 """
 from __future__ import annotations
@@ -19,7 +24,7 @@ from torch import Tensor, nn
 from .norms import RMSNorm
 
 __all__ = ["HyperConnection", "HyperDecoderLayer", "IndependentHyperConnection", "IndependentHyperDecoderLayer",
-           "HyperHeadNorm", "StreamEmbedding", "rms_unweighted"]
+           "HyperHeadNorm", "StreamEmbedding", "rms_unweighted", "StreamRMSNorm", "GatedStreamMixer"]
 
 
 def rms_unweighted(x: Tensor, eps: float) -> Tensor:
@@ -160,3 +165,54 @@ class HyperHeadNorm(RMSNorm):
         mixes = F.linear(rms_unweighted(h.flatten(-2).float(), self.eps), head.hc_fn.float())
         pre = torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + self.hc_eps
         return super().forward((pre.unsqueeze(-1) * h).sum(dim=-2).to(h.dtype))
+
+
+class StreamRMSNorm(nn.Module):
+    """A zero-centred RMSNorm of each stream's D channels, one weight [N D] over all streams (Qwen4-Exp's grouped
+    ``hc_norm`` / PLE norms): y_n = (x_n / rms(x_n) * (1 + w_n)) in fp32, cast back. ``forward(x [..., N, D])``."""
+
+    def __init__(self, streams: int, hidden_size: int, eps: float, dtype=None):
+        super().__init__()
+        self.streams, self.eps = streams, eps
+        self.weight = nn.Parameter(torch.zeros(streams * hidden_size, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float().view(self.streams, -1))).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"streams={self.streams}, {tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class GatedStreamMixer(nn.Module):
+    """Qwen4-Exp's gated residual around a sublayer (transformers' Qwen4ExpTextGatedResidual; names as its):
+    ``hc_norm`` (:class:`StreamRMSNorm`), ``input_mix_weight_down`` [r, N D], ``input_mix_weight_up`` [N D, r],
+    ``block_inject_weight`` [N, N D] (None: the final collapse, ``inject`` False).
+
+    ``forward(h [B, T, N, D]) -> (x [B, T, D], inject [B, T, N])``, or x alone for the final collapse: x =
+    mean_n(sigmoid(up(silu(down(hn) / N)))_n * hn_n) with hn = hc_norm(h); inject = 2 sigmoid(block_inject_weight(hn) /
+    N). :meth:`residual` adds a sublayer's output back: h + inject_n * out."""
+
+    def __init__(self, hidden_size: int, streams: int, rank: int, eps: float, inject: bool = True, dtype=None):
+        super().__init__()
+        N, D = streams, hidden_size
+        self.streams = N
+        self.hc_norm = StreamRMSNorm(N, D, eps, dtype=dtype)
+        self.input_mix_weight_down = nn.Linear(N * D, rank, bias=False, dtype=dtype)
+        self.input_mix_weight_up = nn.Linear(rank, N * D, bias=False, dtype=dtype)
+        self.block_inject_weight = nn.Linear(N * D, N, bias=False, dtype=dtype) if inject else None
+
+    def forward(self, h_BTND: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        N = self.streams
+        hn = self.hc_norm(h_BTND)
+        flat = hn.flatten(-2)
+        gate = torch.sigmoid(self.input_mix_weight_up(F.silu(self.input_mix_weight_down(flat) / N)))
+        x = (gate.view_as(hn) * hn).mean(dim=-2)
+        if self.block_inject_weight is None:
+            return x
+        return x, 2 * torch.sigmoid(self.block_inject_weight(flat) / N)
+
+    @staticmethod
+    def residual(h_BTND: Tensor, inject_BTN: Tensor, out_BTD: Tensor) -> Tensor:
+        return h_BTND + out_BTD.unsqueeze(-2) * inject_BTN.unsqueeze(-1)

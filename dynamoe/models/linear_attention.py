@@ -180,7 +180,7 @@ class GatedDeltaNet(nn.Module):
     """One linear-attention token mixer (Hugging Face's ``linear_attn``): projections, causal conv +
     SiLU over q/k/v (``conv1d``), L2-normed q/k (q also scaled by k^-1/2), beta = sigmoid(b), decay
     g = -exp(A_log) * softplus(a + dt_bias), the gated delta rule, ``norm`` (gated RMSNorm with z; its weight in fp32
-    with ``norm_weight_in_fp32``), ``out_proj``.
+    with ``norm_weight_in_fp32``; z through ``gate_activation``, silu or sigmoid), ``out_proj``.
 
     ``forward(x [B, T, D], positions [B, T], cache=None, slots=None, kv_len=None) -> [B, T, D]``: with a
     cache, row b continues slot ``slots[b]``'s state, or starts from zero where ``positions[b, 0] == 0``.
@@ -189,7 +189,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel: int, layer_idx: int, norm_eps: float = 1e-6, projection: str = "qkvz",
                  activation: str = "silu", chunk_size: int = 64, checks_position: bool = False, dtype=None, *,
-                 norm_weight_in_fp32: bool = False):
+                 norm_weight_in_fp32: bool = False, gate_activation: str = "silu"):
         super().__init__()
         if projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {list(PROJECTIONS)}, got {projection!r}")
@@ -220,7 +220,8 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_a = nn.Linear(hidden_size, num_v_heads, **kw)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads, dtype=dtype))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads, dtype=dtype))
-        self.norm = GatedRMSNorm(head_v_dim, norm_eps, dtype=dtype, weight_in_fp32=norm_weight_in_fp32)
+        self.norm = GatedRMSNorm(head_v_dim, norm_eps, dtype=dtype, weight_in_fp32=norm_weight_in_fp32,
+                                 activation=gate_activation)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, **kw)
 
     def extra_repr(self) -> str:

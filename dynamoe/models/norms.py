@@ -72,22 +72,30 @@ class RMSNorm(nn.Module):
 class GatedRMSNorm(nn.Module):
     """y = (weight * (x / rms(x)) in x's dtype) * silu(z) in fp32, cast to x's dtype, over the last dim
     (Gated DeltaNet's output norm; the weight is a plain scale, initialised to ones). ``weight_in_fp32``: the weight
-    multiplies the fp32 normed x, before any cast (Lara-4-Mini); the two agree in fp32.
+    multiplies the fp32 normed x, before any cast (Lara-4-Mini); the two agree in fp32. ``activation``: the gate's,
+    'silu' (default) or 'sigmoid' (Qwen4-Exp's ``output_gate_type``).
     ``forward(x [..., d], z [..., d]) -> [..., d]``."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, dtype=None, device=None, *, weight_in_fp32: bool = False):
+    ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype=None, device=None, *, weight_in_fp32: bool = False,
+                 activation: str = "silu"):
         super().__init__()
-        self.eps, self.weight_in_fp32 = eps, weight_in_fp32
+        if activation not in self.ACTIVATIONS:
+            raise ValueError(f"the gated RMSNorm's activation must be one of {sorted(self.ACTIVATIONS)}, "
+                             f"got {activation!r}")
+        self.eps, self.weight_in_fp32, self.activation = eps, weight_in_fp32, activation
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight.float() * h if self.weight_in_fp32 else self.weight * h.to(x.dtype)
-        return (h * F.silu(z.float())).to(x.dtype)
+        return (h * self.ACTIVATIONS[self.activation](z.float())).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+        return f"{tuple(self.weight.shape)}, eps={self.eps}" + (f", {self.activation}" if self.activation != "silu"
+                                                               else "")
 
 
 class LayerNorm(nn.Module):

@@ -160,3 +160,5 @@ register("ernie4_5_vl_moe", "dynamoe.models.ernie4_5_vl_moe:Ernie4_5_VLMoeForCau
          ("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"))
 register("deepseek_ocr2", "dynamoe.models.deepseek_ocr2:DeepseekOcr2ForCausalLM", ("DeepseekOcr2ForConditionalGeneration",))
 register("muse_spark", "dynamoe.models.muse_spark:MuseSparkForCausalLM", ("MuseSparkForConditionalGeneration",))
+register("qwen4_exp", "dynamoe.models.qwen4_exp:Qwen4ExpForCausalLM",
+         ("Qwen4ExpForConditionalGeneration", "Qwen4ExpForCausalLM"), aliases=("qwen4_exp_text",))

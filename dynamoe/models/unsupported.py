@@ -54,10 +54,6 @@ UNSUPPORTED: dict[str, str] = {
     "nllb-moe": "NLLB-MoE is an encoder-decoder translation model, not a decoder-only causal LM",
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
     "qwen3_omni_moe_talker_text": "the speech talker of Qwen3-Omni, not a text causal LM",
-    "qwen4_exp": _VLM,
-    "qwen4_exp_text": _text_of("qwen4_exp", "Qwen3.5's hybrid decoder extended with a QSA sparse-attention indexer "
-                               "over compressed keys, gated residuals over hyper-connection streams, hashed n-gram "
-                               "embeddings and per-layer embeddings with their own short convolutions"),
     "switch_transformers": "Switch Transformers is an encoder-decoder (T5) model, not a decoder-only causal LM",
     "unlimited_ocr": _VLM,
     "unlimited_ocr_text": _text_of("unlimited_ocr", "its 'reference_sliding_attention' layers let every token see the "
