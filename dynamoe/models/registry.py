@@ -160,3 +160,4 @@ register("ernie4_5_vl_moe", "dynamoe.models.ernie4_5_vl_moe:Ernie4_5_VLMoeForCau
          ("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"))
 register("deepseek_ocr2", "dynamoe.models.deepseek_ocr2:DeepseekOcr2ForCausalLM", ("DeepseekOcr2ForConditionalGeneration",))
 register("muse_spark", "dynamoe.models.muse_spark:MuseSparkForCausalLM", ("MuseSparkForConditionalGeneration",))
+register("unlimited_ocr", "dynamoe.models.unlimited_ocr:UnlimitedOcrForCausalLM", ("UnlimitedOcrForConditionalGeneration",))
