@@ -41,15 +41,20 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def pair(request, tmp_path_factory):
-    name = request.param
+def _make(name: str, folder) -> tuple:
+    """transformers' tiny random model of variant ``name``, saved to ``folder``: (model, path)."""
     torch.manual_seed(0)
     cfg = transformers.UnlimitedOcrConfig(text_config={**TEXT, **VARIANTS[name]}, vision_config=VISION,
                                           tie_word_embeddings=name == "grouped")
     hf = transformers.UnlimitedOcrForConditionalGeneration(cfg).eval()
     randomize_(hf, seed=1, scales={"lm_head": 0.5, "embed_tokens": 0.5})
-    path = save_tiny(hf, tmp_path_factory.mktemp(f"unlimited_ocr_{name}"))
+    return hf, save_tiny(hf, folder)
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def pair(request, tmp_path_factory):
+    name = request.param
+    hf, path = _make(name, tmp_path_factory.mktemp(f"unlimited_ocr_{name}"))
     return name, hf, dm.load(path, progress=False), path
 
 
@@ -216,6 +221,60 @@ def test_engine_preemption_recomputes_as_decoded(pair):
     assert engine.totals["preempted"] > 0
     for p, r in zip(prompts, reqs):
         assert r.output_ids == _generate(hf, p, 24)
+
+
+def expert_parallel_worker(rank, world, path):
+    import torch.distributed as dist
+
+    from dynamoe.engine import GenerationEngine, SamplingParams
+    from dynamoe.engine.distributed import ControlChannel, LeaderModel, follow
+    from dynamoe.models.cache import KVCache
+
+    torch.set_num_threads(1)
+    seen = []   # (slots, prompt lengths) of every reference-sliding layer's forward on this rank's cache
+    own = KVCache.prompt_lengths_for
+
+    def recording(self, slots_B, positions_BT):
+        P_B = own(self, slots_B, positions_BT)
+        seen.append((slots_B.tolist(), P_B.tolist()))
+        return P_B
+
+    model = dm.load(path, progress=False, group=dist.group.WORLD)
+    channel = ControlChannel(dist.group.WORLD)
+    if rank != 0:
+        KVCache.prompt_lengths_for = recording
+        follow(model, channel)   # returns at STOP
+        dist.gather_object(seen, None, dst=0)
+        return
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 13, 6)]
+
+    def outputs(m):
+        engine = GenerationEngine(m, None, max_seq_len=48, max_batch=2, prefill_chunk=4, block_size=4)
+        reqs = [engine.add_request(p, SamplingParams(temperature=0), 20, ignore_eos=True) for p in prompts]
+        engine.run_until_done(reqs)
+        return [r.output_ids for r in reqs]
+
+    want = outputs(dm.load(path, progress=False))
+    leader = LeaderModel(model, channel)
+    KVCache.prompt_lengths_for = recording
+    try:
+        assert outputs(leader) == want
+    finally:
+        leader.stop_followers()
+    theirs = [None, None]
+    dist.gather_object(seen, theirs, dst=0)
+    assert theirs[1] == seen and {tuple(P) for _, P in seen} >= {(9,), (13,), (6,)}
+
+
+def test_expert_parallel_ranks_mirror_prompt_lengths(tmp_path):
+    """Under expert parallelism the other ranks repeat rank 0's forwards on their own caches: the prompt lengths
+    travel with the block tables (slots reused, prompts prefilled in chunks), so every rank's attention sees each
+    sequence's own prompt length, and the outputs are one process's."""
+    from dist_harness import run_ranks
+
+    _, path = _make("greedy", tmp_path / "ckpt")
+    run_ranks(2, expert_parallel_worker, path, timeout=240)
 
 
 def test_vision_parts_are_skipped_and_logged(pair, caplog):
