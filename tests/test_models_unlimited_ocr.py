@@ -20,6 +20,7 @@ import dynamoe.models as dm  # noqa: E402
 from dynamoe.models.attention import Attention  # noqa: E402
 from dynamoe.models.moe_block import GatedMLP, SparseMoeBlock  # noqa: E402
 from dynamoe.models.unlimited_ocr import ReferenceSlidingAttention, UnlimitedOcrForCausalLM  # noqa: E402
+from dynamoe.ops import cpu_kernels  # noqa: E402
 
 ATOL = 1e-4
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -165,14 +166,21 @@ def test_the_reference_window_matters(pair):
         assert (other(x) - causal).abs().max() > 1e-3
 
 
-def test_decode_attention_is_not_fused(pair):
-    """The fused decode kernel's window has no prompt in sight: those layers' attention says why and runs op by op
-    (the full-attention layer's and the MoE blocks still fuse where the kernels are built)."""
-    ours = pair[2]
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
+def test_decode_fuses_until_the_window_slides(pair, monkeypatch):
+    """Decode steps run the fused kernels (plain causal attention) while no row is W positions past its prompt,
+    then the reference-sliding layers' attention op by op -- with the same logits as transformers' throughout
+    (test_cached_forwards_match_transformers)."""
+    _, hf, ours, _ = pair
+    W, P = hf.config.text_config.sliding_window, 10
     for layer in ours.model.layers:
-        fused = layer.self_attn.decode_fused(layer.input_layernorm, torch.float32)
-        if type(layer.self_attn) is ReferenceSlidingAttention:
-            assert fused.weights is None and "reference sliding-window" in fused.extra
+        assert layer.self_attn.decode_fused(layer.input_layernorm, torch.float32).weights is not None
+    op_by_op = []
+    real = ReferenceSlidingAttention.forward
+    monkeypatch.setattr(ReferenceSlidingAttention, "forward",
+                        lambda self, x, pos, *a, **kw: op_by_op.append(int(pos[:, -1].max())) or real(self, x, pos, *a, **kw))
+    _ours_steps(ours, _ids(seed=4, tokens=P + W + 3), [P, *range(P + 1, P + W + 4)])
+    assert sorted(set(op_by_op)) == [P - 1, P + W, P + W + 1, P + W + 2]   # the prefill, then past the window
 
 
 def _generate(hf, p, n):

@@ -20,8 +20,10 @@ keeps every position; it gives back no blocks out of the window, since the promp
 values after the prompt depend on P, the engine's prefix cache shares blocks past a prompt only between requests
 with the same prompt length (``kv_depends_on_prompt_length``, :mod:`dynamoe.engine.prefix`).
 
-Decode steps run the attention op by op: the fused CPU decode kernel's window has no prefix kept in sight (the MoE
-blocks still run fused).
+Decode steps run the fused CPU decode kernels (:class:`~dynamoe.models.decode_plan.DecodePlan`) while no row has
+reached W positions past its prompt: until then every key is visible, which the kernel's plain causal attention
+computes. Past that the kernel's window cannot keep the prompt in sight, and the reference-sliding layers' attention
+runs op by op (the MoE blocks still fused).
 
 Checkpoint: as DeepSeek-OCR-2's (``model.embed_tokens``, ``model.layers.{i}.self_attn.{q,k,v,o}_proj``,
 ``mlp.gate.weight``, ``mlp.experts.{e}.{gate,up,down}_proj``, ``mlp.shared_experts.*``, ``model.norm``, ``lm_head``);
@@ -30,10 +32,8 @@ and the view separator are not loaded (the server refuses images naming the mode
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from ..ops.fused import Holds, Unfusable
 from .attention import Attention
 from .cache import KVCache
 from .config import ModelConfig
@@ -57,8 +57,17 @@ class ReferenceSlidingAttention(Attention):
         super().__init__(*args, **kwargs)
         self.reference_window = reference_window
 
-    def _decode_weights(self, kernels, holds: Holds, norm, dtype: torch.dtype):
-        raise Unfusable("reference sliding-window attention (the kernel's window keeps no prompt in sight)")
+    def sees_every_key(self, positions_BT: Tensor, prompt_B: Tensor) -> bool:
+        """Whether every query of the rows (positions [B, T], prompt lengths [B]) sees all its keys 0..position: no
+        row has reached W positions past its prompt, so the attention is plain causal."""
+        return not bool((positions_BT[:, -1].to(prompt_B.device) >= prompt_B + self.reference_window).any())
+
+    def decode_step(self, h_BTD: Tensor, norm, positions_BT: Tensor, cache: KVCache, slots: Tensor,
+                    kv_len: int | None = None) -> Tensor | None:
+        # the fused kernel (built with no window: plain causal attention) only while that is what the mask is
+        if slots is None or not self.sees_every_key(positions_BT, cache.prompt_lengths_for(slots, positions_BT)):
+            return None
+        return super().decode_step(h_BTD, norm, positions_BT, cache, slots, kv_len)
 
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:
@@ -69,13 +78,12 @@ class ReferenceSlidingAttention(Attention):
             if slots is None:
                 raise ValueError("attention with a cache needs slots (LongTensor [B])")
             prompt_B = cache.prompt_lengths_for(slots, positions_BT).to(positions_BT.device)
-            W = self.reference_window
             # the window hides a key only from a query W or more positions past its prompt: until one is, the
             # mask is plain causal (every prompt chunk, the first W generated tokens)
-            if bool((positions_BT[:, -1] >= prompt_B + W).any()):
-                window = W
-            else:
+            if self.sees_every_key(positions_BT, prompt_B):
                 prompt_B = None
+            else:
+                window = self.reference_window
         out = self.attend_cached(q, k, v, positions_BT, cache, slots, kv_len, window, prefix_B=prompt_B)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
@@ -93,6 +101,16 @@ class UnlimitedOcrForCausalLM(DeepseekOcr2ForCausalLM):
     group_fields_required = False   # (UnlimitedOcrTextConfig: one group, one kept, unless the file says otherwise)
     #: keys and values after the prompt depend on where it ended (the engine's prefix cache keys them by it)
     kv_depends_on_prompt_length = True
+
+    def _decode_plan(self, h_BTD: Tensor, cache: KVCache, slots: Tensor):
+        # the plan's fused attention is plain causal: only while no row is W past its prompt (a row whose prompt is
+        # not declared yet starts here, with its first token: nothing hidden)
+        P_B = cache.prompt_lengths[slots.to(cache.prompt_lengths.device)]
+        W = min((a.reference_window for a in (layer.self_attn for layer in self.model.layers)
+                 if isinstance(a, ReferenceSlidingAttention)), default=None)
+        if W is not None and bool(((P_B > 0) & (cache.lengths[slots.to(cache.lengths.device)] >= P_B + W)).any()):
+            return None
+        return super()._decode_plan(h_BTD, cache, slots)
 
     def check_config(self, config: ModelConfig) -> None:
         super().check_config(config)
