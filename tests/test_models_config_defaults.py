@@ -152,6 +152,9 @@ FAMILIES = {
     # or MLP-kind defaults (its model cannot run without them)
     "deepseek_ocr2": ("DeepseekOcr2Config", dict(num_experts_per_tok=2, mlp_layer_types=["dense"] + ["sparse"] * 3,
                                                  moe_intermediate_size=32)),
+    # Unlimited-OCR's multimodal config (10 KV heads by default): DeepSeek-OCR-2's decoder with top-k and MLP-kind
+    # defaults, reference sliding attention on every layer
+    "unlimited_ocr": ("UnlimitedOcrConfig", dict(moe_intermediate_size=32, hidden_size=80, num_attention_heads=10)),
     # Muse Spark's multimodal config (16 KV heads by default; its audio adapter checks the text width): sliding / full
     # NoPE layers, the pooled MoE
     "muse_spark": ("MuseSparkConfig", dict(num_key_value_heads=8, hidden_size=8192)),
@@ -170,7 +173,8 @@ WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "g
            "minimax_m3_vl": ("text_config",), "glm5_next": ("text_config",), "mistral_large4": ("text_config",),
            "hy_v4_vl": ("text_config",), "dots3_note": ("text_config",), "gemma4": ("text_config",),
            "inkling_mm_model": ("text_config",), "ernie4_5_vl_moe": ("text_config",),
-           "deepseek_ocr2": ("text_config",), "muse_spark": ("text_config",), "qwen4_exp": ("text_config",)}
+           "deepseek_ocr2": ("text_config",), "muse_spark": ("text_config",), "qwen4_exp": ("text_config",),
+           "unlimited_ocr": ("text_config",)}
 INKLING = {"inkling_text", "inkling_mm_model"}
 GEMMA4 = {"gemma4_text", "gemma4"}
 ARIA = {"aria", "aria_text"}
@@ -281,7 +285,8 @@ def _hf_moe_layers(hf, mt):
         return [i in hf.moe_layers for i in range(n)]
     if mt in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "exaone_moe", "kimi_linear", "bailing_hybrid",
               "minimax_m3_vl_text", "minimax_m3_vl", "mimo_v2_flash", "step3p5", "step3p7", "cohere2_moe", "hy_v3",
-              "laguna", "mellum", "beam", "ernie4_5_vl_moe", "deepseek_ocr2", "muse_spark") or mt in GLM5 | INKLING:
+              "laguna", "mellum", "beam", "ernie4_5_vl_moe", "deepseek_ocr2", "muse_spark", "unlimited_ocr") or mt in \
+            GLM5 | INKLING:
         return [t == "sparse" for t in hf.mlp_layer_types]
     if mt == "afmoe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -633,13 +638,18 @@ FIELDS = {
     # DeepSeek-V2's greedy routing leaves them null: one group
     "n_group": (lambda hf, mt: hf.n_group or 1, None, DEEPSEEK_ROUTING),
     "topk_group": (lambda hf, mt: hf.topk_group or 1, None, DEEPSEEK_ROUTING),
-    "topk_method": (lambda hf, mt: hf.topk_method, None, {"deepseek_v2", "deepseek_ocr2"}),
+    "topk_method": (lambda hf, mt: hf.topk_method, None, {"deepseek_v2", "deepseek_ocr2", "unlimited_ocr"}),
     **{f"{name}_ocr2": (lambda hf, mt, name=name: getattr(hf, name) or 1, lambda cfg, name=name: getattr(cfg, name),
-                        {"deepseek_ocr2"})
+                        {"deepseek_ocr2", "unlimited_ocr"})
        for name in ("n_group", "topk_group")},
     **{f"{name}_ocr2": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
-                        {"deepseek_ocr2"})
+                        {"deepseek_ocr2", "unlimited_ocr"})
        for name in ("routed_scaling_factor", "n_shared_experts")},
+    # Unlimited-OCR: the window of each reference sliding-window layer (the prompt stays in sight; None: full)
+    "reference_windows": (lambda hf, mt: [hf.sliding_window if t == "reference_sliding_attention" else None
+                                          for t in hf.layer_types],
+                          lambda cfg: [cfg.layer_reference_window(i) for i in range(cfg.num_hidden_layers)],
+                          {"unlimited_ocr"}),
     "routed_scaling_factor": (lambda hf, mt: hf.routed_scaling_factor, None, DEEPSEEK_ROUTING),
     # MiMo-V2-Flash has no shared experts (and no such field)
     "n_shared_experts": (lambda hf, mt: getattr(hf, "n_shared_experts", 0), None, DEEPSEEK_ROUTING),
@@ -1003,6 +1013,11 @@ def test_omitted_fields_default_as_transformers(mt):
     ("qwen4_exp", {"full_attention_interval": 2, "ple_layer_ids": [1], "eos_token_id": 2, "hc_count": 3,
                    "ngram_size": 4, "heads_per_ngram": 4, "ple_embed_dim": 48,
                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}}),
+    # Unlimited-OCR: the dense prefix from first_k_dense_replace, a full layer among reference sliding ones, no top-k
+    ("unlimited_ocr", {"first_k_dense_replace": 2, "sliding_window": 16, "n_routed_experts": 8,
+                       "layer_types": ["reference_sliding_attention", "full_attention"] * 2}),
+    ("unlimited_ocr", {"mlp_layer_types": ["sparse", "dense", "sparse", "sparse"], "head_dim": 7,
+                       "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v))
 def test_given_fields_derive_as_transformers(mt, extra):
     _compare(mt, {"model_type": mt, **SIZES, **FAMILIES[mt][1], **extra})

@@ -12,8 +12,9 @@ from dynamoe.models import attention
 from dynamoe.models.attention import attend
 
 
-def reference(q, k, v, q_pos, k_pos, scale, window, sinks=None):
-    """softmax over the visible keys of each query, written out per (row, head, query) in fp64."""
+def reference(q, k, v, q_pos, k_pos, scale, window, sinks=None, prefix=None):
+    """softmax over the visible keys of each query, written out per (row, head, query) in fp64 (``prefix``: each
+    row's key positions below it visible outside the window)."""
     B, H, T, d = q.shape
     K = k.size(1)
     out = torch.zeros(B, H, T, d, dtype=torch.float64)
@@ -22,7 +23,8 @@ def reference(q, k, v, q_pos, k_pos, scale, window, sinks=None):
             kh = h // (H // K)
             for t in range(T):
                 p = int(q_pos[b, t])
-                vis = [j for j in range(k.size(2)) if int(k_pos[b, j]) <= p and (window is None or int(k_pos[b, j]) > p - window)]
+                vis = [j for j in range(k.size(2)) if int(k_pos[b, j]) <= p and (
+                    window is None or int(k_pos[b, j]) > p - window or (prefix is not None and int(k_pos[b, j]) < prefix[b]))]
                 s = torch.stack([q[b, h, t].double() @ k[b, kh, j].double() * scale for j in vis])
                 if sinks is not None:
                     s = torch.cat([s, sinks[h].double().view(1)])
@@ -49,6 +51,22 @@ def test_uncached_long_sequence_equals_full_window_mask(sinks, monkeypatch):
     got = attend(q, k, v, pos, None, 0.3, W, s)
     assert max(seen) <= 2 * W and len(seen) == math.ceil(T / W)  # blocks over windows, not all keys
     torch.testing.assert_close(got.double(), reference(q, k, v, pos, pos, 0.3, W, s), atol=1e-5, rtol=1e-5)
+
+
+def test_window_with_a_prefix_in_sight():
+    """Unlimited-OCR's reference window: each row's keys before its prefix length stay visible (a chunk of rows
+    with other prefixes, queries inside and past their prefix: all over the keys, not in window blocks)."""
+    B, H, K, T, L, d, W = 2, 2, 1, 20, 60, 8, 6
+    q, k, v = _qkv(B, H, K, T, L, d, seed=3)
+    q_pos = torch.stack([torch.arange(40, 60), torch.arange(30, 50)])
+    k_pos = torch.arange(L).expand(B, L)
+    P = torch.tensor([45, 12])
+    got = attend(q, k, v, q_pos, k_pos, 0.25, W, prefix_B=P)
+    torch.testing.assert_close(got.double(), reference(q, k, v, q_pos, k_pos, 0.25, W, prefix=P.tolist()),
+                               atol=1e-5, rtol=1e-5)
+    assert (got - attend(q, k, v, q_pos, k_pos, 0.25, W)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="prefix_B .* needs a window"):
+        attend(q, k, v, q_pos, k_pos, 0.25, None, prefix_B=P)
 
 
 def test_cached_chunk_at_other_positions_equals_full_window_mask(monkeypatch):

@@ -13,10 +13,11 @@ follower waits for the next request as long as the server idles):
 * ``NEW_CACHE`` (B = block_size, T = num_blocks, a = num_slots, b = max_seq_len, c = dtype code): followers
   make the same paged KV cache. They keep only the latest (the engine has one); rank 0 refuses a forward
   with any other cache.
-* ``FORWARD`` (a = N block ids with a cache): then int64[B*T (+ 3B + N with a cache)] broadcast: input_ids
-  [B, T], slots [B], the cache lengths of those slots before the step [B], how many blocks each slot's
-  table holds for the step [B] and those block ids, slot after slot [N]. Followers set their cache's
-  tables and lengths for those slots (:meth:`KVCache.set_blocks`) and run ``model(input_ids, cache, slots,
+* ``FORWARD`` (a = N block ids with a cache): then int64[B*T (+ 4B + N with a cache)] broadcast: input_ids
+  [B, T], slots [B], the cache lengths of those slots before the step [B], their prompt lengths (0: not
+  declared) [B], how many blocks each slot's table holds for the step [B] and those block ids, slot after slot
+  [N]. Followers set their cache's tables, lengths and prompt lengths for those slots (:meth:`KVCache.set_blocks`)
+  and run ``model(input_ids, cache, slots,
   logits_to_keep)``. Sending the tables with every step keeps the caches in step without mirroring
   anything else: a forward reads only its own slots' blocks and writes their positions from the length
   on, so a slot freed, preempted, truncated, reused or started on shared prefix blocks on rank 0 needs no
@@ -219,13 +220,14 @@ class LeaderModel(nn.Module):
                 raise ValueError(f"slots must be a LongTensor [{B}] (one per row), got shape {tuple(slots.shape)}")
             starts = cache.check_room(slots.to(cache.lengths.device), T)   # (takes the step's blocks)
             tables = [cache.blocks(int(x)) for x in slots.tolist()]
+            prompts = cache.prompt_lengths[slots.to(cache.prompt_lengths.device)]
             payload = torch.cat([ids, slots.to("cpu", torch.int64), starts.to("cpu", torch.int64),
-                                 torch.tensor([len(t) for t in tables], dtype=torch.int64),
+                                 prompts.to("cpu", torch.int64), torch.tensor([len(t) for t in tables], dtype=torch.int64),
                                  torch.tensor([b for t in tables for b in t], dtype=torch.int64)])
         kw = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
         with self._lock:
             self._check_usable()
-            self._send([FORWARD, B, T, logits_to_keep, int(cache is not None), payload.numel() - B * T - 3 * B
+            self._send([FORWARD, B, T, logits_to_keep, int(cache is not None), payload.numel() - B * T - 4 * B
                         if cache is not None else 0], payload)
             err = out = None
             try:
@@ -301,7 +303,7 @@ def follow(model: nn.Module, channel: ControlChannel) -> None:
             continue
         if op != FORWARD:
             raise RanksOutOfStep(f"rank {channel.rank}: unknown message op {op} from rank 0")
-        payload = channel.recv_payload(B * T + (3 * B + a if with_cache else 0))
+        payload = channel.recv_payload(B * T + (4 * B + a if with_cache else 0))
         ids = payload[:B * T].view(B, T).to(device)
         kw = {"logits_to_keep": keep} if keep else {}
         err = None
@@ -310,11 +312,11 @@ def follow(model: nn.Module, channel: ControlChannel) -> None:
                 if with_cache:
                     if cache is None:
                         raise RuntimeError("rank 0 sent a forward with a cache before any NEW_CACHE")
-                    slots, starts, counts = payload[B * T:].split(B)[:3]
-                    blocks = payload[B * T + 3 * B:].tolist()
+                    slots, starts, prompts, counts = payload[B * T:].split(B)[:4]
+                    blocks = payload[B * T + 4 * B:].tolist()
                     at = 0
-                    for slot, start, n in zip(slots.tolist(), starts.tolist(), counts.tolist()):
-                        cache.set_blocks(slot, blocks[at:at + n], start)
+                    for slot, start, p, n in zip(slots.tolist(), starts.tolist(), prompts.tolist(), counts.tolist()):
+                        cache.set_blocks(slot, blocks[at:at + n], start, p)
                         at += n
                     model(ids, cache=cache, slots=slots.to(cache.lengths.device), **kw)
                 else:

@@ -25,7 +25,10 @@ Threading: one thread drives :meth:`step` (or :meth:`run_forever`); other thread
 The model contract: ``model.new_cache(num_slots, max_seq_len, dtype=None, device=None, block_size=...,
 num_blocks=...)`` and ``model(input_ids_BT, cache=cache, slots=slots_B) -> logits [B, T, V]`` advancing
 ``cache.lengths``; a model with ``recurrent_state = True`` (per-sequence state that cannot be cut back to a
-prefix) gets no prefix caching.
+prefix) gets no prefix caching; a model with ``kv_depends_on_prompt_length = True`` (Unlimited-OCR: keys and
+values after the prompt depend on where it ended) shares blocks past a prompt only with requests whose prompt
+ended at the same position (:mod:`dynamoe.engine.prefix`). Each admitted request's prompt length is declared to
+the cache (``cache.declare_prompt``, where the cache has it).
 """
 from __future__ import annotations
 
@@ -181,7 +184,8 @@ class GenerationEngine:
                      "rejected drafts")
             self.speculative_tokens = 0
         self._mtp = draft == "mtp" and self.speculative_tokens > 0
-        self._prefix = PrefixCache(self.cache, self.prefix_caching)
+        self._prefix = PrefixCache(self.cache, self.prefix_caching,
+                                   prompt_scoped=bool(getattr(model, "kv_depends_on_prompt_length", False)))
 
         # waiting queue, free slots, request states, cancel flags; re-entrant so that an on_event callback
         # (run under it, on the stepping thread) may call cancel()
@@ -348,6 +352,9 @@ class GenerationEngine:
             if self._mtp and _speculates(req.params):
                 req._mtp_draft = []   # it runs the MTP head (and takes cached blocks only with head entries)
             cached = self._prefix.attach(req)
+            declare = getattr(self.cache, "declare_prompt", None)
+            if declare is not None:   # (after attach, which starts the slot afresh) its prompt ends where the
+                declare(req.slot, len(req.prompt_ids))   # request's does, however its tokens are computed
             if not req._preempted:
                 req.stats.cached_tokens = cached
             self._running.append(req)

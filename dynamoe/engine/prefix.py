@@ -16,8 +16,16 @@ entries (none when the head did not run there: a sampled request's blocks, say).
 takes a cached block only where that token is its own next one (the block's key says the rest), and computes
 the other positions itself: it never reads head entries that were not written, or written for another
 continuation. A block with head entries takes over the key of an equal block without them.
+
+Where the keys and values after the prompt depend on where the prompt ended (``prompt_scoped``: Unlimited-OCR's
+attention keeps the prompt in sight and slides over generated tokens), a block wholly inside the prompt keys as
+usual, while the keys from the first block that reaches past the prompt on are salted with the prompt length: a
+preempted request finds its own blocks again, and a request whose prompt holds another's output (a chat's next
+turn) computes those positions as its prompt instead of reading keys and values made as output.
 """
 from __future__ import annotations
+
+import hashlib
 
 from ..models.blocks import prefix_keys
 from .request import Request
@@ -28,18 +36,30 @@ __all__ = ["PrefixCache"]
 class PrefixCache:
     """The engine's use of the pool's prefix keys (``enabled`` False: requests share nothing)."""
 
-    def __init__(self, cache, enabled: bool):
-        self.cache, self.enabled = cache, bool(enabled)
+    def __init__(self, cache, enabled: bool, prompt_scoped: bool = False):
+        self.cache, self.enabled, self.prompt_scoped = cache, bool(enabled), bool(prompt_scoped)
         # registered block -> the token after it when its MTP head entries were written (absent: not written)
         self._head_next: dict[int, int] = {}
 
     def _keys(self, r: Request, blocks: int) -> list[bytes]:
         """``r``'s first ``blocks`` prefix keys (computed once, extended as it grows)."""
         keys = r._keys
-        if len(keys) < blocks:
-            bs = self.cache.block_size
-            tokens = r.tokens(len(keys) * bs, blocks * bs)
-            keys.extend(prefix_keys(tokens, bs, parent=keys[-1] if keys else None))
+        bs = self.cache.block_size
+        # blocks before ``inside`` hold prompt positions only; with prompt_scoped the later ones key by the
+        # prompt length too (see the module docstring)
+        inside = len(r.prompt_ids) // bs if self.prompt_scoped else blocks
+        while len(keys) < blocks:
+            start = len(keys)
+            end = min(blocks, inside) if start < inside else blocks
+            parent = keys[-1] if keys else None
+            if start == inside:
+                salt = hashlib.blake2b(parent or b"", digest_size=16)
+                salt.update(b"prompt length %d" % len(r.prompt_ids))
+                parent = salt.digest()
+            new = prefix_keys(r.tokens(start * bs, end * bs), bs, parent=parent)
+            keys.extend(new)
+            if len(new) < end - start:   # (fewer tokens than blocks asked for: the keys there are)
+                break
         return keys[:blocks]
 
     def attach(self, r: Request) -> int:

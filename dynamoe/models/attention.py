@@ -7,7 +7,9 @@ K key/value heads (H = K * G), d head dim, D model dim.
 
 Masks come from positions, not from indices: query at position p sees key positions j with
 j <= p (causal) and j > p - W (window W), or, with chunked local attention (Llama-4's chunk C),
-j // C == p // C (the keys of its own chunk: C positions from 0, C, 2C, ...). With the cache, rows sit at
+j // C == p // C (the keys of its own chunk: C positions from 0, C, 2C, ...). A window may keep a
+reference prefix of each row in sight (``prefix_B``: key positions j < P_b are visible whatever the window:
+Unlimited-OCR's prompt). With the cache, rows sit at
 different positions (continuous batching); keys past a row's own length are never visible to it.
 """
 from __future__ import annotations
@@ -29,14 +31,18 @@ _DECODE_DTYPES = (torch.bfloat16, torch.float32)
 __all__ = ["Attention", "attention_mask", "attend", "write_kv", "cached_length", "decode_rows"]
 
 
-def attention_mask(q_pos_BT: Tensor, k_pos_BL: Tensor, window: int | None, chunk: int | None = None) -> Tensor:
+def attention_mask(q_pos_BT: Tensor, k_pos_BL: Tensor, window: int | None, chunk: int | None = None,
+                   prefix_B: Tensor | None = None) -> Tensor:
     """bool [B, 1, T, L]: True where the query at q_pos may see the key at k_pos (causal, within ``window``
-    positions, within the query's ``chunk`` of positions)."""
+    positions -- or, with ``prefix_B``, before row b's position P_b --, within the query's ``chunk`` of positions)."""
     q = q_pos_BT[:, None, :, None]
     k = k_pos_BL[:, None, None, :]
     allowed = k <= q
     if window is not None:
-        allowed = allowed & (k > q - window)
+        inside = k > q - window
+        if prefix_B is not None:
+            inside = inside | (k < prefix_B.to(k.device)[:, None, None, None])
+        allowed = allowed & inside
     if chunk is not None:
         allowed = allowed & (torch.div(k, chunk, rounding_mode="floor") == torch.div(q, chunk, rounding_mode="floor"))
     return allowed
@@ -94,10 +100,14 @@ def _attend_with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: flo
 
 
 def attend(q_BHTd: Tensor, k_BKLd: Tensor, v_BKLd: Tensor, q_pos_BT: Tensor, k_pos_BL: Tensor | None,
-           scale: float, window: int | None = None, sinks_H: Tensor | None = None, chunk: int | None = None) -> Tensor:
+           scale: float, window: int | None = None, sinks_H: Tensor | None = None, chunk: int | None = None,
+           prefix_B: Tensor | None = None) -> Tensor:
     """Attention output [B, H, T, d]. ``k_pos_BL`` None means the keys are the T queries themselves at
     consecutive positions (plain causal attention: the fast path of SDPA). ``chunk``: chunked local
-    attention (each query sees the keys of its own chunk of ``chunk`` positions only)."""
+    attention (each query sees the keys of its own chunk of ``chunk`` positions only). ``prefix_B`` (with a
+    ``window``): int [B], each row's key positions below it stay visible outside the window."""
+    if prefix_B is not None and (window is None or chunk is not None):
+        raise ValueError("attend: prefix_B (keys kept in sight outside a window) needs a window and no chunk")
     if chunk is not None:
         if window is not None:
             raise ValueError("attend: a sliding window and chunked attention at once are not supported")
@@ -116,7 +126,8 @@ def attend(q_BHTd: Tensor, k_BKLd: Tensor, v_BKLd: Tensor, q_pos_BT: Tensor, k_p
     if window is None and sinks_H is None and chunk is None and _is_chunk_over_its_prefix(q_BHTd, k_BKLd, v_BKLd, q_pos_BT):
         return _prefix_then_causal(q_BHTd, k_BKLd, v_BKLd, scale)
     span = window or chunk
-    if span is not None and k_BKLd.size(2) > 2 * span and (q_BHTd.size(2) > 1 or chunk is not None):
+    if (span is not None and prefix_B is None and k_BKLd.size(2) > 2 * span
+            and (q_BHTd.size(2) > 1 or chunk is not None)):
         spans = _window_spans(q_pos_BT, k_pos_BL, k_BKLd.size(2), window, chunk)
         if spans is not None:  # each block of queries over only the keys its window (chunk) can reach
             return torch.cat([_masked(q_BHTd[:, :, a:b], k_BKLd[:, :, lo:hi], v_BKLd[:, :, lo:hi], q_pos_BT[:, a:b],
@@ -124,7 +135,7 @@ def attend(q_BHTd: Tensor, k_BKLd: Tensor, v_BKLd: Tensor, q_pos_BT: Tensor, k_p
                                       chunk)
                               for a, b, lo, hi in spans], dim=2)
     return _masked(q_BHTd, k_BKLd, v_BKLd, q_pos_BT, q_pos_BT if k_pos_BL is None else k_pos_BL, scale, window, sinks_H,
-                   chunk)
+                   chunk, prefix_B)
 
 
 #: the shortest cached prefix worth splitting off (below it, the mask costs little and two kernel calls more)
@@ -165,8 +176,9 @@ def _prefix_then_causal(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor
 
 
 def _masked(q: Tensor, k: Tensor, v: Tensor, q_pos_BT: Tensor, k_pos_BL: Tensor, scale: float,
-            window: int | None, sinks_H: Tensor | None, chunk: int | None = None) -> Tensor:
-    mask = attention_mask(q_pos_BT, k_pos_BL, window, chunk)
+            window: int | None, sinks_H: Tensor | None, chunk: int | None = None,
+            prefix_B: Tensor | None = None) -> Tensor:
+    mask = attention_mask(q_pos_BT, k_pos_BL, window, chunk, prefix_B)
     if sinks_H is not None:
         return _attend_with_sinks(q, k, v, mask, scale, sinks_H)
     return _sdpa(q, k, v, mask, scale, causal=False)
@@ -324,7 +336,8 @@ class Attention(nn.Module):
 
     def attend_cached(self, q_BHTd: Tensor, k_BKTd: Tensor, v_BKTd: Tensor, positions_BT: Tensor,
                       cache: KVCache | None, slots: Tensor | None, kv_len: int | None, window: int | None = None,
-                      sinks_H: Tensor | None = None, chunk: int | None = None) -> Tensor:
+                      sinks_H: Tensor | None = None, chunk: int | None = None,
+                      prefix_B: Tensor | None = None) -> Tensor:
         """:func:`attend` of the queries over the new keys and values -- with a cache, written into it first and
         read back with every earlier position of the rows' slots. [B, H, T, dv]."""
         k_pos = None
@@ -333,7 +346,7 @@ class Attention(nn.Module):
             kv = write_kv(cache, self.layer_idx, slots, positions_BT, kv_len, k=k_BKTd, v=v_BKTd)
             k_BKTd, v_BKTd = kv["k"], kv["v"]
             k_pos = torch.arange(kv_len, device=q_BHTd.device).expand(q_BHTd.size(0), kv_len)
-        return attend(q_BHTd, k_BKTd, v_BKTd, positions_BT, k_pos, self.scale, window, sinks_H, chunk)
+        return attend(q_BHTd, k_BKTd, v_BKTd, positions_BT, k_pos, self.scale, window, sinks_H, chunk, prefix_B)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

@@ -109,6 +109,9 @@ class CausalLM(nn.Module):
     expert_layout = None
     #: whether the routed experts have biases (GPT-OSS)
     expert_bias = False
+    #: whether keys and values after the prompt depend on where the prompt ended (a layer reads the cache's
+    #: ``prompt_lengths``: Unlimited-OCR): the engine's prefix cache then keys blocks past a prompt by its length
+    kv_depends_on_prompt_length = False
     #: decode steps on the CPU run the layers through a cached :class:`~dynamoe.models.decode_plan.DecodePlan`
     #: (the same numbers, less Python per step); False runs them one by one
     use_decode_plan = True

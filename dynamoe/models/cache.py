@@ -22,6 +22,11 @@ Storage, per attention layer, by name (allocated on first use):
 
 The model advances ``lengths`` once per forward, after all layers.
 
+Each slot also knows where its sequence's prompt ends (:attr:`KVCache.prompt_lengths`): the engine declares it
+when a request starts (:meth:`KVCache.declare_prompt`), else the first forward into the empty slot is the prompt
+(:meth:`KVCache.prompt_lengths_for`). Only layers whose attention depends on it read it (Unlimited-OCR's
+reference sliding window: the prompt stays in sight, generated tokens slide).
+
 A cache whose every layer attends only to its last ``window`` positions (sliding-window attention on
 all layers) gives back, on :meth:`KVCache.trim`, the blocks no later query can see: a long sequence then
 holds about ``window`` positions of blocks, not all of its length.
@@ -67,6 +72,8 @@ class KVCache:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.pool = BlockPool(self.num_blocks)
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=self.device)
+        #: where each slot's prompt ends (0: not declared yet)
+        self.prompt_lengths = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.block_tables = torch.zeros(num_slots, self.blocks_per_seq, dtype=torch.long, device=self.device)
         self.layers: list[dict[str, Tensor]] = [{} for _ in range(num_layers)]
         self._paged: list[Tensor] = []        # the kv_pool tensors of every layer
@@ -214,6 +221,25 @@ class KVCache:
                 c += 1
             self._consecutive[slot] = c
 
+    def declare_prompt(self, slot: int, length: int) -> None:
+        """Say that slot ``slot``'s sequence has a prompt of ``length`` tokens (before its first forward, or again
+        when it recomputes after a preemption): positions below it are the prompt whatever forwards compute
+        them -- one or several chunks, a recompute of prompt and output at once."""
+        _positive_int("prompt length", length)
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot must be in [0, {self.num_slots}), got {slot}")
+        self.prompt_lengths[slot] = length
+
+    def prompt_lengths_for(self, slots_B: Tensor, positions_BT: Tensor) -> Tensor:
+        """Where the prompt of each row of a forward (at ``positions``, before the cache advances) ends, [B]: the
+        declared length (:meth:`declare_prompt`), else -- a slot used without declaring one -- the end of this
+        forward, which is then recorded (as transformers' cache takes its first update as the prompt)."""
+        slots_B = slots_B.to(self.prompt_lengths.device)
+        P_B = self.prompt_lengths[slots_B]
+        P_B = torch.where(P_B > 0, P_B, positions_BT[:, -1].to(P_B.device) + 1)
+        self.prompt_lengths[slots_B] = P_B
+        return P_B
+
     def blocks(self, slot: int) -> list[int]:
         """The blocks of ``slot``'s table, in position order (a copy)."""
         return list(self._blocks[slot])
@@ -231,9 +257,10 @@ class KVCache:
             self._append(slot, list(blocks))
         self.lengths[slot] = length
 
-    def set_blocks(self, slot: int, blocks: list[int], length: int) -> None:
-        """Set ``slot``'s table and length as another cache has them (a follower rank mirroring rank 0's
-        cache: the pool's own bookkeeping is not used, and this cache never allocates again)."""
+    def set_blocks(self, slot: int, blocks: list[int], length: int, prompt_length: int = 0) -> None:
+        """Set ``slot``'s table, length and prompt length (0: not declared) as another cache has them (a follower
+        rank mirroring rank 0's cache: the pool's own bookkeeping is not used, and this cache never allocates
+        again)."""
         self._mirror = True
         if len(blocks) > self.blocks_per_seq or any(not 0 <= b < self.num_blocks for b in blocks):
             raise ValueError(f"blocks must be at most {self.blocks_per_seq} ids in [0, {self.num_blocks})")
@@ -241,6 +268,7 @@ class KVCache:
         if blocks:
             self._append(slot, list(blocks))
         self.lengths[slot] = length
+        self.prompt_lengths[slot] = prompt_length
 
     def advance(self, slots: Tensor, new_tokens: int) -> None:
         self.lengths[slots] += new_tokens
@@ -268,6 +296,8 @@ class KVCache:
         if length % self.block_size and not self._mirror and self.pool.shared(have[-1]):
             self._own_last_block(slot)
         self.lengths[slot] = length
+        if length == 0:   # a new sequence may come: its prompt is its own
+            self.prompt_lengths[slot] = 0
 
     def trim(self, slot: int) -> int:
         """Give back ``slot``'s blocks that no later query can see (every position before ``length - window +

@@ -66,6 +66,11 @@ class TextWrapper:
     tie_default: bool = False
     tie_from_text: bool = False
     tie_by_text: bool = False
+    #: a key older configs nest the text model under instead of ``path`` (one level; read when ``path`` is absent or
+    #: null, whatever model_type it says: the wrapper's text config class takes it as its own), and fields those
+    #: configs keep on the wrapper that belong to the text model
+    legacy_key: str = ""
+    legacy_fields: tuple = ()
 
 
 #: multimodal checkpoints whose config.json nests the text model (dynamoe loads the text model only):
@@ -91,6 +96,10 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "qwen4_exp": TextWrapper(("text_config",), ("qwen4_exp_text",)),
     # (DeepseekOcr2ForConditionalGeneration ties by the wrapper's flag, default false)
     "deepseek_ocr2": TextWrapper(("text_config",), ("deepseek_ocr2_text",)),
+    # (UnlimitedOcrForConditionalGeneration ties by the wrapper's flag, default false; the hub's config nests the text
+    # model under language_config and keeps sliding_window on the wrapper, as UnlimitedOcrConfig reads it)
+    "unlimited_ocr": TextWrapper(("text_config",), ("unlimited_ocr_text",), legacy_key="language_config",
+                                 legacy_fields=("sliding_window",)),
     # (Ernie4_5_VLMoeForConditionalGeneration ties by the wrapper's flag, default true)
     "ernie4_5_vl_moe": TextWrapper(("text_config",), ("ernie4_5_vl_moe_text",), tie_default=True),
     # (MuseSparkConfig has no tie flag: its text config's decides)
@@ -616,6 +625,20 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                       "n_group": None, "topk_group": None, "max_position_embeddings": 2048,
                                       "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
                                       "tie_word_embeddings": False}},
+    # UnlimitedOcrTextConfig (Unlimited-OCR's language model): DeepSeek-OCR-2's, with one routing group by default, a
+    # top-k default, the first first_k_dense_replace layers dense (1; a constructor argument, not kept) unless
+    # mlp_layer_types, and 'reference_sliding_attention' on every layer unless layer_types ("reference_sliding_layers":
+    # the prompt stays in sight, generated tokens slide over sliding_window, which it requires)
+    "unlimited_ocr_text": {"num_experts": 64, "num_experts_per_tok": 6, "reference_sliding_layers": True,
+                           "first_k_dense": 1,
+                           "ignored": ("head_dim", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                       "v_head_dim", "norm_topk_prob", "use_sliding_window"),
+                           "fields": {"vocab_size": 129280, "hidden_size": 1280, "intermediate_size": 6848,
+                                      "moe_intermediate_size": 896, "num_hidden_layers": 12, "num_attention_heads": 10,
+                                      "num_key_value_heads": 10, "n_shared_experts": 2, "routed_scaling_factor": 1.0,
+                                      "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                                      "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "bos_token_id": 0,
+                                      "eos_token_id": 1, "tie_word_embeddings": False, "sliding_window": 128}},
     # MuseSparkTextConfig (Muse Spark's language model, on Muse Glimmer's decoder): without layer_types every 4th layer
     # counted back from the last full attention, the others sliding; those full layers NoPE unless layer_rope_theta
     # says otherwise (0 = NoPE: "muse_layers"); every layer MoE unless mlp_layer_types; its hidden_activation is not
@@ -1599,6 +1622,11 @@ class ModelConfig:
         window of uncompressed keys too)."""
         return self.sliding_window if self.layer_types and self.layer_types[i] in _WINDOWED else None
 
+    def layer_reference_window(self, i: int) -> Optional[int]:
+        """The window of layer i's reference sliding-window attention (Unlimited-OCR's 'reference_sliding_attention':
+        the prompt stays in sight, generated tokens slide over it), or None."""
+        return self.sliding_window if self.layer_types and self.layer_types[i] == "reference_sliding_attention" else None
+
     def layer_attention_chunk(self, i: int) -> Optional[int]:
         """The attention chunk of layer i (Llama-4's 'chunked_attention' layers), or None."""
         return self.attention_chunk_size if self.layer_types and self.layer_types[i] == "chunked_attention" else None
@@ -1800,6 +1828,8 @@ class ModelConfig:
         kinds = LAYER_TYPES + (("chunked_attention",) if fam.get("chunked_layers") else ()) + (
             NEMOTRON_BLOCKS if fam.get("nemotron_layers") else ()) + (("conv",) if fam.get("lfm2_layers") else ()) + (
             ("minimax_m3_sparse",) if fam.get("m3_layers") else ())
+        if fam.get("reference_sliding_layers"):  # (its model builds no other kinds)
+            kinds = ("full_attention", "reference_sliding_attention")
         chunk = _int(d, "attention_chunk_size") if fam.get("chunked_layers") else None
         no_rope_layers = _llama4_rope_layers(d, layers) if fam.get("llama4_layers") or fam.get("nope_layers") else ()
         if fam.get("rope_switch"):  # GraniteMoE-Hybrid: RoPE in every attention layer when the field says 'rope'
@@ -1840,6 +1870,8 @@ class ModelConfig:
                     or any(t not in kinds for t in layer_types)):
                 raise _err("layer_types", layer_types, f"a list of {layers} entries from {list(kinds)}")
             layer_types = tuple(layer_types)
+        elif fam.get("reference_sliding_layers"):
+            layer_types = ("reference_sliding_attention",) * layers
         elif fam.get("llama4_layers"):  # the RoPE layers chunked (when there is a chunk size), the NoPE ones full
             layer_types = tuple("chunked_attention" if r and chunk is not None else "full_attention"
                                 for r in no_rope_layers)
@@ -1949,6 +1981,9 @@ class ModelConfig:
             layer_types = tuple(layer_types[:-1]) + ("full_attention",)
         if "sliding_attention" in layer_types and sliding is None:
             raise ValueError("config field 'sliding_window' is required when layer_types has 'sliding_attention'")
+        if "reference_sliding_attention" in layer_types and sliding is None:
+            raise ValueError("config field 'sliding_window' is required (an int >= 1) when layer_types has "
+                             f"'reference_sliding_attention', got {d.get('sliding_window')!r}")
         if "chunked_attention" in layer_types and chunk is None:
             raise ValueError("config field 'attention_chunk_size' is required when layer_types has 'chunked_attention'")
         linear_sizes = {name: _int(d, name) for name in _LINEAR_ATTENTION_FIELDS}
@@ -1990,6 +2025,9 @@ class ModelConfig:
                 mlp_types = tuple("sparse" if i >= first and i % freq == 0 else "dense" for i in range(layers))
         if not mlp_types and fam.get("glm5_layers"):  # the first three dense
             mlp_types = ("dense",) * min(3, layers) + ("sparse",) * max(0, layers - 3)
+        if not mlp_types and fam.get("first_k_dense") is not None:  # the first first_k_dense_replace layers dense
+            k = min(_int(d, "first_k_dense_replace", fam["first_k_dense"], minimum=0), layers)
+            mlp_types = ("dense",) * k + ("sparse",) * (layers - k)
         if not mlp_types and fam.get("first_layer_dense"):
             mlp_types = ("dense",) + ("sparse",) * (layers - 1)
         if not mlp_types and fam.get("llama4_layers"):  # moe_layers, else every step-th layer from step - 1
@@ -2300,6 +2338,14 @@ def unwrap_text_config(d: dict) -> dict:
     spec = TEXT_WRAPPERS.get(outer_type)
     if spec is None:
         return d
+    if spec.legacy_key and d.get(spec.path[0]) is None:
+        legacy = d.get(spec.legacy_key)
+        legacy = {} if legacy is None else legacy
+        if not isinstance(legacy, dict):
+            raise _err(spec.legacy_key, legacy, f"a dict (the text model's config, which a {outer_type!r} config nests)")
+        moved = {k: d[k] for k in spec.legacy_fields if k in d}
+        d = {k: v for k, v in d.items() if k not in spec.legacy_fields and k != spec.legacy_key}
+        d[spec.path[0]] = {**legacy, **moved, "model_type": spec.text_types[0]}
     levels, where = [d], []
     for key in spec.path:
         where.append(key)

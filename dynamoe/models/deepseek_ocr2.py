@@ -33,27 +33,41 @@ class DeepseekOcr2ForCausalLM(TextOfWrapper, CausalLM):
         "model.sam_model.", "model.qwen2_model.", "model.projector.", "model.view_seperator", "model.image_newline"))}
     text_only_reason = "its vision encoders are not loaded (dynamoe serves the DeepSeek-OCR-2 text model only)"
 
+    #: the text model's model_type (in error messages)
+    text_type = "deepseek_ocr2_text"
+    #: whether 'group_limited_greedy' needs n_group and topk_group in the file (DeepseekOcr2TextConfig's are null)
+    group_fields_required = True
+
     def __init__(self, config: ModelConfig, dtype=None):
+        self.check_config(config)
+        super().__init__(config, dtype)
+
+    def check_config(self, config: ModelConfig) -> None:
+        """ValueError naming the field where the config asks for what the model cannot run."""
+        t = self.text_type
         if config.num_experts and not config.mlp_layer_types:
-            raise ValueError("config field 'mlp_layer_types' is required for deepseek_ocr2_text (which layers are "
+            raise ValueError(f"config field 'mlp_layer_types' is required for {t} (which layers are "
                              "'dense' and which 'sparse': its model has no other rule)")
         if config.num_experts and not config.num_experts_per_tok:
-            raise ValueError("config field 'num_experts_per_tok' is required for deepseek_ocr2_text (no default)")
+            raise ValueError(f"config field 'num_experts_per_tok' is required for {t} (no default)")
         if config.topk_method not in TOPK_METHODS:
             raise ValueError(f"config field 'topk_method' must be one of {list(TOPK_METHODS)}, got {config.topk_method!r}")
-        if config.topk_method == "group_limited_greedy" and (config.raw.get("n_group") is None
-                                                              or config.raw.get("topk_group") is None):
+        if (self.group_fields_required and config.topk_method == "group_limited_greedy"
+                and (config.raw.get("n_group") is None or config.raw.get("topk_group") is None)):
             raise ValueError("config fields 'n_group' and 'topk_group' are required with topk_method "
                              "'group_limited_greedy'")
         if config.raw.get("mlp_bias"):
-            raise ValueError("config field 'mlp_bias' must be false for deepseek_ocr2_text (biased MLPs are not "
+            raise ValueError(f"config field 'mlp_bias' must be false for {t} (biased MLPs are not "
                              "supported; the published checkpoints have none)")
-        super().__init__(config, dtype)
+
+    def build_attention(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype) -> Attention:
+        """Layer i's attention: Llama's GQA, RoPE over the whole head (extension point: Unlimited-OCR's)."""
+        return Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, i, rotary,
+                         qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, dtype=dtype)
 
     def build_layer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype) -> DecoderLayer:
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
-        attn = Attention(D, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, i, rotary,
-                         qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, dtype=dtype)
+        attn = self.build_attention(cfg, i, rotary, dtype)
         glu = glu_kind(cfg.hidden_act)
         if cfg.is_moe_layer(i):
             mlp = SparseMoeBlock(cfg, "softmax", normalize=False, glu=glu, num_shared_experts=cfg.n_shared_experts,

@@ -162,3 +162,4 @@ register("deepseek_ocr2", "dynamoe.models.deepseek_ocr2:DeepseekOcr2ForCausalLM"
 register("muse_spark", "dynamoe.models.muse_spark:MuseSparkForCausalLM", ("MuseSparkForConditionalGeneration",))
 register("qwen4_exp", "dynamoe.models.qwen4_exp:Qwen4ExpForCausalLM",
          ("Qwen4ExpForConditionalGeneration", "Qwen4ExpForCausalLM"), aliases=("qwen4_exp_text",))
+register("unlimited_ocr", "dynamoe.models.unlimited_ocr:UnlimitedOcrForCausalLM", ("UnlimitedOcrForConditionalGeneration",))

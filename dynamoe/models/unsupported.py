@@ -55,11 +55,8 @@ UNSUPPORTED: dict[str, str] = {
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
     "qwen3_omni_moe_talker_text": "the speech talker of Qwen3-Omni, not a text causal LM",
     "switch_transformers": "Switch Transformers is an encoder-decoder (T5) model, not a decoder-only causal LM",
-    "unlimited_ocr": _VLM,
-    "unlimited_ocr_text": _text_of("unlimited_ocr", "its 'reference_sliding_attention' layers let every token see the "
-                                   "whole prompt but only a window of generated tokens, so attention depends on where "
-                                   "the prompt ended -- a per-sequence prefill length the cache and the engine do not "
-                                   "carry (a recompute of prompt plus output would attend differently from decoding)"),
+    "unlimited_ocr_text": ("the base language model of Unlimited-OCR (UnlimitedOcrTextModel: transformers has no causal "
+                           "LM with a head for it); its multimodal checkpoints (model_type 'unlimited_ocr') load, text only"),
     "vitpose": "a pose-estimation vision model, not a causal LM",
     "vitpose_backbone": "a vision backbone (ViTPose), not a causal LM",
 }
