@@ -112,7 +112,7 @@ def test_refused_types_raise_before_parsing(moe_types):
 
 
 @pytest.mark.parametrize("mt,why", [
-    ("unlimited_ocr", "wrapper"),                         # was: 'hidden_size' is required
+    ("nemotron_h_omni", "wrapper"),                       # was: 'hidden_size' is required
     ("nllb-moe", "encoder-decoder"),                      # not a decoder-only model: would complain about its fields
     ("inkling2_text", "block attention residuals"),       # a hybrid with convolution layers
 ])
