@@ -1,0 +1,278 @@
+"""Multi-token-prediction heads kept under a prefix of their own (dynamoe.models.mtp_prefixed) on tiny random
+checkpoints: transformers saves none, so each family's MTP tensors are written beside its tensors with the hub's
+names and shapes. Per family: every tensor loads (none dropped), the model's own output is unchanged, the head's
+cached, batched drafts equal a from-scratch float64 recomputation written from the reference architecture (vLLM's
+*_mtp.py), the engine's greedy tokens with draft='mtp' are plain decoding's (batched, prompts sharing a prefix,
+mostly rejected drafts), and a head built to predict the model's next token is accepted nearly always. For the
+hybrid Qwen3-Next / Qwen3.5 (Gated DeltaNet state per sequence): the state rolls back past rejected drafts."""
+import copy
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models_util import one_thread  # noqa: F401 (autouse fixture)
+from models_util import VOCAB, randomize_, save_tiny
+
+import transformers
+
+import dynamoe.models as dm  # noqa: E402
+from dynamoe.engine import GenerationEngine, SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0)
+
+QWEN = dict(vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, num_experts=8,
+            num_experts_per_tok=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+
+
+def _qwen3_next():
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**QWEN, intermediate_size=96))
+
+
+def _qwen3_5():
+    return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**QWEN))
+
+
+def _zc_rms(x, w, eps):
+    """Qwen's zero-centred RMSNorm: x / rms(x) * (1 + w)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)
+
+
+def _fc_tensors(tensors: dict, n_layers: int, g: torch.Generator, full_layer: int) -> dict:
+    """The fc layout's tensors (Qwen3-Next / Qwen3.5 / K-EXAONE hubs): mtp.{fc, pre_fc_norm_embedding,
+    pre_fc_norm_hidden, norm}, mtp.layers.0 shaped like the main model's full-attention layer ``full_layer``."""
+    D = tensors["model.embed_tokens.weight"].shape[1]
+    src = f"model.layers.{full_layer}."
+    out = {}
+    for k, t in tensors.items():
+        if k.startswith(src):
+            noise = torch.randn(t.shape, generator=g)
+            out["mtp.layers.0." + k[len(src):]] = (0.2 * noise if "norm" in k else 0.2 * noise).to(t.dtype)
+    out.update({"mtp.fc.weight": 0.2 * torch.randn(D, 2 * D, generator=g),
+                **{f"mtp.{n}.weight": 0.2 * torch.randn(D, generator=g)
+                   for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
+    return out
+
+
+def _fc_reference(model, tokens: list[int], k: int, norm) -> tuple[list[int], torch.Tensor]:
+    """k greedy drafts after ``tokens`` recomputed from scratch for every draft, without a cache, as vLLM's
+    Qwen3NextMultiTokenPredictor writes the head: fc([pre_fc_norm_embedding(embed(next)) ; pre_fc_norm_hidden(h)]),
+    the decoder layer, norm, the model's lm_head; a further draft reads the head's own (normed) output."""
+    m, eps = model.mtp, model.config.rms_norm_eps
+    with torch.no_grad():
+        logits, h = model(torch.tensor([tokens]), return_hidden=True)
+        nxt = tokens[1:] + [int(logits[0, -1].argmax())]
+        hid = [h[0, p] for p in range(len(tokens))]
+        drafts, g_last = [], None
+        for _ in range(k):
+            e = model.model.embed_tokens.weight[torch.tensor(nxt)]
+            x = torch.cat([norm(e, m.pre_fc_norm_embedding.weight, eps),
+                           norm(torch.stack(hid), m.pre_fc_norm_hidden.weight, eps)], -1) @ m.fc.weight.T
+            y = m.layers[0](x[None], torch.arange(len(nxt))[None])[0]
+            gg = norm(y, m.norm.weight, eps)
+            g_last = gg[-1] if g_last is None else g_last
+            drafts.append(int((gg[-1] @ model.lm_head.weight.T).argmax()))
+            nxt.append(drafts[-1])
+            hid.append(gg[-1])
+    return drafts, g_last
+
+
+def _fc_exact(t: dict, identity_norm: float) -> None:
+    """A bigram model (every layer's output projections zeroed: the logits depend on the last token only) and
+    a head computing the same function of its input token: fc = [I, 0], the embedding norm a plain RMS norm, its
+    layer's output zeroed, ``mtp.norm`` the model's final norm."""
+    for k in t:
+        if k.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "down_proj")):
+            t[k] = torch.zeros_like(t[k])
+    D = t["model.embed_tokens.weight"].shape[1]
+    t["mtp.fc.weight"] = torch.cat([torch.eye(D), torch.zeros(D, D)], 1)
+    t["mtp.pre_fc_norm_embedding.weight"] = torch.full((D,), identity_norm)
+    t["mtp.norm.weight"] = t["model.norm.weight"].clone()
+
+
+FAMILIES = {
+    # name: (transformers model, the MTP tensors, reference norm, the norm weight that scales by 1, layer index
+    #        of the head's decoder layer)
+    "qwen3_next": (_qwen3_next, lambda t, g: _fc_tensors(t, 4, g, full_layer=1), _zc_rms, 0.0),
+    "qwen3_5_moe": (_qwen3_5, lambda t, g: _fc_tensors(t, 4, g, full_layer=3), _zc_rms, 0.0),
+}
+
+
+def _save(name: str, path: str, exact: bool = False, seed: int = 1) -> str:
+    make, tensors_fn, _, one = FAMILIES[name]
+    torch.manual_seed(0)
+    hf = make().eval()
+    randomize_(hf, seed=seed, scales={"lm_head": 0.05} if not exact else None)
+    save_tiny(hf, path)
+    f = os.path.join(path, "model.safetensors")
+    t = load_file(f)
+    t.update(tensors_fn(t, torch.Generator().manual_seed(seed + 7)))
+    if exact:
+        _fc_exact(t, one)
+    save_file(t, f, metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, the model with its head, the checkpoint folder)."""
+    path = _save(request.param, str(tmp_path_factory.mktemp(request.param)))
+    return request.param, dm.load(path, progress=False), path
+
+
+def test_every_mtp_tensor_loads(family, tmp_path, caplog):
+    """The head is built and every mtp.* tensor is in it (the loader refuses unread tensors, and none is skipped
+    as unused); the model's own output is that of the checkpoint without them."""
+    name, model, path = family
+    assert model.has_mtp and len(model.mtp) == 1
+    assert model.mtp.embed_tokens is model.model.embed_tokens and model.mtp.lm_head is model.lm_head
+    assert len(model.new_cache(1, 16).layers) == model.config.num_hidden_layers + 1
+    t = load_file(os.path.join(path, "model.safetensors"))
+    ours = {model.checkpoint_name(n): p for n, p in model.named_parameters()}
+    mtp = [k for k in t if k.startswith(("mtp.", "model.mtp."))]
+    assert mtp
+    for k in mtp:
+        if ".experts." not in k:   # (stacked experts: the loader's strictness covers them)
+            assert torch.equal(ours[k], t[k].to(ours[k].dtype)), k
+    with caplog.at_level(logging.INFO, logger="dynamoe.models.loader"):
+        dm.load(path, progress=False)
+    assert "not loading" not in caplog.text
+    plain = str(tmp_path / "plain")
+    shutil.copytree(path, plain)
+    save_file({k: v for k, v in t.items() if k not in mtp}, os.path.join(plain, "model.safetensors"),
+              metadata={"format": "pt"})
+    without = dm.load(plain, progress=False)
+    assert not without.has_mtp
+    with pytest.raises(ValueError, match="draft='mtp' needs a model with multi-token-prediction heads"):
+        GenerationEngine(without, max_seq_len=32, speculative_tokens=2, draft="mtp")
+    x = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), without(x), atol=0, rtol=0)
+
+
+def test_bad_layouts_are_refused(family, tmp_path):
+    _, _, path = family
+    wrong = str(tmp_path / "count")
+    shutil.copytree(path, wrong)
+    with open(os.path.join(wrong, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(wrong, "config.json"), "w") as f:
+        json.dump({**cfg, "mtp_num_hidden_layers": 2}, f)
+    with pytest.raises(ValueError, match="mtp_num_hidden_layers"):
+        dm.load(wrong, progress=False)
+    gap = str(tmp_path / "gap")
+    shutil.copytree(path, gap)
+    t = load_file(os.path.join(gap, "model.safetensors"))
+    t = {k.replace("mtp.layers.0.", "mtp.layers.1."): v for k, v in t.items()}
+    save_file(t, os.path.join(gap, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="without a gap"):
+        dm.load(gap, progress=False)
+
+
+def test_drafts_match_a_float64_recomputation(family):
+    """mtp_fill over two rows at different lengths (a prefill chunk, then each row's rest on its own), then
+    mtp_drafts from both rows at once: the reference's tokens and head output."""
+    name, model, _ = family
+    norm = FAMILIES[name][2]
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (13, 9)]
+    k = 4
+    cache = model.new_cache(2, 64)
+    slots = torch.arange(2)
+    with torch.no_grad():
+        _, h = model(torch.tensor([r[:5] for r in rows]), cache=cache, slots=slots, return_hidden=True)
+        model.mtp_fill(torch.tensor([r[1:6] for r in rows]), h, torch.arange(5).expand(2, 5), cache, slots)
+        outs = []
+        for b, r in enumerate(rows):
+            lg, h = model(torch.tensor([r[5:]]), cache=cache, slots=slots[b:b + 1], return_hidden=True)
+            after = r[6:] + [int(lg[0, -1].argmax())]
+            gg = model.mtp_fill(torch.tensor([after]), h, torch.arange(5, len(r))[None], cache, slots[b:b + 1])
+            outs.append(gg[0, -1])
+        g_BD = torch.stack(outs)
+        drafts = model.mtp_drafts(g_BD, torch.tensor([len(r) - 1 for r in rows]), cache, slots, [k, k - 1])
+    ref = copy.deepcopy(model).double()
+    for b, r in enumerate(rows):
+        want, g_ref = _fc_reference(ref, r, k, norm)
+        torch.testing.assert_close(g_BD[b].double(), g_ref, atol=2e-4, rtol=2e-4)
+        assert drafts[b] == want[:k - b], (name, b)
+
+
+def _run(model, prompts, params, n, **kw):
+    engine = GenerationEngine(model, max_seq_len=96, max_batch=3, block_size=4, prefill_chunk=8, **kw)
+    reqs = [engine.add_request(p, sp, n, ignore_eos=True) for p, sp in zip(prompts, params)]
+    engine.run_until_done()
+    return [r.output_ids for r in reqs], engine
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    """Two prompts sharing a 13-token head, one of its own, one repetitive."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(0, VOCAB, (13,), generator=g).tolist()
+    return [head + [5, 6], torch.randint(0, VOCAB, (9,), generator=g).tolist(), head + [7], head[:6] * 3]
+
+
+def test_engine_mtp_drafts_give_plain_tokens(family):
+    """Greedy requests (prompts sharing a head, one repetitive) drafting with a random head -- mostly rejected:
+    the recurrent state must roll back every step -- beside a sampled one, 4 requests in 3 slots: the tokens of
+    plain decoding."""
+    _, model, _ = family
+    prompts = _prompts(0)
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=3), GREEDY, GREEDY]
+    plain, _ = _run(model, prompts, params, 14)
+    spec, engine = _run(model, prompts, params, 14, speculative_tokens=3, draft="mtp")
+    assert spec == plain
+    t = engine.totals
+    assert t["spec_drafted_mtp"] > 0 and t["spec_drafted_ngram"] == 0
+    assert t["spec_accepted_mtp"] < t["spec_drafted_mtp"]   # (rejections: rollbacks ran)
+    assert engine.cache_stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_head_that_predicts_the_model_is_accepted(name, tmp_path):
+    """A bigram model and a head that computes its next token: nearly every draft is accepted, a step makes
+    several tokens, and the tokens are still those of plain decoding; n-gram drafts (the bigram model soon
+    cycles) too."""
+    model = dm.load(_save(name, str(tmp_path), exact=True, seed=2), progress=False)
+    prompts = _prompts(5)[:3]
+    plain, e0 = _run(model, prompts, [GREEDY] * 3, 24)
+    spec, engine = _run(model, prompts, [GREEDY] * 3, 24, speculative_tokens=4, draft="mtp")
+    assert spec == plain
+    t = engine.totals
+    assert t["spec_accepted_mtp"] >= 0.9 * t["spec_drafted_mtp"] > 0
+    assert t["steps"] < e0.totals["steps"] / 2
+    spec, engine = _run(model, prompts, [GREEDY] * 3, 24, speculative_tokens=4)
+    assert spec == plain and engine.totals["spec_accepted_ngram"] > 0
+
+
+def test_recurrent_state_rolls_back_to_any_position(family):
+    """A forward of 6 tokens with the cache keeping history, cut back to 1..6 of them (KVCache.truncate), then
+    3 more tokens: the logits of a sequence that never held the cut tokens; a cut before the recorded forward is
+    an error, and outside a history a cut slot still refuses to continue."""
+    _, model, _ = family
+    g = torch.Generator().manual_seed(2)
+    prefix, fed, more = (torch.randint(0, VOCAB, (1, n), generator=g) for n in (7, 6, 3))
+    with torch.no_grad():
+        for keep in range(1, 7):
+            cache = model.new_cache(2, 32)
+            slot = torch.tensor([1])
+            model(prefix, cache=cache, slots=slot)
+            cache.begin_history()
+            model(fed, cache=cache, slots=slot)
+            cache.truncate(1, 7 + keep)
+            if keep == 1:
+                with pytest.raises(ValueError, match="before the recorded forward's first"):
+                    cache.truncate(1, 6)
+            cache.end_history()
+            got = model(more, cache=cache, slots=slot)
+            want = model(torch.cat([prefix, fed[:, :keep], more], 1))[:, -3:]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        cache.truncate(1, 8)
+        with pytest.raises(ValueError, match="cannot continue a truncated slot"):
+            model(more, cache=cache, slots=slot)
