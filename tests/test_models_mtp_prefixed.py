@@ -40,73 +40,138 @@ def _qwen3_5():
     return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**QWEN))
 
 
+MIMO = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=1, n_routed_experts=8, num_experts_per_tok=2, head_dim=24,
+            v_head_dim=16, sliding_window=6, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
+
+
+def _mimo():
+    return transformers.MiMoV2FlashForCausalLM(transformers.MiMoV2FlashConfig(**MIMO))
+
+
+def _rms(x, w, eps):
+    """RMSNorm: x / rms(x) * w."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
 def _zc_rms(x, w, eps):
     """Qwen's zero-centred RMSNorm: x / rms(x) * (1 + w)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)
+    return _rms(x, 1 + w, eps)
 
 
-def _fc_tensors(tensors: dict, n_layers: int, g: torch.Generator, full_layer: int) -> dict:
-    """The fc layout's tensors (Qwen3-Next / Qwen3.5 / K-EXAONE hubs): mtp.{fc, pre_fc_norm_embedding,
-    pre_fc_norm_hidden, norm}, mtp.layers.0 shaped like the main model's full-attention layer ``full_layer``."""
-    D = tensors["model.embed_tokens.weight"].shape[1]
-    src = f"model.layers.{full_layer}."
+def _randn_like(t: torch.Tensor, g: torch.Generator, norm: bool, zero_centred: bool) -> torch.Tensor:
+    noise = 0.2 * torch.randn(t.shape, generator=g)
+    return (noise if zero_centred or not norm else 1 + noise).to(t.dtype)
+
+
+def _copy_layer(tensors: dict, src: str, dst: str, g: torch.Generator, zero_centred: bool, renames=()) -> dict:
+    """Random tensors named and shaped as those under ``src``, under ``dst`` (``renames``: (old, new) substrings)."""
     out = {}
     for k, t in tensors.items():
         if k.startswith(src):
-            noise = torch.randn(t.shape, generator=g)
-            out["mtp.layers.0." + k[len(src):]] = (0.2 * noise if "norm" in k else 0.2 * noise).to(t.dtype)
+            name = dst + k[len(src):]
+            for a, b in renames:
+                name = name.replace(a, b)
+            out[name] = _randn_like(t, g, "norm" in k, zero_centred)
+    return out
+
+
+# ---- the fc layout (Qwen3-Next, Qwen3.5; vllm qwen3_next_mtp.py / qwen3_5_mtp.py) --------------------------------
+def _fc_tensors(tensors: dict, g: torch.Generator, full_layer: int) -> dict:
+    """mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm} and mtp.layers.0, shaped like the main model's
+    full-attention layer ``full_layer`` (an MoE layer)."""
+    D = tensors["model.embed_tokens.weight"].shape[1]
+    out = _copy_layer(tensors, f"model.layers.{full_layer}.", "mtp.layers.0.", g, zero_centred=True)
     out.update({"mtp.fc.weight": 0.2 * torch.randn(D, 2 * D, generator=g),
                 **{f"mtp.{n}.weight": 0.2 * torch.randn(D, generator=g)
                    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
     return out
 
 
-def _fc_reference(model, tokens: list[int], k: int, norm) -> tuple[list[int], torch.Tensor]:
-    """k greedy drafts after ``tokens`` recomputed from scratch for every draft, without a cache, as vLLM's
-    Qwen3NextMultiTokenPredictor writes the head: fc([pre_fc_norm_embedding(embed(next)) ; pre_fc_norm_hidden(h)]),
-    the decoder layer, norm, the model's lm_head; a further draft reads the head's own (normed) output."""
+def _fc_step(model, nxt: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
+    """The head's (normed) output at every position, as vLLM's Qwen3NextMultiTokenPredictor writes it:
+    norm(layer(fc([pre_fc_norm_embedding(embed(next)) ; pre_fc_norm_hidden(h)])))."""
     m, eps = model.mtp, model.config.rms_norm_eps
+    e = model.model.embed_tokens.weight[nxt]
+    x = torch.cat([_zc_rms(e, m.pre_fc_norm_embedding.weight, eps), _zc_rms(hid, m.pre_fc_norm_hidden.weight, eps)],
+                  -1) @ m.fc.weight.T
+    return _zc_rms(m.layers[0](x[None], torch.arange(len(nxt))[None])[0], m.norm.weight, eps)
+
+
+def _fc_exact(t: dict) -> None:
+    """fc = [I, 0], the embedding's norm scaling by 1, ``mtp.norm`` the model's final norm."""
+    D = t["model.embed_tokens.weight"].shape[1]
+    t["mtp.fc.weight"] = torch.cat([torch.eye(D), torch.zeros(D, D)], 1)
+    t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(D)
+    t["mtp.norm.weight"] = t["model.norm.weight"].clone()
+
+
+# ---- the per-depth eh_proj layout (MiMo-V2-Flash; vllm mimo_v2_mtp.py) ---------------------------------------------
+def _eh_tensors(tensors: dict, g: torch.Generator) -> dict:
+    """model.mtp.layers.0.{enorm, hnorm, eh_proj, input_layernorm, self_attn (a sliding layer's: layer 1),
+    pre_mlp_layernorm, mlp (dense: layer 0's), final_layernorm}."""
+    D = tensors["model.embed_tokens.weight"].shape[1]
+    own = "model.mtp.layers.0."
+    out = {k: v for k, v in _copy_layer(tensors, "model.layers.1.", own, g, False,
+                                        (("post_attention_layernorm", "pre_mlp_layernorm"),)).items()
+           if ".mlp." not in k}
+    out.update(_copy_layer(tensors, "model.layers.0.mlp.", own + "mlp.", g, False))
+    out.update({own + "eh_proj.weight": 0.2 * torch.randn(D, 2 * D, generator=g),
+                **{own + f"{n}.weight": 1 + 0.2 * torch.randn(D, generator=g)
+                   for n in ("enorm", "hnorm", "final_layernorm")}})
+    return out
+
+
+def _eh_step(model, nxt: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
+    """As vLLM's MiMoV2MTPLayer: final_layernorm(block(eh_proj([enorm(embed(next)) ; hnorm(h)])))."""
+    d, eps = model.mtp.layers[0], model.config.rms_norm_eps
+    e = model.model.embed_tokens.weight[nxt]
+    x = torch.cat([_rms(e, d.enorm.weight, eps), _rms(hid, d.hnorm.weight, eps)], -1) @ d.eh_proj.weight.T
+    b = d.block
+    x = x + b.self_attn(_rms(x, b.input_layernorm.weight, eps)[None], torch.arange(len(nxt))[None])[0]
+    x = x + b.mlp(_rms(x, b.post_attention_layernorm.weight, eps))
+    return _rms(x, d.final_layernorm.weight, eps)
+
+
+def _eh_exact(t: dict) -> None:
+    D = t["model.embed_tokens.weight"].shape[1]
+    t["model.mtp.layers.0.eh_proj.weight"] = torch.cat([torch.eye(D), torch.zeros(D, D)], 1)
+    t["model.mtp.layers.0.enorm.weight"] = torch.ones(D)
+    t["model.mtp.layers.0.final_layernorm.weight"] = t["model.norm.weight"].clone()
+
+
+# name: (transformers model, the MTP tensors, the reference head step, the head made to predict the model)
+FAMILIES = {
+    "qwen3_next": (_qwen3_next, lambda t, g: _fc_tensors(t, g, full_layer=1), _fc_step, _fc_exact),
+    "qwen3_5_moe": (_qwen3_5, lambda t, g: _fc_tensors(t, g, full_layer=3), _fc_step, _fc_exact),
+    "mimo_v2_flash": (_mimo, _eh_tensors, _eh_step, _eh_exact),
+}
+
+
+def _reference(model, tokens: list[int], k: int, step) -> tuple[list[int], torch.Tensor]:
+    """k greedy drafts after ``tokens`` recomputed from scratch for every draft (no cache): the head's step over
+    every position (its inputs: the token after each position and the model's hidden state there -- for a further
+    draft, the head's own output), the model's lm_head on the last."""
     with torch.no_grad():
         logits, h = model(torch.tensor([tokens]), return_hidden=True)
         nxt = tokens[1:] + [int(logits[0, -1].argmax())]
         hid = [h[0, p] for p in range(len(tokens))]
         drafts, g_last = [], None
         for _ in range(k):
-            e = model.model.embed_tokens.weight[torch.tensor(nxt)]
-            x = torch.cat([norm(e, m.pre_fc_norm_embedding.weight, eps),
-                           norm(torch.stack(hid), m.pre_fc_norm_hidden.weight, eps)], -1) @ m.fc.weight.T
-            y = m.layers[0](x[None], torch.arange(len(nxt))[None])[0]
-            gg = norm(y, m.norm.weight, eps)
-            g_last = gg[-1] if g_last is None else g_last
-            drafts.append(int((gg[-1] @ model.lm_head.weight.T).argmax()))
+            g = step(model, torch.tensor(nxt), torch.stack(hid))[-1]
+            g_last = g if g_last is None else g_last
+            drafts.append(int((g @ model.lm_head.weight.T).argmax()))
             nxt.append(drafts[-1])
-            hid.append(gg[-1])
+            hid.append(g)
     return drafts, g_last
 
 
-def _fc_exact(t: dict, identity_norm: float) -> None:
-    """A bigram model (every layer's output projections zeroed: the logits depend on the last token only) and
-    a head computing the same function of its input token: fc = [I, 0], the embedding norm a plain RMS norm, its
-    layer's output zeroed, ``mtp.norm`` the model's final norm."""
-    for k in t:
-        if k.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "down_proj")):
-            t[k] = torch.zeros_like(t[k])
-    D = t["model.embed_tokens.weight"].shape[1]
-    t["mtp.fc.weight"] = torch.cat([torch.eye(D), torch.zeros(D, D)], 1)
-    t["mtp.pre_fc_norm_embedding.weight"] = torch.full((D,), identity_norm)
-    t["mtp.norm.weight"] = t["model.norm.weight"].clone()
-
-
-FAMILIES = {
-    # name: (transformers model, the MTP tensors, reference norm, the norm weight that scales by 1, layer index
-    #        of the head's decoder layer)
-    "qwen3_next": (_qwen3_next, lambda t, g: _fc_tensors(t, 4, g, full_layer=1), _zc_rms, 0.0),
-    "qwen3_5_moe": (_qwen3_5, lambda t, g: _fc_tensors(t, 4, g, full_layer=3), _zc_rms, 0.0),
-}
-
-
 def _save(name: str, path: str, exact: bool = False, seed: int = 1) -> str:
-    make, tensors_fn, _, one = FAMILIES[name]
+    """The family's tiny random checkpoint with MTP tensors. ``exact``: a bigram model (every layer's output
+    projections zeroed: the logits depend on the last token only) and a head that computes the same function of
+    its input token (its layer's output zeroed too, its input the embedding alone, its last norm the model's)."""
+    make, tensors_fn, _, make_exact = FAMILIES[name]
     torch.manual_seed(0)
     hf = make().eval()
     randomize_(hf, seed=seed, scales={"lm_head": 0.05} if not exact else None)
@@ -115,7 +180,10 @@ def _save(name: str, path: str, exact: bool = False, seed: int = 1) -> str:
     t = load_file(f)
     t.update(tensors_fn(t, torch.Generator().manual_seed(seed + 7)))
     if exact:
-        _fc_exact(t, one)
+        for k in t:
+            if k.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "down_proj")):
+                t[k] = torch.zeros_like(t[k])
+        make_exact(t)
     save_file(t, f, metadata={"format": "pt"})
     return path
 
@@ -158,15 +226,17 @@ def test_every_mtp_tensor_loads(family, tmp_path, caplog):
 
 
 def test_bad_layouts_are_refused(family, tmp_path):
-    _, _, path = family
-    wrong = str(tmp_path / "count")
-    shutil.copytree(path, wrong)
-    with open(os.path.join(wrong, "config.json")) as f:
-        cfg = json.load(f)
-    with open(os.path.join(wrong, "config.json"), "w") as f:
-        json.dump({**cfg, "mtp_num_hidden_layers": 2}, f)
-    with pytest.raises(ValueError, match="mtp_num_hidden_layers"):
-        dm.load(wrong, progress=False)
+    """A config whose MTP layer count disagrees (the families whose config has one), numbered layers with a gap."""
+    name, _, path = family
+    if name.startswith("qwen"):
+        wrong = str(tmp_path / "count")
+        shutil.copytree(path, wrong)
+        with open(os.path.join(wrong, "config.json")) as f:
+            cfg = json.load(f)
+        with open(os.path.join(wrong, "config.json"), "w") as f:
+            json.dump({**cfg, "mtp_num_hidden_layers": 2}, f)
+        with pytest.raises(ValueError, match="mtp_num_hidden_layers"):
+            dm.load(wrong, progress=False)
     gap = str(tmp_path / "gap")
     shutil.copytree(path, gap)
     t = load_file(os.path.join(gap, "model.safetensors"))
@@ -180,7 +250,6 @@ def test_drafts_match_a_float64_recomputation(family):
     """mtp_fill over two rows at different lengths (a prefill chunk, then each row's rest on its own), then
     mtp_drafts from both rows at once: the reference's tokens and head output."""
     name, model, _ = family
-    norm = FAMILIES[name][2]
     g = torch.Generator().manual_seed(11)
     rows = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (13, 9)]
     k = 4
@@ -199,7 +268,7 @@ def test_drafts_match_a_float64_recomputation(family):
         drafts = model.mtp_drafts(g_BD, torch.tensor([len(r) - 1 for r in rows]), cache, slots, [k, k - 1])
     ref = copy.deepcopy(model).double()
     for b, r in enumerate(rows):
-        want, g_ref = _fc_reference(ref, r, k, norm)
+        want, g_ref = _reference(ref, r, k, FAMILIES[name][2])
         torch.testing.assert_close(g_BD[b].double(), g_ref, atol=2e-4, rtol=2e-4)
         assert drafts[b] == want[:k - b], (name, b)
 
@@ -256,6 +325,8 @@ def test_recurrent_state_rolls_back_to_any_position(family):
     3 more tokens: the logits of a sequence that never held the cut tokens; a cut before the recorded forward is
     an error, and outside a history a cut slot still refuses to continue."""
     _, model, _ = family
+    if not getattr(model, "recurrent_state", False):
+        pytest.skip("no per-sequence recurrent state in this family")
     g = torch.Generator().manual_seed(2)
     prefix, fed, more = (torch.randint(0, VOCAB, (1, n), generator=g) for n in (7, 6, 3))
     with torch.no_grad():
