@@ -46,6 +46,16 @@ MIMO = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermed
             layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
 
 
+EXAONE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+              max_position_embeddings=256, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+              sliding_window=6, sliding_window_pattern=2)   # layers 0, 2 slide with RoPE, 1, 3 global without
+
+
+def _exaone():
+    return transformers.ExaoneMoeForCausalLM(transformers.ExaoneMoeConfig(**EXAONE))
+
+
 def _mimo():
     return transformers.MiMoV2FlashForCausalLM(transformers.MiMoV2FlashConfig(**MIMO))
 
@@ -78,33 +88,41 @@ def _copy_layer(tensors: dict, src: str, dst: str, g: torch.Generator, zero_cent
 
 
 # ---- the fc layout (Qwen3-Next, Qwen3.5; vllm qwen3_next_mtp.py / qwen3_5_mtp.py) --------------------------------
-def _fc_tensors(tensors: dict, g: torch.Generator, full_layer: int) -> dict:
+def _fc_tensors(tensors: dict, g: torch.Generator, layer: int, zero_centred: bool = True, dense_from: int | None = None
+                ) -> dict:
     """mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm} and mtp.layers.0, shaped like the main model's
-    full-attention layer ``full_layer`` (an MoE layer)."""
+    layer ``layer`` (the MLP like ``dense_from``'s when given: a dense one)."""
     D = tensors["model.embed_tokens.weight"].shape[1]
-    out = _copy_layer(tensors, f"model.layers.{full_layer}.", "mtp.layers.0.", g, zero_centred=True)
-    out.update({"mtp.fc.weight": 0.2 * torch.randn(D, 2 * D, generator=g),
-                **{f"mtp.{n}.weight": 0.2 * torch.randn(D, generator=g)
-                   for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
+    out = _copy_layer(tensors, f"model.layers.{layer}.", "mtp.layers.0.", g, zero_centred)
+    if dense_from is not None:
+        out = {k: v for k, v in out.items() if ".mlp." not in k}
+        out.update(_copy_layer(tensors, f"model.layers.{dense_from}.mlp.", "mtp.layers.0.mlp.", g, zero_centred))
+    out["mtp.fc.weight"] = 0.2 * torch.randn(D, 2 * D, generator=g)
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{n}.weight"] = 0.2 * torch.randn(D, generator=g) + (0 if zero_centred else 1)
     return out
 
 
-def _fc_step(model, nxt: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
-    """The head's (normed) output at every position, as vLLM's Qwen3NextMultiTokenPredictor writes it:
-    norm(layer(fc([pre_fc_norm_embedding(embed(next)) ; pre_fc_norm_hidden(h)])))."""
-    m, eps = model.mtp, model.config.rms_norm_eps
-    e = model.model.embed_tokens.weight[nxt]
-    x = torch.cat([_zc_rms(e, m.pre_fc_norm_embedding.weight, eps), _zc_rms(hid, m.pre_fc_norm_hidden.weight, eps)],
-                  -1) @ m.fc.weight.T
-    return _zc_rms(m.layers[0](x[None], torch.arange(len(nxt))[None])[0], m.norm.weight, eps)
+def _fc_step(norm):
+    """The head's (normed) output at every position, as vLLM's Qwen3NextMultiTokenPredictor / ExaoneMoeMultiToken-
+    Predictor write it: norm(layer(fc([pre_fc_norm_embedding(embed(next)) ; pre_fc_norm_hidden(h)])))."""
+    def step(model, nxt: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
+        m, eps = model.mtp, model.config.rms_norm_eps
+        e = model.model.embed_tokens.weight[nxt]
+        x = torch.cat([norm(e, m.pre_fc_norm_embedding.weight, eps), norm(hid, m.pre_fc_norm_hidden.weight, eps)],
+                      -1) @ m.fc.weight.T
+        return norm(m.layers[0](x[None], torch.arange(len(nxt))[None])[0], m.norm.weight, eps)
+    return step
 
 
-def _fc_exact(t: dict) -> None:
-    """fc = [I, 0], the embedding's norm scaling by 1, ``mtp.norm`` the model's final norm."""
-    D = t["model.embed_tokens.weight"].shape[1]
-    t["mtp.fc.weight"] = torch.cat([torch.eye(D), torch.zeros(D, D)], 1)
-    t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(D)
-    t["mtp.norm.weight"] = t["model.norm.weight"].clone()
+def _fc_exact(one: float):
+    """fc = [I, 0], the embedding's norm scaling by 1 (weight ``one``), ``mtp.norm`` the model's final norm."""
+    def edit(t: dict) -> None:
+        D = t["model.embed_tokens.weight"].shape[1]
+        t["mtp.fc.weight"] = torch.cat([torch.eye(D), torch.zeros(D, D)], 1)
+        t["mtp.pre_fc_norm_embedding.weight"] = torch.full((D,), one)
+        t["mtp.norm.weight"] = t["model.norm.weight"].clone()
+    return edit
 
 
 # ---- the per-depth eh_proj layout (MiMo-V2-Flash; vllm mimo_v2_mtp.py) ---------------------------------------------
@@ -143,8 +161,11 @@ def _eh_exact(t: dict) -> None:
 
 # name: (transformers model, the MTP tensors, the reference head step, the head made to predict the model)
 FAMILIES = {
-    "qwen3_next": (_qwen3_next, lambda t, g: _fc_tensors(t, g, full_layer=1), _fc_step, _fc_exact),
-    "qwen3_5_moe": (_qwen3_5, lambda t, g: _fc_tensors(t, g, full_layer=3), _fc_step, _fc_exact),
+    "qwen3_next": (_qwen3_next, lambda t, g: _fc_tensors(t, g, layer=1), _fc_step(_zc_rms), _fc_exact(0.0)),
+    "qwen3_5_moe": (_qwen3_5, lambda t, g: _fc_tensors(t, g, layer=3), _fc_step(_zc_rms), _fc_exact(0.0)),
+    # the head's layer: layer 0's sliding attention (with RoPE) and a dense MLP
+    "exaone_moe": (_exaone, lambda t, g: _fc_tensors(t, g, layer=0, zero_centred=False, dense_from=0),
+                   _fc_step(_rms), _fc_exact(1.0)),
     "mimo_v2_flash": (_mimo, _eh_tensors, _eh_step, _eh_exact),
 }
 
@@ -347,3 +368,62 @@ def test_recurrent_state_rolls_back_to_any_position(family):
         cache.truncate(1, 8)
         with pytest.raises(ValueError, match="cannot continue a truncated slot"):
             model(more, cache=cache, slots=slot)
+
+
+def test_head_layer_structure(family, tmp_path):
+    """Each family's head layer as the reference builds it (layer index N + j, its own cache layer): Qwen's a
+    full-attention MoE layer; K-EXAONE's the attention of layer j (here sliding, with RoPE) unless mtp_layer_types
+    says otherwise, a dense MLP; MiMo's a sliding-window layer with sinks and a dense MLP."""
+    from dynamoe.models.moe_block import GatedMLP
+    from dynamoe.models.qwen3_next import GatedAttention, SharedExpertMoeBlock
+
+    name, model, path = family
+    layer = model.mtp.layers[0]
+    block = getattr(layer, "block", layer)
+    assert block.self_attn.layer_idx == model.config.num_hidden_layers
+    if name.startswith("qwen"):
+        assert type(block.self_attn) is GatedAttention and type(block.mlp) is SharedExpertMoeBlock
+    else:
+        assert type(block.mlp) is GatedMLP and block.self_attn.sliding_window == 6 and block.self_attn.use_rope
+    if name == "mimo_v2_flash":
+        assert block.self_attn.sinks is not None
+        assert block.self_attn.num_kv_heads == 2 * model.config.num_key_value_heads
+    if name == "exaone_moe":
+        other = str(tmp_path / "full")
+        shutil.copytree(path, other)
+        with open(os.path.join(other, "config.json")) as f:
+            cfg = json.load(f)
+        for kinds, window, rope in ((["full_attention"], None, False), (["sliding_attention"], 3, True)):
+            with open(os.path.join(other, "config.json"), "w") as f:
+                json.dump({**cfg, "mtp_layer_types": kinds, "mtp_sliding_windows": [window or 0]}, f)
+            attn = dm.load(other, progress=False).mtp.layers[0].self_attn
+            assert (attn.sliding_window, attn.use_rope) == (window, rope)
+
+
+def test_qwen3_5_multimodal_checkpoint(tmp_path):
+    """Qwen3.5's multimodal checkpoint keeps the text model under model.language_model. and the head at the top
+    (mtp.*): the head loads and drafts as the reference says."""
+    text = {k: v for k, v in QWEN.items() if k != "layer_types"}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=16)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5MoeForConditionalGeneration(
+        transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)).eval()
+    randomize_(hf, seed=1, scales={"lm_head": 0.05})
+    path = save_tiny(hf, tmp_path)
+    f = os.path.join(path, "model.safetensors")
+    t = load_file(f)
+    stack = {k.replace("model.language_model.", "model."): v for k, v in t.items()
+             if k.startswith("model.language_model.")}
+    t.update(_fc_tensors(stack, torch.Generator().manual_seed(4), layer=3))
+    save_file(t, f, metadata={"format": "pt"})
+    model = dm.load(path, progress=False)
+    assert model.has_mtp and model.config.text_config_nested
+    tokens = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(5)).tolist()
+    cache = model.new_cache(1, 32)
+    with torch.no_grad():
+        lg, h = model(torch.tensor([tokens]), cache=cache, return_hidden=True)
+        nxt = torch.tensor([tokens[1:] + [int(lg[0, -1].argmax())]])
+        g = model.mtp_fill(nxt, h, torch.arange(10)[None], cache, torch.tensor([0]))
+        drafts = model.mtp_drafts(g[:, -1], torch.tensor([9]), cache, torch.tensor([0]), [3])
+    assert drafts[0] == _reference(copy.deepcopy(model).double(), tokens, 3, _fc_step(_zc_rms))[0]
