@@ -56,6 +56,19 @@ def _exaone():
     return transformers.ExaoneMoeForCausalLM(transformers.ExaoneMoeConfig(**EXAONE))
 
 
+MINIMAX = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=12, dense_intermediate_size=40,
+               shared_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, num_local_experts=4, num_experts_per_tok=2, routed_scaling_factor=1.5,
+               layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+               mlp_layer_types=["dense", "sparse", "sparse"], index_n_heads=2, index_head_dim=24, index_block_size=4,
+               index_topk_blocks=2, index_local_blocks=1, max_position_embeddings=256, bos_token_id=None,
+               eos_token_id=None)
+
+
+def _minimax():
+    return transformers.MiniMaxM3VLForCausalLM(transformers.MiniMaxM3VLTextConfig(**MINIMAX))
+
+
 def _mimo():
     return transformers.MiMoV2FlashForCausalLM(transformers.MiMoV2FlashConfig(**MIMO))
 
@@ -111,7 +124,8 @@ def _fc_step(norm):
         e = model.model.embed_tokens.weight[nxt]
         x = torch.cat([norm(e, m.pre_fc_norm_embedding.weight, eps), norm(hid, m.pre_fc_norm_hidden.weight, eps)],
                       -1) @ m.fc.weight.T
-        return norm(m.layers[0](x[None], torch.arange(len(nxt))[None])[0], m.norm.weight, eps)
+        g = norm(m.layers[0](x[None], torch.arange(len(nxt))[None])[0], m.norm.weight, eps)
+        return g, g
     return step
 
 
@@ -149,13 +163,44 @@ def _eh_step(model, nxt: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
     b = d.block
     x = x + b.self_attn(_rms(x, b.input_layernorm.weight, eps)[None], torch.arange(len(nxt))[None])[0]
     x = x + b.mlp(_rms(x, b.post_attention_layernorm.weight, eps))
-    return _rms(x, d.final_layernorm.weight, eps)
+    g = _rms(x, d.final_layernorm.weight, eps)
+    return g, g
 
 
 def _eh_exact(t: dict) -> None:
     D = t["model.embed_tokens.weight"].shape[1]
     t["model.mtp.layers.0.eh_proj.weight"] = torch.cat([torch.eye(D), torch.zeros(D, D)], 1)
     t["model.mtp.layers.0.enorm.weight"] = torch.ones(D)
+    t["model.mtp.layers.0.final_layernorm.weight"] = t["model.norm.weight"].clone()
+
+
+# ---- MiniMax-M3 (vllm/models/minimax_m3's MiniMaxM3MTP): eh_proj layout, DeepSeek's conventions ----------------
+def _m3_tensors(tensors: dict, g: torch.Generator) -> dict:
+    """model.mtp.layers.0.{enorm, hnorm, eh_proj, final_layernorm} and a block-sparse MoE layer (layer 1's shape)."""
+    D = tensors["model.embed_tokens.weight"].shape[1]
+    own = "model.mtp.layers.0."
+    out = _copy_layer(tensors, "model.layers.1.", own, g, zero_centred=True)
+    out[own + "eh_proj.weight"] = 0.2 * torch.randn(D, 2 * D, generator=g)
+    for n in ("enorm", "hnorm", "final_layernorm"):
+        out[own + f"{n}.weight"] = 0.2 * torch.randn(D, generator=g)
+    return out
+
+
+def _m3_step(model, nxt: torch.Tensor, hid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """g = layer(eh_proj([enorm(embed(next)) ; hnorm(h)])) with the embedding zeroed at position 0 (Gemma norms);
+    the logits read final_layernorm(g)."""
+    d, eps = model.mtp.layers[0], model.config.rms_norm_eps
+    e = model.model.embed_tokens.weight[nxt].clone()
+    e[0] = 0
+    x = torch.cat([_zc_rms(e, d.enorm.weight, eps), _zc_rms(hid, d.hnorm.weight, eps)], -1) @ d.eh_proj.weight.T
+    g = d.block(x[None], torch.arange(len(nxt))[None])[0]
+    return g, _zc_rms(g, d.final_layernorm.weight, eps)
+
+
+def _m3_exact(t: dict) -> None:
+    D = t["model.embed_tokens.weight"].shape[1]
+    t["model.mtp.layers.0.eh_proj.weight"] = torch.cat([torch.eye(D), torch.zeros(D, D)], 1)
+    t["model.mtp.layers.0.enorm.weight"] = torch.zeros(D)
     t["model.mtp.layers.0.final_layernorm.weight"] = t["model.norm.weight"].clone()
 
 
@@ -167,22 +212,23 @@ FAMILIES = {
     "exaone_moe": (_exaone, lambda t, g: _fc_tensors(t, g, layer=0, zero_centred=False, dense_from=0),
                    _fc_step(_rms), _fc_exact(1.0)),
     "mimo_v2_flash": (_mimo, _eh_tensors, _eh_step, _eh_exact),
+    "minimax_m3": (_minimax, _m3_tensors, _m3_step, _m3_exact),
 }
 
 
 def _reference(model, tokens: list[int], k: int, step) -> tuple[list[int], torch.Tensor]:
     """k greedy drafts after ``tokens`` recomputed from scratch for every draft (no cache): the head's step over
     every position (its inputs: the token after each position and the model's hidden state there -- for a further
-    draft, the head's own output), the model's lm_head on the last."""
+    draft, the head's own output, g), the model's lm_head on what the logits read at the last."""
     with torch.no_grad():
         logits, h = model(torch.tensor([tokens]), return_hidden=True)
         nxt = tokens[1:] + [int(logits[0, -1].argmax())]
         hid = [h[0, p] for p in range(len(tokens))]
         drafts, g_last = [], None
         for _ in range(k):
-            g = step(model, torch.tensor(nxt), torch.stack(hid))[-1]
+            g, out = (t[-1] for t in step(model, torch.tensor(nxt), torch.stack(hid)))
             g_last = g if g_last is None else g_last
-            drafts.append(int((g @ model.lm_head.weight.T).argmax()))
+            drafts.append(int((out @ model.lm_head.weight.T).argmax()))
             nxt.append(drafts[-1])
             hid.append(g)
     return drafts, g_last
@@ -224,7 +270,7 @@ def test_every_mtp_tensor_loads(family, tmp_path, caplog):
     assert model.mtp.embed_tokens is model.model.embed_tokens and model.mtp.lm_head is model.lm_head
     assert len(model.new_cache(1, 16).layers) == model.config.num_hidden_layers + 1
     t = load_file(os.path.join(path, "model.safetensors"))
-    ours = {model.checkpoint_name(n): p for n, p in model.named_parameters()}
+    ours = {model.checkpoint_name(n): p for n, p in [*model.named_parameters(), *model.named_buffers()]}
     mtp = [k for k in t if k.startswith(("mtp.", "model.mtp."))]
     assert mtp
     for k in mtp:
@@ -372,9 +418,9 @@ def test_recurrent_state_rolls_back_to_any_position(family):
 
 def test_head_layer_structure(family, tmp_path):
     """Each family's head layer as the reference builds it (layer index N + j, its own cache layer): Qwen's a
-    full-attention MoE layer; K-EXAONE's the attention of layer j (here sliding, with RoPE) unless mtp_layer_types
+    full-attention MoE layer; MiniMax-M3's a block-sparse MoE layer; K-EXAONE's the attention of layer j (here sliding, with RoPE) unless mtp_layer_types
     says otherwise, a dense MLP; MiMo's a sliding-window layer with sinks and a dense MLP."""
-    from dynamoe.models.moe_block import GatedMLP
+    from dynamoe.models.moe_block import GatedMLP, SparseMoeBlock
     from dynamoe.models.qwen3_next import GatedAttention, SharedExpertMoeBlock
 
     name, model, path = family
@@ -383,6 +429,9 @@ def test_head_layer_structure(family, tmp_path):
     assert block.self_attn.layer_idx == model.config.num_hidden_layers
     if name.startswith("qwen"):
         assert type(block.self_attn) is GatedAttention and type(block.mlp) is SharedExpertMoeBlock
+    elif name == "minimax_m3":   # a block-sparse MoE layer (vLLM: force_sparse_attn, force_moe)
+        assert block.self_attn.indexer is not None and isinstance(block.mlp, SparseMoeBlock)
+        assert block.self_attn.indexer.layer_idx == model.config.num_hidden_layers
     else:
         assert type(block.mlp) is GatedMLP and block.self_attn.sliding_window == 6 and block.self_attn.use_rope
     if name == "mimo_v2_flash":
@@ -427,3 +476,33 @@ def test_qwen3_5_multimodal_checkpoint(tmp_path):
         g = model.mtp_fill(nxt, h, torch.arange(10)[None], cache, torch.tensor([0]))
         drafts = model.mtp_drafts(g[:, -1], torch.tensor([9]), cache, torch.tensor([0]), [3])
     assert drafts[0] == _reference(copy.deepcopy(model).double(), tokens, 3, _fc_step(_zc_rms))[0]
+
+
+def test_minimax_m3_multimodal_hub_layout(tmp_path):
+    """MiniMax-M3's multimodal checkpoint as transformers saves it -- the hub's layout (block_sparse_moe., per-expert
+    w1 / w3 / w2, index_*) under language_model.model. -- with the head under language_model.model.mtp.layers.0 in
+    that layout: it loads and drafts as the reference says."""
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                  image_size=16)
+    torch.manual_seed(0)
+    hf = transformers.MiniMaxM3SparseForConditionalGeneration(
+        transformers.MiniMaxM3VLConfig(text_config=dict(MINIMAX), vision_config=vision)).eval()
+    randomize_(hf, seed=1)
+    path = save_tiny(hf, tmp_path)
+    f = os.path.join(path, "model.safetensors")
+    t = load_file(f)
+    assert any(".block_sparse_moe.experts.0.w1." in k for k in t)
+    stack = {k.replace("language_model.model.", "model."): v for k, v in t.items()
+             if k.startswith("language_model.model.")}
+    t.update({"language_model." + k: v for k, v in _m3_tensors(stack, torch.Generator().manual_seed(4)).items()})
+    save_file(t, f, metadata={"format": "pt"})
+    model = dm.load(path, progress=False)
+    assert model.has_mtp and model.config.text_config_nested
+    tokens = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(5)).tolist()
+    cache = model.new_cache(1, 32)
+    with torch.no_grad():
+        lg, h = model(torch.tensor([tokens]), cache=cache, return_hidden=True)
+        nxt = torch.tensor([tokens[1:] + [int(lg[0, -1].argmax())]])
+        g = model.mtp_fill(nxt, h, torch.arange(10)[None], cache, torch.tensor([0]))
+        drafts = model.mtp_drafts(g[:, -1], torch.tensor([9]), cache, torch.tensor([0]), [3])
+    assert drafts[0] == _reference(copy.deepcopy(model).double(), tokens, 3, _m3_step)[0]

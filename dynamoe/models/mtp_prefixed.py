@@ -1,7 +1,7 @@
 """Multi-token-prediction (MTP) heads that a checkpoint keeps under a prefix of their own, not as extra
 ``model.layers.{N + j}`` (those are :mod:`dynamoe.models.mtp`'s DeepSeek-style heads): Qwen3-Next / Qwen3.5 (``mtp.``)
-and K-EXAONE (``mtp.``) in the ``fc`` layout (:class:`FcPredictor`), MiMo-V2-Flash (``model.mtp.layers.{j}.``) in the
-per-depth ``eh_proj`` layout (:class:`EhPredictor`). They draft for the engine's ``draft="mtp"`` through the same
+and K-EXAONE (``mtp.``) in the ``fc`` layout (:class:`FcPredictor`), MiMo-V2-Flash and MiniMax-M3
+(``model.mtp.layers.{j}.``) in the per-depth ``eh_proj`` layout (:class:`EhPredictor`). They draft for the engine's ``draft="mtp"`` through the same
 interface as the DeepSeek-style heads (:class:`PrefixedMTPHeads`: ``has_mtp``, ``mtp_fill``, ``mtp_drafts``, a
 cache layer per depth), so the engine needs nothing per family.
 
@@ -14,8 +14,10 @@ with the model's own embedding and lm_head (the checkpoints store no copies), ``
 family attending over the depth's own KV cache entries (cache layer N + j: the same slots, blocks and positions as
 the main layers). Unlike DeepSeek's heads, the embedding is not zeroed at p = 0, and g is the *normed* output (what a
 further draft feeds back as its hidden state), as in vLLM's Qwen3NextMTP / Qwen3_5MTP / ExaoneMoeMTP / MiMoV2MTP
-(vllm/model_executor/models/{qwen3_next_mtp, qwen3_5_mtp, exaone_moe_mtp, mimo_v2_mtp}.py). Every draft of a step
-comes from the first depth, as there (deeper ones are loaded -- no tensor dropped unseen -- but not run).
+(vllm/model_executor/models/{qwen3_next_mtp, qwen3_5_mtp, exaone_moe_mtp, mimo_v2_mtp}.py); MiniMax-M3's (vLLM's
+MiniMaxM3MTP, vllm/models/minimax_m3) zeroes the embedding at p = 0 and feeds back the layer's output before the
+final norm, which only the logits read (DeepSeek's convention). Every draft of a step comes from the first depth, as
+there (deeper ones are loaded -- no tensor dropped unseen -- but not run).
 """
 from __future__ import annotations
 
@@ -60,15 +62,18 @@ class FcPredictor(nn.Module):
 
 
 class EhPredictor(nn.Module):
-    """The per-depth layout (MiMo-V2-Flash): every depth j holds its own ``enorm``, ``hnorm``, ``eh_proj`` [D, 2 D] over
-    [enorm(embed) ; hnorm(hidden)], a decoder layer (``block``) and ``final_layernorm``. Same interface as
-    :class:`FcPredictor`."""
+    """The per-depth layout (MiMo-V2-Flash, MiniMax-M3): every depth j holds its own ``enorm``, ``hnorm``, ``eh_proj``
+    [D, 2 D] over [enorm(embed) ; hnorm(hidden)], a decoder layer (``block``) and ``final_layernorm``. Same interface
+    as :class:`FcPredictor`. ``zero_first``: the embedding is zeroed at position 0 (MiniMax-M3, as DeepSeek's heads);
+    ``feeds_normed``: g is the final-normed output (MiMo); else g is the layer's output and the logits read
+    final_layernorm(g) (MiniMax-M3, as DeepSeek's)."""
 
     def __init__(self, blocks: list, hidden_size: int, norm: Callable[[], nn.Module], embed_tokens: nn.Module,
-                 lm_head: nn.Module, dtype=None):
+                 lm_head: nn.Module, dtype=None, *, zero_first: bool = False, feeds_normed: bool = True):
         super().__init__()
         self.layers = nn.ModuleList(_EhDepth(b, hidden_size, norm, dtype) for b in blocks)
         self.embed_tokens, self.lm_head = embed_tokens, lm_head
+        self.zero_first, self.feeds_normed = zero_first, feeds_normed
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -76,12 +81,15 @@ class EhPredictor(nn.Module):
     def forward(self, next_ids_BT: Tensor, hidden_BTD: Tensor, positions_BT: Tensor, cache=None, slots=None,
                 kv_len: int | None = None, depth: int = 0) -> Tensor:
         d = self.layers[depth]
-        e = d.enorm(self.embed_tokens(next_ids_BT))
-        x = d.eh_proj(torch.cat([e, d.hnorm(hidden_BTD.to(e.dtype))], dim=-1))
-        return d.final_layernorm(d.block(x, positions_BT, cache, slots, kv_len))
+        e = self.embed_tokens(next_ids_BT)
+        if self.zero_first:
+            e = e.masked_fill((positions_BT == 0).unsqueeze(-1), 0.0)
+        x = d.eh_proj(torch.cat([d.enorm(e), d.hnorm(hidden_BTD.to(e.dtype))], dim=-1))
+        g = d.block(x, positions_BT, cache, slots, kv_len)
+        return d.final_layernorm(g) if self.feeds_normed else g
 
     def logits(self, g: Tensor) -> Tensor:
-        return self.lm_head(g)
+        return self.lm_head(g if self.feeds_normed else self.layers[0].final_layernorm(g))
 
 
 class _EhDepth(nn.Module):
