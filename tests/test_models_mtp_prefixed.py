@@ -506,3 +506,14 @@ def test_minimax_m3_multimodal_hub_layout(tmp_path):
         g = model.mtp_fill(nxt, h, torch.arange(10)[None], cache, torch.tensor([0]))
         drafts = model.mtp_drafts(g[:, -1], torch.tensor([9]), cache, torch.tensor([0]), [3])
     assert drafts[0] == _reference(copy.deepcopy(model).double(), tokens, 3, _m3_step)[0]
+
+
+def test_serve_pool_counts_the_head_layer_as_an_attention_layer(family):
+    """The server's KV pool for draft='mtp' (cli.kv_cache_blocks, extra_layers=1) makes room for the head's layer
+    as for one more attention layer -- of a hybrid model's attention layers (Qwen: 2 of 4), not of all its layers."""
+    from dynamoe.serve.cli import kv_cache_blocks
+
+    model = family[1]
+    attention = sum(t != "linear_attention" for t in model.config.layer_types)
+    plain, mtp = (kv_cache_blocks(model, 4096, 8, 16, memory=1 << 22, extra_layers=n) for n in (0, 1))
+    assert plain / mtp == pytest.approx((attention + 1) / attention, rel=0.02)
