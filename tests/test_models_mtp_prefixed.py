@@ -340,11 +340,17 @@ def test_drafts_match_a_float64_recomputation(family):
         assert drafts[b] == want[:k - b], (name, b)
 
 
-def _run(model, prompts, params, n, **kw):
+def _run(model, prompts, params, n, follow=None, **kw):
+    """Run ``prompts`` on one engine, then (``follow``: a function of the first outputs giving more prompts) a
+    second batch on the same engine; the outputs of both and the engine."""
     engine = GenerationEngine(model, max_seq_len=96, max_batch=3, block_size=4, prefill_chunk=8, **kw)
-    reqs = [engine.add_request(p, sp, n, ignore_eos=True) for p, sp in zip(prompts, params)]
-    engine.run_until_done()
-    return [r.output_ids for r in reqs], engine
+    out, batch = [], list(zip(prompts, params))
+    while batch:
+        reqs = [engine.add_request(p, sp, n, ignore_eos=True) for p, sp in batch]
+        engine.run_until_done()
+        out += [r.output_ids for r in reqs]
+        batch, follow = (follow(out), None) if follow is not None else ([], None)
+    return out, engine
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -356,17 +362,23 @@ def _prompts(seed: int) -> list[list[int]]:
 
 def test_engine_mtp_drafts_give_plain_tokens(family):
     """Greedy requests (prompts sharing a head, one repetitive) drafting with a random head -- mostly rejected:
-    the recurrent state must roll back every step -- beside a sampled one, 4 requests in 3 slots: the tokens of
+    the recurrent state must roll back every step -- beside a sampled one, 4 requests in 3 slots, then requests
+    continuing the first (where prefix caching is on: its cached blocks, head entries included): the tokens of
     plain decoding."""
     _, model, _ = family
     prompts = _prompts(0)
     params = [GREEDY, SamplingParams(temperature=0.8, seed=3), GREEDY, GREEDY]
-    plain, _ = _run(model, prompts, params, 14)
-    spec, engine = _run(model, prompts, params, 14, speculative_tokens=3, draft="mtp")
+
+    def follow(out):
+        return [(prompts[0] + out[0] + [9, 9], GREEDY), (prompts[2] + [1], GREEDY)]
+
+    plain, _ = _run(model, prompts, params, 14, follow)
+    spec, engine = _run(model, prompts, params, 14, follow, speculative_tokens=3, draft="mtp")
     assert spec == plain
     t = engine.totals
     assert t["spec_drafted_mtp"] > 0 and t["spec_drafted_ngram"] == 0
     assert t["spec_accepted_mtp"] < t["spec_drafted_mtp"]   # (rejections: rollbacks ran)
+    assert (t["cached_tokens"] >= 24) == engine.prefix_caching == (not getattr(model, "recurrent_state", False))
     assert engine.cache_stats()["blocks_used"] == 0
 
 
