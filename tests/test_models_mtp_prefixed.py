@@ -419,6 +419,10 @@ def test_recurrent_state_rolls_back_to_any_position(family):
             if keep == 1:
                 with pytest.raises(ValueError, match="before the recorded forward's first"):
                     cache.truncate(1, 6)
+            if keep == 6:   # one forward per history: a second one is refused, not mixed up with the first
+                with pytest.raises(ValueError, match="a history holds one forward"):
+                    model(more[:, :1], cache=cache, slots=slot)
+                cache.truncate(1, 13)
             cache.end_history()
             got = model(more, cache=cache, slots=slot)
             want = model(torch.cat([prefix, fed[:, :keep], more], 1))[:, -3:]

@@ -124,6 +124,9 @@ class KVCache:
         (the last equals what the layer leaves in the buffer); only while :attr:`keeps_history`."""
         if self._history is None:
             raise ValueError("record() is only meaningful between begin_history() and end_history()")
+        if any(h[0] == layer and h[1] == name for h in self._history):
+            raise ValueError(f"layer {layer} recorded {name!r} twice: a history holds one forward (call "
+                             f"begin_history() before each)")
         if not self._history_rows:   # (every record of a forward has its slots: one host sync per forward; the
             # lengths are the rows' first positions, the model advances them after all layers)
             starts = self.lengths[slots_B.to(self.lengths.device)]
