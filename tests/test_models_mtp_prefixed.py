@@ -4,7 +4,8 @@ names and shapes. Per family: every tensor loads (none dropped), the model's own
 cached, batched drafts equal a from-scratch float64 recomputation written from the reference architecture (vLLM's
 *_mtp.py), the engine's greedy tokens with draft='mtp' are plain decoding's (batched, prompts sharing a prefix,
 mostly rejected drafts), and a head built to predict the model's next token is accepted nearly always. For the
-hybrid Qwen3-Next / Qwen3.5 (Gated DeltaNet state per sequence): the state rolls back past rejected drafts."""
+hybrid Qwen3-Next / Qwen3.5 (Gated DeltaNet state per sequence): the state rolls back past rejected drafts. The
+multimodal checkpoints' layouts (Qwen3.5's, MiniMax-M3's hub layout under language_model.) load their heads too."""
 import copy
 import json
 import logging
@@ -46,6 +47,10 @@ MIMO = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermed
             layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
 
 
+def _mimo():
+    return transformers.MiMoV2FlashForCausalLM(transformers.MiMoV2FlashConfig(**MIMO))
+
+
 EXAONE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
               max_position_embeddings=256, pad_token_id=None, bos_token_id=None, eos_token_id=None,
@@ -67,10 +72,6 @@ MINIMAX = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=12, dense_int
 
 def _minimax():
     return transformers.MiniMaxM3VLForCausalLM(transformers.MiniMaxM3VLTextConfig(**MINIMAX))
-
-
-def _mimo():
-    return transformers.MiMoV2FlashForCausalLM(transformers.MiMoV2FlashConfig(**MIMO))
 
 
 def _rms(x, w, eps):
