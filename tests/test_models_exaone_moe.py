@@ -1,12 +1,10 @@
 """K-EXAONE (exaone_moe) against transformers on tiny random checkpoints: per-head q/k norm, sliding
 layers with RoPE and global NoPE layers (sliding_window_pattern, or layer_types all global);
 DeepSeek-V3 MoE blocks (dense first layer, selection bias, group-limited top-k, scale, shared experts);
-multi-token-prediction tensors (mtp.*) are skipped."""
-import os
+the multi-token-prediction layers (mtp.*): tests/test_models_mtp_prefixed.py."""
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from models_util import one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, check_cached_decode, check_greedy, check_logits, check_ragged_batch
@@ -40,10 +38,6 @@ def tiny_config(**overrides):
 def pair(request, tmp_path_factory):
     hf, path = make_pair(transformers.ExaoneMoeForCausalLM, tiny_config(**VARIANTS[request.param]),
                          tmp_path_factory.mktemp(f"exaone_{request.param}"))
-    # a real checkpoint's multi-token-prediction module: unused by plain decoding
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    save_file({**tensors, "mtp.layers.0.eh_proj.weight": torch.zeros(4, 4)}, os.path.join(path, "model.safetensors"),
-              metadata={"format": "pt"})
     return request.param, hf, dm.load(path, progress=False)
 
 

@@ -25,10 +25,14 @@ Threading: one thread drives :meth:`step` (or :meth:`run_forever`); other thread
 The model contract: ``model.new_cache(num_slots, max_seq_len, dtype=None, device=None, block_size=...,
 num_blocks=...)`` and ``model(input_ids_BT, cache=cache, slots=slots_B) -> logits [B, T, V]`` advancing
 ``cache.lengths``; a model with ``recurrent_state = True`` (per-sequence state that cannot be cut back to a
-prefix) gets no prefix caching; a model with ``kv_depends_on_prompt_length = True`` (Unlimited-OCR: keys and
-values after the prompt depend on where it ended) shares blocks past a prompt only with requests whose prompt
-ended at the same position (:mod:`dynamoe.engine.prefix`). Each admitted request's prompt length is declared to
-the cache (``cache.declare_prompt``, where the cache has it).
+prefix) gets no prefix caching, and speculative decoding only when it also says ``recurrent_rollback = True``:
+its recurrent layers record their state after every token of a verification forward (run between
+``cache.begin_history()`` and ``cache.end_history()``), so that cutting rejected drafts off with
+``cache.truncate`` puts the state back where the accepted tokens leave it. A model with
+``kv_depends_on_prompt_length = True`` (Unlimited-OCR: keys and values after the prompt depend on where it
+ended) shares blocks past a prompt only with requests whose prompt ended at the same position
+(:mod:`dynamoe.engine.prefix`). Each admitted request's prompt length is declared to the cache
+(``cache.declare_prompt``, where the cache has it).
 """
 from __future__ import annotations
 
@@ -101,8 +105,9 @@ class GenerationEngine:
     system prompt, concurrent requests with one context). speculative_tokens: k > 0 drafts up to k tokens per
     greedy request and step and verifies them in one forward (the same tokens as without). draft: where drafts
     come from -- 'ngram' (default): lookup in the request's own context (:mod:`dynamoe.engine.speculative`);
-    'mtp': the model's multi-token-prediction head (:mod:`dynamoe.models.mtp`; DeepSeek-V3 / R1, Kimi-K2,
-    GLM-4.5 checkpoints that ship it), run after each forward over the positions just computed (keeping its own
+    'mtp': the model's multi-token-prediction head (:mod:`dynamoe.models.mtp`: DeepSeek-V3 / R1, Kimi-K2,
+    GLM-4.5 checkpoints that ship it; :mod:`dynamoe.models.mtp_prefixed`: Qwen3-Next / Qwen3.5, MiMo-V2-Flash,
+    K-EXAONE, MiniMax-M3), run after each forward over the positions just computed (keeping its own
     cache entries in step) to draft the next k tokens; a request that drafts with it reuses only cached prefix
     blocks whose head entries were written for its own continuation (:mod:`dynamoe.engine.prefix`).
     """
@@ -179,7 +184,9 @@ class GenerationEngine:
             log.info("prefix caching is off: the model keeps per-sequence recurrent state, which cannot be "
                      "shared by prefix")
         self.prefix_caching = bool(prefix_caching) and not recurrent
-        if recurrent and speculative_tokens:
+        #: verification forwards keep the recurrent state after every token (cut back past rejected drafts)
+        self._rollback = recurrent and bool(getattr(model, "recurrent_rollback", False))
+        if recurrent and speculative_tokens and not self._rollback:
             log.info("speculative decoding is off: the model's recurrent state cannot be rolled back past "
                      "rejected drafts")
             self.speculative_tokens = 0
@@ -426,10 +433,16 @@ class GenerationEngine:
             # every row K + 1 tokens: its draft padded with its last token (a pad the model agrees with is a
             # correct token like any other; the rest is cut off below)
             ids = [[r.output_ids[-1], *rows[id(r)], *[r.output_ids[-1]] * (K - len(rows[id(r)]))] for r in ready]
-            logits = self._forward(ready, ids, keep=K + 1, with_hidden=self._mtp)
-            if self._mtp:
-                logits, hidden = logits
-            self._verify(ready, ids, logits, events, hidden)
+            if self._rollback:   # the recurrent layers' state after every fed token, until the cut in _verify
+                self.cache.begin_history()
+            try:
+                logits = self._forward(ready, ids, keep=K + 1, with_hidden=self._mtp)
+                if self._mtp:
+                    logits, hidden = logits
+                self._verify(ready, ids, logits, events, hidden)
+            finally:
+                if self._rollback:
+                    self.cache.end_history()
         self._prefix.register(ready)
         self._trim(ready)
         dt = time.perf_counter() - t0

@@ -18,7 +18,11 @@ Storage, per attention layer, by name (allocated on first use):
   that reads only some positions (a window, every m-th) writes with :meth:`KVCache.put` and reads with
   :meth:`KVCache.gather`.
 * :meth:`KVCache.buffer` -- per-slot tensors [num_slots, *shape]: fixed-size state of a sequence (e.g. a
-  linear-attention layer's recurrent state), whatever its length.
+  linear-attention layer's recurrent state), whatever its length. Such state summarises the whole prefix, so
+  :meth:`KVCache.truncate` cannot cut it back -- except to a position inside the last forward, when that forward
+  ran between :meth:`KVCache.begin_history` and :meth:`KVCache.end_history` (speculative decoding: a verification
+  forward whose rejected drafts are cut off): then the layers recorded each buffer's value after every token
+  (:meth:`KVCache.record`) and truncate puts the slot's back to the value after its last kept token.
 
 The model advances ``lengths`` once per forward, after all layers.
 
@@ -81,6 +85,8 @@ class KVCache:
         self._consecutive = [0] * num_slots   # leading blocks of each table that are b0, b0+1, ...
         self._dropped = [0] * num_slots       # leading blocks given back by trim (out of every layer's window)
         self._mirror = False                  # tables set by set_blocks (a follower rank): never allocate
+        self._history: list | None = None     # (layer, name, values [B, T, ...]) of one forward, see begin_history
+        self._history_rows: dict[int, int] = {}   # slot -> row of that forward
 
     # --- storage ------------------------------------------------------------------------------------
     def kv_pool(self, layer: int, name: str, heads: int, dim: int, dtype: torch.dtype | None = None) -> Tensor:
@@ -104,6 +110,50 @@ class KVCache:
             t = torch.zeros(self.num_slots, *shape, dtype=dtype or self.dtype, device=self.device)
             bufs[name] = t
         return t
+
+    # --- per-token history of the per-slot buffers (rolling recurrent state back) --------------------------
+    def begin_history(self) -> None:
+        """Until :meth:`end_history`, keep what layers :meth:`record` of ONE forward: each per-slot buffer's value
+        after every token, so that :meth:`truncate` can put a slot's buffers back to any position of that forward
+        (cost: T copies of every recorded buffer for the batch, until end_history)."""
+        self._history, self._history_rows = [], {}
+
+    def end_history(self) -> None:
+        self._history, self._history_rows = None, {}
+
+    @property
+    def keeps_history(self) -> bool:
+        """Whether layers should :meth:`record` their per-slot buffers' values after every token."""
+        return self._history is not None
+
+    def record(self, layer: int, name: str, slots_B: Tensor, values_BT: Tensor) -> None:
+        """``buffer(layer, name)``'s rows for ``slots_B`` after each of the forward's T tokens, [B, T, *shape]
+        (the last equals what the layer leaves in the buffer); only while :attr:`keeps_history`."""
+        if self._history is None:
+            raise ValueError("record() is only meaningful between begin_history() and end_history()")
+        if any(h[0] == layer and h[1] == name for h in self._history):
+            raise ValueError(f"layer {layer} recorded {name!r} twice: a history holds one forward (call "
+                             f"begin_history() before each)")
+        if not self._history_rows:   # (every record of a forward has its slots: one host sync per forward; the
+            # lengths are the rows' first positions, the model advances them after all layers)
+            starts = self.lengths[slots_B.to(self.lengths.device)]
+            self._history_rows = {s: (b, n) for b, (s, n) in enumerate(zip(slots_B.tolist(), starts.tolist()))}
+        self._history.append((layer, name, values_BT))
+
+    def _rewind(self, slot: int, length: int) -> None:
+        """Put ``slot``'s recorded buffers back to their values after position ``length - 1`` (inside the
+        recorded forward)."""
+        row = self._history_rows.get(slot)
+        if row is None:
+            return
+        b, start = row
+        t = length - start - 1
+        if t < 0:
+            raise ValueError(f"slot {slot}: cannot roll its per-slot state back to {length} positions, before the "
+                             f"recorded forward's first ({start})")
+        with torch.inference_mode():   # (buffers made by forwards under inference mode, as the engine runs them)
+            for layer, name, values in self._history:
+                self.layers[layer][name][slot] = values[b, t]
 
     @property
     def bytes_per_block(self) -> int:
@@ -278,9 +328,12 @@ class KVCache:
         self.truncate(slot, 0)
 
     def truncate(self, slot: int, length: int) -> None:
-        """Keep only the first ``length`` tokens of ``slot``; blocks past them go back to the pool."""
+        """Keep only the first ``length`` tokens of ``slot``; blocks past them go back to the pool. While a history
+        is kept (:meth:`begin_history`), the slot's recorded per-slot buffers go back to their values at ``length``."""
         if not 0 <= length <= int(self.lengths[slot]):
             raise ValueError(f"length must be in [0, {int(self.lengths[slot])}], got {length}")
+        if self._history and length:
+            self._rewind(slot, length)
         keep = -(-length // self.block_size)
         have = self._blocks[slot]
         dropped = self._dropped[slot]

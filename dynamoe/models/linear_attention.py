@@ -24,7 +24,10 @@ are never assumed zeroed) and continue exactly across chunked prefill and decode
 summarises its whole prefix, so it cannot be truncated back to a shorter one (no prefix reuse): a layer
 built with ``checks_position`` (the model's first linear-attention layer) also keeps the position each
 slot's state has reached (``"state_position"``) and raises a ValueError when a row continues a slot
-from any other position.
+from any other position. The one exception is speculative decoding's verification forward: while the cache
+keeps a history (:meth:`~dynamoe.models.cache.KVCache.begin_history`), :class:`GatedDeltaNet` runs the
+recurrence token by token and records its conv window, its state and the position after every token, so that
+cutting off rejected drafts (``cache.truncate``) puts them back where the kept tokens leave them.
 """
 from __future__ import annotations
 
@@ -68,21 +71,24 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
 
 
 def gated_delta_rule_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                               state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                               state: Tensor | None = None, every_state: bool = False) -> tuple[Tensor, Tensor]:
     """Token by token. q, k [B, H, T, k] (already normalised and scaled), v [B, H, T, v], g (log decay)
     and beta [B, H, T], state [B, H, k, v] (None: zeros). Returns (o [B, H, T, v], final state) in fp32
-    (fp64 for fp64 inputs)."""
+    (fp64 for fp64 inputs); with ``every_state``, the state after each token [B, T, H, k, v] in place of the
+    final one (what rolling back to any of them needs)."""
     dt = _compute_dtype(q)
     q, k, v, g, beta = (t.to(dt) for t in (q, k, v, g, beta))
     B, H, T, dk = k.shape
     S = q.new_zeros(B, H, dk, v.size(-1)) if state is None else state.to(dt)
-    out = []
+    out, states = [], []
     for t in range(T):
         S = S * g[:, :, t].exp()[..., None, None]
         u = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, :, t]))
         S = S + k[:, :, t, :, None] * u[:, :, None, :]
         out.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
-    return torch.stack(out, dim=2), S
+        if every_state:
+            states.append(S)
+    return torch.stack(out, dim=2), (torch.stack(states, dim=1) if every_state else S)
 
 
 def gated_delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None = None,
@@ -148,6 +154,8 @@ def _check_position(cache: KVCache, layer_idx: int, slots: Tensor, start_B: Tens
                          f"but its row starts at position {int(start_B[b])}: a model with recurrent state cannot "
                          "continue a truncated slot (no prefix reuse); start the sequence again at position 0")
     reached[slots] = start_B + T
+    if cache.keeps_history:
+        cache.record(layer_idx, "state_position", slots, start_B[:, None] + torch.arange(1, T + 1, device=start_B.device))
 
 
 def slot_states(cache: KVCache, layer_idx: int, slots: Tensor | None, positions_BT: Tensor, T: int,
@@ -253,8 +261,17 @@ class GatedDeltaNet(nn.Module):
             conv_buf, state_buf, conv_state, state = slot_states(
                 cache, self.layer_idx, slots, positions_BT, T, (self.conv_dim, self.conv_kernel - 1), (H, dk, dv),
                 self.checks_position)
+        # speculative verification: the state after every token, so that rejected drafts can be cut off
+        history = cache is not None and cache.keeps_history
         weight = self.conv1d.weight.squeeze(1)
-        y, conv_state = causal_conv1d(qkv.transpose(1, 2).to(weight.dtype), weight, conv_state)
+        x_BCT = qkv.transpose(1, 2).to(weight.dtype)
+        if history:
+            W = self.conv_kernel - 1
+            xs = torch.cat([x_BCT.new_zeros(B, self.conv_dim, W) if conv_state is None else conv_state.to(x_BCT.dtype),
+                            x_BCT], dim=-1)
+            windows = xs.unfold(-1, W, 1)[:, :, 1:] if W else xs.new_zeros(B, self.conv_dim, T, 0)   # [B, C, T, W]
+            cache.record(self.layer_idx, "conv_state", slots, windows.transpose(1, 2).to(conv_buf.dtype))
+        y, conv_state = causal_conv1d(x_BCT, weight, conv_state)
         qkv = _ACTIVATIONS[self.activation](y).to(x_BTD.dtype).transpose(1, 2)  # [B, T, C]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.reshape(B, T, Hk, dk).float()) * dk ** -0.5
@@ -264,8 +281,14 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(B, T, H, dv)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        o, state = gated_delta_rule(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2),
-                                    beta.transpose(1, 2), state, self.chunk_size)
+        if history:   # (a few tokens: the recurrence, as decoding runs it)
+            o, states = gated_delta_rule_recurrent(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   g.transpose(1, 2), beta.transpose(1, 2), state, every_state=True)
+            cache.record(self.layer_idx, "recurrent_state", slots, states)
+            state = states[:, -1]
+        else:
+            o, state = gated_delta_rule(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2),
+                                        beta.transpose(1, 2), state, self.chunk_size)
         if cache is not None:
             conv_buf[slots] = conv_state.to(conv_buf.dtype)
             state_buf[slots] = state

@@ -15,7 +15,9 @@ tensors) and ``unused_checkpoint_prefixes`` (tensors the family knowingly does n
 multimodal checkpoint's vision tower for a text model: named in the family's docstring, never guessed,
 logged once by prefix). Multi-token-prediction layers (``model.layers.{i}``, i >= num_hidden_layers) load as
 the DeepSeek-style families' ``mtp`` heads (:mod:`dynamoe.models.mtp`); other families' are left unread and
-logged with their count.
+logged with their count. Heads under a prefix of their own (``mtp.``, ``model.mtp.``: Qwen3-Next / Qwen3.5,
+K-EXAONE, MiMo-V2-Flash, MiniMax-M3) are built by the family's ``adapt_to_checkpoint``
+(:mod:`dynamoe.models.mtp_prefixed`).
 
 Expert parallelism (``group`` of W ranks): every MoE block keeps E/W routed experts -- rank r the
 global experts [r*E/W, (r+1)*E/W), as the MoE layer's all-to-all expects -- and reads only theirs

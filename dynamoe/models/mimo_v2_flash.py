@@ -10,9 +10,14 @@ times ``routed_scaling_factor`` (null: 1).
 
 Checkpoint: ``self_attn.{q_proj, k_proj, v_proj, o_proj (no bias), attention_sink_bias (or sinks)}``,
 ``mlp.gate.weight`` (fp32) + ``mlp.gate.e_score_correction_bias``, ``mlp.experts.{e}.{gate,up,down}_proj``,
-dense ``mlp.*_proj``. The hub's multi-token-prediction layers (``model.mtp.*``) are not loaded:
-transformers has no module for them (it ignores them on load), so their layout is not known here; the
-loader names them once (``unused_checkpoint_prefixes``).
+dense ``mlp.*_proj``.
+
+Multi-token prediction: the hub's ``model.mtp.layers.{j}.{enorm, hnorm, eh_proj, input_layernorm, self_attn.*,
+pre_mlp_layernorm, mlp.{gate,up,down}_proj, final_layernorm}`` (transformers drops them on load) load into ``mtp``, an
+:class:`~dynamoe.models.mtp_prefixed.EhPredictor` that the engine drafts with (``draft="mtp"``): each depth's layer is
+a sliding-window layer (the sliding layers' KV heads, sinks, window and RoPE) with a dense MLP of
+``intermediate_size``, as vLLM's MiMoV2MTPLayer builds it (vllm/model_executor/models/mimo_v2_mtp.py); the model's
+embedding and lm_head are shared.
 
 No fused decode kernel: the kernel assumes values as wide as keys and no value scale, so every layer
 runs the op-by-op attention.
@@ -27,6 +32,8 @@ from .base import CausalLM, DecoderLayer
 from .cache import KVCache
 from .config import ModelConfig
 from .deepseek_v3 import DEEPSEEK_RENAMES, deepseek_mlp
+from .moe_block import GatedMLP, glu_kind
+from .mtp_prefixed import EhPredictor, PrefixedMTPHeads, mtp_depths
 from .norms import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
 from .weights import PerExpert
@@ -75,12 +82,12 @@ class MiMoAttention(Attention):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * dv))
 
 
-class MiMoV2FlashForCausalLM(CausalLM):
+class MiMoV2FlashForCausalLM(PrefixedMTPHeads, CausalLM):
     """MiMo-V2-Flash (see the module docstring)."""
 
     checkpoint_renames = DEEPSEEK_RENAMES
     expert_layout = PerExpert("gate_proj", "up_proj", "down_proj")
-    unused_checkpoint_prefixes = ("model.mtp.",)
+    mtp_checkpoint_prefix = "model.mtp."
 
     def build_rotary(self, cfg: ModelConfig) -> RotaryByLayerType:
         ropes = dict(cfg.rope_by_layer_type) or {"full_attention": cfg.rope}
@@ -92,22 +99,56 @@ class MiMoV2FlashForCausalLM(CausalLM):
         if kind not in ("full_attention", "sliding_attention"):
             raise ValueError(f"config field 'layer_types' entry {i} must be 'full_attention' or 'sliding_attention' "
                              f"for {cfg.model_type}, got {kind!r}")
+        attn = self._attention(cfg, i, kind, cfg.layer_sliding_window(i), rotary, dtype)
+        return DecoderLayer(attn, deepseek_mlp(cfg, i, dtype), RMSNorm(D, eps, dtype=dtype), RMSNorm(D, eps, dtype=dtype))
+
+    @staticmethod
+    def _attention(cfg: ModelConfig, i: int, kind: str, window: int | None, rotary: RotaryByLayerType,
+                   dtype) -> MiMoAttention:
         sliding = kind == "sliding_attention"
         v_scale = cfg.raw.get("attention_value_scale")
-        attn = MiMoAttention(D, cfg.num_attention_heads, cfg.num_key_value_heads * (2 if sliding else 1), cfg.head_dim,
-                             cfg.v_head_dim or cfg.head_dim, i, rotary[kind], bias=cfg.attention_bias, sinks=sliding,
-                             sliding_window=cfg.layer_sliding_window(i), v_scale=1.0 if v_scale is None else float(v_scale),
+        return MiMoAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads * (2 if sliding else 1),
+                             cfg.head_dim, cfg.v_head_dim or cfg.head_dim, i, rotary[kind], bias=cfg.attention_bias,
+                             sinks=sliding, sliding_window=window, v_scale=1.0 if v_scale is None else float(v_scale),
                              dtype=dtype)
-        return DecoderLayer(attn, deepseek_mlp(cfg, i, dtype), RMSNorm(D, eps, dtype=dtype), RMSNorm(D, eps, dtype=dtype))
+
+    def build_mtp_layer(self, cfg: ModelConfig, j: int, dtype) -> DecoderLayer:
+        """MTP depth j's decoder layer (layer index N + j): sliding-window attention as the sliding layers have it,
+        a dense SwiGLU MLP of ``intermediate_size``; ``post_attention_layernorm`` is the hub's ``pre_mlp_layernorm``."""
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        if cfg.sliding_window is None:
+            raise ValueError("config field 'sliding_window' is required: the multi-token-prediction layers of "
+                             f"{cfg.model_type} are sliding-window layers")
+        if cfg.intermediate_size is None:
+            raise ValueError("config field 'intermediate_size' is required: the multi-token-prediction layers have a "
+                             "dense MLP")
+        attn = self._attention(cfg, cfg.num_hidden_layers + j, "sliding_attention", cfg.sliding_window,
+                               self.model.rotary_emb, dtype)
+        mlp = GatedMLP(D, cfg.intermediate_size, glu_kind(cfg.hidden_act), dtype=dtype)
+        return DecoderLayer(attn, mlp, RMSNorm(D, eps, dtype=dtype), RMSNorm(D, eps, dtype=dtype))
 
     def adapt_to_checkpoint(self, names) -> None:
         """Called by the loader with the checkpoint's tensor names: the sinks are read from
         ``attention_sink_bias`` (the hub's name, which transformers also saves) unless the checkpoint
-        has ``sinks`` (transformers' module name)."""
+        has ``sinks`` (transformers' module name); the MTP head ``mtp`` is built with as many depths as the
+        ``model.mtp.layers.{j}`` there."""
         object.__setattr__(self, "_sinks_as_named", any(n.endswith(".self_attn.sinks") for n in names))
+        if not any(n.startswith("model.mtp.") for n in names):
+            return
+        count = mtp_depths(names, "model.mtp.")
+        if not count:
+            raise ValueError("the checkpoint has model.mtp.* tensors but no model.mtp.layers.{j}")
+        cfg, dtype, D = self.config, self.dtype, self.config.hidden_size
+        self.mtp = EhPredictor([self.build_mtp_layer(cfg, j, dtype) for j in range(count)], D,
+                               lambda: RMSNorm(D, cfg.rms_norm_eps, dtype=dtype), self.model.embed_tokens,
+                               self.lm_head, dtype=dtype)
 
     def checkpoint_name(self, name: str) -> str:
-        name = super().checkpoint_name(name)
+        if name.startswith("mtp.layers."):   # ours: mtp.layers.{j}.[block.]x; the hub's: model.mtp.layers.{j}.x
+            name = "model." + name.replace(".block.post_attention_layernorm.", ".pre_mlp_layernorm.", 1)
+            name = name.replace(".block.", ".", 1)
+        else:
+            name = super().checkpoint_name(name)
         if name.endswith(".self_attn.sinks") and not self.__dict__.get("_sinks_as_named", False):
             return name[: -len("sinks")] + "attention_sink_bias"
         return name

@@ -17,13 +17,21 @@ the attention's (a paged ``idx_k`` [1, position, index_head_dim]).
 Checkpoint (transformers' names): ``self_attn.{q,k,v,o}_proj, q_norm, k_norm``, ``self_attn.indexer.{q_proj,
 k_proj, q_norm, k_norm}``; ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``, ``mlp.experts.gate_up_proj``
 [E, 2F, D] (gate rows, then up rows), ``mlp.experts.down_proj`` [E, D, F], ``mlp.shared_experts.{gate_up,down}_proj``
-(or a dense ``mlp.{gate_up,down}_proj``). Multi-token-prediction tensors (``mtp.*``) are not loaded. The multimodal
+(or a dense ``mlp.{gate_up,down}_proj``). The multimodal
 checkpoint (``minimax_m3_vl``, the text model in its ``text_config``) keeps these under ``language_model.model.`` and
 ``language_model.lm_head``; its vision tower, patch-merge MLP and projector are not loaded (text only: see
 :mod:`dynamoe.models.wrapped`). The hub's layout -- also what transformers saves for the wrapper -- is read too
 (:meth:`MiniMaxM3ForCausalLM.adapt_to_checkpoint`): ``block_sparse_moe.{gate.weight, e_score_correction_bias,
 experts.{e}.{w1,w3,w2}, shared_experts.{gate,up,down}_proj}``, ``self_attn.index_{q,k}_{proj,norm}``, dense
 ``mlp.{gate,up,down}_proj``.
+
+Multi-token prediction: the hub's ``model.mtp.layers.{j}.`` (``language_model.model.mtp.layers.{j}.`` in the
+multimodal checkpoint) -- ``enorm``, ``hnorm`` (Gemma norms), ``eh_proj`` [D, 2 D], a block-sparse MoE decoder layer
+(``input_layernorm``, ``self_attn.*`` with its indexer, ``post_attention_layernorm``, the MoE), ``final_layernorm`` --
+load into ``mtp``, an :class:`~dynamoe.models.mtp_prefixed.EhPredictor` that the engine drafts with (``draft="mtp"``),
+as vLLM's MiniMaxM3MTP runs it (vllm/models/minimax_m3: the embedding zeroed at position 0, the layer's output fed
+back, the final norm before the model's lm_head only); ``num_mtp_modules`` in the config must agree. Top-level
+``mtp.*`` tensors (a layout no public implementation reads) are left unread and named.
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ from .moe_block import SparseMoeBlock
 from .norms import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
 from .weights import PerExpert, Stacked
+from .mtp_prefixed import EhPredictor, PrefixedMTPHeads, mtp_depths
 from .wrapped import TextOfWrapper, WrapperLayout
 
 __all__ = ["MiniMaxM3ForCausalLM", "BlockIndexer", "M3Attention", "GateUpMLP"]
@@ -189,7 +198,7 @@ class _SharedExpertMoe(SparseMoeBlock):
     decode_refusal = "a shared GateUpMLP beside the routed experts (the fused kernel knows no separate shared MLP)"
 
 
-class MiniMaxM3ForCausalLM(TextOfWrapper, CausalLM):
+class MiniMaxM3ForCausalLM(TextOfWrapper, PrefixedMTPHeads, CausalLM):
     """MiniMax-M3's language model (see the module docstring), alone or in its multimodal wrapper."""
 
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".mlp.gate."), (".mlp.moe.gates.0.", ".mlp.gate."),
@@ -212,22 +221,51 @@ class MiniMaxM3ForCausalLM(TextOfWrapper, CausalLM):
         layout = self.wrapper_layout()
         return ("mtp.",) if layout is None else layout.unused
 
+    mtp_checkpoint_prefix = "model.mtp."
+
     def adapt_to_checkpoint(self, names) -> None:
-        """Called by the loader with the checkpoint's tensor names before it reads them: a checkpoint in the hub's
-        layout (``block_sparse_moe.``, ``index_*``, split gate / up projections) is read as such -- the renames and
-        expert layout switch, and the dense MLPs and shared experts take gate_proj and up_proj apart."""
+        """Called by the loader with the checkpoint's tensor names before it reads them: builds the MTP head ``mtp``
+        for the ``model.mtp.layers.{j}`` there; a checkpoint in the hub's layout (``block_sparse_moe.``,
+        ``index_*``, split gate / up projections) is read as such -- the renames and expert layout switch, and the
+        dense MLPs and shared experts take gate_proj and up_proj apart."""
+        layout = self.wrapper_layout()
+        prefix = ("model." if layout is None else layout.stack) + "mtp."
+        count = mtp_depths(names, prefix)
+        if count:
+            cfg, dtype, D = self.config, self.dtype, self.config.hidden_size
+            want = cfg.raw.get("num_mtp_modules")
+            if want is not None and want != count:
+                raise ValueError(f"the checkpoint has {count} {prefix}layers but config field 'num_mtp_modules' "
+                                 f"says {want}")
+            blocks = [self.build_layer(cfg, cfg.num_hidden_layers + j, self.model.rotary_emb, dtype,
+                                       kind="minimax_m3_sparse", moe=True) for j in range(count)]
+            self.mtp = EhPredictor(blocks, D, lambda: self.build_norm(cfg, D, dtype), self.model.embed_tokens,
+                                   self.lm_head, dtype=dtype, zero_first=True, feeds_normed=False)
         if not any(".block_sparse_moe." in n or ".self_attn.index_" in n for n in names):
             return
         self.checkpoint_renames, self.expert_layout = self.hub_renames, self.hub_expert_layout
-        for layer in self.model.layers:
+        blocks = [*self.model.layers, *(d.block for d in self.mtp.layers)] if self.has_mtp else self.model.layers
+        for layer in blocks:
             mlp = layer.mlp
             (mlp.shared_experts if isinstance(mlp, _SharedExpertMoe) else mlp).split_()
+
+    def checkpoint_name(self, name: str) -> str:
+        if not name.startswith("mtp.layers."):
+            return super().checkpoint_name(name)
+        j, rest = name[len("mtp.layers."):].split(".", 1)
+        if rest.startswith("block."):   # the decoder layer: the family's names for a layer, under mtp.layers.{j}
+            inner = super().checkpoint_name("model.layers.0." + rest[len("block."):])
+            return inner.replace("layers.0.", f"mtp.layers.{j}.", 1)
+        return super().checkpoint_name(f"model.mtp.layers.{j}.{rest}")
 
     def build_norm(self, cfg: ModelConfig, dim: int, dtype) -> nn.Module:
         return RMSNorm(dim, cfg.rms_norm_eps, zero_centered=True, dtype=dtype)
 
-    def build_layer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype) -> DecoderLayer:
-        D, eps, kind, raw = cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_types[i], cfg.raw
+    def build_layer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype, kind: str | None = None,
+                    moe: bool | None = None) -> DecoderLayer:
+        """Layer i of ``cfg.layer_types`` (``kind`` and ``moe`` override the config: MTP layers)."""
+        D, eps, raw = cfg.hidden_size, cfg.rms_norm_eps, cfg.raw
+        kind = kind or cfg.layer_types[i]
         indexer = None
         if kind == "minimax_m3_sparse":
             if cfg.index_head_dim < int(cfg.head_dim * cfg.rope.partial_rotary_factor):
@@ -241,7 +279,7 @@ class MiniMaxM3ForCausalLM(TextOfWrapper, CausalLM):
         attn = M3Attention(D, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, i, rotary, eps, indexer,
                            dtype=dtype)
         alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit or 7.0
-        if cfg.is_moe_layer(i):
+        if cfg.is_moe_layer(i) if moe is None else moe:
             shared = GateUpMLP(D, cfg.shared_expert_intermediate_size, "gpt_oss", alpha, limit, dtype=dtype)
             mlp: nn.Module = _SharedExpertMoe(cfg, shared, dtype=dtype)
         else:

@@ -23,14 +23,14 @@ norm.weight, out_proj}`` or ``self_attn.{q_proj [2 H d, D], k_proj, v_proj, o_pr
 ``mlp.shared_expert_gate.weight [1, D]`` (or a dense ``mlp.*_proj``).
 
 Multi-token prediction: a checkpoint's ``mtp.*`` tensors (``mtp.fc``, ``mtp.pre_fc_norm_embedding``,
-``mtp.pre_fc_norm_hidden``, ``mtp.layers.{j}`` -- full-attention MoE decoder layers --, ``mtp.norm``)
-are loaded into :class:`MultiTokenPredictor` (``model.mtp``), which plain decoding does not run (it is
-there for speculative decoding, and so that no tensor is dropped unseen); a checkpoint without them
-builds no ``mtp``.
+``mtp.pre_fc_norm_hidden``, ``mtp.layers.{j}`` -- full-attention MoE decoder layers at layer index N + j --,
+``mtp.norm``; the model's embedding and lm_head are shared) load into ``model.mtp``, an
+:class:`~dynamoe.models.mtp_prefixed.FcPredictor` that plain decoding does not run and the engine drafts with
+(``draft="mtp"``, :mod:`dynamoe.models.mtp_prefixed`); a checkpoint without them builds no ``mtp``. Speculative
+decoding rolls the Gated DeltaNet state back past rejected drafts (``recurrent_rollback``: the verification forward
+records the state after every token, :mod:`dynamoe.models.linear_attention`).
 """
 from __future__ import annotations
-
-import re
 
 import torch
 from torch import Tensor, nn
@@ -42,13 +42,14 @@ from .cache import KVCache
 from .config import ModelConfig
 from .linear_attention import GatedDeltaNet
 from .moe_block import GatedMLP, SparseMoeBlock, glu_kind
+from .mtp_prefixed import FcPredictor, PrefixedMTPHeads, mtp_depths
 from .norms import RMSNorm
 from .rope import RotaryEmbedding, apply_rope
 from .weights import PerExpert
 from .wrapped import TextOfWrapper, WrapperLayout
 
 __all__ = ["Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "GatedAttention", "SharedExpertMoeBlock",
-           "HybridDecoderLayer", "MultiTokenPredictor"]
+           "HybridDecoderLayer"]
 
 
 class GatedAttention(Attention):
@@ -126,24 +127,7 @@ class HybridDecoderLayer(nn.Module):
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
 
 
-class MultiTokenPredictor(nn.Module):
-    """The checkpoint's multi-token-prediction head (``mtp.*``), loaded but not run by plain decoding:
-    fc [D, 2 D] over [pre_fc_norm_embedding(embed) | pre_fc_norm_hidden(hidden)], then ``layers``
-    (full-attention MoE decoder layers), then ``norm``; the model's embeddings and lm_head are shared."""
-
-    def __init__(self, layers: list, hidden_size: int, eps: float, dtype=None):
-        super().__init__()
-        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False, dtype=dtype)
-        self.pre_fc_norm_embedding = RMSNorm(hidden_size, eps, zero_centered=True, dtype=dtype)
-        self.pre_fc_norm_hidden = RMSNorm(hidden_size, eps, zero_centered=True, dtype=dtype)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden_size, eps, zero_centered=True, dtype=dtype)
-
-
-_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.")
-
-
-class Qwen3NextForCausalLM(CausalLM):
+class Qwen3NextForCausalLM(PrefixedMTPHeads, CausalLM):
     """Qwen3-Next (see the module docstring)."""
 
     #: the model keeps per-sequence recurrent state (the linear-attention layers' conv window and delta-rule
@@ -151,6 +135,9 @@ class Qwen3NextForCausalLM(CausalLM):
     #: prefixes for it (``KVCache.truncate`` would leave a state that summarises the longer sequence;
     #: continuing such a slot raises a ValueError, see dynamoe.models.linear_attention)
     recurrent_state = True
+    #: ... except past a speculative verification forward: GatedDeltaNet records its state after every token then,
+    #: and the engine's cut of rejected drafts puts it back (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".mlp.gate."), (".mlp.moe.", ".mlp."))
     expert_layout = PerExpert("gate_proj", "up_proj", "down_proj")
     #: linear-attention projections on disk (dynamoe.models.linear_attention.PROJECTIONS)
@@ -192,22 +179,24 @@ class Qwen3NextForCausalLM(CausalLM):
                                   self.build_norm(cfg, D, dtype))
 
     def adapt_to_checkpoint(self, names) -> None:
-        """Called by the loader with the checkpoint's tensor names before it reads them: builds
-        :class:`MultiTokenPredictor` ``mtp`` with as many layers as the ``mtp.layers.{j}`` there (its
-        layers never touch a cache: plain decoding does not run it)."""
-        mtp = [n for n in names if n.startswith("mtp.")]
-        if not mtp:
+        """Called by the loader with the checkpoint's tensor names before it reads them: builds the MTP head
+        ``mtp`` (:class:`~dynamoe.models.mtp_prefixed.FcPredictor`) with as many full-attention MoE layers as the
+        ``mtp.layers.{j}`` there."""
+        if not any(n.startswith("mtp.") for n in names):
             return
-        count = 1 + max((int(m.group(1)) for m in map(_MTP_LAYER.match, mtp) if m), default=-1)
+        count = mtp_depths(names, "mtp.")
+        if not count:
+            raise ValueError("the checkpoint has mtp.* tensors but no mtp.layers.{j} (the head's decoder layers)")
         want = self.config.raw.get("mtp_num_hidden_layers", self.config.raw.get("num_nextn_predict_layers"))
         if want is not None and want != count:
             raise ValueError(f"the checkpoint has {count} mtp.layers but config field 'mtp_num_hidden_layers' "
                              f"says {want}")
         cfg, dtype = self.config, self.dtype
         layers = [self.build_layer(cfg, cfg.num_hidden_layers + j, self.model.rotary_emb, dtype, kind="full_attention",
-                                    moe=True)
+                                   moe=True)
                   for j in range(count)]
-        self.mtp = MultiTokenPredictor(layers, cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mtp = FcPredictor(layers, cfg.hidden_size, lambda: self.build_norm(cfg, cfg.hidden_size, dtype),
+                               self.model.embed_tokens, self.lm_head, dtype=dtype)
 
 
 class Qwen3_5MoeForCausalLM(TextOfWrapper, Qwen3NextForCausalLM):

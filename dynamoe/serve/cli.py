@@ -125,8 +125,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--speculative-draft", "--speculative_draft", dest="speculative_draft", choices=["ngram", "mtp"],
                    default="ngram",
                    help="where drafts come from: ngram (prompt lookup in the request's context, default) or mtp (the "
-                        "model's multi-token-prediction head: DeepSeek-V3/R1, Kimi-K2, GLM-4.5 checkpoints that "
-                        "ship MTP layers)")
+                        "model's multi-token-prediction head: DeepSeek-V3/R1, Kimi-K2, GLM-4.5+, Qwen3-Next / "
+                        "Qwen3.5, MiMo-V2-Flash, K-EXAONE, MiniMax-M3 checkpoints that ship MTP layers)")
     s.add_argument("--prefix-caching", "--prefix_caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
                    default=True, help="share the KV cache blocks of equal prompt prefixes across requests, running ones "
                                       "included (a chat's next turn, a common system prompt)")
@@ -334,7 +334,9 @@ def kv_cache_blocks(model, max_seq_len: int, num_slots: int, block_size: int, me
     device = param.device if param is not None else torch.device("cpu")
     per = per_position()
     if extra_layers:   # attention layers beside the config's (the MTP head's, drafting): as many elements as one
-        per += extra_layers * per // max(1, getattr(cfg, "num_hidden_layers", 1))
+        # of the model's attention layers (a hybrid model's linear-attention layers cache no positions)
+        linear = sum(t in ("linear_attention", "conv") for t in (getattr(cfg, "layer_types", None) or ()))
+        per += extra_layers * per // max(1, getattr(cfg, "num_hidden_layers", 1) - linear)
     block_bytes = per * torch.empty((), dtype=dtype).element_size() * block_size
     budget = memory if memory is not None else int(_memory_bytes(device) * fraction)
     full = num_slots * -(-max_seq_len // block_size)
