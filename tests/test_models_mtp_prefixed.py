@@ -400,13 +400,13 @@ def test_head_that_predicts_the_model_is_accepted(name, tmp_path):
     assert spec == plain and engine.totals["spec_accepted_ngram"] > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"], indirect=True)   # the recurrent ones
 def test_recurrent_state_rolls_back_to_any_position(family):
     """A forward of 6 tokens with the cache keeping history, cut back to 1..6 of them (KVCache.truncate), then
     3 more tokens: the logits of a sequence that never held the cut tokens; a cut before the recorded forward is
     an error, and outside a history a cut slot still refuses to continue."""
     _, model, _ = family
-    if not getattr(model, "recurrent_state", False):
-        pytest.skip("no per-sequence recurrent state in this family")
+    assert model.recurrent_state and model.recurrent_rollback
     g = torch.Generator().manual_seed(2)
     prefix, fed, more = (torch.randint(0, VOCAB, (1, n), generator=g) for n in (7, 6, 3))
     with torch.no_grad():
