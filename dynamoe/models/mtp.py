@@ -1,5 +1,5 @@
-"""Multi-token-prediction (MTP) heads of DeepSeek-V3 / R1, Kimi-K2 and the GLM-4.5 family: draft tokens for
-speculative decoding (:mod:`dynamoe.engine.engine`, ``draft="mtp"``).
+"""Multi-token-prediction (MTP) heads of DeepSeek-V3 / R1, Kimi-K2, the GLM-4.5 family and DeepSeek-V4: draft
+tokens for speculative decoding (:mod:`dynamoe.engine.engine`, ``draft="mtp"``).
 
 Checkpoint: MTP depth j lives under ``model.layers.{N + j}.`` (N = ``num_hidden_layers``, j <
 ``num_nextn_predict_layers``): ``enorm``, ``hnorm``, ``eh_proj`` [D, 2 D], ``embed_tokens``, ``shared_head.norm``,
@@ -7,7 +7,13 @@ Checkpoint: MTP depth j lives under ``model.layers.{N + j}.`` (N = ``num_hidden_
 ``input_layernorm``, ``post_attention_layernorm``). transformers does not run these layers (it drops them on
 load); vLLM and SGLang draft with them, and so does dynamoe. A checkpoint without them builds no head (many
 conversions drop them); one whose depth has no ``embed_tokens`` / ``shared_head.head`` of its own uses the
-model's embeddings / lm_head there.
+model's embeddings / lm_head there. A family whose heads are laid out otherwise says so through
+:class:`MTPHeads`' hooks (:meth:`~MTPHeads.mtp_prefix`, :meth:`~MTPHeads.mtp_depth_of`, ``mtp_marker``,
+``mtp_renames``, :meth:`~MTPHeads.build_mtp_layer`, :meth:`~MTPHeads.new_mtp_head`) and
+:class:`NextTokenPredictor`'s options: DeepSeek-V4 (:mod:`dynamoe.models.deepseek_v4`) keeps depth j under
+``mtp.{j}.`` with ``e_proj`` / ``h_proj`` [D, D] in place of ``eh_proj`` (``split_proj``), its head reads the
+main model's residual streams before their collapse (``CausalLM.hidden_before_norm``) and collapses its own
+through ``hc_head_*`` (``head_norm``).
 
 At position p, a head reads the main model's final-normed hidden state h_p and the *next* token x_{p+1}:
 ``g_p = layer(eh_proj([enorm(embed(x_{p+1})) ; hnorm(h_p)]))`` at RoPE position p, attending over the head's own
@@ -37,8 +43,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["NextTokenPredictor", "MTPHeads"]
 
-_MTP_LAYER = re.compile(r"model\.layers\.(\d+)\.eh_proj\.weight$")
 _OURS = re.compile(r"mtp\.(\d+)\.")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class _SharedHead(nn.Module):
@@ -49,25 +55,49 @@ class _SharedHead(nn.Module):
 
 
 class NextTokenPredictor(nn.Module):
-    """One MTP depth (see the module docstring): ``forward(next_ids [B, T], hidden [B, T, D], positions [B, T],
-    cache, slots, kv_len) -> g [B, T, D]`` (the decoder layer's output, before ``shared_head.norm``) and
-    ``logits(g) -> [..., V]``."""
+    """One MTP depth (see the module docstring): ``forward(next_ids [B, T], hidden [B, T, ...D], positions [B, T],
+    cache, slots, kv_len) -> g`` (the decoder layer's output, before ``shared_head.norm``; shaped as ``hidden``)
+    and ``logits(g) -> [..., V]``.
 
-    def __init__(self, block: nn.Module, hidden_size: int, vocab_size: int, eps: float, dtype=None):
+    ``split_proj``: the input projection as two matrices (DeepSeek-V4's ``e_proj`` / ``h_proj`` [D, D]) whose sum
+    is ``eh_proj`` on the concatenation; the embedding's term then broadcasts over any stream dims of ``hidden``
+    (V4's residual streams [B, T, N, D]). ``head_norm``: the module in place of ``shared_head.norm`` (default an
+    RMSNorm; V4: its hyper-connection head collapsing the streams, then the norm). Subclasses may override
+    :meth:`embed` (a family whose embedding module does more than look up rows)."""
+
+    def __init__(self, block: nn.Module, hidden_size: int, vocab_size: int, eps: float, dtype=None, *,
+                 split_proj: bool = False, head_norm: nn.Module | None = None):
         super().__init__()
         self.enorm = RMSNorm(hidden_size, eps, dtype=dtype)
         self.hnorm = RMSNorm(hidden_size, eps, dtype=dtype)
-        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False, dtype=dtype)
+        if split_proj:
+            self.e_proj = nn.Linear(hidden_size, hidden_size, bias=False, dtype=dtype)
+            self.h_proj = nn.Linear(hidden_size, hidden_size, bias=False, dtype=dtype)
+        else:
+            self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False, dtype=dtype)
+        self.split_proj = split_proj
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size, dtype=dtype)
         self.shared_head = _SharedHead(hidden_size, vocab_size, eps, dtype=dtype)
+        if head_norm is not None:
+            self.shared_head.norm = head_norm
         self.block = block
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """The token embeddings [B, T, D] the head reads."""
+        return self.embed_tokens(ids)
 
     def forward(self, next_ids_BT: Tensor, hidden_BTD: Tensor, positions_BT: Tensor, cache=None, slots=None,
                 kv_len: int | None = None) -> Tensor:
-        e = self.embed_tokens(next_ids_BT)
+        e = self.embed(next_ids_BT)
         e = e.masked_fill((positions_BT == 0).unsqueeze(-1), 0.0)   # (as vLLM: position 0 has no "next" input)
-        h = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden_BTD.to(e.dtype))], dim=-1))
-        return self.block(h, positions_BT, cache, slots, kv_len)
+        h = self.hnorm(hidden_BTD.to(e.dtype))
+        if self.split_proj:
+            pe = self.e_proj(self.enorm(e))
+            pe = pe.view(*pe.shape[:2], *[1] * (h.dim() - 3), pe.size(-1))   # over hidden's stream dims, if any
+            x = pe + self.h_proj(h)
+        else:
+            x = self.eh_proj(torch.cat([self.enorm(e), h], dim=-1))
+        return self.block(x, positions_BT, cache, slots, kv_len)
 
     def logits(self, g: Tensor) -> Tensor:
         return self.shared_head.head(self.shared_head.norm(g))
@@ -77,53 +107,93 @@ class MTPHeads:
     """Mixin for a :class:`~dynamoe.models.base.CausalLM` family whose checkpoints may carry DeepSeek-style MTP
     layers (put it before CausalLM in the bases): builds ``mtp`` (an ``nn.ModuleList`` of
     :class:`NextTokenPredictor`) when the checkpoint has them, maps their names, gives the cache a layer per
-    depth and runs the first depth for the engine (:meth:`mtp_fill`, :meth:`mtp_drafts`)."""
+    depth and runs the first depth for the engine (:meth:`mtp_fill`, :meth:`mtp_drafts`).
+
+    Where a family's heads differ (DeepSeek-V4: ``mtp.{j}.`` names, split projections, residual streams), it
+    overrides the hooks: :meth:`mtp_prefix` / ``mtp_marker`` (where depth j's tensors are and which one says it
+    is there), ``mtp_renames`` (the checkpoint's names of the head's own tensors), :meth:`build_mtp_layer`,
+    :meth:`new_mtp_head`."""
+
+    #: the tensor (under :meth:`mtp_prefix`) whose presence makes a depth: a layer without it builds no head
+    mtp_marker: str = "eh_proj.weight"
+    #: (ours, theirs) substring renames of a head's own tensors (not its decoder layer's), first match wins
+    mtp_renames: tuple = ()
+
+    def mtp_prefix(self, j: int) -> str:
+        """The checkpoint name prefix of MTP depth j: ``model.layers.{N + j}.`` (under ``checkpoint_prefix``)."""
+        return f"{self.checkpoint_prefix}model.layers.{self.config.num_hidden_layers + j}."
 
     def build_mtp_layer(self, cfg, i: int, rotary, dtype, names: set) -> nn.Module:
         """The decoder layer of the MTP depth at layer index ``i`` >= num_hidden_layers: the family's layer i
-        (``names``: the checkpoint's tensor names, for a family whose MTP layer may lack optional parts)."""
+        (``names``: the checkpoint's tensor names without ``checkpoint_prefix``, for a family whose MTP layer may
+        lack optional parts)."""
         return self.build_layer(cfg, i, rotary, dtype)
 
+    def new_mtp_head(self, cfg, block: nn.Module, dtype) -> NextTokenPredictor:
+        """Depth's head around its decoder layer ``block`` (a family with other projections / norms overrides)."""
+        return NextTokenPredictor(block, cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def mtp_depth_of(self, name: str) -> int | None:
+        """The MTP depth j whose :meth:`mtp_prefix` checkpoint tensor ``name`` would be under (None: none), for
+        telling a gap from a missing depth: ``model.layers.{i}.`` with i >= num_hidden_layers is depth i - N."""
+        prefix, N = self.checkpoint_prefix, self.config.num_hidden_layers
+        m = _LAYER.match(name, len(prefix)) if name.startswith(prefix) else None
+        return int(m.group(1)) - N if m and int(m.group(1)) >= N else None
+
+    def _mtp_depths(self, names: set) -> list[int]:
+        """The depths j whose :meth:`mtp_prefix` has ``mtp_marker`` in ``names``: 0..n-1 or a ValueError."""
+        depths = sorted({j for n in names if n.endswith(self.mtp_marker) and (j := self.mtp_depth_of(n)) is not None
+                         and n == self.mtp_prefix(j) + self.mtp_marker})
+        if depths != list(range(len(depths))):
+            found = [self.mtp_prefix(j) + self.mtp_marker for j in depths]
+            raise ValueError(f"the checkpoint's multi-token-prediction layers are {found}: they must be depths 0, 1, "
+                             f"... ({self.mtp_prefix(0)}...; config field 'num_hidden_layers' = "
+                             f"{self.config.num_hidden_layers}) without a gap")
+        return depths
+
     def adapt_to_checkpoint(self, names) -> None:
-        """Build the heads for the ``model.layers.{N + j}.eh_proj`` the checkpoint has (called by the loader on
-        the meta-device model, before any tensor is read)."""
+        """Build the heads for the depths the checkpoint has (``mtp_marker`` under :meth:`mtp_prefix`; called by
+        the loader on the meta-device model, before any tensor is read)."""
         parent = getattr(super(), "adapt_to_checkpoint", None)
         if parent is not None:
             parent(names)
         cfg, prefix = self.config, self.checkpoint_prefix
-        N = cfg.num_hidden_layers
-        present = {n[len(prefix):] for n in names if n.startswith(prefix)}
-        layers = sorted(int(m.group(1)) for m in map(_MTP_LAYER.match, present) if m and int(m.group(1)) >= N)
-        if not layers:
+        names = set(names)
+        depths = self._mtp_depths(names)
+        if not depths:
             return
-        if layers != list(range(N, N + len(layers))):
-            raise ValueError(f"the checkpoint's multi-token-prediction layers are model.layers.{layers}: they must "
-                             f"follow the {N} decoder layers (config field 'num_hidden_layers') without a gap")
         want = cfg.num_nextn_predict_layers
-        if want and want != len(layers):
-            raise ValueError(f"the checkpoint has {len(layers)} multi-token-prediction layers but config field "
+        if want and want != len(depths):
+            raise ValueError(f"the checkpoint has {len(depths)} multi-token-prediction layers but config field "
                              f"'num_nextn_predict_layers' says {want}")
-        dtype, heads = self.dtype, []
-        for i in layers:
-            head = NextTokenPredictor(self.build_mtp_layer(cfg, i, self.model.rotary_emb, dtype, present), cfg.hidden_size,
-                                      cfg.vocab_size, cfg.rms_norm_eps, dtype=dtype)
-            if f"model.layers.{i}.embed_tokens.weight" not in present:   # a conversion that keeps one copy
+        present = {n[len(prefix):] for n in names if n.startswith(prefix)}
+        dtype, heads, N = self.dtype, [], cfg.num_hidden_layers
+        for j in depths:
+            head = self.new_mtp_head(cfg, self.build_mtp_layer(cfg, N + j, self.model.rotary_emb, dtype, present),
+                                     dtype)
+            if self._mtp_name(j, "embed_tokens.weight") not in names:   # a conversion that keeps one copy
                 head.embed_tokens = self.model.embed_tokens
-            if f"model.layers.{i}.shared_head.head.weight" not in present:
+            if self._mtp_name(j, "shared_head.head.weight") not in names:
                 head.shared_head.head = self.lm_head
             heads.append(head)
         self.mtp = nn.ModuleList(heads)
+
+    def _mtp_name(self, j: int, rest: str) -> str:
+        """The checkpoint name of our ``mtp.{j}.{rest}`` (a head's tensor, or its layer's: ``block.``...)."""
+        if rest.startswith("block."):   # the decoder layer: the family's renames, as for layer 0
+            inner = super().checkpoint_name("model.layers.0." + rest[len("block."):])
+            return self.mtp_prefix(j) + inner.split("layers.0.", 1)[1]
+        for ours, theirs in self.mtp_renames:
+            if ours in rest:
+                rest = rest.replace(ours, theirs, 1)
+                break
+        return self.mtp_prefix(j) + rest
 
     def checkpoint_name(self, name: str) -> str:
         m = _OURS.match(name)
         if m is None or getattr(self, "mtp", None) is None:
             return super().checkpoint_name(name)
-        layer = f"model.layers.{self.config.num_hidden_layers + int(m.group(1))}."
-        rest = name[m.end():]
-        if rest.startswith("block."):   # the decoder layer: the family's renames, as for layer 0
-            inner = super().checkpoint_name("model.layers.0." + rest[len("block."):])
-            return inner.replace("model.layers.0.", layer, 1)
-        return self.checkpoint_prefix + layer + rest
+        return self._mtp_name(int(m.group(1)), name[m.end():])
 
     def new_cache(self, *args, **kwargs):
         """The family's cache plus one layer per MTP depth (layer N + j; its tensors are allocated on first use,
@@ -143,8 +213,8 @@ class MTPHeads:
             for parent, attr, main in ((head, "embed_tokens", self.model.embed_tokens),
                                        (head.shared_head, "head", self.lm_head)):
                 mod = getattr(parent, attr)
-                if mod is main or type(mod) is not type(main) or not isinstance(mod, (nn.Linear, nn.Embedding)):
-                    continue
+                if mod is main or not isinstance(main, type(mod)) or type(mod) not in (nn.Linear, nn.Embedding):
+                    continue   # (the model's may be a subclass: V4's StreamEmbedding, same weight)
                 w, m = mod.weight, main.weight
                 if w.shape == m.shape and w.dtype == m.dtype and w.device == m.device and torch.equal(w, m):
                     setattr(parent, attr, main)
