@@ -954,15 +954,20 @@ _STEP_PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "swiglu_limits", "swi
 
 def _step_trim_mtp(d: dict, layers: int) -> dict:
     """Step-3.5: the hub's per-layer lists (:data:`_STEP_PER_LAYER_LISTS`) padded with one trailing entry per
-    multi-token-prediction layer (``num_nextn_predict_layers``), cut to the decoder layers as Step3p7TextConfig does."""
+    multi-token-prediction layer (``num_nextn_predict_layers``), cut to the decoder layers as Step3p7TextConfig does;
+    the cut entries kept under ``mtp_layer_entries`` (list name -> one entry per MTP layer: what those layers are,
+    :mod:`dynamoe.models.step3p5`)."""
     mtp = _int(d, "num_nextn_predict_layers", 0, minimum=0) or 0
     if not mtp:
         return d
     d = dict(d)
+    kept = {}
     for name in _STEP_PER_LAYER_LISTS:
         v = d.get(name)
         if isinstance(v, (list, tuple)) and len(v) == layers + mtp:
-            d[name] = list(v[:layers])
+            d[name], kept[name] = list(v[:layers]), list(v[layers:])
+    if kept:
+        d["mtp_layer_entries"] = kept
     return d
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -44,13 +45,13 @@ log = logging.getLogger(__name__)
 __all__ = ["NextTokenPredictor", "MTPHeads"]
 
 _OURS = re.compile(r"mtp\.(\d+)\.")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class _SharedHead(nn.Module):
     def __init__(self, hidden_size: int, vocab_size: int, eps: float, dtype=None):
         super().__init__()
-        self.norm = RMSNorm(hidden_size, eps, dtype=dtype)
+        self.norm: nn.Module = RMSNorm(hidden_size, eps, dtype=dtype)
         self.head = nn.Linear(hidden_size, vocab_size, bias=False, dtype=dtype)
 
 
@@ -61,15 +62,19 @@ class NextTokenPredictor(nn.Module):
 
     ``split_proj``: the input projection as two matrices (DeepSeek-V4's ``e_proj`` / ``h_proj`` [D, D]) whose sum
     is ``eh_proj`` on the concatenation; the embedding's term then broadcasts over any stream dims of ``hidden``
-    (V4's residual streams [B, T, N, D]). ``head_norm``: the module in place of ``shared_head.norm`` (default an
-    RMSNorm; V4: its hyper-connection head collapsing the streams, then the norm). Subclasses may override
-    :meth:`embed` (a family whose embedding module does more than look up rows)."""
+    (V4's residual streams [B, T, N, D]). ``norm``: makes ``enorm``, ``hnorm`` and ``shared_head.norm`` (default
+    an RMSNorm; Step-3.5: its zero-centred one); ``head_norm``: the module in place of ``shared_head.norm`` (V4: its
+    hyper-connection head collapsing the streams, then the norm). ``mask_first``: the embedding zeroed at position
+    0 (DeepSeek's heads in vLLM; Step-3.5's are not). Subclasses may override :meth:`embed` (a family whose
+    embedding module does more than look up rows)."""
 
     def __init__(self, block: nn.Module, hidden_size: int, vocab_size: int, eps: float, dtype=None, *,
-                 split_proj: bool = False, head_norm: nn.Module | None = None):
+                 split_proj: bool = False, head_norm: nn.Module | None = None,
+                 norm: Callable[[], nn.Module] | None = None, mask_first: bool = True):
         super().__init__()
-        self.enorm = RMSNorm(hidden_size, eps, dtype=dtype)
-        self.hnorm = RMSNorm(hidden_size, eps, dtype=dtype)
+        norm = norm or (lambda: RMSNorm(hidden_size, eps, dtype=dtype))
+        self.enorm, self.hnorm = norm(), norm()
+        self.mask_first = mask_first
         if split_proj:
             self.e_proj = nn.Linear(hidden_size, hidden_size, bias=False, dtype=dtype)
             self.h_proj = nn.Linear(hidden_size, hidden_size, bias=False, dtype=dtype)
@@ -78,8 +83,7 @@ class NextTokenPredictor(nn.Module):
         self.split_proj = split_proj
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size, dtype=dtype)
         self.shared_head = _SharedHead(hidden_size, vocab_size, eps, dtype=dtype)
-        if head_norm is not None:
-            self.shared_head.norm = head_norm
+        self.shared_head.norm = norm() if head_norm is None else head_norm
         self.block = block
 
     def embed(self, ids: Tensor) -> Tensor:
@@ -89,7 +93,8 @@ class NextTokenPredictor(nn.Module):
     def forward(self, next_ids_BT: Tensor, hidden_BTD: Tensor, positions_BT: Tensor, cache=None, slots=None,
                 kv_len: int | None = None) -> Tensor:
         e = self.embed(next_ids_BT)
-        e = e.masked_fill((positions_BT == 0).unsqueeze(-1), 0.0)   # (as vLLM: position 0 has no "next" input)
+        if self.mask_first:   # (as vLLM's DeepSeek heads: position 0 has no "next" input)
+            e = e.masked_fill((positions_BT == 0).unsqueeze(-1), 0.0)
         h = self.hnorm(hidden_BTD.to(e.dtype))
         if self.split_proj:
             pe = self.e_proj(self.enorm(e))
@@ -123,10 +128,10 @@ class MTPHeads:
         """The checkpoint name prefix of MTP depth j: ``model.layers.{N + j}.`` (under ``checkpoint_prefix``)."""
         return f"{self.checkpoint_prefix}model.layers.{self.config.num_hidden_layers + j}."
 
-    def build_mtp_layer(self, cfg, i: int, rotary, dtype, names: set) -> nn.Module:
+    def build_mtp_layer(self, cfg, i: int, rotary, dtype, names: set) -> nn.Module | None:
         """The decoder layer of the MTP depth at layer index ``i`` >= num_hidden_layers: the family's layer i
         (``names``: the checkpoint's tensor names without ``checkpoint_prefix``, for a family whose MTP layer may
-        lack optional parts)."""
+        lack optional parts). None: this depth and those after it build no head (the family logs why)."""
         return self.build_layer(cfg, i, rotary, dtype)
 
     def new_mtp_head(self, cfg, block: nn.Module, dtype) -> NextTokenPredictor:
@@ -134,26 +139,31 @@ class MTPHeads:
         return NextTokenPredictor(block, cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps, dtype=dtype)
 
     def mtp_depth_of(self, name: str) -> int | None:
-        """The MTP depth j whose :meth:`mtp_prefix` checkpoint tensor ``name`` would be under (None: none), for
-        telling a gap from a missing depth: ``model.layers.{i}.`` with i >= num_hidden_layers is depth i - N."""
-        prefix, N = self.checkpoint_prefix, self.config.num_hidden_layers
-        m = _LAYER.match(name, len(prefix)) if name.startswith(prefix) else None
+        """The MTP depth j a checkpoint tensor ``name`` would belong to (None: none), for telling a gap from a
+        missing depth: ``...layers.{i}.`` with i >= num_hidden_layers is depth i - N."""
+        m = _LAYER.search(name)
+        N = self.config.num_hidden_layers
         return int(m.group(1)) - N if m and int(m.group(1)) >= N else None
 
+    def mtp_checkpoint_name(self, j: int, rest: str) -> str:
+        """The checkpoint's name of our ``mtp.{j}.{rest}`` through every renaming the model applies (a wrapper's
+        stack included): what the loader reads for it."""
+        return self.checkpoint_name(f"mtp.{j}.{rest}")
+
     def _mtp_depths(self, names: set) -> list[int]:
-        """The depths j whose :meth:`mtp_prefix` has ``mtp_marker`` in ``names``: 0..n-1 or a ValueError."""
+        """The depths j whose ``mtp_marker`` is in ``names``: 0..n-1 or a ValueError."""
         depths = sorted({j for n in names if n.endswith(self.mtp_marker) and (j := self.mtp_depth_of(n)) is not None
-                         and n == self.mtp_prefix(j) + self.mtp_marker})
+                         and n == self.mtp_checkpoint_name(j, self.mtp_marker)})
         if depths != list(range(len(depths))):
-            found = [self.mtp_prefix(j) + self.mtp_marker for j in depths]
+            found = [self.mtp_checkpoint_name(j, self.mtp_marker) for j in depths]
             raise ValueError(f"the checkpoint's multi-token-prediction layers are {found}: they must be depths 0, 1, "
-                             f"... ({self.mtp_prefix(0)}...; config field 'num_hidden_layers' = "
-                             f"{self.config.num_hidden_layers}) without a gap")
+                             f"... ({self.mtp_checkpoint_name(0, self.mtp_marker)}, ...; config field "
+                             f"'num_hidden_layers' = {self.config.num_hidden_layers}) without a gap")
         return depths
 
     def adapt_to_checkpoint(self, names) -> None:
-        """Build the heads for the depths the checkpoint has (``mtp_marker`` under :meth:`mtp_prefix`; called by
-        the loader on the meta-device model, before any tensor is read)."""
+        """Build the heads for the depths the checkpoint has (their ``mtp_marker``; called by the loader on the
+        meta-device model, before any tensor is read)."""
         parent = getattr(super(), "adapt_to_checkpoint", None)
         if parent is not None:
             parent(names)
@@ -169,17 +179,21 @@ class MTPHeads:
         present = {n[len(prefix):] for n in names if n.startswith(prefix)}
         dtype, heads, N = self.dtype, [], cfg.num_hidden_layers
         for j in depths:
-            head = self.new_mtp_head(cfg, self.build_mtp_layer(cfg, N + j, self.model.rotary_emb, dtype, present),
-                                     dtype)
-            if self._mtp_name(j, "embed_tokens.weight") not in names:   # a conversion that keeps one copy
+            block = self.build_mtp_layer(cfg, N + j, self.model.rotary_emb, dtype, present)
+            if block is None:   # (the family said why)
+                break
+            head = self.new_mtp_head(cfg, block, dtype)
+            if self.mtp_checkpoint_name(j, "embed_tokens.weight") not in names:   # a conversion that keeps one copy
                 head.embed_tokens = self.model.embed_tokens
-            if self._mtp_name(j, "shared_head.head.weight") not in names:
+            if self.mtp_checkpoint_name(j, "shared_head.head.weight") not in names:
                 head.shared_head.head = self.lm_head
             heads.append(head)
-        self.mtp = nn.ModuleList(heads)
+        if heads:
+            self.mtp = nn.ModuleList(heads)
 
     def _mtp_name(self, j: int, rest: str) -> str:
-        """The checkpoint name of our ``mtp.{j}.{rest}`` (a head's tensor, or its layer's: ``block.``...)."""
+        """Our ``mtp.{j}.{rest}`` (a head's tensor, or its layer's: ``block.``...) under :meth:`mtp_prefix`, before
+        the renamings that follow MTPHeads in the bases (a wrapper's)."""
         if rest.startswith("block."):   # the decoder layer: the family's renames, as for layer 0
             inner = super().checkpoint_name("model.layers.0." + rest[len("block."):])
             return self.mtp_prefix(j) + inner.split("layers.0.", 1)[1]
@@ -190,8 +204,8 @@ class MTPHeads:
         return self.mtp_prefix(j) + rest
 
     def checkpoint_name(self, name: str) -> str:
-        m = _OURS.match(name)
-        if m is None or getattr(self, "mtp", None) is None:
+        m = _OURS.match(name)   # (only heads have parameters named mtp.*)
+        if m is None:
             return super().checkpoint_name(name)
         return self._mtp_name(int(m.group(1)), name[m.end():])
 
