@@ -234,7 +234,11 @@ def reference_mtp_drafts(model, tokens: list[int], k: int) -> tuple[list[int], t
                 e[0] = 0                                          # position 0: no embedding
             inp = torch.cat([_rms(e, head.enorm, eps), _rms(torch.stack(hid), head.hnorm, eps)], -1)
             g = head.block((inp @ head.eh_proj.weight.T)[None], torch.arange(len(nxt))[None])[0]
-            out = _rms(g[-1], head.shared_head.norm, eps) @ head.shared_head.head.weight.T
+            if head.norm_output:                                  # (Hy3: its output is final_layernorm'd)
+                g = _rms(g, head.shared_head.norm, eps)
+                out = g[-1] @ head.shared_head.head.weight.T
+            else:
+                out = _rms(g[-1], head.shared_head.norm, eps) @ head.shared_head.head.weight.T
             if g_last is None:
                 g_last = g[-1]
             drafts.append(int(out.argmax()))

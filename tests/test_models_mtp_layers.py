@@ -59,8 +59,22 @@ def _step3p5(path, mtp_kind: str) -> str:
     return out
 
 
+def _hy_v3(path) -> str:
+    """A Hy3 checkpoint (dense first layer, MoE after) with its MTP layer as the hub's: final_layernorm for the head
+    norm, and shared_head / embed_tokens tensors of its own that the head does not read (vLLM's HYV3MTP neither)."""
+    from test_models_hy_v3 import SCALES, SIZES
+
+    torch.manual_seed(0)
+    hf = transformers.HYV3ForCausalLM(transformers.HYV3Config(**SIZES)).eval()
+    randomize_(hf, seed=1, scales=SCALES)
+    hf.save_pretrained(str(path))
+    add_mtp_layers(str(path), seed=3, copies=True, names={"shared_head.norm.weight": "final_layernorm.weight"})
+    return str(path)
+
+
 # name -> (checkpoint builder(folder) -> path, what to check on the head)
 FAMILIES = {
+    "hy_v3": (_hy_v3, dict(kind="full_attention", moe=True, own_head=False, zero_centered=False)),
     "step3p5_full": (lambda p: _step3p5(p, "full"), dict(kind="full_attention", moe=True, own_head=True,
                                                          zero_centered=True)),
     "step3p5_sliding": (lambda p: _step3p5(p, "sliding"), dict(kind="sliding_attention", moe=False, own_head=True,
@@ -86,6 +100,7 @@ def test_head_loads_every_tensor(family):
     assert head.embed_tokens is model.model.embed_tokens
     assert (head.shared_head.head is not model.lm_head) == want["own_head"]
     assert head.enorm.zero_centered == head.shared_head.norm.zero_centered == want["zero_centered"]
+    assert not model.ignores_checkpoint_tensor(f"model.layers.{N}.eh_proj.weight")
     # the loader refuses an unread tensor once a head is built: each of the layer's is read into its place
     t = load_file(os.path.join(path, "model.safetensors"))
     sd = {n: p for n, p in model.named_parameters()}
@@ -96,6 +111,9 @@ def test_head_loads_every_tensor(family):
         assert theirs.startswith(f"model.layers.{N}.") and theirs in t, ours
         torch.testing.assert_close(sd[f"mtp.0.{ours}"], t[theirs], atol=0, rtol=0, msg=ours)
     assert len(model.new_cache(1, 16).layers) == N + 1
+    if name == "hy_v3":   # the layer's own lm_head / embedding copies: knowingly not read (the model's are used)
+        assert all(model.ignores_checkpoint_tensor(f"model.layers.{N}.{x}.weight")
+                   for x in ("shared_head.head", "embed_tokens"))
 
 
 def test_drafts_match_a_float64_recomputation(family):

@@ -65,16 +65,18 @@ class NextTokenPredictor(nn.Module):
     (V4's residual streams [B, T, N, D]). ``norm``: makes ``enorm``, ``hnorm`` and ``shared_head.norm`` (default
     an RMSNorm; Step-3.5: its zero-centred one); ``head_norm``: the module in place of ``shared_head.norm`` (V4: its
     hyper-connection head collapsing the streams, then the norm). ``mask_first``: the embedding zeroed at position
-    0 (DeepSeek's heads in vLLM; Step-3.5's are not). Subclasses may override :meth:`embed` (a family whose
+    0 (DeepSeek's heads in vLLM; Step-3.5's are not). ``norm_output``: ``g`` is ``shared_head.norm`` of the layer's
+    output -- what a further draft reads and the logits project without another norm (Hy3's ``final_layernorm``).
+    Subclasses may override :meth:`embed` (a family whose
     embedding module does more than look up rows)."""
 
     def __init__(self, block: nn.Module, hidden_size: int, vocab_size: int, eps: float, dtype=None, *,
                  split_proj: bool = False, head_norm: nn.Module | None = None,
-                 norm: Callable[[], nn.Module] | None = None, mask_first: bool = True):
+                 norm: Callable[[], nn.Module] | None = None, mask_first: bool = True, norm_output: bool = False):
         super().__init__()
         norm = norm or (lambda: RMSNorm(hidden_size, eps, dtype=dtype))
         self.enorm, self.hnorm = norm(), norm()
-        self.mask_first = mask_first
+        self.mask_first, self.norm_output = mask_first, norm_output
         if split_proj:
             self.e_proj = nn.Linear(hidden_size, hidden_size, bias=False, dtype=dtype)
             self.h_proj = nn.Linear(hidden_size, hidden_size, bias=False, dtype=dtype)
@@ -102,10 +104,11 @@ class NextTokenPredictor(nn.Module):
             x = pe + self.h_proj(h)
         else:
             x = self.eh_proj(torch.cat([self.enorm(e), h], dim=-1))
-        return self.block(x, positions_BT, cache, slots, kv_len)
+        g = self.block(x, positions_BT, cache, slots, kv_len)
+        return self.shared_head.norm(g) if self.norm_output else g
 
     def logits(self, g: Tensor) -> Tensor:
-        return self.shared_head.head(self.shared_head.norm(g))
+        return self.shared_head.head(g if self.norm_output else self.shared_head.norm(g))
 
 
 class MTPHeads:
@@ -123,6 +126,12 @@ class MTPHeads:
     mtp_marker: str = "eh_proj.weight"
     #: (ours, theirs) substring renames of a head's own tensors (not its decoder layer's), first match wins
     mtp_renames: tuple = ()
+    #: whether a depth's own ``embed_tokens`` / ``shared_head.head`` copies are read when the checkpoint has them
+    #: (False: the heads always use the model's, as vLLM's Hy3 MTP does)
+    mtp_own_copies: bool = True
+    #: names under a depth's prefix the family knowingly does not read (Hy3: its ``shared_head.`` and
+    #: ``embed_tokens.``); logged once when a head is built
+    mtp_ignored: tuple = ()
 
     def mtp_prefix(self, j: int) -> str:
         """The checkpoint name prefix of MTP depth j: ``model.layers.{N + j}.`` (under ``checkpoint_prefix``)."""
@@ -183,13 +192,24 @@ class MTPHeads:
             if block is None:   # (the family said why)
                 break
             head = self.new_mtp_head(cfg, block, dtype)
-            if self.mtp_checkpoint_name(j, "embed_tokens.weight") not in names:   # a conversion that keeps one copy
+            own = self.mtp_own_copies
+            if not own or self.mtp_checkpoint_name(j, "embed_tokens.weight") not in names:   # one copy kept
                 head.embed_tokens = self.model.embed_tokens
-            if self.mtp_checkpoint_name(j, "shared_head.head.weight") not in names:
+            if not own or self.mtp_checkpoint_name(j, "shared_head.head.weight") not in names:
                 head.shared_head.head = self.lm_head
             heads.append(head)
         if heads:
             self.mtp = nn.ModuleList(heads)
+        skipped = {n for j in range(len(heads)) for n in names
+                   if any(n.startswith(self.mtp_checkpoint_name(j, "") + x) for x in self.mtp_ignored)}
+        object.__setattr__(self, "_mtp_skipped", {n[len(prefix):] for n in skipped if n.startswith(prefix)})
+        if skipped:
+            log.info("%s: not reading %d tensors of the multi-token-prediction layers (%s): the heads use the "
+                     "model's embedding and lm_head", cfg.model_type, len(skipped),
+                     ", ".join(sorted({x for x in self.mtp_ignored for n in skipped if x in n})))
+
+    def ignores_checkpoint_tensor(self, name: str) -> bool:
+        return name in getattr(self, "_mtp_skipped", ()) or super().ignores_checkpoint_tensor(name)
 
     def _mtp_name(self, j: int, rest: str) -> str:
         """Our ``mtp.{j}.{rest}`` (a head's tensor, or its layer's: ``block.``...) under :meth:`mtp_prefix`, before
