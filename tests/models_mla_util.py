@@ -174,14 +174,15 @@ def dequantized_reference(qdir: str, dense_dir: str, dst: str) -> str:
 
 
 def add_mtp_layers(path: str, depths: int = 1, seed: int = 0, *, copies: bool = True, std: float = 0.2,
-                   source: int | None = None, names: dict | None = None, skip: tuple = ()) -> None:
+                   source: int | None = None, names: dict | None = None, skip: tuple = (),
+                   embed: str = "model.embed_tokens.weight") -> None:
     """Write multi-token-prediction layers ``model.layers.{N + j}`` into a saved DeepSeek-style checkpoint
     (transformers saves none): a random decoder layer shaped like layer ``source`` (default the last one: an MoE
     layer; its tensors under ``skip`` prefixes left out), ``enorm``, ``hnorm``, ``eh_proj`` [D, 2 D],
     ``shared_head.norm``, and ``embed_tokens`` / ``shared_head.head`` -- copies of the model's, as DeepSeek's
     checkpoints store them (``copies=False``: left out, as some conversions do). ``names``: the family's names of
     the head's own tensors (e.g. Step-3.5's ``{"shared_head.head.weight": "transformer.shared_head.output.weight"}``;
-    a None value: not written)."""
+    a None value: not written); ``embed``: the model's embedding tensor."""
     with open(os.path.join(path, "config.json")) as f:
         N = json.load(f)["num_hidden_layers"]
     source = N - 1 if source is None else source
@@ -189,8 +190,8 @@ def add_mtp_layers(path: str, depths: int = 1, seed: int = 0, *, copies: bool = 
     weights = os.path.join(path, "model.safetensors")
     tensors = load_file(weights)
     g = torch.Generator().manual_seed(seed)
-    D = tensors["model.embed_tokens.weight"].shape[1]
-    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    D = tensors[embed].shape[1]
+    head = tensors.get("lm_head.weight", tensors[embed])
     for j in range(depths):
         src, own = f"model.layers.{source}.", f"model.layers.{N + j}."
         for k in [k for k in tensors if k.startswith(src) and not k[len(src):].startswith(skip)]:
@@ -204,7 +205,7 @@ def add_mtp_layers(path: str, depths: int = 1, seed: int = 0, *, copies: bool = 
                 "eh_proj.weight": std * torch.randn(D, 2 * D, generator=g),
                 "shared_head.norm.weight": 1 + 0.2 * torch.randn(D, generator=g)}
         if copies:
-            mine["embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+            mine["embed_tokens.weight"] = tensors[embed].clone()
             mine["shared_head.head.weight"] = head.clone()
         for k, v in mine.items():
             if names.get(k, k) is not None:

@@ -18,7 +18,11 @@ kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj, indexer.*}``, ``self_attn
 (``mlp.experts.gate_up_proj`` [E, 2F, D], ``mlp.experts.down_proj``) -- or the other spellings of those names
 transformers reads (``hc_attn_layer`` without ``hc_pre``, ``gate_proj`` for ``linear_gate``, ...): each tensor is
 looked up under its spellings in a fixed order. Hy4-VL keeps its vision tower under ``vit.`` (not loaded; the server
-refuses images naming the model); the hub's ``model.mtp_layers.`` are not loaded. No fused decode kernels:
+refuses images naming the model); the hub's ``model.mtp_layers.`` are not loaded (the loader logs their count):
+the only public implementations (SGLang forks' HYV4ForCausalLMNextN) disagree with each other and run the draft
+layer's sparse attention on top-k indices carried over from the target model's indexer (IndexTopKShareState), which
+neither vLLM nor SGLang's main tree defines, and no source says which of the trunk's states (before or after
+``hc_head``) the head reads. No fused decode kernels:
 hyper-connected layers, sinks and an output gate on MLA.
 """
 from __future__ import annotations

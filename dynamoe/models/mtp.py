@@ -132,6 +132,9 @@ class MTPHeads:
     #: names under a depth's prefix the family knowingly does not read (Hy3: its ``shared_head.`` and
     #: ``embed_tokens.``); logged once when a head is built
     mtp_ignored: tuple = ()
+    #: why a family (a subclass of an MTP family) builds no heads: its MTP architecture has no public source; the
+    #: loader then logs the layers' tensors as unloaded, and this reason once
+    mtp_unsupported: str | None = None
 
     def mtp_prefix(self, j: int) -> str:
         """The checkpoint name prefix of MTP depth j: ``model.layers.{N + j}.`` (under ``checkpoint_prefix``)."""
@@ -180,6 +183,9 @@ class MTPHeads:
         names = set(names)
         depths = self._mtp_depths(names)
         if not depths:
+            return
+        if self.mtp_unsupported:
+            log.info("%s: no multi-token-prediction head is built: %s", cfg.model_type, self.mtp_unsupported)
             return
         want = cfg.num_nextn_predict_layers
         if want and want != len(depths):
