@@ -72,8 +72,36 @@ def _hy_v3(path) -> str:
     return str(path)
 
 
+def _dots3(path, kind: str) -> str:
+    """A dots3_note checkpoint (DSA layers 0-1, sliding 2-3, a dense first layer) with its MTP layer as vLLM's
+    Dots3NoteMTP reads it: a dense MLP, the head's embedding under model.mtp.embed_tokens; 'sliding': the kind
+    listed in the config's layer_types (num_hidden_layers + 1 entries, as the MoE flags); 'indexed': not listed, a
+    DSA layer by its indexer tensors."""
+    from test_models_dots3_note import TEXT, VARIANTS
+
+    from models_mla_util import edit_config, make_pair
+
+    _, out = make_pair(transformers.Dots3NoteForCausalLM, transformers.Dots3NoteTextConfig(
+        **{**TEXT, **VARIANTS["text"]}), str(path))
+    N = TEXT["num_hidden_layers"]
+    edit_config(out, mlp_layer_types=None, moe_layer_freq=[0, 1, 1, 1, 0], num_nextn_predict_layers=1,
+                **({"layer_types": ["indexed_attention"] * 2 + ["sliding_attention"] * 3} if kind == "sliding" else {}))
+    add_mtp_layers(out, seed=3, copies=False, source=2 if kind == "sliding" else 0, skip=("mlp.",))
+    t = load_file(out + "/model.safetensors")
+    g = torch.Generator().manual_seed(4)
+    for k in [k for k in t if k.startswith("model.layers.0.mlp.")]:   # the dense MLP's shapes
+        t[k.replace("model.layers.0.", f"model.layers.{N}.")] = 0.2 * torch.randn(t[k].shape, generator=g)
+    t["model.mtp.embed_tokens.weight"] = t["model.embed_tokens.weight"].clone()
+    save_file(t, out + "/model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 # name -> (checkpoint builder(folder) -> path, what to check on the head)
 FAMILIES = {
+    "dots3_sliding": (lambda p: _dots3(p, "sliding"), dict(kind="sliding_attention", moe=False, own_head=False,
+                                                         zero_centered=False, attn=("q_b_proj", "g_proj"))),
+    "dots3_indexed": (lambda p: _dots3(p, "indexed"), dict(kind="indexed_attention", moe=False, own_head=False,
+                                                         zero_centered=False, attn=("q_b_proj", "g_proj"))),
     "hy_v3": (_hy_v3, dict(kind="full_attention", moe=True, own_head=False, zero_centered=False)),
     "step3p5_full": (lambda p: _step3p5(p, "full"), dict(kind="full_attention", moe=True, own_head=True,
                                                          zero_centered=True)),
@@ -96,6 +124,7 @@ def test_head_loads_every_tensor(family):
     attn = head.block.self_attn
     assert attn.layer_idx == N
     assert (attn.sliding_window is not None) == (want["kind"] == "sliding_attention")
+    assert (getattr(attn, "indexer", None) is not None) == (want["kind"] == "indexed_attention")
     assert hasattr(head.block.mlp, "moe") == want["moe"]
     assert head.embed_tokens is model.model.embed_tokens
     assert (head.shared_head.head is not model.lm_head) == want["own_head"]
@@ -106,7 +135,7 @@ def test_head_loads_every_tensor(family):
     sd = {n: p for n, p in model.named_parameters()}
     for ours in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
                  *(["shared_head.head.weight"] if want["own_head"] else []), "block.input_layernorm.weight",
-                 "block.self_attn.q_proj.weight", "block.self_attn.o_proj.weight"):
+                 *(f"block.self_attn.{p}.weight" for p in want.get("attn", ("q_proj", "o_proj")))):
         theirs = model.checkpoint_name(f"mtp.0.{ours}")
         assert theirs.startswith(f"model.layers.{N}.") and theirs in t, ours
         torch.testing.assert_close(sd[f"mtp.0.{ours}"], t[theirs], atol=0, rtol=0, msg=ours)
