@@ -96,8 +96,26 @@ def _dots3(path, kind: str) -> str:
     return out
 
 
+def _bailing(path) -> str:
+    """A Ling-3 checkpoint (KDA / MLA layers) with its MTP layer as vLLM's BailingMoeV3 MTP model reads it: an MLA
+    layer and MoE under the decoder's names, final_layernorm for the head norm, no copies."""
+    from test_models_bailing_hybrid import SCALES, SIZES
+
+    torch.manual_seed(0)
+    hf = transformers.BailingHybridForCausalLM(transformers.BailingHybridConfig(**SIZES)).eval()
+    randomize_(hf, seed=1, scales=SCALES)
+    hf.save_pretrained(str(path))
+    add_mtp_layers(str(path), seed=3, copies=False, embed="model.word_embeddings.weight",
+                   names={"shared_head.norm.weight": "final_layernorm.weight"})
+    return str(path)
+
+
 # name -> (checkpoint builder(folder) -> path, what to check on the head)
 FAMILIES = {
+    # (recurrent KDA state: the engine does not speculate with it; the head runs through mtp_fill / mtp_drafts)
+    "bailing_hybrid": (_bailing, dict(kind="full_attention", moe=True, own_head=False, zero_centered=False,
+                                      attn=("kv_b_proj", "g_proj"), engine=False, embed="model.word_embeddings.weight",
+                                      outputs=("attention.dense.weight", "down_proj.weight"))),
     "dots3_sliding": (lambda p: _dots3(p, "sliding"), dict(kind="sliding_attention", moe=False, own_head=False,
                                                          zero_centered=False, attn=("q_b_proj", "g_proj"))),
     "dots3_indexed": (lambda p: _dots3(p, "indexed"), dict(kind="indexed_attention", moe=False, own_head=False,
@@ -178,8 +196,16 @@ def _run(model, prompts, n, **kw):
     return [r.output_ids for r in reqs], engine
 
 
-def test_engine_mtp_drafts_give_plain_tokens(family):
-    _, _, model, _ = family
+def test_engine_mtp_drafts_give_plain_tokens(family, caplog):
+    _, want, model, _ = family
+    if not want.get("engine", True):   # recurrent state: the engine decodes plainly and says why
+        import logging
+
+        with caplog.at_level(logging.INFO):
+            spec, engine = _run(model, [[1, 2, 3]], 4, speculative_tokens=3, draft="mtp")
+        assert engine.speculative_tokens == 0 and "speculative decoding is off" in caplog.text
+        assert spec == _run(model, [[1, 2, 3]], 4)[0]
+        return
     g = torch.Generator().manual_seed(5)
     base = torch.randint(0, VOCAB, (9,), generator=g).tolist()
     prompts = [base + [3, 1], torch.randint(0, VOCAB, (6,), generator=g).tolist(), base + [3, 7]]
@@ -201,10 +227,10 @@ def test_head_that_predicts_the_model_is_accepted(family, tmp_path):
         N = json.load(f)["num_hidden_layers"]
     t = load_file(other + "/model.safetensors")
     for k in t:
-        if k.endswith(("o_proj.weight", "down_proj.weight")):
+        if k.endswith(want.get("outputs", ("o_proj.weight", "down_proj.weight"))):
             t[k] = torch.zeros_like(t[k])
     model = dm.load(path, progress=False)
-    D = t["model.embed_tokens.weight"].shape[1]
+    D = t[want.get("embed", "model.embed_tokens.weight")].shape[1]
     name = lambda ours: model.checkpoint_name(f"mtp.0.{ours}")   # noqa: E731
     t[name("eh_proj.weight")] = torch.cat([torch.eye(D), torch.zeros(D, D)], 1)
     t[name("enorm.weight")] = torch.zeros(D) if want["zero_centered"] else torch.ones(D)
@@ -216,6 +242,16 @@ def test_head_that_predicts_the_model_is_accepted(family, tmp_path):
     model = dm.load(other, progress=False)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (8, 5)]
+    if not want.get("engine", True):   # no engine speculation: the head's drafts against greedy decoding
+        from models_util import greedy
+
+        hits = total = 0
+        for p in prompts:
+            drafts = reference_mtp_drafts(model, p, 4)[0]
+            hits += sum(a == b for a, b in zip(drafts, greedy(model, torch.tensor([p]), 5)[0, len(p) + 1:].tolist()))
+            total += 4
+        assert hits >= 0.9 * total
+        return
     plain, e0 = _run(model, prompts, 24)
     spec, engine = _run(model, prompts, 24, speculative_tokens=4, draft="mtp")
     assert spec == plain
