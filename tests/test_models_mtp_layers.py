@@ -110,8 +110,31 @@ def _bailing(path) -> str:
     return str(path)
 
 
+def _hy_v4(path) -> str:
+    """A Hy4 checkpoint (two residual streams; indexer on layers 0-1, shared after) with the hub's MTP layer
+    model.mtp_layers.0 as SGLang's HYV4ForCausalLMNextN reads it: a plain layer shaped like layer 1 (MLA with its
+    own indexer, sinks and output gate; MoE) without hyper-connections, final_layernorm for the head norm."""
+    from test_models_hy_v4 import TEXT, VARIANTS
+
+    torch.manual_seed(0)
+    hf = transformers.HYV4ForCausalLM(transformers.HYV4Config(**{**TEXT, **VARIANTS["hy_v4"]})).eval()
+    randomize_(hf, seed=1, scales={"lm_head": 0.2, "sinks": 1.0})
+    hf.save_pretrained(str(path))
+    add_mtp_layers(str(path), seed=3, copies=False, source=1,
+                   names={"shared_head.norm.weight": "final_layernorm.weight"})
+    t = load_file(str(path / "model.safetensors"))
+    N = TEXT["num_hidden_layers"]
+    t = {k.replace(f"model.layers.{N}.", "model.mtp_layers.0."): v for k, v in t.items()
+         if not (k.startswith(f"model.layers.{N}.") and "hc_" in k)}
+    save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
 # name -> (checkpoint builder(folder) -> path, what to check on the head)
 FAMILIES = {
+    "hy_v4": (_hy_v4, dict(kind="indexed_attention", moe=True, own_head=False, zero_centered=False,
+                           attn=("q_b_proj", "kv_b_proj"), prefix="model.mtp_layers.0.",
+                           outputs=("o_proj.weight", "down_proj.weight", "experts.down_proj"))),
     # (recurrent KDA state: the engine does not speculate with it; the head runs through mtp_fill / mtp_drafts)
     "bailing_hybrid": (_bailing, dict(kind="full_attention", moe=True, own_head=False, zero_centered=False,
                                       attn=("kv_b_proj", "g_proj"), engine=False, embed="model.word_embeddings.weight",
@@ -147,7 +170,7 @@ def test_head_loads_every_tensor(family):
     assert head.embed_tokens is model.model.embed_tokens
     assert (head.shared_head.head is not model.lm_head) == want["own_head"]
     assert head.enorm.zero_centered == head.shared_head.norm.zero_centered == want["zero_centered"]
-    assert not model.ignores_checkpoint_tensor(f"model.layers.{N}.eh_proj.weight")
+    assert not model.ignores_checkpoint_tensor(model.checkpoint_name("mtp.0.eh_proj.weight"))
     # the loader refuses an unread tensor once a head is built: each of the layer's is read into its place
     t = load_file(os.path.join(path, "model.safetensors"))
     sd = {n: p for n, p in model.named_parameters()}
@@ -155,7 +178,7 @@ def test_head_loads_every_tensor(family):
                  *(["shared_head.head.weight"] if want["own_head"] else []), "block.input_layernorm.weight",
                  *(f"block.self_attn.{p}.weight" for p in want.get("attn", ("q_proj", "o_proj")))):
         theirs = model.checkpoint_name(f"mtp.0.{ours}")
-        assert theirs.startswith(f"model.layers.{N}.") and theirs in t, ours
+        assert theirs.startswith(want.get("prefix", f"model.layers.{N}.")) and theirs in t, ours
         torch.testing.assert_close(sd[f"mtp.0.{ours}"], t[theirs], atol=0, rtol=0, msg=ours)
     assert len(model.new_cache(1, 16).layers) == N + 1
     if name == "hy_v3":   # the layer's own lm_head / embedding copies: knowingly not read (the model's are used)
@@ -237,7 +260,7 @@ def test_head_that_predicts_the_model_is_accepted(family, tmp_path):
     t[name("shared_head.norm.weight")] = t["model.norm.weight"].clone()
     if want["own_head"]:
         t[name("shared_head.head.weight")] = t["lm_head.weight"].clone()
-    assert name("eh_proj.weight").startswith(f"model.layers.{N}.")
+    assert name("eh_proj.weight").startswith(want.get("prefix", f"model.layers.{N}."))
     save_file(t, other + "/model.safetensors", metadata={"format": "pt"})
     model = dm.load(other, progress=False)
     g = torch.Generator().manual_seed(7)

@@ -434,9 +434,6 @@ class V4NextTokenPredictor(NextTokenPredictor):
                          head_norm=HyperHeadNorm(D, fields.hc_mult, eps, fields.hc_eps, weight_in_fp32=True))
         object.__setattr__(self, "token_ids", token_ids)
 
-    def embed(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.embed_tokens.weight)   # (rows only: the model's embedding makes streams)
-
     def forward(self, next_ids_BT: Tensor, hidden_BTND: Tensor, positions_BT: Tensor, cache=None, slots=None,
                 kv_len: int | None = None) -> Tensor:
         self.token_ids.ids = next_ids_BT

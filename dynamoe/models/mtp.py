@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from .hyper_connections import StreamEmbedding
 from .norms import RMSNorm
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,10 @@ class NextTokenPredictor(nn.Module):
         self.block = block
 
     def embed(self, ids: Tensor) -> Tensor:
-        """The token embeddings [B, T, D] the head reads."""
+        """The token embeddings [B, T, D] the head reads (rows only where the model's embedding copies them onto
+        residual streams: DeepSeek-V4's, Hy4's StreamEmbedding)."""
+        if isinstance(self.embed_tokens, StreamEmbedding):
+            return nn.Embedding.forward(self.embed_tokens, ids)
         return self.embed_tokens(ids)
 
     def forward(self, next_ids_BT: Tensor, hidden_BTD: Tensor, positions_BT: Tensor, cache=None, slots=None,
