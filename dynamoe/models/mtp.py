@@ -1,5 +1,9 @@
-"""Multi-token-prediction (MTP) heads of DeepSeek-V3 / R1, Kimi-K2, the GLM-4.5 family and DeepSeek-V4: draft
-tokens for speculative decoding (:mod:`dynamoe.engine.engine`, ``draft="mtp"``).
+"""Multi-token-prediction (MTP) heads: draft tokens for speculative decoding (:mod:`dynamoe.engine.engine`,
+``draft="mtp"``) from the layers checkpoints ship beside the decoder's. Families: DeepSeek-V3 / R1 / V3.2, Kimi-K2,
+the GLM-4.5 family and GLM-5 (:mod:`~dynamoe.models.deepseek_v3`, :mod:`~dynamoe.models.glm4_moe`), DeepSeek-V4,
+Step-3.5, Hy3, Hy4, dots3_note and Ling-3 (``bailing_hybrid``: loaded and run by :meth:`MTPHeads.mtp_fill` /
+:meth:`MTPHeads.mtp_drafts`, but the engine does not speculate with its recurrent state). Families whose MTP
+architecture no public source gives keep theirs unread and say so (Sarvam: ``mtp_unsupported``; Mellum).
 
 Checkpoint: MTP depth j lives under ``model.layers.{N + j}.`` (N = ``num_hidden_layers``, j <
 ``num_nextn_predict_layers``): ``enorm``, ``hnorm``, ``eh_proj`` [D, 2 D], ``embed_tokens``, ``shared_head.norm``,
@@ -7,13 +11,21 @@ Checkpoint: MTP depth j lives under ``model.layers.{N + j}.`` (N = ``num_hidden_
 ``input_layernorm``, ``post_attention_layernorm``). transformers does not run these layers (it drops them on
 load); vLLM and SGLang draft with them, and so does dynamoe. A checkpoint without them builds no head (many
 conversions drop them); one whose depth has no ``embed_tokens`` / ``shared_head.head`` of its own uses the
-model's embeddings / lm_head there. A family whose heads are laid out otherwise says so through
-:class:`MTPHeads`' hooks (:meth:`~MTPHeads.mtp_prefix`, :meth:`~MTPHeads.mtp_depth_of`, ``mtp_marker``,
-``mtp_renames``, :meth:`~MTPHeads.build_mtp_layer`, :meth:`~MTPHeads.new_mtp_head`) and
-:class:`NextTokenPredictor`'s options: DeepSeek-V4 (:mod:`dynamoe.models.deepseek_v4`) keeps depth j under
-``mtp.{j}.`` with ``e_proj`` / ``h_proj`` [D, D] in place of ``eh_proj`` (``split_proj``), its head reads the
-main model's residual streams before their collapse (``CausalLM.hidden_before_norm``) and collapses its own
-through ``hc_head_*`` (``head_norm``).
+model's embeddings / lm_head there.
+
+A family whose heads differ says so through :class:`MTPHeads`' hooks and :class:`NextTokenPredictor`'s options:
+
+* where depth j is and what marks it: :meth:`~MTPHeads.mtp_prefix` / :meth:`~MTPHeads.mtp_depth_of` /
+  ``mtp_marker`` (DeepSeek-V4: ``mtp.{j}.``, ``e_proj``; Hy4: ``model.mtp_layers.{j}.``), ``mtp_renames`` (the
+  head's own tensors: Step-3.5's ``transformer.shared_head.{norm,output}``, Hy3's / Ling-3's / Hy4's
+  ``final_layernorm``), ``mtp_own_copies`` / ``mtp_ignored`` (Hy3: always the model's embedding and lm_head);
+* its decoder layer: :meth:`~MTPHeads.build_mtp_layer` (the layer's kind from the config's per-layer lists past
+  N -- ``mtp_layer_entries`` -- or its tensors; None where neither says, logged);
+* its arithmetic: :meth:`~MTPHeads.new_mtp_head` with ``split_proj`` (V4's ``e_proj`` / ``h_proj``, the embedding
+  broadcast over residual streams), ``head_norm`` (V4's ``hc_head`` collapse), ``norm`` (Step-3.5's zero-centred
+  norms), ``mask_first`` (whether position 0's embedding is zeroed), ``norm_output`` (the head's output is
+  ``shared_head.norm``'d -- what a further draft reads -- as Hy3's, Hy4's, Ling-3's and dots3_note's heads do);
+  ``CausalLM.hidden_before_norm`` (V4's head reads the main model's streams before their collapse).
 
 At position p, a head reads the main model's final-normed hidden state h_p and the *next* token x_{p+1}:
 ``g_p = layer(eh_proj([enorm(embed(x_{p+1})) ; hnorm(h_p)]))`` at RoPE position p, attending over the head's own
@@ -22,7 +34,8 @@ KV cache entries (cache layer N + j: the same slots, block tables and positions 
 further draft feeds the drafted token and g_p back in at p + 1 (the head's own output as its "hidden state").
 As in vLLM's DeepSeekMTP and its proposer (vllm/model_executor/models/deepseek_mtp.py,
 vllm/v1/spec_decode/eagle.py), every draft of a step comes from the first depth; deeper ones are loaded (no
-tensor dropped unseen) but not run.
+tensor dropped unseen) but not run. (Newer vLLM heads for DeepSeek-V3.2 feed the *normed* output back --
+``norm_output`` --, citing better acceptance; DeepSeek-V3 / GLM here keep the pre-norm feedback above.)
 
 The head's cache entry at p depends on x_{p+1}, one token past p: the engine runs the head over a sequence's
 positions once the token after each is known (:meth:`MTPHeads.mtp_fill`), and its prefix cache keeps track of
