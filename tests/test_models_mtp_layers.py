@@ -240,6 +240,31 @@ def test_engine_mtp_drafts_give_plain_tokens(family, caplog):
     engine.cache.pool.check()
 
 
+def test_engine_drafts_follow_the_head_after_rejections(family):
+    """After every engine step, each request's drafts for the next one equal the head's drafts recomputed from
+    scratch (float64, no cache) over its tokens so far: the head's cache entries stay right after rejected drafts
+    (a random head: most are), in a batch at different lengths."""
+    from dynamoe.engine.request import RUNNING
+
+    _, want, model, _ = family
+    if not want.get("engine", True):
+        pytest.skip("the engine does not speculate with this model (recurrent state)")
+    ref = copy.deepcopy(model).double()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (10, 7)]
+    e = GenerationEngine(model, max_seq_len=96, max_batch=2, block_size=4, speculative_tokens=3, draft="mtp")
+    reqs = [e.add_request(p, GREEDY, 8, ignore_eos=True) for p in prompts]
+    checked = 0
+    while e.has_work():
+        e.step()
+        for r in reqs:
+            if r._mtp_draft and r.state == RUNNING and r._decoding:
+                tokens = (r.prompt_ids + r.output_ids)[:r._computed]
+                assert r._mtp_draft == reference_mtp_drafts(ref, tokens, len(r._mtp_draft))[0], (r.id, tokens)
+                checked += 1
+    assert checked >= 6
+
+
 def test_head_that_predicts_the_model_is_accepted(family, tmp_path):
     """Every sublayer's output projection zeroed: the model is a bigram model. A head with eh_proj = [I, 0], a
     unit enorm and the model's final norm and lm_head computes the same function of its input token."""
