@@ -173,36 +173,49 @@ def dequantized_reference(qdir: str, dense_dir: str, dst: str) -> str:
     return dst
 
 
-def add_mtp_layers(path: str, depths: int = 1, seed: int = 0, *, copies: bool = True, std: float = 0.2) -> None:
+def add_mtp_layers(path: str, depths: int = 1, seed: int = 0, *, copies: bool = True, std: float = 0.2,
+                   source: int | None = None, names: dict | None = None, skip: tuple = (),
+                   embed: str = "model.embed_tokens.weight") -> None:
     """Write multi-token-prediction layers ``model.layers.{N + j}`` into a saved DeepSeek-style checkpoint
-    (transformers saves none): a random decoder layer shaped like the last one (an MoE layer), ``enorm``,
-    ``hnorm``, ``eh_proj`` [D, 2 D], ``shared_head.norm``, and ``embed_tokens`` / ``shared_head.head`` -- copies of
-    the model's, as DeepSeek's checkpoints store them (``copies=False``: left out, as some conversions do)."""
+    (transformers saves none): a random decoder layer shaped like layer ``source`` (default the last one: an MoE
+    layer; its tensors under ``skip`` prefixes left out), ``enorm``, ``hnorm``, ``eh_proj`` [D, 2 D],
+    ``shared_head.norm``, and ``embed_tokens`` / ``shared_head.head`` -- copies of the model's, as DeepSeek's
+    checkpoints store them (``copies=False``: left out, as some conversions do). ``names``: the family's names of
+    the head's own tensors (e.g. Step-3.5's ``{"shared_head.head.weight": "transformer.shared_head.output.weight"}``;
+    a None value: not written); ``embed``: the model's embedding tensor."""
     with open(os.path.join(path, "config.json")) as f:
         N = json.load(f)["num_hidden_layers"]
+    source = N - 1 if source is None else source
+    names = names or {}
     weights = os.path.join(path, "model.safetensors")
     tensors = load_file(weights)
     g = torch.Generator().manual_seed(seed)
-    D = tensors["model.embed_tokens.weight"].shape[1]
+    D = tensors[embed].shape[1]
+    head = tensors.get("lm_head.weight", tensors[embed])
     for j in range(depths):
-        for k in [k for k in tensors if k.startswith(f"model.layers.{N - 1}.")]:
+        src, own = f"model.layers.{source}.", f"model.layers.{N + j}."
+        for k in [k for k in tensors if k.startswith(src) and not k[len(src):].startswith(skip)]:
             t = tensors[k]
             is_norm = "norm" in k and k.endswith("weight")
             noise = torch.randn(t.shape, generator=g)
             new = 1 + 0.2 * noise if is_norm else noise * std
-            tensors[k.replace(f"model.layers.{N - 1}.", f"model.layers.{N + j}.")] = new.to(t.dtype)
-        own = f"model.layers.{N + j}."
-        tensors[own + "enorm.weight"] = 1 + 0.2 * torch.randn(D, generator=g)
-        tensors[own + "hnorm.weight"] = 1 + 0.2 * torch.randn(D, generator=g)
-        tensors[own + "eh_proj.weight"] = std * torch.randn(D, 2 * D, generator=g)
-        tensors[own + "shared_head.norm.weight"] = 1 + 0.2 * torch.randn(D, generator=g)
+            tensors[own + k[len(src):]] = new.to(t.dtype)
+        mine = {"enorm.weight": 1 + 0.2 * torch.randn(D, generator=g),
+                "hnorm.weight": 1 + 0.2 * torch.randn(D, generator=g),
+                "eh_proj.weight": std * torch.randn(D, 2 * D, generator=g),
+                "shared_head.norm.weight": 1 + 0.2 * torch.randn(D, generator=g)}
         if copies:
-            tensors[own + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-            tensors[own + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+            mine["embed_tokens.weight"] = tensors[embed].clone()
+            mine["shared_head.head.weight"] = head.clone()
+        for k, v in mine.items():
+            if names.get(k, k) is not None:
+                tensors[own + names.get(k, k)] = v
     save_file(tensors, weights, metadata={"format": "pt"})
 
 
-def _rms(x, w, eps):
+def _rms(x, norm, eps):
+    """RMSNorm by hand with ``norm``'s weight (1 + w for a zero-centred one)."""
+    w = norm.weight + 1 if getattr(norm, "zero_centered", False) else norm.weight
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
@@ -218,10 +231,15 @@ def reference_mtp_drafts(model, tokens: list[int], k: int) -> tuple[list[int], t
         drafts, g_last = [], None
         for _ in range(k):
             e = head.embed_tokens.weight[torch.tensor(nxt)].clone()
-            e[0] = 0                                              # position 0: no embedding
-            inp = torch.cat([_rms(e, head.enorm.weight, eps), _rms(torch.stack(hid), head.hnorm.weight, eps)], -1)
+            if head.mask_first:
+                e[0] = 0                                          # position 0: no embedding
+            inp = torch.cat([_rms(e, head.enorm, eps), _rms(torch.stack(hid), head.hnorm, eps)], -1)
             g = head.block((inp @ head.eh_proj.weight.T)[None], torch.arange(len(nxt))[None])[0]
-            out = _rms(g[-1], head.shared_head.norm.weight, eps) @ head.shared_head.head.weight.T
+            if head.norm_output:                                  # (Hy3: its output is final_layernorm'd)
+                g = _rms(g, head.shared_head.norm, eps)
+                out = g[-1] @ head.shared_head.head.weight.T
+            else:
+                out = _rms(g[-1], head.shared_head.norm, eps) @ head.shared_head.head.weight.T
             if g_last is None:
                 g_last = g[-1]
             drafts.append(int(out.argmax()))

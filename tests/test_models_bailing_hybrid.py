@@ -109,8 +109,9 @@ def test_bf16_tracks_transformers_bf16(pair):
 
 
 def test_mtp_layers_are_not_loaded(pair, tmp_path):
-    """The hub stores its multi-token-prediction layer after the decoder's (model.layers.{num_hidden_layers}): the
-    checkpoint loads, those tensors unread, the model unchanged."""
+    """Tensors of a layer after the decoder's (model.layers.{num_hidden_layers}) without the eh_proj of an MTP layer:
+    no head is built, the checkpoint loads with those tensors unread (logged), the model unchanged. (Whole MTP layers
+    load as heads: tests/test_models_mtp_layers.py.)"""
     _, ours, path = pair
     for name in os.listdir(path):
         if name != "model.safetensors":

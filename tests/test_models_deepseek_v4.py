@@ -147,7 +147,8 @@ def test_the_test_exercises_what_it_claims(pair):
 
 def test_hub_checkpoint_names_load_alike(pair, tmp_path):
     """The hub's files name the tensors at the top level (embed, layers.*, norm, hc_head_*, head) and carry the
-    multi-token-prediction layers (mtp.*, not loaded): they load to the same model."""
+    tensors of a multi-token-prediction layer (mtp.*; without its e_proj no head is built, they stay unread): they
+    load to the same model."""
     _, _, ours, path = pair
     tensors = load_file(os.path.join(path, "model.safetensors"))
     hub = {}

@@ -169,3 +169,28 @@ def test_engine_generation_matches_generate(pair):
         want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                            max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
         assert r.output_ids == want
+
+
+def test_mtp_layers_build_no_head_and_are_logged(pair, tmp_path, caplog):
+    """A checkpoint with a DeepSeek-style MTP layer (model.layers.{N}: eh_proj and the rest): Sarvam's MTP
+    architecture has no public source, so no head is built (not GLM-4.5's, which the class inherits); the layer's
+    tensors are left unread and the log says why and how many."""
+    import logging
+    import shutil
+
+    from models_mla_util import add_mtp_layers
+
+    name, _, ours, path = pair
+    if name != "plain":
+        pytest.skip("one layout is enough")
+    other = str(tmp_path / "mtp")
+    shutil.copytree(path, other)
+    add_mtp_layers(other, seed=2, copies=False, embed="model.word_embeddings.weight")
+    with caplog.at_level(logging.INFO):
+        model = dm.load(other, progress=False)
+    assert not model.has_mtp
+    assert "Sarvam's multi-token-prediction architecture has no public source" in caplog.text
+    assert "not loading" in caplog.text and "model.layers.[3]" in caplog.text
+    x = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ours(x), atol=0, rtol=0)

@@ -5,7 +5,8 @@ config as config.json, is a step3p5 checkpoint (the hub's names). Full and slidi
 more query heads on the sliding ones, Gemma-style norms, per-head output gates, a softmax scale of its own, dense
 and MoE layers (sigmoid routing with a selection bias, a route scale, a shared expert), SwiGLU clamps (routed and
 shared apart); the hub's config names (moe_layers_enum, attention_other_setting, per-layer rope_theta lists padded
-with an MTP entry, rope_scaling) and its MTP layer's tensors, skipped."""
+with an MTP entry, rope_scaling) and an MTP layer's tensors without its eh_proj (no head: left unread; whole MTP
+layers load as draft heads, tests/test_models_mtp_layers.py)."""
 import json
 import os
 
@@ -87,7 +88,7 @@ def pair(request, tmp_path_factory):
         with open(root / "wrapper" / "config.json") as f:
             text_config = json.load(f)["text_config"]
         extra = None
-    else:  # the hub's config as given, and a multi-token-prediction layer's tensors (not loaded)
+    else:  # the hub's config as given, and tensors of a multi-token-prediction layer without eh_proj (not loaded)
         text_config, extra = text, {"model.layers.4.self_attn.q_proj.weight": torch.randn(64, 64),
                                     "model.layers.4.moe.gate.weight": torch.randn(8, 64)}
     path = _step3p5_folder(str(root / "wrapper"), str(root / "text"), text_config, extra)

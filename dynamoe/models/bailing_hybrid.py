@@ -18,8 +18,14 @@ Checkpoint (the hub's names, which transformers saves): ``model.word_embeddings`
 -- KDA: ``{q,k,v}_proj, {q,k,v}_conv1d, f_proj, dt_bias, A_log [H], b_proj, g_proj, o_norm, dense``; MLA: ``q_proj``
 (or ``q_a_proj, q_a_layernorm, q_b_proj``), ``kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, g_proj, dense`` --;
 ``mlp.gate.weight``, ``mlp.gate.expert_bias``, ``mlp.experts.{e}.{gate,up,down}_proj``, ``mlp.shared_experts.*``
-(or a dense ``mlp.*_proj``). The multi-token-prediction layers stored after the decoder's
-(``model.layers.{num_hidden_layers + j}``) are not loaded (plain decoding does not run them).
+(or a dense ``mlp.*_proj``).
+
+Multi-token prediction: the layers stored after the decoder's (``model.layers.{N + j}``: ``enorm``, ``hnorm``,
+``eh_proj``, an MLA attention layer and MoE under the decoder's names, ``final_layernorm``) load as the ``mtp`` heads
+(:mod:`dynamoe.models.mtp`) as vLLM's BailingMoeV3 MTP model computes them: no embedding masked at position 0, the
+output ``final_layernorm``'d (what a further draft reads), the model's embedding and lm_head (or the layer's own
+copies). ``mtp_fill`` / ``mtp_drafts`` run them; the serving engine does not speculate with this model (its recurrent
+KDA state cannot be cut back to the accepted tokens), so ``draft="mtp"`` decodes plainly there.
 
 The model keeps per-sequence recurrent state (``recurrent_state = True``: no prefix reuse).
 """
@@ -34,6 +40,7 @@ from .config import ModelConfig
 from .deepseek_v3 import deepseek_mlp
 from .kda import KimiDeltaAttention
 from .mla import MLAttention, mla_softmax_scale
+from .mtp import MTPHeads, NextTokenPredictor
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
 from .weights import PerExpert
@@ -80,7 +87,7 @@ class BailingDeltaAttention(KimiDeltaAttention):
         return self.g_proj(x_BTD)
 
 
-class BailingHybridForCausalLM(CausalLM):
+class BailingHybridForCausalLM(MTPHeads, CausalLM):
     """Ling-3 (see the module docstring)."""
 
     #: per-sequence recurrent state (the KDA layers): no prefix reuse, see dynamoe.models.linear_attention
@@ -90,6 +97,7 @@ class BailingHybridForCausalLM(CausalLM):
                           (".mlp.moe.", ".mlp."), (".self_attn.o_proj.", ".attention.dense."),
                           (".self_attn.", ".attention."), ("model.embed_tokens.", "model.word_embeddings."))
     expert_layout = PerExpert("gate_proj", "up_proj", "down_proj")
+    mtp_renames = (("shared_head.norm.", "final_layernorm."),)
     #: chunk length of the prefill's delta rule (any value gives the same result up to rounding)
     chunk_size = 64
 
@@ -105,8 +113,10 @@ class BailingHybridForCausalLM(CausalLM):
             raise ValueError(f"config fields {missing} are required for bailing_hybrid (Multi-head Latent Attention)")
         super().__init__(config, dtype)
 
-    def build_layer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype) -> DecoderLayer:
-        D, eps, kind = cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_types[i]
+    def build_layer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype, kind: str | None = None
+                    ) -> DecoderLayer:
+        """Decoder layer i (``kind``: given for a layer past the decoder's, an MTP layer)."""
+        D, eps, kind = cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_types[i] if kind is None else kind
         if kind == "linear_attention":
             mixer: nn.Module = BailingDeltaAttention(
                 D, cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_conv_kernel_dim, i, eps,
@@ -121,6 +131,16 @@ class BailingHybridForCausalLM(CausalLM):
             raise ValueError(f"config field 'layer_types' entry {i} must be 'linear_attention' or 'full_attention' "
                              f"for bailing_hybrid, got {kind!r}")
         return DecoderLayer(mixer, deepseek_mlp(cfg, i, dtype), RMSNorm(D, eps, dtype=dtype), RMSNorm(D, eps, dtype=dtype))
+
+    # ---- multi-token prediction (model.layers.{N + j}; dynamoe.models.mtp) ------------------------------
+    def build_mtp_layer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype, names: set) -> DecoderLayer:
+        # vLLM's BailingMoeV3 MTP layer: MLA attention (never KDA: no recurrent state in the head) and the MoE
+        return self.build_layer(cfg, i, rotary, dtype, kind="full_attention")
+
+    def new_mtp_head(self, cfg: ModelConfig, block: DecoderLayer, dtype) -> NextTokenPredictor:
+        # its output final_layernorm'd (what a further draft reads), no embedding masked at position 0
+        return NextTokenPredictor(block, cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps, dtype=dtype,
+                                  mask_first=False, norm_output=True)
 
     def set_absorb(self, absorb) -> None:
         """MLA weight absorption for the full-attention layers (see DeepseekV3ForCausalLM.set_absorb)."""

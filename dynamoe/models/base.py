@@ -84,7 +84,8 @@ class CausalLM(nn.Module):
 
     ``forward(input_ids [B, T], cache=None, slots=None, logits_to_keep=0, return_hidden=False) -> logits [B, T, V]``
     (with ``return_hidden``: ``(logits, hidden [B, T, D])``, the final-normed hidden states of every position
-    fed, whatever ``logits_to_keep`` -- what multi-token-prediction heads read, :mod:`dynamoe.models.mtp`). With a
+    fed -- before the norm with ``hidden_before_norm`` --, whatever ``logits_to_keep``: what multi-token-prediction
+    heads read, :mod:`dynamoe.models.mtp`). With a
     cache, row b continues slot ``slots[b]`` (default: slots 0..B-1) at position
     ``cache.lengths[slot]``, and the cache advances by T once, after all layers. ``logits_to_keep``
     n > 0 computes the logits of the last n positions only ([B, n, V]): a prefill needs just the
@@ -112,6 +113,9 @@ class CausalLM(nn.Module):
     #: whether keys and values after the prompt depend on where the prompt ended (a layer reads the cache's
     #: ``prompt_lengths``: Unlimited-OCR): the engine's prefix cache then keys blocks past a prompt by its length
     kv_depends_on_prompt_length = False
+    #: ``forward(..., return_hidden=True)`` gives the states before the final norm (DeepSeek-V4: the residual
+    #: streams [B, T, N, D] its MTP heads read) instead of the final-normed ones
+    hidden_before_norm = False
     #: decode steps on the CPU run the layers through a cached :class:`~dynamoe.models.decode_plan.DecodePlan`
     #: (the same numbers, less Python per step); False runs them one by one
     use_decode_plan = True
@@ -210,13 +214,15 @@ class CausalLM(nn.Module):
         if plan is None:
             for layer in self.model.layers:
                 h = layer(h, positions, cache, slots, kv_len)
-        # with return_hidden, the final-normed states of every position fed (the MTP heads read each one); the
-        # logits as without (the same ops on the same rows: bit for bit the same numbers)
-        hidden = self.model.norm(h) if return_hidden else None
+        # with return_hidden, the final-normed states of every position fed (the MTP heads read each one; with
+        # hidden_before_norm the states before the norm); the logits as without (the same ops on the same rows:
+        # bit for bit the same numbers)
+        normed = self.model.norm(h) if return_hidden and not self.hidden_before_norm else None
+        hidden = (h if self.hidden_before_norm else normed) if return_hidden else None
         if 0 < logits_to_keep < T:
             logits = self.lm_head(self.model.norm(h[:, -logits_to_keep:]))
         else:
-            logits = self.lm_head(self.model.norm(h) if hidden is None else hidden)
+            logits = self.lm_head(self.model.norm(h) if normed is None else normed)
         if cache is not None:
             cache.advance(slots.to(cache.lengths.device), T)
         return (logits, hidden) if return_hidden else logits

@@ -986,17 +986,25 @@ _STEP_PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "swiglu_limits", "swi
                          "partial_rotary_factors")
 
 
-def _step_trim_mtp(d: dict, layers: int) -> dict:
-    """Step-3.5: the hub's per-layer lists (:data:`_STEP_PER_LAYER_LISTS`) padded with one trailing entry per
-    multi-token-prediction layer (``num_nextn_predict_layers``), cut to the decoder layers as Step3p7TextConfig does."""
+_DOTS3_PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "moe_layer_freq")
+
+
+def _step_trim_mtp(d: dict, layers: int, lists: tuple = _STEP_PER_LAYER_LISTS) -> dict:
+    """Per-layer lists (Step-3.5's :data:`_STEP_PER_LAYER_LISTS`, dots3_note's :data:`_DOTS3_PER_LAYER_LISTS`)
+    padded with one trailing entry per multi-token-prediction layer (``num_nextn_predict_layers``), cut to the decoder
+    layers as Step3p7TextConfig does; the cut entries kept under ``mtp_layer_entries`` (list name -> one entry per MTP
+    layer: what those layers are, :mod:`dynamoe.models.step3p5`, :mod:`dynamoe.models.dots3_note`)."""
     mtp = _int(d, "num_nextn_predict_layers", 0, minimum=0) or 0
     if not mtp:
         return d
     d = dict(d)
-    for name in _STEP_PER_LAYER_LISTS:
+    kept = {}
+    for name in lists:
         v = d.get(name)
         if isinstance(v, (list, tuple)) and len(v) == layers + mtp:
-            d[name] = list(v[:layers])
+            d[name], kept[name] = list(v[:layers]), list(v[layers:])
+    if kept:
+        d["mtp_layer_entries"] = kept
     return d
 
 
@@ -1796,6 +1804,8 @@ class ModelConfig:
         layers = _int(d, "num_hidden_layers", required=True)
         if fam.get("step_layers"):
             d = _step_trim_mtp(d, layers)
+        elif fam.get("dots3_layers"):
+            d = _step_trim_mtp(d, layers, _DOTS3_PER_LAYER_LISTS)
         kv_heads = _int(d, "num_key_value_heads", heads) or heads  # null: as many as the query heads
         if heads % kv_heads:
             raise _err("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}")

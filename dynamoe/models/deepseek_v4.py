@@ -29,8 +29,16 @@ Checkpoint: the hub's names, which transformers saves back (``attn.{wq_a,q_norm,
 ``attn.compressor.{wkv,wgate,ape,norm}``, ``attn.indexer.{wq_b,weights_proj,compressor.*}``, ``attn_norm``,
 ``ffn_norm``, ``hc_{attn,ffn}_{fn,base,scale}``, ``ffn.gate.{weight,bias,tid2eid}``, ``ffn.experts.{e}.w{1,2,3}``,
 ``ffn.shared_experts.w{1,2,3}``, ``hc_head``, ``head``), under ``model.`` or at the top level (``embed``,
-``layers``, ``norm``, ``hc_head_{fn,base,scale}``: the hub's files); ``mtp.*`` (multi-token prediction) is not
-loaded.
+``layers``, ``norm``, ``hc_head_{fn,base,scale}``: the hub's files).
+
+Multi-token prediction (``mtp.{j}.*``, the hub's names in either layout; transformers drops them): depth j loads as
+:class:`V4NextTokenPredictor` (``model.mtp[j]``, :mod:`dynamoe.models.mtp`) when the checkpoint has its
+``e_proj``, as DeepSeek's reference inference code (``MTPBlock``) and vLLM's DeepSeekV4MTP compute it:
+``e_proj(enorm(embed(x_{p+1})))`` added to every stream of ``h_proj(hnorm(streams_p))`` (the main model's final
+residual streams, before ``hc_head``), one V4 layer (its attention kind from the config's lists past
+num_hidden_layers, else from its tensors: the released layer is a sliding-window one without compressor or
+indexer), then its own ``hc_head_{fn,base,scale}``, ``norm`` and the model's ``head`` (or its own ``head`` /
+``emb.tok_emb`` copies). Plain decoding does not run it; the engine drafts with it (``draft="mtp"``).
 
 Cache (per layer, per position, so chunked prefill, rows at different positions, prefix sharing and truncation work
 as for plain attention): the roped key "kv"; on compressed layers the raw wkv / wgate rows ("ckv", "cgate": what a
@@ -40,6 +48,8 @@ are this module's own (the MoE block says so when asked).
 """
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
 
 import torch
@@ -50,19 +60,23 @@ from ..ops.fused import Fused, Holds
 from .attention import _attend_with_sinks, attention_mask, cached_length
 from .base import CausalLM
 from .cache import KVCache
-from .config import ModelConfig, RopeConfig
+from .config import _V4_COMPRESS_RATIO_KINDS, V4_LAYER_TYPES, ModelConfig, RopeConfig
 from .indexer import keep_top
 from .hyper_connections import HyperConnection, HyperDecoderLayer, HyperHeadNorm, StreamEmbedding, rms_unweighted
 from .mla import dense_weight
 from .moe_block import SparseMoeBlock
+from .mtp import MTPHeads, NextTokenPredictor
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
 from .weights import PerExpert
 
-__all__ = ["DeepseekV4ForCausalLM", "V4Fields", "v4_fields", "V4Attention", "V4MoeBlock", "new_window_ends",
+__all__ = ["DeepseekV4ForCausalLM", "V4NextTokenPredictor", "V4Fields", "v4_fields", "V4Attention", "V4MoeBlock", "new_window_ends",
            "rope_tail"]
 
+log = logging.getLogger(__name__)
+
 _MLP_KINDS = ("hash_moe", "moe")
+_MTP_DEPTH = re.compile(r"mtp\.(\d+)\.")
 _DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 
 
@@ -70,9 +84,11 @@ _DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attentio
 class V4Fields:
     """DeepSeek-V4's own config values, read once (see :func:`v4_fields`): ``compress_rates[i]`` layer i's m (0: a
     sliding-window layer), ``hash_layers[i]`` whether layer i routes by token id, the hyper-connection sizes, the
-    grouped output projection's, the two RoPEs (``main`` for sliding layers, ``compress`` for the others)."""
+    grouped output projection's, the two RoPEs (``main`` for sliding layers, ``compress`` for the others);
+    ``kind_rates`` the (kind, m) pairs the rates came from (for a layer past the decoder's: an MTP layer)."""
 
     compress_rates: tuple
+    kind_rates: tuple
     hash_layers: tuple
     hc_mult: int
     hc_sinkhorn_iters: int
@@ -108,12 +124,7 @@ def v4_fields(cfg: ModelConfig) -> V4Fields:
                          ("heavily_compressed_attention", "compress_rate_hca")):
         if raw.get(legacy) is not None:
             rates[kind] = raw[legacy]
-    per_layer = []
-    for kind in cfg.layer_types:
-        if kind == "sliding_attention":
-            per_layer.append(0)
-            continue
-        per_layer.append(_positive({f"compress_rates.{kind}": rates.get(kind)}, f"compress_rates.{kind}", None))
+    per_layer = [_kind_rate(rates, kind) for kind in cfg.layer_types]
     mlp = raw.get("mlp_layer_types")
     if mlp is None:
         hashed = raw.get("num_hash_layers")
@@ -125,7 +136,7 @@ def v4_fields(cfg: ModelConfig) -> V4Fields:
         raise ValueError(f"config field 'mlp_layer_types' must be a list of at least {n} entries from "
                          f"{list(_MLP_KINDS)} (DeepSeek-V4: every layer is MoE), got {mlp!r}")
     ropes = dict(cfg.rope_by_layer_type)
-    fields = V4Fields(tuple(per_layer), tuple(t == "hash_moe" for t in mlp[:n]),
+    fields = V4Fields(tuple(per_layer), tuple(sorted(rates.items())), tuple(t == "hash_moe" for t in mlp[:n]),
                       _positive(raw, "hc_mult", 4), _positive(raw, "hc_sinkhorn_iters", 20),
                       _positive(raw, "hc_eps", 1e-6, float), _positive(raw, "o_groups", 8),
                       _positive(raw, "o_lora_rank", 1024), ropes["main"], ropes["compress"])
@@ -139,6 +150,13 @@ def v4_fields(cfg: ModelConfig) -> V4Fields:
         if missing:
             raise ValueError(f"config fields {missing} are required: layer_types has 'compressed_sparse_attention'")
     return fields
+
+
+def _kind_rate(rates: dict, kind: str) -> int:
+    """Compress rate m of an attention kind (0: sliding window only)."""
+    if kind == "sliding_attention":
+        return 0
+    return _positive({f"compress_rates.{kind}": rates.get(kind)}, f"compress_rates.{kind}", None)
 
 
 def rope_dim(rope: RopeConfig, head_dim: int) -> int:
@@ -217,7 +235,7 @@ class Compressor(nn.Module):
             ends = torch.arange(m - 1, max(T, m - 1), m, device=x_BTD.device)
             at = self.window_positions(ends.expand(B, -1))                        # [B, W, S]
             flat = at.clamp(min=0).reshape(B, -1, 1)
-            rows = [t.gather(1, flat.expand(-1, -1, t.size(-1))).view(*at.shape, -1) for t in (kv, gate)]
+            rows = [t.gather(1, flat.expand(-1, -1, t.size(-1))).view(*at.shape, t.size(-1)) for t in (kv, gate)]
             return self.pool_windows(*rows, at), ends
         pools = cache.put(layer, slots, positions_BT, **{n_kv: kv.unsqueeze(1), n_gate: gate.unsqueeze(1)})
         ends_BN = new_window_ends(positions_BT, m)
@@ -285,12 +303,16 @@ class V4Attention(nn.Module):
     present on CSA layers. ``forward(x [B, T, D], positions [B, T], cache, slots, kv_len) -> [B, T, D]``."""
 
     def __init__(self, cfg: ModelConfig, fields: V4Fields, layer_idx: int, rotary: RotaryEmbedding,
-                 compress_rotary: RotaryEmbedding, dtype=None):
+                 compress_rotary: RotaryEmbedding, dtype=None, kind: str | None = None):
         super().__init__()
         D, H, d, Q = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
-        kind, eps = cfg.layer_types[layer_idx], cfg.rms_norm_eps
+        eps = cfg.rms_norm_eps
+        if kind is None:
+            kind, rate = cfg.layer_types[layer_idx], fields.compress_rates[layer_idx]
+        else:   # a layer past the decoder's (the MTP layer): its kind given, its rate by kind
+            rate = _kind_rate(dict(fields.kind_rates), kind)
         self.layer_idx, self.num_heads, self.head_dim, self.eps = layer_idx, H, d, eps
-        self.window, self.scale, self.groups = cfg.layer_sliding_window(layer_idx), d ** -0.5, fields.o_groups
+        self.window, self.scale, self.groups = cfg.sliding_window, d ** -0.5, fields.o_groups   # (every kind)
         kw = dict(bias=False, dtype=dtype)
         self.wq_a = nn.Linear(D, Q, **kw)
         self.q_norm = RMSNorm(Q, eps, weight_in_fp32=True, dtype=torch.float32)
@@ -300,7 +322,6 @@ class V4Attention(nn.Module):
         self.wo_a = nn.Linear(H * d // fields.o_groups, fields.o_groups * fields.o_lora_rank, **kw)
         self.wo_b = nn.Linear(fields.o_groups * fields.o_lora_rank, D, **kw)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
-        rate = fields.compress_rates[layer_idx]
         self.compressor = self.indexer = None
         if rate:
             self.compressor = Compressor(D, d, rate, kind == "compressed_sparse_attention", eps, compress_rotary, dtype)
@@ -400,7 +421,29 @@ class V4MoeBlock(SparseMoeBlock):
                                     "kernel; its experts run through the experts' kernel in forward")
 
 
-class DeepseekV4ForCausalLM(CausalLM):
+class V4NextTokenPredictor(NextTokenPredictor):
+    """DeepSeek-V4's MTP depth (``mtp.{j}.``): ``g = layer(e_proj(enorm(embed(x_{p+1}))) + h_proj(hnorm(h_p)))`` on
+    the residual streams -- h_p the main model's final streams [B, T, N, D] (before ``hc_head``), each stream
+    RMS-normed, the embedding's projection added to every stream --, a V4 decoder layer (hyper-connections,
+    its attention kind's cache entries at layer N + j), then its own ``hc_head_{fn,base,scale}`` collapsing the
+    streams, its own ``norm`` and the model's ``head``. A hash-routed layer routes by the head's input tokens."""
+
+    def __init__(self, block: nn.Module, cfg: ModelConfig, fields: V4Fields, token_ids: "_TokenIds", dtype=None):
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        super().__init__(block, D, cfg.vocab_size, eps, dtype=dtype, split_proj=True,
+                         head_norm=HyperHeadNorm(D, fields.hc_mult, eps, fields.hc_eps, weight_in_fp32=True))
+        object.__setattr__(self, "token_ids", token_ids)
+
+    def forward(self, next_ids_BT: Tensor, hidden_BTND: Tensor, positions_BT: Tensor, cache=None, slots=None,
+                kv_len: int | None = None) -> Tensor:
+        self.token_ids.ids = next_ids_BT
+        try:
+            return super().forward(next_ids_BT, hidden_BTND, positions_BT, cache, slots, kv_len)
+        finally:
+            self.token_ids.ids = None
+
+
+class DeepseekV4ForCausalLM(MTPHeads, CausalLM):
     """DeepSeek-V4 (see the module docstring)."""
 
     checkpoint_renames = ((".norm.hc_head.", ".hc_head."), (".self_attn.", ".attn."),
@@ -414,8 +457,16 @@ class DeepseekV4ForCausalLM(CausalLM):
                           (".mlp.moe.experts", ".ffn.experts"), (".mlp.hash.tid2eid", ".ffn.gate.tid2eid"),
                           ("lm_head.", "head."))
     expert_layout = PerExpert("w1", "w3", "w2")
-    unused_checkpoint_prefixes = ("mtp.",)
     use_decode_plan = False   # (the layers are this module's own: no fused kernels to lay out)
+    hidden_before_norm = True   # (the MTP heads read the residual streams before hc_head)
+    mtp_marker = "e_proj.weight"
+    mtp_renames = (("shared_head.norm.hc_head.hc_", "hc_head_"), ("shared_head.norm.", "norm."),
+                   ("shared_head.head.", "head."), ("embed_tokens.", "emb.tok_emb."))
+
+    @property
+    def unused_checkpoint_prefixes(self) -> tuple:
+        # mtp.* tensors without a depth's e_proj make no head (adapt_to_checkpoint says so): left unread
+        return () if self.has_mtp else ("mtp.",)
 
     def __init__(self, config: ModelConfig, dtype=None):
         fields = v4_fields(config)
@@ -439,25 +490,72 @@ class DeepseekV4ForCausalLM(CausalLM):
     def build_norm(self, cfg: ModelConfig, dim: int, dtype) -> nn.Module:
         return HyperHeadNorm(dim, self.fields.hc_mult, cfg.rms_norm_eps, self.fields.hc_eps, weight_in_fp32=True)
 
-    def build_layer(self, cfg: ModelConfig, i: int, rotary: nn.Module, dtype) -> HyperDecoderLayer:
+    def build_layer(self, cfg: ModelConfig, i: int, rotary: nn.Module, dtype, kind: str | None = None,
+                    hashed: bool | None = None) -> HyperDecoderLayer:
+        """Decoder layer i (``kind`` / ``hashed``: given for a layer past the decoder's, an MTP layer)."""
         f, D, eps = self.fields, cfg.hidden_size, cfg.rms_norm_eps
-        attn = V4Attention(cfg, f, i, rotary.main, rotary.compress, dtype)
-        mlp = V4MoeBlock(cfg, f.hash_layers[i], self.token_ids, dtype)
+        attn = V4Attention(cfg, f, i, rotary.main, rotary.compress, dtype, kind=kind)
+        mlp = V4MoeBlock(cfg, f.hash_layers[i] if hashed is None else hashed, self.token_ids, dtype)
         norms = [RMSNorm(D, eps, weight_in_fp32=True, dtype=torch.float32) for _ in range(2)]
         hcs = [HyperConnection(D, f.hc_mult, f.hc_sinkhorn_iters, f.hc_eps, eps) for _ in range(2)]
         return HyperDecoderLayer(attn, mlp, *norms, *hcs)
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
-                logits_to_keep: int = 0) -> Tensor:
+                logits_to_keep: int = 0, return_hidden: bool = False):
         self.token_ids.ids = input_ids
         try:
-            return super().forward(input_ids, cache, slots, logits_to_keep)
+            return super().forward(input_ids, cache, slots, logits_to_keep, return_hidden)
         finally:
             self.token_ids.ids = None
 
+    # ---- multi-token prediction (mtp.{j}.*; dynamoe.models.mtp) --------------------------------------
+    def mtp_prefix(self, j: int) -> str:
+        return f"mtp.{j}."
+
+    def mtp_depth_of(self, name: str) -> int | None:
+        m = _MTP_DEPTH.match(name)
+        return int(m.group(1)) if m else None
+
+    def build_mtp_layer(self, cfg: ModelConfig, i: int, rotary: nn.Module, dtype, names: set) -> HyperDecoderLayer:
+        """The V4 layer of MTP depth j = i - N: its attention kind ``layer_types`` / ``compress_ratios`` entry i
+        where the config lists one past the decoder's (the hub's lists do), else what its tensors are (an indexer:
+        compressed sparse, a compressor: heavily compressed, neither: sliding window); hash-routed where
+        ``mlp_layer_types`` entry i says so, else where it has a ``ffn.gate.tid2eid``."""
+        raw, pre = cfg.raw, self.mtp_prefix(i - cfg.num_hidden_layers)
+        kind = None
+        for field in ("layer_types", "compress_ratios"):
+            listed = raw.get(field)
+            if isinstance(listed, (list, tuple)) and len(listed) > i:
+                kind = listed[i] if field == "layer_types" else _V4_COMPRESS_RATIO_KINDS.get(listed[i], listed[i])
+                if kind not in V4_LAYER_TYPES:
+                    raise ValueError(f"config field {field!r} entry {i} (the multi-token-prediction layer {pre}) must "
+                                     f"give one of {list(V4_LAYER_TYPES)}, got {listed[i]!r}")
+                break
+        if kind is None:
+            kind = ("compressed_sparse_attention" if pre + "attn.indexer.weights_proj.weight" in names else
+                    "heavily_compressed_attention" if pre + "attn.compressor.wkv.weight" in names else
+                    "sliding_attention")
+        if kind == "compressed_sparse_attention":
+            missing = [f for f in ("index_topk", "index_head_dim", "index_n_heads") if getattr(cfg, f) is None]
+            if missing:
+                raise ValueError(f"config fields {missing} are required: the multi-token-prediction layer {pre} is "
+                                 f"'compressed_sparse_attention'")
+        mlp = raw.get("mlp_layer_types")
+        hashed = (mlp[i] == "hash_moe" if isinstance(mlp, (list, tuple)) and len(mlp) > i
+                  else pre + "ffn.gate.tid2eid" in names)
+        return self.build_layer(cfg, i, rotary, dtype, kind=kind, hashed=hashed)
+
+    def new_mtp_head(self, cfg: ModelConfig, block: nn.Module, dtype) -> V4NextTokenPredictor:
+        return V4NextTokenPredictor(block, cfg, self.fields, self.token_ids, dtype)
+
     # ---- checkpoint names: transformers' files (under model.) or the hub's (top level) ----------------
     def adapt_to_checkpoint(self, names) -> None:
-        object.__setattr__(self, "hub_names", "embed.weight" in set(names))
+        names = set(names)
+        object.__setattr__(self, "hub_names", "embed.weight" in names)
+        super().adapt_to_checkpoint(names)
+        if not self.has_mtp and any(n.startswith("mtp.") for n in names):
+            log.info("deepseek_v4: the checkpoint's mtp.* tensors have no mtp.{j}.e_proj.weight: no "
+                     "multi-token-prediction head is built (they are left unread)")
 
     def checkpoint_name(self, name: str) -> str:
         name = super().checkpoint_name(name)

@@ -12,10 +12,19 @@ elsewhere (sigmoid scores, selection bias, group-limited top-k, renormalised, ti
 Checkpoint: transformers' names (DeepSeek-V3.2's attention names plus ``self_attn.g_proj``,
 ``self_attn.k_rope_only_layernorm``; ``mlp.gate``, ``mlp.experts.{e}.{gate,up,down}_proj``, ``mlp.shared_experts``);
 the wrapper's files keep the text model under ``model.`` as well (``lm_head`` at the top) beside the hub's
-``vision_encoder.`` and ``audio_encoder.`` (not loaded; the server refuses images naming the model); the
-multi-token-prediction layer (``model.layers.{num_hidden_layers}``, ``model.mtp.``) is not loaded. No fused decode kernels (MLA has none).
+``vision_encoder.`` and ``audio_encoder.`` (not loaded; the server refuses images naming the model). No fused decode
+kernels (MLA has none).
+
+Multi-token prediction: the layer ``model.layers.{N}`` (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``,
+a dots3 decoder layer) with its embedding under ``model.mtp.embed_tokens`` loads as the ``mtp`` head
+(:mod:`dynamoe.models.mtp`; the engine drafts with it, ``draft="mtp"``) as vLLM's Dots3NoteMTP computes it: DeepSeek's
+head with its output ``shared_head.norm``'d (what a further draft reads) and the model's lm_head; the layer's
+attention kind from the config's layer_types entry past num_hidden_layers (else DSA where it has indexer tensors;
+else it is not loaded, and the log says so), a dense MLP unless it has a router.
 """
 from __future__ import annotations
+
+import logging
 
 from torch import nn
 
@@ -25,15 +34,18 @@ from .deepseek_v3 import DEEPSEEK_RENAMES
 from .indexer import Indexer
 from .mla import MLAttention
 from .moe_block import GatedMLP, SparseMoeBlock, glu_kind
+from .mtp import MTPHeads, NextTokenPredictor
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
 from .weights import PerExpert
 from .wrapped import TextOfWrapper, WrapperLayout
 
+log = logging.getLogger(__name__)
+
 __all__ = ["Dots3NoteForCausalLM"]
 
 
-class Dots3NoteForCausalLM(TextOfWrapper, CausalLM):
+class Dots3NoteForCausalLM(TextOfWrapper, MTPHeads, CausalLM):
     """dots3_note's text model (see the module docstring)."""
 
     checkpoint_renames = DEEPSEEK_RENAMES
@@ -57,7 +69,8 @@ class Dots3NoteForCausalLM(TextOfWrapper, CausalLM):
 
     @property
     def unused_checkpoint_prefixes(self) -> tuple:
-        return TextOfWrapper.unused_checkpoint_prefixes.fget(self) + ("model.mtp.",)
+        # (with a head, model.mtp.embed_tokens is its embedding: read)
+        return TextOfWrapper.unused_checkpoint_prefixes.fget(self) + (() if self.has_mtp else ("model.mtp.",))
 
     def build_rotary(self, cfg: ModelConfig) -> nn.ModuleDict:
         rotary = nn.ModuleDict()
@@ -66,8 +79,11 @@ class Dots3NoteForCausalLM(TextOfWrapper, CausalLM):
             rotary[kind] = RotaryEmbedding(rope, sizes["qk_rope_head_dim"], cfg.max_position_embeddings)
         return rotary
 
-    def build_attention(self, cfg: ModelConfig, i: int, rotary, dtype) -> MLAttention:
-        kind, s, D = cfg.layer_types[i], self.layer_sizes[i], cfg.hidden_size
+    def build_attention(self, cfg: ModelConfig, i: int, rotary, dtype, kind: str | None = None,
+                        s: dict | None = None) -> MLAttention:
+        """Layer i's MLA (``kind`` / ``s``: its kind and sizes, given for a layer past the decoder's)."""
+        kind = cfg.layer_types[i] if kind is None else kind
+        s, D = self.layer_sizes[i] if s is None else s, cfg.hidden_size
         rope = rotary[kind]
         if rope.dim != s["qk_rope_head_dim"]:
             raise ValueError(f"layer {i}: qk_rope_head_dim {s['qk_rope_head_dim']} differs from its layer type's "
@@ -84,16 +100,56 @@ class Dots3NoteForCausalLM(TextOfWrapper, CausalLM):
                            sliding_window=cfg.sliding_window if kind == "sliding_attention" else None,
                            head_gate=True, k_rope_norm=True, dtype=dtype)
 
-    def build_layer(self, cfg: ModelConfig, i: int, rotary, dtype) -> DecoderLayer:
+    def build_layer(self, cfg: ModelConfig, i: int, rotary, dtype, kind: str | None = None, sizes: dict | None = None,
+                    moe: bool | None = None) -> DecoderLayer:
+        """Decoder layer i (``kind`` / ``sizes`` / ``moe``: given for a layer past the decoder's, an MTP layer)."""
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         glu = glu_kind(cfg.hidden_act)
-        if cfg.is_moe_layer(i):
+        if cfg.is_moe_layer(i) if moe is None else moe:
             mlp = SparseMoeBlock(cfg, "sigmoid", normalize=cfg.norm_topk_prob, glu=glu, num_shared_experts=1,
                                  shared_hidden_size=self.shared_width, dtype=dtype)
         else:
             mlp = GatedMLP(D, cfg.intermediate_size, glu, dtype=dtype)
-        return DecoderLayer(self.build_attention(cfg, i, rotary, dtype), mlp, RMSNorm(D, eps, dtype=dtype),
-                            RMSNorm(D, eps, dtype=dtype))
+        return DecoderLayer(self.build_attention(cfg, i, rotary, dtype, kind, sizes), mlp,
+                            RMSNorm(D, eps, dtype=dtype), RMSNorm(D, eps, dtype=dtype))
+
+    # ---- multi-token prediction (model.layers.{N + j}; dynamoe.models.mtp) ------------------------------
+    def build_mtp_layer(self, cfg: ModelConfig, i: int, rotary, dtype, names: set) -> DecoderLayer | None:
+        """The MTP layer i as vLLM's Dots3NoteMTP builds it: its attention kind from the config's layer_types entry i
+        (a list of num_hidden_layers + num_nextn_predict_layers entries: ``mtp_layer_entries``), else 'indexed_attention'
+        where it has indexer tensors; its MLA sizes: per_layer_config entry i, else those of the decoder's layers of its
+        kind (vLLM: the swa_* fields for a sliding one); a dense MLP unless it has a router. None (logged) where its kind is not known."""
+        j = i - cfg.num_hidden_layers
+        listed = (cfg.raw.get("mtp_layer_entries") or {}).get("layer_types")
+        kind = listed[j] if isinstance(listed, (list, tuple)) and j < len(listed) else None
+        pre = self.mtp_checkpoint_name(j, "block.")[len(self.checkpoint_prefix):]
+        if kind is None and pre + "self_attn.indexer.wk.weight" in names:
+            kind = "indexed_attention"
+        if kind not in ("full_attention", "indexed_attention", "sliding_attention"):
+            log.info("dots3_note: multi-token-prediction layer %s not loaded: its attention kind (full or sliding) is "
+                     "known only from a layer_types entry %d (num_hidden_layers + num_nextn_predict_layers entries) "
+                     "and the config has %r", pre[:-1], i, kind)
+            return None
+        if kind == "indexed_attention" and cfg.index_topk is None:
+            raise ValueError("config fields index_topk / index_head_dim / index_n_heads are required: the "
+                             "multi-token-prediction layer is 'indexed_attention'")
+        same = [n for n, t in enumerate(cfg.layer_types) if t == kind]
+        if str(i) in (cfg.raw.get("per_layer_config") or {}) or not same:
+            sizes = dots3_layer_sizes(cfg.raw, (*cfg.layer_types, *([kind] * (j + 1))))[i]
+        else:   # (vLLM: the swa_* sizes for a sliding one, the top-level ones else: those of the layers of its kind)
+            sizes = self.layer_sizes[same[-1]]
+        moe = pre + "mlp.gate.weight" in names
+        return self.build_layer(cfg, i, rotary, dtype, kind=kind, sizes=sizes, moe=moe)
+
+    def new_mtp_head(self, cfg: ModelConfig, block: DecoderLayer, dtype) -> NextTokenPredictor:
+        # vLLM's Dots3NoteMTP (DeepSeek-V3.2's head): its output is shared_head.norm'd -- what a further draft reads
+        return NextTokenPredictor(block, cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps, dtype=dtype,
+                                  norm_output=True)
+
+    def _mtp_name(self, j: int, rest: str) -> str:
+        if rest.startswith("embed_tokens.") and j == 0:   # the hub keeps the head's embedding apart
+            return "model.mtp." + rest
+        return super()._mtp_name(j, rest)
 
     def set_absorb(self, absorb) -> None:
         """MLA weight absorption (see DeepseekV3ForCausalLM.set_absorb)."""

@@ -6,8 +6,14 @@ renormalised, times ``router_scaling_factor``, plus a shared SwiGLU of ``num_sha
 
 Checkpoint (the hub's names, which transformers saves): ``self_attn.{q,k,v,o}_proj``, ``self_attn.{q,k}_norm``,
 ``mlp.router.gate.weight`` [E, D] fp32, ``mlp.expert_bias`` [E], ``mlp.experts.{e}.{gate,up,down}_proj``,
-``mlp.shared_mlp.*``, dense ``mlp.*_proj``; the multi-token-prediction layer (``model.layers.{num_hidden_layers}``)
-is not loaded.
+``mlp.shared_mlp.*``, dense ``mlp.*_proj``.
+
+Multi-token prediction: the layer ``model.layers.{N + j}`` (``enorm``, ``hnorm``, ``eh_proj``, a Hy3 decoder layer,
+``final_layernorm``) loads as the ``mtp`` head (:mod:`dynamoe.models.mtp`; the engine drafts with it,
+``draft="mtp"``) as vLLM's HYV3MTP computes it: the head's output is ``final_layernorm`` of its layer's (what a
+further draft reads), projected by the model's lm_head; the model's embedding. The layer's own ``shared_head.*`` /
+``embed_tokens.*`` tensors are not read (vLLM skips them too: HF's inference uses the model's lm_head), and the
+loader logs their count.
 
 ``enable_moe_fp32_combine`` (the shared output added to the routed one in fp32, then cast) is the same sum as in the
 activations' dtype: both are bf16 or fp32 tensors, whose sum torch rounds once either way.
@@ -18,6 +24,7 @@ from .attention import Attention
 from .base import CausalLM, DecoderLayer
 from .config import ModelConfig
 from .moe_block import GatedMLP, SparseMoeBlock, glu_kind
+from .mtp import MTPHeads, NextTokenPredictor
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
 from .weights import PerExpert
@@ -25,13 +32,16 @@ from .weights import PerExpert
 __all__ = ["HYV3ForCausalLM"]
 
 
-class HYV3ForCausalLM(CausalLM):
+class HYV3ForCausalLM(MTPHeads, CausalLM):
     """Hy3 (see the module docstring)."""
 
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".mlp.router.gate."),
                           (".mlp.moe.gates.0.e_score_correction_bias", ".mlp.expert_bias"),
                           (".mlp.moe.shared_experts.", ".mlp.shared_mlp."), (".mlp.moe.", ".mlp."))
     expert_layout = PerExpert("gate_proj", "up_proj", "down_proj")
+    mtp_renames = (("shared_head.norm.", "final_layernorm."),)
+    mtp_own_copies = False
+    mtp_ignored = ("shared_head.", "embed_tokens.")
 
     def __init__(self, config: ModelConfig, dtype=None):
         bias = config.raw.get("mlp_bias")
@@ -56,3 +66,7 @@ class HYV3ForCausalLM(CausalLM):
         attn = Attention(D, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, i, rotary,
                          qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True, norm_eps=eps, dtype=dtype)
         return DecoderLayer(attn, self.build_mlp(cfg, i, dtype), RMSNorm(D, eps, dtype=dtype), RMSNorm(D, eps, dtype=dtype))
+
+    def new_mtp_head(self, cfg: ModelConfig, block: DecoderLayer, dtype) -> NextTokenPredictor:
+        return NextTokenPredictor(block, cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps, dtype=dtype,
+                                  norm_output=True)

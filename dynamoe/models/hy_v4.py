@@ -18,19 +18,28 @@ kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj, indexer.*}``, ``self_attn
 (``mlp.experts.gate_up_proj`` [E, 2F, D], ``mlp.experts.down_proj``) -- or the other spellings of those names
 transformers reads (``hc_attn_layer`` without ``hc_pre``, ``gate_proj`` for ``linear_gate``, ...): each tensor is
 looked up under its spellings in a fixed order. Hy4-VL keeps its vision tower under ``vit.`` (not loaded; the server
-refuses images naming the model); the hub's ``model.mtp_layers.`` are not loaded. No fused decode kernels:
+refuses images naming the model). No fused decode kernels:
 hyper-connected layers, sinks and an output gate on MLA.
+
+Multi-token prediction: the hub's ``model.mtp_layers.{j}`` (``enorm``, ``hnorm``, ``eh_proj``, ``final_layernorm``
+and a plain pre-norm layer: ``self_attn.*`` with its own indexer, ``mlp.*``, ``input_layernorm``,
+``post_attention_layernorm``; no hyper-connections) load as the ``mtp`` heads (:mod:`dynamoe.models.mtp`; the engine
+drafts with the first, ``draft="mtp"``) as SGLang's HYV4ForCausalLMNextN computes them: it reads the model's final
+(collapsed, normed) states, no embedding masked at position 0, its output ``final_layernorm``'d (what a further draft
+reads), the model's embedding and lm_head. SGLang may reuse the first draft step's index selection at later steps
+(IndexTopKShareState); here the head's indexer selects at every step (drafts only propose).
 """
 from __future__ import annotations
 
 import re
 
-from .base import CausalLM
+from .base import CausalLM, DecoderLayer
 from .config import ModelConfig
 from .hyper_connections import HyperHeadNorm, IndependentHyperConnection, IndependentHyperDecoderLayer, StreamEmbedding
 from .indexer import Indexer, SharedIndex
 from .mla import MLAttention, mla_softmax_scale
 from .moe_block import GatedMLP, SparseMoeBlock, glu_kind
+from .mtp import MTPHeads, NextTokenPredictor
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
 from .weights import Stacked
@@ -66,7 +75,10 @@ _SPELLINGS = (
 )
 
 
-class HyV4ForCausalLM(TextOfWrapper, CausalLM):
+_MTP_DEPTH = re.compile(r"(?:^|\.)mtp_layers\.(\d+)\.")
+
+
+class HyV4ForCausalLM(TextOfWrapper, MTPHeads, CausalLM):
     """Hy4 / Hy4-VL's text model (see the module docstring)."""
 
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".mlp.gate."), (".mlp.moe.gates.0.", ".mlp.gate."),
@@ -74,6 +86,7 @@ class HyV4ForCausalLM(TextOfWrapper, CausalLM):
     expert_layout = Stacked("gate_up_proj", "down_proj", suffix="")
     use_decode_plan = False   # (hyper-connected layers: no fused kernels to lay out)
     wrapper_layouts = {"hy_v4_vl": WrapperLayout("model.", unused=("vit.",))}
+    mtp_renames = (("shared_head.norm.", "final_layernorm."),)
 
     def __init__(self, config: ModelConfig, dtype=None):
         missing = [n for n in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -99,7 +112,7 @@ class HyV4ForCausalLM(TextOfWrapper, CausalLM):
 
     @property
     def unused_checkpoint_prefixes(self) -> tuple:
-        return TextOfWrapper.unused_checkpoint_prefixes.fget(self) + ("model.mtp_layers.",)
+        return TextOfWrapper.unused_checkpoint_prefixes.fget(self) + (() if self.has_mtp else ("model.mtp_layers.",))
 
     def build_rotary(self, cfg: ModelConfig) -> RotaryEmbedding:
         return RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
@@ -107,13 +120,15 @@ class HyV4ForCausalLM(TextOfWrapper, CausalLM):
     def build_norm(self, cfg: ModelConfig, dim: int, dtype) -> HyperHeadNorm:
         return HyperHeadNorm(dim, self.streams, cfg.rms_norm_eps, self.hc_eps, dtype=dtype)
 
-    def build_attention(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype) -> MLAttention:
+    def build_attention(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype, mtp: bool = False
+                        ) -> MLAttention:
+        """Layer i's attention (``mtp``: an MTP layer's -- its own indexer, which no later layer shares)."""
         D = cfg.hidden_size
         indexer = None
-        if not (cfg.indexer_types and cfg.indexer_types[i] == "shared"):
+        if mtp or not (cfg.indexer_types and cfg.indexer_types[i] == "shared"):
             indexer = Indexer(D, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim,
-                              cfg.index_topk, i, rotary, rope_interleaved=cfg.rope_interleave, shared=self.shared_index,
-                              rope_at_end=True,
+                              cfg.index_topk, i, rotary, rope_interleaved=cfg.rope_interleave,
+                              shared=None if mtp else self.shared_index, rope_at_end=True,
                               k_norm_eps=cfg.rms_norm_eps, dtype=dtype)
         elif i == 0:
             raise ValueError("config field 'indexer_types' must start with a 'full' layer (layer 0 is 'shared')")
@@ -142,8 +157,29 @@ class HyV4ForCausalLM(TextOfWrapper, CausalLM):
         return IndependentHyperDecoderLayer(self.build_attention(cfg, i, rotary, dtype), self.build_mlp(cfg, i, dtype),
                                             RMSNorm(D, eps, dtype=dtype), RMSNorm(D, eps, dtype=dtype), *hcs)
 
+    # ---- multi-token prediction (model.mtp_layers.{j}; dynamoe.models.mtp) --------------------------------
+    def mtp_prefix(self, j: int) -> str:
+        return f"{self.checkpoint_prefix}model.mtp_layers.{j}."
+
+    def mtp_depth_of(self, name: str) -> int | None:
+        m = _MTP_DEPTH.search(name)
+        return int(m.group(1)) if m else None
+
+    def build_mtp_layer(self, cfg: ModelConfig, i: int, rotary: RotaryEmbedding, dtype, names: set) -> DecoderLayer:
+        # SGLang's HYV4MTPDecoderLayer: a plain pre-norm layer (no hyper-connections), MLA with its own indexer,
+        # sinks and output gate, the MoE with an unclamped shared expert
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        return DecoderLayer(self.build_attention(cfg, i, rotary, dtype, mtp=True), self.build_mlp(cfg, i, dtype),
+                            RMSNorm(D, eps, dtype=dtype), RMSNorm(D, eps, dtype=dtype))
+
+    def new_mtp_head(self, cfg: ModelConfig, block: DecoderLayer, dtype) -> NextTokenPredictor:
+        # its output final_layernorm'd (what a further draft reads); no embedding masked at position 0
+        return NextTokenPredictor(block, cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps, dtype=dtype,
+                                  mask_first=False, norm_output=True)
+
     def adapt_to_checkpoint(self, names) -> None:
         object.__setattr__(self, "checkpoint_names", frozenset(names))
+        super().adapt_to_checkpoint(names)
 
     def checkpoint_name(self, name: str) -> str:
         name = super().checkpoint_name(name)

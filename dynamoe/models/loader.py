@@ -13,11 +13,11 @@ hooks: ``model.adapt_to_checkpoint(names)`` (called on the meta-device model wit
 tensor names before any is read: e.g. Qwen3-Next builds its ``mtp`` module when there are ``mtp.*``
 tensors) and ``unused_checkpoint_prefixes`` (tensors the family knowingly does not load, such as a
 multimodal checkpoint's vision tower for a text model: named in the family's docstring, never guessed,
-logged once by prefix). Multi-token-prediction layers (``model.layers.{i}``, i >= num_hidden_layers) load as
-the DeepSeek-style families' ``mtp`` heads (:mod:`dynamoe.models.mtp`); other families' are left unread and
-logged with their count. Heads under a prefix of their own (``mtp.``, ``model.mtp.``: Qwen3-Next / Qwen3.5,
-K-EXAONE, MiMo-V2-Flash, MiniMax-M3) are built by the family's ``adapt_to_checkpoint``
-(:mod:`dynamoe.models.mtp_prefixed`).
+logged once by prefix). Multi-token-prediction layers (``model.layers.{i}``, i >= num_hidden_layers, or a
+family's own prefix: DeepSeek-V4's ``mtp.{j}``, Hy4's ``model.mtp_layers.{j}``) load as the ``mtp`` heads of the
+families with :class:`~dynamoe.models.mtp.MTPHeads`; other families' are left unread and logged with their count.
+Heads under a prefix of their own built by the family's ``adapt_to_checkpoint`` (``mtp.``, ``model.mtp.``:
+Qwen3-Next / Qwen3.5, K-EXAONE, MiMo-V2-Flash, MiniMax-M3) come from :mod:`dynamoe.models.mtp_prefixed`.
 
 Expert parallelism (``group`` of W ranks): every MoE block keeps E/W routed experts -- rank r the
 global experts [r*E/W, (r+1)*E/W), as the MoE layer's all-to-all expects -- and reads only theirs

@@ -6,7 +6,9 @@ the whole head: transformers' Mellum attention fails on a partial factor, which 
 none).
 
 Checkpoint: Qwen3-MoE's names (``mlp.gate.weight`` [E, D], ``mlp.experts.{e}.{gate,up,down}_proj``); the
-multi-token-prediction module (``mtp.*``, ``num_mtp_layers``) is not loaded.
+multi-token-prediction module (``mtp.*``, ``num_mtp_layers``) is not loaded (the loader logs its tensor count): no
+public source gives its architecture -- transformers' MellumForCausalLM drops ``mtp.*``, and neither vLLM nor SGLang
+has a Mellum MTP model -- so there is nothing to check a head against.
 """
 from __future__ import annotations
 

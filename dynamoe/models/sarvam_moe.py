@@ -8,7 +8,9 @@ Checkpoint (the hub's names, which transformers also saves): ``model.word_embedd
 (q, k and v rows in one tensor [(H + 2K) d, D], read as three: ``checkpoint_rows``), ``attention.dense`` (o_proj),
 ``attention.{query,key}_layernorm`` (q/k norms), ``mlp.gate.weight``, ``mlp.gate.expert_bias`` (the selection bias),
 ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``. The released checkpoints have no multi-token-prediction layers
-(``num_mtp_layers`` 0); any (``model.layers.{N}``) are not loaded.
+(``num_mtp_layers`` 0); any (``model.layers.{N}``) build no draft head and are left unread (logged): no public source
+gives Sarvam's MTP architecture (transformers drops the layers, vLLM runs Sarvam as Bailing-MoE without an MTP
+model for it, SGLang has none), so GLM-4.5's head, which this class would inherit, is not assumed.
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ class SarvamMoeForCausalLM(Glm4MoeForCausalLM):
                           (".mlp.moe.gates.0.wg.", ".mlp.gate."),
                           (".mlp.moe.gates.0.e_score_correction_bias", ".mlp.gate.expert_bias"),
                           (".mlp.moe.", ".mlp."))
+
+    mtp_unsupported = ("Sarvam's multi-token-prediction architecture has no public source (not transformers, vLLM or "
+                       "SGLang); its layers are left unread")
 
     def __init__(self, config: ModelConfig, dtype=None):
         super().__init__(config, dtype)

@@ -13,14 +13,22 @@ top-k renormalised, times ``moe_router_scaling_factor``, plus one shared SwiGLU 
 
 Checkpoint (the hub's names, which transformers also saves): ``self_attn.{q,k,v,o,g}_proj``,
 ``self_attn.{q,k}_norm``, ``moe.gate.weight`` [E, D], ``moe.router_bias`` [E], ``moe.{gate,up}_proj.weight``
-[E, F, D], ``moe.down_proj.weight`` [E, D, F], ``share_expert.{gate,up,down}_proj``, dense ``mlp.*_proj``; the
-trailing multi-token-prediction layers (``model.layers.{n}`` for n >= num_hidden_layers) are not loaded.
+[E, F, D], ``moe.down_proj.weight`` [E, D, F], ``share_expert.{gate,up,down}_proj``, dense ``mlp.*_proj``.
+
+Multi-token prediction: the trailing layers ``model.layers.{N + j}`` (``enorm``, ``hnorm``, ``eh_proj``,
+``transformer.shared_head.{norm,output}``, a Step-3.5 decoder layer) load as the ``mtp`` heads
+(:mod:`dynamoe.models.mtp`; the engine drafts with the first, ``draft="mtp"``) as vLLM's Step3p5MTP computes them:
+zero-centred enorm / hnorm / head norm, no embedding masked at position 0, each layer's attention kind, RoPE and
+SwiGLU clamps from the hub's per-layer lists' entries past num_hidden_layers (``mtp_layer_entries``), MoE where it
+has a router. A config without those entries (transformers' saved one) says nothing of the layer's attention
+kind: it is then not loaded, and the log says so.
 
 Decode: the fused kernels take the layers (the attention kernel's sigmoid gate per head, zero-centred norms in the
 attention and MLP kernels); each refusal says why where one does not apply.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -33,10 +41,13 @@ from .cache import KVCache
 from .config import ModelConfig
 from .mimo_v2_flash import RotaryByLayerType
 from .moe_block import GatedMLP, SparseMoeBlock
+from .mtp import MTPHeads, NextTokenPredictor
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
 from .weights import SplitStacked
 from .wrapped import TextOfWrapper, WrapperLayout
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Step3p5ForCausalLM", "Step3p7ForCausalLM", "Step3p5Attention", "StepFields", "step_fields"]
 
@@ -45,12 +56,13 @@ __all__ = ["Step3p5ForCausalLM", "Step3p7ForCausalLM", "Step3p5Attention", "Step
 class StepFields:
     """Step-3.5's per-layer values, read once from the config (see :func:`step_fields`): ``heads[i]`` query heads,
     ``scale`` the softmax scale, ``limits[i]`` / ``shared_limits[i]`` the routed / shared-and-dense SwiGLU clamp of
-    layer i (None: no clamp)."""
+    layer i (None: no clamp), ``sliding_heads`` the sliding layers' query heads unless per_layer_config says."""
 
     heads: tuple
     scale: float
     limits: tuple
     shared_limits: tuple
+    sliding_heads: int = 0
 
 
 def _limits(cfg: ModelConfig, name: str) -> tuple:
@@ -108,7 +120,7 @@ def step_fields(cfg: ModelConfig) -> StepFields:
     if isinstance(qpas, bool) or not isinstance(qpas, (int, float)) or not math.isfinite(qpas) or qpas <= 0:
         raise ValueError(f"config field 'query_pre_attn_scalar' must be a number > 0, got {qpas!r}")
     return StepFields(tuple(heads), float(qpas) ** -0.5, _limits(cfg, "swiglu_limits"),
-                      _limits(cfg, "swiglu_limits_shared"))
+                      _limits(cfg, "swiglu_limits_shared"), sliding)
 
 
 class Step3p5Attention(Attention):
@@ -137,7 +149,7 @@ class Step3p5Attention(Attention):
         return self.o_proj((out * gate_BHT1).transpose(1, 2).reshape(B, T, H * d))
 
 
-class Step3p5ForCausalLM(CausalLM):
+class Step3p5ForCausalLM(MTPHeads, CausalLM):
     """Step-3.5 (see the module docstring)."""
 
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".moe.gate."),
@@ -145,6 +157,8 @@ class Step3p5ForCausalLM(CausalLM):
                           (".mlp.moe.shared_experts.", ".share_expert."),
                           (".mlp.moe.experts", ".moe"))
     expert_layout = SplitStacked()
+    mtp_renames = (("shared_head.head.", "transformer.shared_head.output."),
+                   ("shared_head.norm.", "transformer.shared_head.norm."))
 
     def __init__(self, config: ModelConfig, dtype=None):
         object.__setattr__(self, "_step", step_fields(config))  # (before the layers are built)
@@ -159,16 +173,22 @@ class Step3p5ForCausalLM(CausalLM):
                                   for kind, r in cfg.rope_by_layer_type})
 
     def build_layer(self, cfg: ModelConfig, i: int, rotary: RotaryByLayerType, dtype) -> DecoderLayer:
-        D, eps, kind, step = cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_types[i], self._step
+        step = self._step
+        return self._step_layer(cfg, i, rotary, dtype, cfg.layer_types[i], step.heads[i], step.limits[i],
+                                step.shared_limits[i], cfg.is_moe_layer(i))
+
+    def _step_layer(self, cfg: ModelConfig, i: int, rotary: RotaryByLayerType, dtype, kind: str, heads: int,
+                    limit: float | None, shared: float | None, moe: bool) -> DecoderLayer:
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
         if kind not in ("full_attention", "sliding_attention"):
             raise ValueError(f"config field 'layer_types' entry {i} must be 'full_attention' or 'sliding_attention' "
                              f"for step3p5, got {kind!r}")
-        attn = Step3p5Attention(D, step.heads[i], cfg.num_key_value_heads, cfg.head_dim, i, rotary[kind],
-                                bias=cfg.attention_bias, norm_eps=eps, sliding_window=cfg.layer_sliding_window(i),
-                                scale=step.scale, dtype=dtype)
-        limit, shared = step.limits[i], step.shared_limits[i]
+        attn = Step3p5Attention(D, heads, cfg.num_key_value_heads, cfg.head_dim, i, rotary[kind],
+                                bias=cfg.attention_bias, norm_eps=eps,
+                                sliding_window=cfg.sliding_window if kind == "sliding_attention" else None,
+                                scale=self._step.scale, dtype=dtype)
         shared_glu = "silu" if shared is None else "silu_clamp"
-        if cfg.is_moe_layer(i):
+        if moe:
             mlp = SparseMoeBlock(cfg, "sigmoid", normalize=True, glu="silu" if limit is None else "silu_clamp",
                                  glu_limit=limit, num_shared_experts=1,
                                  shared_hidden_size=cfg.shared_expert_intermediate_size, shared_glu=shared_glu,
@@ -180,6 +200,52 @@ class Step3p5ForCausalLM(CausalLM):
             mlp = GatedMLP(D, cfg.intermediate_size, shared_glu, limit=7.0 if shared is None else shared, dtype=dtype)
         return DecoderLayer(attn, mlp, RMSNorm(D, eps, zero_centered=True, dtype=dtype),
                             RMSNorm(D, eps, zero_centered=True, dtype=dtype))
+
+    # ---- multi-token prediction (model.layers.{N + j}; dynamoe.models.mtp) ------------------------------
+    def build_mtp_layer(self, cfg: ModelConfig, i: int, rotary: RotaryByLayerType, dtype,
+                        names: set) -> DecoderLayer | None:
+        """The decoder layer of MTP layer i, by the hub's per-layer lists' entries past num_hidden_layers
+        (``mtp_layer_entries``: its attention kind, RoPE, SwiGLU clamps; MoE where ``mlp_layer_types`` says so, else
+        where it has ``moe.gate.weight``). None (logged) where the config does not say its attention kind or its
+        RoPE differs from the decoder layers' of that kind (one RoPE per kind here)."""
+        j, entries = i - cfg.num_hidden_layers, cfg.raw.get("mtp_layer_entries") or {}
+
+        def entry(name):
+            v = entries.get(name)
+            return v[j] if isinstance(v, (list, tuple)) and j < len(v) else None
+
+        kind = entry("layer_types")
+        if kind not in ("full_attention", "sliding_attention"):
+            log.info("step3p5: multi-token-prediction layer model.layers.%d not loaded: its attention kind is known "
+                     "only from the hub's layer_types entry %d (lists of num_hidden_layers + num_nextn_predict_layers "
+                     "entries), and the config has %r", i, i, kind)
+            return None
+        rope = dict(cfg.rope_by_layer_type)[kind]
+        theta, partial = entry("rope_theta"), entry("partial_rotary_factors")
+        if (theta is not None and float(theta) != rope.theta) or (partial is not None
+                                                                  and float(partial) != rope.partial_rotary_factor):
+            log.info("step3p5: multi-token-prediction layer model.layers.%d not loaded: its RoPE (rope_theta %s, "
+                     "partial_rotary_factors %s) is not the %s layers' (%s, %s), and the model keeps one per kind",
+                     i, theta, partial, kind, rope.theta, rope.partial_rotary_factor)
+            return None
+        heads = self._step.sliding_heads if kind == "sliding_attention" else cfg.num_attention_heads
+        over = (cfg.raw.get("per_layer_config") or {})
+        over = over.get(str(i), over.get(i)) or {}
+        heads = over.get("num_attention_heads", heads)
+        limits = [entry(n) for n in ("swiglu_limits", "swiglu_limits_shared")]
+        limits = [float(x) if x else None for x in limits]
+        mlp = entry("mlp_layer_types")
+        moe = (mlp == "sparse" if mlp is not None
+               else self.mtp_checkpoint_name(j, "block.mlp.moe.gates.0.wg.weight")[len(self.checkpoint_prefix):]
+               in names)
+        return self._step_layer(cfg, i, rotary, dtype, kind, heads, *limits, moe)
+
+    def new_mtp_head(self, cfg: ModelConfig, block: DecoderLayer, dtype) -> NextTokenPredictor:
+        # Step-3.5's enorm / hnorm / shared_head.norm are its zero-centred norms; no embedding masked at position 0
+        # (vLLM's Step3p5MTP)
+        D = cfg.hidden_size
+        return NextTokenPredictor(block, D, cfg.vocab_size, cfg.rms_norm_eps, dtype=dtype,
+                                  norm=lambda: self.build_norm(cfg, D, dtype), mask_first=False)
 
 
 class Step3p7ForCausalLM(TextOfWrapper, Step3p5ForCausalLM):
