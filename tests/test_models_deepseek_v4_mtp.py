@@ -191,12 +191,11 @@ def test_head_loads_every_tensor_and_leaves_the_model_alone(mtp, tmp_path):
         torch.testing.assert_close(model.lm_head(model.model.norm(hidden)), logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mtp", ["sliding"], indirect=True)   # one layout check is enough
 def test_transformers_layout_and_copies_load_alike(mtp, tmp_path):
     """transformers' names for the model (model.*) beside the hub's mtp.*, and a head with its own embedding /
     lm_head copies (shared with the model's after loading): the same drafts."""
     kind, model, _ = mtp
-    if kind != "sliding":
-        pytest.skip("one layout check is enough")
     path = v4_checkpoint(tmp_path / "tf", kind=kind, seed=3, hub=False, copies=True)
     other = dm.load(path, progress=False)
     assert other.mtp[0].embed_tokens is other.model.embed_tokens and other.mtp[0].shared_head.head is other.lm_head
@@ -256,12 +255,11 @@ def test_engine_mtp_drafts_give_plain_tokens(mtp):
     engine.cache.pool.check()
 
 
+@pytest.mark.parametrize("mtp", ["sliding"], indirect=True)   # every kind's cached path: the recomputation test
 def test_head_cache_stays_consistent_in_the_engine(mtp):
     from dynamoe.engine.request import RUNNING
 
     kind, model, _ = mtp
-    if kind != "sliding":
-        pytest.skip("the cached attention path of every kind is covered by the recomputation test")
     ref = copy.deepcopy(model).double()
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (10, 7)]

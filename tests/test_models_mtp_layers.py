@@ -240,6 +240,8 @@ def test_engine_mtp_drafts_give_plain_tokens(family, caplog):
     engine.cache.pool.check()
 
 
+@pytest.mark.parametrize("family", sorted(f for f, (_, want) in FAMILIES.items() if want.get("engine", True)),
+                         indirect=True)   # (the families the engine speculates with)
 def test_engine_drafts_follow_the_head_after_rejections(family):
     """After every engine step, each request's drafts for the next one equal the head's drafts recomputed from
     scratch (float64, no cache) over its tokens so far: the head's cache entries stay right after rejected drafts
@@ -247,8 +249,6 @@ def test_engine_drafts_follow_the_head_after_rejections(family):
     from dynamoe.engine.request import RUNNING
 
     _, want, model, _ = family
-    if not want.get("engine", True):
-        pytest.skip("the engine does not speculate with this model (recurrent state)")
     ref = copy.deepcopy(model).double()
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (10, 7)]
