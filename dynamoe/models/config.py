@@ -95,6 +95,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "muse_spark": TextWrapper(("text_config",), ("muse_spark_text",), tie_by_text=True),
     # (InklingForConditionalGeneration never ties: inkling_text ignores the flag)
     "inkling_mm_model": TextWrapper(("text_config",), ("inkling_text",)),
+    # (Inkling2ForConditionalGeneration never ties: inkling2_text ignores the flag)
+    "inkling2": TextWrapper(("text_config",), ("inkling2_text",)),
     # (Gemma4ForConditionalGeneration ties by the wrapper's flag, default true)
     "gemma4": TextWrapper(("text_config",), ("gemma4_text",), tie_default=True),
 }
@@ -578,6 +580,32 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                 "num_experts_per_tok": 6, "n_shared_experts": 2, "route_scale": 8.0,
                                 "logits_mup_width_multiplier": 24.0, "bos_token_id": 1, "eos_token_id": 2,
                                 "tie_word_embeddings": False}},
+    # Inkling2TextConfig (Inkling-2's language model): layer kinds 'hybrid' (full) and 'hybrid_sliding', without
+    # layer_types every 6th layer full; the sliding layers' own heads / head size (swa_*), the window under
+    # sliding_window_size; every layer MoE (no dense MLPs, no shared experts); the config class's attribute_map names
+    # (sconv_kernel_size, model_max_length, intermediate_size, routed_scaling_factor) read as it reads them; never tied
+    "inkling2_text": {"num_experts": 384, "num_experts_per_tok": 8, "head_dim": 128, "full_attention_every": 6,
+                      "layer_type_names": {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"},
+                      "ignored": ("tie_word_embeddings", "num_experts", "mlp_layer_types", "mlp_only_layers",
+                                  "first_k_dense_replace", "decoder_sparse_step", "n_shared_experts"),
+                      "aliases": {"sliding_window": "sliding_window_size", "routed_scaling_factor": "route_scale"},
+                      "overrides": {"conv_kernel_size": "sconv_kernel_size",
+                                    "max_position_embeddings": "model_max_length",
+                                    "moe_intermediate_size": "intermediate_size",
+                                    "route_scale": "routed_scaling_factor"},
+                      "fields": {"vocab_size": 201024, "unpadded_vocab_size": 200058, "hidden_size": 4608,
+                                 "num_hidden_layers": 48, "num_attention_heads": 48, "num_key_value_heads": 8,
+                                 "head_dim": 128, "swa_num_attention_heads": 48, "swa_num_key_value_heads": 8,
+                                 "swa_head_dim": 128, "sliding_window_size": 1024, "d_rel": 16, "rel_extent": 1024,
+                                 "log_scaling_n_floor": 128000, "log_scaling_alpha": 0.1,
+                                 "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "conv_kernel_size": 4,
+                                 "hidden_act": "silu", "moe_intermediate_size": 2304, "n_routed_experts": 384,
+                                 "num_experts_per_tok": 8, "route_scale": 8.0, "bos_token_id": None,
+                                 "eos_token_id": 200006, "pad_token_id": None,
+                                 "qk_l2_clip_threshold": 22.627416997969522, "rel_l2_clip_threshold": 8.0,
+                                 "n_layers_per_attn_res_block": 6, "mlp_gate_softcap": 4.0, "mlp_up_softcap": 25.0,
+                                 "final_logit_softcapping": 30.0, "scoring_func": "sigmoid",
+                                 "tie_word_embeddings": False}},
     # Ernie4_5_VLMoeTextConfig (ERNIE-4.5-VL's language model): ERNIE-4.5-MoE's names; its MoE layers hold a text and a
     # vision expert group, moe_intermediate_size [text, vision] wide ("ernie_vl": the text group's is the experts'
     # width, the vision group's is kept as vision_moe_intermediate_size); the first layer dense unless mlp_layer_types;
@@ -1604,7 +1632,7 @@ class ModelConfig:
             per = {"sliding_attention": d, "heavily_compressed_attention": 4 * d,
                    "compressed_sparse_attention": 6 * d + 5 * i}
             return sum(per[t] for t in self.layer_types)
-        if self.family_type == "inkling_text":  # the sliding layers' own KV heads and head size
+        if self.family_type in INKLING_TYPES:  # the sliding layers' own KV heads and head size
             return sum(2 * kv * d for _, kv, d in inkling_attention_sizes(self))
         if self.family_type == "gemma4_text":  # own sizes; shared layers none
             return sum(2 * g.num_key_value_heads * g.head_dim for i, g in enumerate(gemma4_attention_layers(self))
@@ -1628,7 +1656,7 @@ class ModelConfig:
         """Fixed-size cache elements one sequence takes over all linear-attention (or Mamba) layers, whatever its
         length: ``conv_state`` (the conv window, in the cache's dtype) and ``recurrent_state`` (fp32);
         zeros for models without such layers."""
-        if self.family_type == "inkling_text":  # four short convolutions per layer: keys, values, both outputs
+        if self.family_type in INKLING_TYPES:  # four short convolutions per layer: keys, values, both outputs
             W = _int(self.raw, "conv_kernel_size", 4) - 1
             return {"conv_state": sum((2 * kv * d + 2 * self.hidden_size) * W
                                       for _, kv, d in inkling_attention_sizes(self)), "recurrent_state": 0}
@@ -2097,6 +2125,10 @@ class ModelConfig:
         """F of the routed experts: ``moe_intermediate_size`` (Qwen3, DeepSeek, GLM) or ``intermediate_size``
         (Mixtral, GPT-OSS, which have no dense layers)."""
         return self.moe_intermediate_size or self.intermediate_size
+
+
+#: Inkling's and Inkling-2's language models: the sliding layers' own sizes, four conv windows per layer
+INKLING_TYPES = ("inkling_text", "inkling2_text")
 
 
 def inkling_attention_sizes(cfg: "ModelConfig") -> tuple:
