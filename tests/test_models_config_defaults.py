@@ -150,6 +150,9 @@ FAMILIES = {
     # convolutions, softcapped experts; its multimodal config checks the vision tower's text width (4608 by default)
     "inkling2_text": ("Inkling2TextConfig", {}),
     "inkling2": ("Inkling2Config", dict(hidden_size=4608)),
+    # Inkling-2-Loop: Inkling-2's decoder with looped middle layers (the vision tower's text width 2304 by default)
+    "inkling2_loop_text": ("Inkling2LoopTextConfig", dict(num_hidden_layers=24)),
+    "inkling2_loop": ("Inkling2LoopConfig", dict(num_hidden_layers=24, hidden_size=2304)),
     # ERNIE-4.5-VL's multimodal config: its text model's [text, vision] expert widths, a dense first layer
     "ernie4_5_vl_moe": ("Ernie4_5_VLMoeConfig", {}),
     # DeepSeek-OCR-2's multimodal config: DeepSeek-V2's routing under Llama attention; its text config has no top-k
@@ -166,10 +169,12 @@ WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "g
            "llama4": ("text_config",), "step3p7": ("text_config",), "aria": ("text_config",),
            "minimax_m3_vl": ("text_config",), "glm5_next": ("text_config",), "mistral_large4": ("text_config",),
            "hy_v4_vl": ("text_config",), "dots3_note": ("text_config",), "gemma4": ("text_config",),
-           "inkling_mm_model": ("text_config",), "inkling2": ("text_config",), "ernie4_5_vl_moe": ("text_config",),
+           "inkling_mm_model": ("text_config",), "inkling2": ("text_config",), "inkling2_loop": ("text_config",),
+           "ernie4_5_vl_moe": ("text_config",),
            "deepseek_ocr2": ("text_config",), "muse_spark": ("text_config",)}
 INKLING = {"inkling_text", "inkling_mm_model"}
-INKLING2 = {"inkling2_text", "inkling2"}
+INKLING2 = {"inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"}
+INKLING2_LOOP = {"inkling2_loop_text", "inkling2_loop"}
 GEMMA4 = {"gemma4_text", "gemma4"}
 ARIA = {"aria", "aria_text"}
 STEP = {"step3p5", "step3p7"}
@@ -226,6 +231,13 @@ def _ml4_sources(cfg):
     from dynamoe.models.mistral_large4 import kv_sources
 
     return kv_sources(cfg)
+
+
+def _loop(cfg):
+    from dynamoe.models.config import inkling2_loop_layers
+
+    loop = inkling2_loop_layers(cfg)
+    return loop.start, loop.end, loop.passes, loop.gate_rank
 
 
 def _glm5(cfg):
@@ -715,6 +727,8 @@ FIELDS = {
                     "log_scaling_n_floor", "log_scaling_alpha", "conv_kernel_size", "route_scale", "unpadded_vocab_size",
                     "qk_l2_clip_threshold", "rel_l2_clip_threshold", "n_layers_per_attn_res_block",
                     "mlp_gate_softcap", "mlp_up_softcap", "final_logit_softcapping", "scoring_func")},
+    "loop_inkling2": (lambda hf, mt: (hf.loop_layer_index_start, hf.loop_layer_index_end, hf.loop_num_passes,
+                                      hf.loop_gate_rank), lambda cfg: _loop(cfg), INKLING2_LOOP),
     # GLM-5.3: the clamp, the dense MLPs' width, hyper-connections, KDA's decay bound, the indexer's pools
     "swiglu_limit_glm5": (lambda hf, mt: hf.swiglu_limit, lambda cfg: cfg.swiglu_limit, GLM5),
     "intermediate_size_glm5": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, GLM5),
@@ -899,6 +913,9 @@ def test_omitted_fields_default_as_transformers(mt):
     ("inkling2_text", {"sconv_kernel_size": 2, "model_max_length": 512, "intermediate_size": 32,
                        "routed_scaling_factor": 3.0, "sliding_window": 64, "mlp_layer_types": ["dense"] * 4,
                        "layer_types": ["hybrid", "hybrid_sliding"] * 2, "n_layers_per_attn_res_block": 3}),
+    # Inkling-2-Loop: the hub's loop_config wins over the flat loop fields
+    ("inkling2_loop_text", {"num_hidden_layers": 12, "loop_config": {"core_start": 6, "core_end": 12, "num_passes": 2,
+                                                                     "gate_rank": 8}, "loop_num_passes": 4}),
     # ERNIE-4.5-VL: its own expert widths and names, another RoPE base with an mrope_section
     ("ernie4_5_vl_moe", {"moe_intermediate_size": [32, 16], "moe_num_experts": 8, "moe_k": 2,
                          "moe_num_shared_experts": 1, "mlp_layer_types": ["dense", "dense", "sparse", "sparse"],

@@ -115,10 +115,17 @@ def _unit_rms(x: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
+def block_attention(blocks_BTND: Tensor, partial_BTD: Tensor, q_QD: Tensor) -> Tensor:
+    """Attention of the Q queries ``q_QD`` over the unit-RMS states of the finished blocks and the partial sum, per
+    position (scale D^-1/2; keys and values the normed states): [B, T, Q, D] in fp32."""
+    states = _unit_rms(torch.cat([blocks_BTND, partial_BTD.unsqueeze(-2).to(blocks_BTND.dtype)], dim=-2), 1e-6)
+    probs = torch.softmax(states @ q_QD.float().t() * states.size(-1) ** -0.5, dim=-2)   # [B, T, N + 1, Q]
+    return probs.transpose(-1, -2) @ states
+
+
 class BlockAttentionResidual(nn.Module):
-    """Attention of ``query`` ([D], or [Q, D] for Q inputs at once; fp32) over the unit-RMS states of the finished
-    blocks and the partial sum, per position: ``forward(blocks [B, T, N, D], partial [B, T, D]) -> [B, T, Q, D]``
-    (fp32)."""
+    """:func:`block_attention` of ``query`` ([D], or [Q, D] for Q inputs at once; fp32): ``forward(blocks [B, T, N, D],
+    partial [B, T, D]) -> [B, T, Q, D]`` (fp32)."""
 
     def __init__(self, hidden_size: int, num_queries: int = 1):
         super().__init__()
@@ -126,11 +133,7 @@ class BlockAttentionResidual(nn.Module):
         self.query = nn.Parameter(torch.zeros(*shape, dtype=torch.float32))
 
     def forward(self, blocks_BTND: Tensor, partial_BTD: Tensor) -> Tensor:
-        states = _unit_rms(torch.cat([blocks_BTND, partial_BTD.unsqueeze(-2).to(blocks_BTND.dtype)], dim=-2), 1e-6)
-        D = states.size(-1)
-        q_QD = self.query.float().view(-1, D)
-        probs = torch.softmax(states @ q_QD.t() * D ** -0.5, dim=-2)                # [B, T, N + 1, Q]
-        return probs.transpose(-1, -2) @ states                                   # [B, T, Q, D]
+        return block_attention(blocks_BTND, partial_BTD, self.query.view(-1, blocks_BTND.size(-1)))
 
 
 class Inkling2DynamicConv(nn.Module):
@@ -292,7 +295,9 @@ class Inkling2MoE(SparseMoeBlock):
 
 class Inkling2DecoderLayer(nn.Module):
     """One layer over the state [B, T, N + 1, D] (finished blocks, then the partial sum; [B, T, D] before the first
-    layer) -> the next state (see the module docstring)."""
+    layer) -> the next state (see the module docstring). ``messages`` [B, T, 4, D] (Inkling-2-Loop's later passes
+    through its loop layers, which then hold ``{q,k,v,mlp}_message_gate``): the query, key, value and MLP inputs
+    each mixed with its message before its norm."""
 
     def __init__(self, cfg: ModelConfig, p: Inkling2Params, i: int, self_attn: Inkling2Attention,
                  mlp: Inkling2MoE, dtype=None):
@@ -315,7 +320,8 @@ class Inkling2DecoderLayer(nn.Module):
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, block_boundary={self.boundary}"
 
-    def forward(self, state: Tensor, positions_BT: Tensor, cache=None, slots=None, kv_len=None) -> Tensor:
+    def forward(self, state: Tensor, positions_BT: Tensor, cache=None, slots=None, kv_len=None,
+                messages: Tensor | None = None) -> Tensor:
         if state.dim() == 3:   # the embeddings: no finished block yet
             blocks, partial = state.unsqueeze(-2)[:, :, :0], state
         else:
@@ -325,18 +331,28 @@ class Inkling2DecoderLayer(nn.Module):
             inputs = (partial,) * 3
         else:
             inputs = self.attention_input(blocks, partial).unbind(-2)
+            inputs = inputs * 3 if len(inputs) == 1 else inputs
+        if messages is not None:
+            m_q, m_k, m_v, m_mlp = messages.unbind(-2)
+            inputs = (self.q_message_gate(inputs[0], m_q), self.k_message_gate(inputs[1], m_k),
+                      self.v_message_gate(inputs[2], m_v))
         if self.self_attn.full:
             norms = (self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)
             xq, xk, xv = (n(x).to(dt) for n, x in zip(norms, inputs))
-        else:
+        elif messages is None:
             xq = xk = xv = self.input_layernorm(inputs[0]).to(dt)
+        else:
+            xq, xk, xv = (self.input_layernorm(x).to(dt) for x in inputs)
         a = self.self_attn(xq, xk, xv, positions_BT, cache, slots, kv_len)
         a = self.attn_sconv(a, positions_BT, cache, slots).float()
         if self.boundary:   # the layer's input closes a block; the new partial sum starts here
             blocks, residual = torch.cat([blocks, partial.unsqueeze(-2)], dim=-2), a
         else:
             residual = partial.float() + a
-        m = self.mlp(self.post_attention_layernorm(self.mlp_input(blocks, residual)[:, :, 0]).to(dt))
+        m_in = self.mlp_input(blocks, residual)[:, :, 0]
+        if messages is not None:
+            m_in = self.mlp_message_gate(m_in, m_mlp)
+        m = self.mlp(self.post_attention_layernorm(m_in).to(dt))
         out = (residual + self.mlp_sconv(m, positions_BT, cache, slots).float()).to(dt)
         return torch.cat([blocks, out.unsqueeze(-2)], dim=-2)
 

@@ -34,10 +34,6 @@ UNSUPPORTED: dict[str, str] = {
     "ernie4_5_vl_moe_text": ("the base language model of ERNIE-4.5-VL (Ernie4_5_VLMoeTextModel: transformers has no "
                              "causal LM with a head for it, and saves it without one); its multimodal checkpoints "
                              "(model_type 'ernie4_5_vl_moe') load, text only"),
-    "inkling2_loop": _VLM,
-    "inkling2_loop_text": _text_of("inkling2_loop", "Inkling-2's decoder (see inkling2_text, which loads) whose "
-                                   "middle layers run loop_num_passes times, each pass's residual blocks mixed into "
-                                   "the next by low-rank message gates"),
     "muse_spark_text": ("the base language model of Muse Spark (MuseSparkTextModel: transformers has no causal LM with "
                         "a head for it); its multimodal checkpoints (model_type 'muse_spark') load, text only"),
     "nemo_speechlm": ("a speech-language wrapper whose checkpoint layout is not mapped yet (its default language "
