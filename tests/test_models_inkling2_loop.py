@@ -12,8 +12,8 @@ import torch
 from models_util import one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, check_cached_decode, check_greedy, check_logits, check_ragged_batch, randomize_, save_tiny
 from models_util import ids as _ids
-from recurrent_util import (check_chunked_prefill, check_engine, check_reused_slot, check_rows_at_different_positions,
-                            check_truncated_slot_is_an_error)
+from recurrent_util import (check_bf16, check_chunked_prefill, check_engine, check_reused_slot,
+                            check_rows_at_different_positions, check_truncated_slot_is_an_error)
 
 import transformers  # a test dependency: missing is a broken install, which must fail, not skip
 
@@ -122,6 +122,13 @@ def test_truncated_slot_is_an_error(pair):
 
 def test_engine_generates_each_requests_own_continuation(pair):
     check_engine(pair[2])
+
+
+@pytest.mark.parametrize("pair", ["blocks-of-1"], indirect=True)
+def test_bf16_tracks_transformers_bf16(pair):
+    # (transformers keeps the convolutions, the router, the block and message queries and the gates in fp32: so here)
+    hf16 = transformers.Inkling2LoopForCausalLM.from_pretrained(pair[3], dtype=torch.bfloat16).eval()
+    check_bf16(pair[1], pair[3], hf16=hf16)
 
 
 def test_each_feature_matters(pair):
