@@ -256,12 +256,17 @@ class Inkling2Attention(nn.Module):
         K, L = k_BKLd.size(1), k_BKLd.size(2)
         G, R = H // K, rel_BHTR.size(-1)
         step = max(1, min(T, _SCORE_BUDGET // max(1, B * H * L)))
+        # one chunk over keys a window does not cut much: every key, without reading the positions on the host
+        whole = step == T and (self.full or L <= 2 * self.sliding_window)
         outs = []
         for a in range(0, T, step):
             b = min(a + step, T)
             pos = positions_BT[:, a:b]
-            hi = min(L, int(pos.max()) + 1)
-            lo = 0 if self.full else max(0, int(pos.min()) - self.sliding_window + 1)
+            if whole:
+                lo, hi = 0, L
+            else:
+                hi = min(L, int(pos.max()) + 1)
+                lo = 0 if self.full else max(0, int(pos.min()) - self.sliding_window + 1)
             k_pos = torch.arange(lo, hi, device=pos.device)
             dist_B1TL = (pos[:, :, None] - k_pos).unsqueeze(1)
             rel = rel_BHTR[:, :, a:b]
