@@ -207,6 +207,22 @@ def test_decode_refusal_says_why(pair):
     assert fused.weights is None and "softcapped SwiGLU" in fused.extra
 
 
+@pytest.mark.parametrize("pair", ["tight"], indirect=True)
+def test_block_quantized_experts_are_refused_by_name(pair, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = pair[3]
+    tensors = load_file(f"{path}/model.safetensors")
+    tensors["model.llm.layers.0.mlp.experts.w13_weight_scale"] = torch.zeros(6, 32, 2, dtype=torch.uint8)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    shutil.copy(f"{path}/config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"inkling2_text: the checkpoint's experts are block-quantized \(MXFP8 / NVFP4: "
+                                         r"model\.llm\.layers\.0\.mlp\.experts\.w13_weight_scale and 0 more"):
+        dm.load(str(tmp_path), progress=False)
+
+
 @pytest.mark.parametrize("pair", ["wrapped"], indirect=True)
 def test_wrapper_parts_are_skipped_and_logged(pair, caplog):
     import logging

@@ -453,6 +453,15 @@ class Inkling2ForCausalLM(TextOfWrapper, CausalLM):
         attn = Inkling2Attention(cfg, self.params, i, heads, kv_heads, d, dtype=dtype)
         return Inkling2DecoderLayer(cfg, self.params, i, attn, Inkling2MoE(cfg, self.params, dtype=dtype), dtype=dtype)
 
+    def adapt_to_checkpoint(self, names) -> None:
+        """Refuse the released checkpoints' block-quantized experts by name (their MXFP8 / NVFP4 ``w13_weight`` with
+        ``_scale`` tensors beside: a format dynamoe's loader does not read), before any tensor is read."""
+        scales = sorted(n for n in names if re.search(r"\.mlp\.experts\.w(13|2)_weight_(scale|amax)", n))
+        if scales:
+            raise ValueError(f"{self.config.family_type}: the checkpoint's experts are block-quantized (MXFP8 / NVFP4: "
+                             f"{scales[0]} and {len(scales) - 1} more scale tensors), a format dynamoe does not read (it reads "
+                             "the experts unquantized: bf16 / fp32 w13_weight and w2_weight)")
+
     def checkpoint_name(self, name: str) -> str:
         if name == "lm_head.weight":
             return self.stack + "unembed.weight"
