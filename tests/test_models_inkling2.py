@@ -282,3 +282,21 @@ def test_bad_fields_are_named(field, value, match):
         return
     with pytest.raises(ValueError, match=match):
         Inkling2ForCausalLM(cfg)
+
+
+def test_softcapped_swiglu_equals_transformers():
+    """GLU kind 'silu_softcap' (alpha the gate's cap, limit up's) is transformers' Inkling2SoftcappedSwiGLU, also where
+    the caps bite; in bf16 computed in fp32 and rounded once."""
+    from transformers.models.inkling2.modeling_inkling2 import Inkling2SoftcappedSwiGLU
+
+    from dynamoe.ops.activations import glu_activation
+
+    act = Inkling2SoftcappedSwiGLU(transformers.Inkling2TextConfig(mlp_gate_softcap=3.0, mlp_up_softcap=5.0))
+    g = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(64, 16, generator=g) * 8, torch.randn(64, 16, generator=g) * 8
+    for dt in (torch.float32, torch.bfloat16):
+        got = glu_activation(gate.to(dt), up.to(dt), "silu_softcap", alpha=3.0, limit=5.0)
+        assert got.dtype == dt
+        torch.testing.assert_close(got, act(gate.to(dt), up.to(dt)), atol=0, rtol=0)
+    assert (glu_activation(gate, up, "silu_softcap", alpha=3.0, limit=5.0)
+            - glu_activation(gate, up, "silu")).abs().max() > 1.0
