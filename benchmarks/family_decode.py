@@ -50,6 +50,12 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "longcat_flash": dict(num_layers=LAYERS, ffn_hidden_size=F_DENSE, expert_ffn_hidden_size=F_MOE),
     "dots3_note": dict(num_key_value_heads=HEADS),  # (MLA: as many KV heads as query heads)
     "dots3_note_text": dict(num_key_value_heads=HEADS),
+    # (Inkling-2: the head's unpadded rows within the vocab, the sliding layers' own sizes; the loop within 4 layers)
+    "inkling2_text": dict(unpadded_vocab_size=VOCAB, swa_num_attention_heads=HEADS, swa_num_key_value_heads=KV_HEADS,
+                          swa_head_dim=HEAD_DIM, n_layers_per_attn_res_block=2),
+    "inkling2_loop_text": dict(unpadded_vocab_size=VOCAB, swa_num_attention_heads=HEADS,
+                               swa_num_key_value_heads=KV_HEADS, swa_head_dim=HEAD_DIM, n_layers_per_attn_res_block=2,
+                               loop_layer_index_start=2, loop_layer_index_end=4, loop_num_passes=2, loop_gate_rank=32),
 }
 # families whose checkpoints come from another configuration class (step3p5: the text model of Step-3.7's wrapper)
 CONFIG_OF = {"kimi_k2": "deepseek_v3", "step3p5": "step3p7"}

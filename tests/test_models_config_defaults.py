@@ -146,6 +146,13 @@ FAMILIES = {
     # Inkling's language model: no RoPE (a relative bias), sliding layers of their own sizes, short convolutions
     "inkling_text": ("InklingTextConfig", {}),
     "inkling_mm_model": ("InklingConfig", {}),
+    # Inkling-2's language model: block attention residuals, sliding / full layers of their own sizes, dynamic
+    # convolutions, softcapped experts; its multimodal config checks the vision tower's text width (4608 by default)
+    "inkling2_text": ("Inkling2TextConfig", {}),
+    "inkling2": ("Inkling2Config", dict(hidden_size=4608)),
+    # Inkling-2-Loop: Inkling-2's decoder with looped middle layers (the vision tower's text width 2304 by default)
+    "inkling2_loop_text": ("Inkling2LoopTextConfig", dict(num_hidden_layers=24)),
+    "inkling2_loop": ("Inkling2LoopConfig", dict(num_hidden_layers=24, hidden_size=2304)),
     # ERNIE-4.5-VL's multimodal config: its text model's [text, vision] expert widths, a dense first layer
     "ernie4_5_vl_moe": ("Ernie4_5_VLMoeConfig", {}),
     # DeepSeek-OCR-2's multimodal config: DeepSeek-V2's routing under Llama attention; its text config has no top-k
@@ -172,10 +179,13 @@ WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "g
            "llama4": ("text_config",), "step3p7": ("text_config",), "aria": ("text_config",),
            "minimax_m3_vl": ("text_config",), "glm5_next": ("text_config",), "mistral_large4": ("text_config",),
            "hy_v4_vl": ("text_config",), "dots3_note": ("text_config",), "gemma4": ("text_config",),
-           "inkling_mm_model": ("text_config",), "ernie4_5_vl_moe": ("text_config",),
+           "inkling_mm_model": ("text_config",), "inkling2": ("text_config",), "inkling2_loop": ("text_config",),
+           "ernie4_5_vl_moe": ("text_config",),
            "deepseek_ocr2": ("text_config",), "muse_spark": ("text_config",), "qwen4_exp": ("text_config",),
            "unlimited_ocr": ("text_config",)}
 INKLING = {"inkling_text", "inkling_mm_model"}
+INKLING2 = {"inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"}
+INKLING2_LOOP = {"inkling2_loop_text", "inkling2_loop"}
 GEMMA4 = {"gemma4_text", "gemma4"}
 ARIA = {"aria", "aria_text"}
 STEP = {"step3p5", "step3p7"}
@@ -198,7 +208,7 @@ DEEPSEEK_ROUTING = (DEEPSEEK_LIKE | {"kimi_linear", "bailing_hybrid", "mimo_v2_f
                                      "sarvam_moe", "beam", "axk1", "axk2"} | GLM5 | HY4 | DOTS3)
 # no single rope_parameters dict: Kimi-Linear and Jamba have no RoPE, MiMo-V2-Flash one per layer type
 NO_SINGLE_ROPE = ({"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "jamba", "nemotron_h",
-                   "deepseek_v4"} | INKLING | STEP | GLM5 | DOTS3 | GEMMA4)
+                   "deepseek_v4"} | INKLING | INKLING2 | STEP | GLM5 | DOTS3 | GEMMA4)
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "deepseek_v4"} | STEP | DOTS3 | GEMMA4
 # ZAYA's layer kind names -> dynamoe's
 ZAYA_KINDS = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
@@ -233,6 +243,13 @@ def _ml4_sources(cfg):
     from dynamoe.models.mistral_large4 import kv_sources
 
     return kv_sources(cfg)
+
+
+def _loop(cfg):
+    from dynamoe.models.config import inkling2_loop_layers
+
+    loop = inkling2_loop_layers(cfg)
+    return loop.start, loop.end, loop.passes, loop.gate_rank
 
 
 def _glm5(cfg):
@@ -276,7 +293,7 @@ def _hf_moe_layers(hf, mt):
                 for i in range(n)]
     if mt in ("mixtral", "minimax", "gpt_oss", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoe_swa",
               "flex_olmo", "hunyuan_v1_moe", "dbrx", "qwen3_5_moe_text", "qwen3_5_moe", "phimoe", "longcat_flash",
-              "solar_open", "jetmoe", "kolibri1", "zaya", "aria", "aria_text", "lara_mini") or mt in QWEN4:
+              "solar_open", "jetmoe", "kolibri1", "zaya", "aria", "aria_text", "lara_mini") or mt in QWEN4 or mt in INKLING2:
         return [True] * n
     if mt == "ernie4_5_moe":
         return [(i + 1) % hf.moe_layer_interval == 0 and hf.moe_layer_start_index <= i <= hf.moe_layer_end_index
@@ -312,7 +329,7 @@ def _hf_windows(hf, mt):
     n = hf.num_layers if mt == "longcat_flash" else hf.num_hidden_layers
     if mt in ("qwen3_moe", "mixtral", "phimoe", "doge", "deepseek_v4"):  # (V4's compressed layers slide too)
         return [hf.sliding_window] * n
-    if mt == "zaya" or mt in INKLING:
+    if mt == "zaya" or mt in INKLING | INKLING2:
         return [hf.sliding_window if t == "hybrid_sliding" else None for t in hf.layer_types]
     if mt in ("gpt_oss", "qwen2_moe", "dots1", "exaone_moe", "mimo_v2_flash", "flint", "granitemoe_swa", "step3p5",
               "step3p7", "afmoe", "cohere2_moe", "laguna", "mellum", "kolibri1", "beam", "lara_mini", "muse_spark") or mt in DOTS3 | GEMMA4:
@@ -383,7 +400,7 @@ FIELDS = {
     # DBRX: clip_qkv in attn_config
     "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
     # (Inkling never ties: its checkpoints keep embed and unembed apart, whatever the attribute says)
-    "tie_word_embeddings": (lambda hf, mt: mt not in INKLING and hf.tie_word_embeddings, None, None),
+    "tie_word_embeddings": (lambda hf, mt: mt not in INKLING | INKLING2 and hf.tie_word_embeddings, None, None),
     # Mixtral's attention has no biases (and no attention_bias field)
     # (Kolibri-1's attention has no biases, whatever a config attribute says)
     "attention_bias": (lambda hf, mt: mt != "kolibri1" and getattr(hf, "attention_bias", False), None, None),
@@ -724,6 +741,18 @@ FIELDS = {
     **{f"{name}_inkling": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: getattr(cfg, name),
                            INKLING)
        for name in ("n_shared_experts", "intermediate_size")},
+    # Inkling-2: layer kinds under dynamoe's names, the sliding layers' sizes, the bias, clips, log scaling, the
+    # residual blocks, convolutions, router, softcaps, head
+    "layer_types_inkling2": (lambda hf, mt: tuple(ZAYA_KINDS[t] for t in hf.layer_types), lambda cfg: cfg.layer_types,
+                             INKLING2),
+    **{f"{name}_inkling2": (lambda hf, mt, name=name: getattr(hf, name), lambda cfg, name=name: cfg.raw.get(name),
+                            INKLING2)
+       for name in ("swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "d_rel", "rel_extent",
+                    "log_scaling_n_floor", "log_scaling_alpha", "conv_kernel_size", "route_scale", "unpadded_vocab_size",
+                    "qk_l2_clip_threshold", "rel_l2_clip_threshold", "n_layers_per_attn_res_block",
+                    "mlp_gate_softcap", "mlp_up_softcap", "final_logit_softcapping", "scoring_func")},
+    "loop_inkling2": (lambda hf, mt: (hf.loop_layer_index_start, hf.loop_layer_index_end, hf.loop_num_passes,
+                                      hf.loop_gate_rank), lambda cfg: _loop(cfg), INKLING2_LOOP),
     # GLM-5.3: the clamp, the dense MLPs' width, hyper-connections, KDA's decay bound, the indexer's pools
     "swiglu_limit_glm5": (lambda hf, mt: hf.swiglu_limit, lambda cfg: cfg.swiglu_limit, GLM5),
     "intermediate_size_glm5": (lambda hf, mt: hf.intermediate_size, lambda cfg: cfg.intermediate_size, GLM5),
@@ -919,6 +948,13 @@ def test_omitted_fields_default_as_transformers(mt):
     # Inkling: the hub's names (sconv_kernel_size, model_max_length, dense_intermediate_size, dense_mlp_idx)
     ("inkling_text", {"sconv_kernel_size": 2, "model_max_length": 512, "dense_intermediate_size": 32,
                       "intermediate_size": 16, "dense_mlp_idx": 2, "local_layer_ids": [1, 2], "sliding_window": 64}),
+    # Inkling-2: the config class's other names; layer kinds given; fields it does not read (dense MLP kinds)
+    ("inkling2_text", {"sconv_kernel_size": 2, "model_max_length": 512, "intermediate_size": 32,
+                       "routed_scaling_factor": 3.0, "sliding_window": 64, "mlp_layer_types": ["dense"] * 4,
+                       "layer_types": ["hybrid", "hybrid_sliding"] * 2, "n_layers_per_attn_res_block": 3}),
+    # Inkling-2-Loop: the hub's loop_config wins over the flat loop fields
+    ("inkling2_loop_text", {"num_hidden_layers": 12, "loop_config": {"core_start": 6, "core_end": 12, "num_passes": 2,
+                                                                     "gate_rank": 8}, "loop_num_passes": 4}),
     # ERNIE-4.5-VL: its own expert widths and names, another RoPE base with an mrope_section
     ("ernie4_5_vl_moe", {"moe_intermediate_size": [32, 16], "moe_num_experts": 8, "moe_k": 2,
                          "moe_num_shared_experts": 1, "mlp_layer_types": ["dense", "dense", "sparse", "sparse"],

@@ -114,7 +114,7 @@ def test_refused_types_raise_before_parsing(moe_types):
 @pytest.mark.parametrize("mt,why", [
     ("nemotron_h_omni", "wrapper"),                       # was: 'hidden_size' is required
     ("nllb-moe", "encoder-decoder"),                      # not a decoder-only model: would complain about its fields
-    ("inkling2_text", "block attention residuals"),       # a hybrid with convolution layers
+    ("unlimited_ocr_text", "no causal LM with a head"),   # a base model: would parse, then miss lm_head
 ])
 def test_load_names_the_refused_type(moe_types, mt, why, tmp_path):
     d = _default_config(moe_types[mt], mt)

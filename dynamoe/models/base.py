@@ -212,8 +212,7 @@ class CausalLM(nn.Module):
                 self.__dict__["_plan"] = (plan.key, None, plan)
                 plan = None
         if plan is None:
-            for layer in self.model.layers:
-                h = layer(h, positions, cache, slots, kv_len)
+            h = self.run_layers(h, positions, cache, slots, kv_len)
         # with return_hidden, the final-normed states of every position fed (the MTP heads read each one; with
         # hidden_before_norm the states before the norm); the logits as without (the same ops on the same rows:
         # bit for bit the same numbers)
@@ -226,6 +225,14 @@ class CausalLM(nn.Module):
         if cache is not None:
             cache.advance(slots.to(cache.lengths.device), T)
         return (logits, hidden) if return_hidden else logits
+
+    def run_layers(self, h: Tensor, positions_BT: Tensor, cache: KVCache | None, slots: Tensor | None,
+                   kv_len: int | None) -> Tensor:
+        """The decoder layers over the embeddings, in order (extension point: a family that runs some layers more
+        than once, Inkling-2-Loop, says how)."""
+        for layer in self.model.layers:
+            h = layer(h, positions_BT, cache, slots, kv_len)
+        return h
 
     def _decode_plan(self, h_BTD: Tensor, cache: KVCache, slots: Tensor) -> DecodePlan | None:
         """The :class:`~dynamoe.models.decode_plan.DecodePlan` for this decode step, or None (the layers

@@ -106,6 +106,9 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "muse_spark": TextWrapper(("text_config",), ("muse_spark_text",), tie_by_text=True),
     # (InklingForConditionalGeneration never ties: inkling_text ignores the flag)
     "inkling_mm_model": TextWrapper(("text_config",), ("inkling_text",)),
+    # (Inkling2ForConditionalGeneration never ties: inkling2_text ignores the flag)
+    "inkling2": TextWrapper(("text_config",), ("inkling2_text",)),
+    "inkling2_loop": TextWrapper(("text_config",), ("inkling2_loop_text",)),
     # (Gemma4ForConditionalGeneration ties by the wrapper's flag, default true)
     "gemma4": TextWrapper(("text_config",), ("gemma4_text",), tie_default=True),
 }
@@ -598,6 +601,58 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                 "num_experts_per_tok": 6, "n_shared_experts": 2, "route_scale": 8.0,
                                 "logits_mup_width_multiplier": 24.0, "bos_token_id": 1, "eos_token_id": 2,
                                 "tie_word_embeddings": False}},
+    # Inkling2TextConfig (Inkling-2's language model): layer kinds 'hybrid' (full) and 'hybrid_sliding', without
+    # layer_types every 6th layer full; the sliding layers' own heads / head size (swa_*), the window under
+    # sliding_window_size; every layer MoE (no dense MLPs, no shared experts); the config class's attribute_map names
+    # (sconv_kernel_size, model_max_length, intermediate_size, routed_scaling_factor) read as it reads them; never tied
+    "inkling2_text": {"num_experts": 384, "num_experts_per_tok": 8, "head_dim": 128, "full_attention_every": 6,
+                      "layer_type_names": {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"},
+                      "ignored": ("tie_word_embeddings", "num_experts", "mlp_layer_types", "mlp_only_layers",
+                                  "first_k_dense_replace", "decoder_sparse_step", "n_shared_experts"),
+                      "aliases": {"sliding_window": "sliding_window_size", "routed_scaling_factor": "route_scale"},
+                      "overrides": {"conv_kernel_size": "sconv_kernel_size",
+                                    "max_position_embeddings": "model_max_length",
+                                    "moe_intermediate_size": "intermediate_size",
+                                    "route_scale": "routed_scaling_factor"},
+                      "fields": {"vocab_size": 201024, "unpadded_vocab_size": 200058, "hidden_size": 4608,
+                                 "num_hidden_layers": 48, "num_attention_heads": 48, "num_key_value_heads": 8,
+                                 "head_dim": 128, "swa_num_attention_heads": 48, "swa_num_key_value_heads": 8,
+                                 "swa_head_dim": 128, "sliding_window_size": 1024, "d_rel": 16, "rel_extent": 1024,
+                                 "log_scaling_n_floor": 128000, "log_scaling_alpha": 0.1,
+                                 "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "conv_kernel_size": 4,
+                                 "hidden_act": "silu", "moe_intermediate_size": 2304, "n_routed_experts": 384,
+                                 "num_experts_per_tok": 8, "route_scale": 8.0, "bos_token_id": None,
+                                 "eos_token_id": 200006, "pad_token_id": None,
+                                 "qk_l2_clip_threshold": 22.627416997969522, "rel_l2_clip_threshold": 8.0,
+                                 "n_layers_per_attn_res_block": 6, "mlp_gate_softcap": 4.0, "mlp_up_softcap": 25.0,
+                                 "final_logit_softcapping": 30.0, "scoring_func": "sigmoid",
+                                 "tie_word_embeddings": False}},
+    # Inkling2LoopTextConfig (Inkling-2-Loop): Inkling-2's fields and rules with its own sizes, and the loop
+    # (layers loop_layer_index_start..end - 1 run loop_num_passes times; the hub's loop_config names win, see
+    # inkling2_loop_layers)
+    "inkling2_loop_text": {"num_experts": 128, "num_experts_per_tok": 8, "head_dim": 128, "full_attention_every": 6,
+                           "layer_type_names": {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"},
+                           "ignored": ("tie_word_embeddings", "num_experts", "mlp_layer_types", "mlp_only_layers",
+                                       "first_k_dense_replace", "decoder_sparse_step", "n_shared_experts"),
+                           "aliases": {"sliding_window": "sliding_window_size", "routed_scaling_factor": "route_scale"},
+                           "overrides": {"conv_kernel_size": "sconv_kernel_size",
+                                         "max_position_embeddings": "model_max_length",
+                                         "moe_intermediate_size": "intermediate_size",
+                                         "route_scale": "routed_scaling_factor"},
+                           "fields": {"vocab_size": 201024, "unpadded_vocab_size": 200058, "hidden_size": 2304,
+                                      "num_hidden_layers": 24, "num_attention_heads": 24, "num_key_value_heads": 8,
+                                      "head_dim": 128, "swa_num_attention_heads": 24, "swa_num_key_value_heads": 8,
+                                      "swa_head_dim": 128, "sliding_window_size": 1024, "d_rel": 16, "rel_extent": 1024,
+                                      "log_scaling_n_floor": 8192, "log_scaling_alpha": 0.1,
+                                      "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "conv_kernel_size": 4,
+                                      "hidden_act": "silu", "moe_intermediate_size": 1152, "n_routed_experts": 128,
+                                      "num_experts_per_tok": 8, "route_scale": 8.0, "bos_token_id": None,
+                                      "eos_token_id": 200006, "pad_token_id": None,
+                                      "qk_l2_clip_threshold": 22.627416997969522, "rel_l2_clip_threshold": 8.0,
+                                      "n_layers_per_attn_res_block": 6, "mlp_gate_softcap": 4.0, "mlp_up_softcap": 25.0,
+                                      "final_logit_softcapping": 30.0, "scoring_func": "sigmoid",
+                                      "tie_word_embeddings": False, "loop_layer_index_start": 6,
+                                      "loop_layer_index_end": 18, "loop_num_passes": 3, "loop_gate_rank": 64}},
     # Ernie4_5_VLMoeTextConfig (ERNIE-4.5-VL's language model): ERNIE-4.5-MoE's names; its MoE layers hold a text and a
     # vision expert group, moe_intermediate_size [text, vision] wide ("ernie_vl": the text group's is the experts'
     # width, the vision group's is kept as vision_moe_intermediate_size); the first layer dense unless mlp_layer_types;
@@ -1651,8 +1706,8 @@ class ModelConfig:
             per = {"sliding_attention": d, "heavily_compressed_attention": 4 * d,
                    "compressed_sparse_attention": 6 * d + 5 * i}
             return sum(per[t] for t in self.layer_types)
-        if self.family_type == "inkling_text":  # the sliding layers' own KV heads and head size
-            return sum(2 * kv * d for _, kv, d in inkling_attention_sizes(self))
+        if self.family_type in INKLING_TYPES:  # the sliding layers' own KV heads and head size (looped: once a pass)
+            return sum(2 * kv * d for _, kv, d in inkling_cache_sizes(self))
         if self.family_type == "gemma4_text":  # own sizes; shared layers none
             return sum(2 * g.num_key_value_heads * g.head_dim for i, g in enumerate(gemma4_attention_layers(self))
                        if g.kv_source == i)
@@ -1678,10 +1733,10 @@ class ModelConfig:
         """Fixed-size cache elements one sequence takes over all linear-attention (or Mamba) layers, whatever its
         length: ``conv_state`` (the conv window, in the cache's dtype) and ``recurrent_state`` (fp32);
         zeros for models without such layers."""
-        if self.family_type == "inkling_text":  # four short convolutions per layer: keys, values, both outputs
+        if self.family_type in INKLING_TYPES:  # four short convolutions per layer: keys, values, both outputs
             W = _int(self.raw, "conv_kernel_size", 4) - 1
             return {"conv_state": sum((2 * kv * d + 2 * self.hidden_size) * W
-                                      for _, kv, d in inkling_attention_sizes(self)), "recurrent_state": 0}
+                                      for _, kv, d in inkling_cache_sizes(self)), "recurrent_state": 0}
         linear = sum(t in ("linear_attention", "conv") for t in self.layer_types)
         if not linear:
             return {"conv_state": 0, "recurrent_state": 0}
@@ -2178,6 +2233,10 @@ class ModelConfig:
         return self.moe_intermediate_size or self.intermediate_size
 
 
+#: Inkling's and Inkling-2's language models: the sliding layers' own sizes, four conv windows per layer
+INKLING_TYPES = ("inkling_text", "inkling2_text", "inkling2_loop_text")
+
+
 def inkling_attention_sizes(cfg: "ModelConfig") -> tuple:
     """Inkling's (query heads, KV heads, head dim) per layer: the sliding layers' from ``swa_num_attention_heads`` /
     ``swa_num_key_value_heads`` / ``swa_head_dim``, the full ones' from the plain fields."""
@@ -2265,6 +2324,56 @@ def qwen4_fields(cfg: "ModelConfig") -> Qwen4Fields:
                        _int(d, "ple_conv_kernel_size", 4), ngram, heads, _int(d, "ngram_vocab_size_base", 20_000_000),
                        _int(d, "make_ngram_vocab_size_divisible_by", 128), _int(d, "seed", 1234, minimum=0),
                        _int(d, "split_ngram_parts", 512), eos[0] if ple else None)
+
+
+@dataclass(frozen=True)
+class LoopLayers:
+    """Inkling-2-Loop's loop: layers ``start``..``end`` - 1 run ``passes`` times; ``gate_rank`` the message gates'."""
+
+    start: int
+    end: int
+    passes: int
+    gate_rank: int
+
+    @property
+    def extra_layers(self) -> int:
+        """Layer runs beyond the model's layers (each with its own cache layer): the loop's, once per extra pass."""
+        return (self.passes - 1) * (self.end - self.start)
+
+
+def inkling2_loop_layers(cfg: "ModelConfig") -> LoopLayers:
+    """Inkling-2-Loop's loop (Inkling2LoopTextConfig's rules): ``loop_layer_index_start`` / ``_end`` /
+    ``loop_num_passes`` / ``loop_gate_rank``, the hub's ``loop_config`` (``core_start``, ``core_end``, ``num_passes``,
+    ``gate_rank``) winning where given; start > 0 and both ends multiples of ``n_layers_per_attn_res_block``."""
+    d = dict(cfg.raw)
+    loop = d.get("loop_config")
+    if loop is not None:
+        if not isinstance(loop, dict):
+            raise _err("loop_config", loop, "a dict (core_start, core_end, num_passes, gate_rank)")
+        for ours, theirs in (("loop_layer_index_start", "core_start"), ("loop_layer_index_end", "core_end"),
+                             ("loop_num_passes", "num_passes"), ("loop_gate_rank", "gate_rank")):
+            if loop.get(theirs) is not None:
+                d[ours] = loop[theirs]
+    block = _int(d, "n_layers_per_attn_res_block", 6)
+    start, end = _int(d, "loop_layer_index_start", 6), _int(d, "loop_layer_index_end", 18, minimum=0)
+    passes, rank = _int(d, "loop_num_passes", 3), _int(d, "loop_gate_rank", 64)
+    n = cfg.num_hidden_layers
+    if start % block:
+        raise _err("loop_layer_index_start", start, f"a multiple of n_layers_per_attn_res_block={block}, > 0")
+    if end % block or not start <= end <= n:
+        raise _err("loop_layer_index_end", end, f"a multiple of n_layers_per_attn_res_block={block} in "
+                   f"[loop_layer_index_start={start}, num_hidden_layers={n}]")
+    return LoopLayers(start, end, passes, rank)
+
+
+def inkling_cache_sizes(cfg: "ModelConfig") -> tuple:
+    """:func:`inkling_attention_sizes` of every cache layer: the model's layers, then (Inkling-2-Loop) the loop
+    layers' once for each pass after the first."""
+    sizes = inkling_attention_sizes(cfg)
+    if cfg.family_type != "inkling2_loop_text":
+        return sizes
+    loop = inkling2_loop_layers(cfg)
+    return sizes + sizes[loop.start:loop.end] * (loop.passes - 1)
 
 
 @dataclass(frozen=True)

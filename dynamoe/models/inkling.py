@@ -44,14 +44,17 @@ __all__ = ["InklingForCausalLM", "InklingAttention", "InklingShortConv", "Inklin
 
 
 class InklingShortConv(nn.Module):
-    """x + causal depthwise conv(x) over time, in fp32 (``conv1d`` [C, 1, W + 1], fp32, no bias); with a cache the last
-    W inputs of each sequence in ``cache.buffer(layer, "conv_<name>", C, W)`` (fp32), zero where a row starts at 0."""
+    """x + causal depthwise conv(x) over time, in fp32 (``conv1d`` [C, 1, W + 1], fp32, no bias), divided by
+    ``divisor`` (Inkling-2: sqrt(W + 2)); with a cache the last W inputs of each sequence in
+    ``cache.buffer(layer, "conv_<name>", C, W)`` (fp32), zero where a row starts at 0."""
 
-    def __init__(self, channels: int, kernel: int, layer_idx: int, name: str, *, checks_position: bool = False):
+    def __init__(self, channels: int, kernel: int, layer_idx: int, name: str, *, checks_position: bool = False,
+                 divisor: float = 1.0):
         super().__init__()
         if kernel < 1:
             raise ValueError(f"config field 'conv_kernel_size' must be an int >= 1, got {kernel}")
         self.layer_idx, self.name, self.kernel, self.checks_position = layer_idx, name, kernel, checks_position
+        self.divisor = divisor
         self.conv1d = nn.Conv1d(channels, channels, kernel, groups=channels, padding=kernel - 1, bias=False,
                                 dtype=torch.float32)
 
@@ -65,7 +68,8 @@ class InklingShortConv(nn.Module):
         y, window = conv_with_state(x.transpose(1, 2), self.conv1d, window)
         if cache is not None:
             buf[slots] = window
-        return (y.transpose(1, 2) + x).to(x_BTC.dtype)
+        y = y.transpose(1, 2) + x
+        return (y if self.divisor == 1.0 else y / self.divisor).to(x_BTC.dtype)
 
 
 class _RelativeLogits(nn.Module):

@@ -147,7 +147,9 @@ class SparseMoeBlock(nn.Module):
     ``router`` 'sparsemixer': Phi-3.5-MoE's SparseMixer at inference (two experts, ``cfg.router_jitter_noise``).
     ``prescale``: each routing weight scales its expert's input instead of its output (Llama-4: expert(w * x));
     the fused decode kernels scale outputs, so such a block runs the general path (MoELayer refuses the kernel).
-    ``glu_limit``: the routed experts' clamp ('gpt_oss', 'silu_clamp'; None = ``cfg.swiglu_limit`` or 7);
+    ``glu_limit``: the routed experts' clamp ('gpt_oss', 'silu_clamp'; None = ``cfg.swiglu_limit`` or 7), the up
+    projection's softcap of 'silu_softcap'; ``glu_alpha``: the 'gpt_oss' sigmoid's slope (None = ``cfg.swiglu_alpha``),
+    the gate's softcap of 'silu_softcap' (Inkling-2);
     ``shared_glu`` / ``shared_glu_limit``: the shared experts' own GLU kind and clamp (None = the routed ones').
     ``shared_bias``: biases on the shared experts' projections (None = as the routed experts: ``expert_bias``).
     ``bias_on_logits``: the sigmoid router's selection bias goes on the logits, not the scores (Kolibri-1).
@@ -162,7 +164,7 @@ class SparseMoeBlock(nn.Module):
                  route_scale: float | None = None, selection_bias: bool = False, prescale: bool = False,
                  group_rank: str = "max", glu_limit: float | None = None, shared_glu: str | None = None,
                  shared_glu_limit: float | None = None, shared_bias: bool | None = None, bias_on_logits: bool = False,
-                 ffn_activation: str | None = None, dtype=None):
+                 ffn_activation: str | None = None, glu_alpha: float | None = None, dtype=None):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {list(ROUTERS)}, got {router!r}")
@@ -205,7 +207,8 @@ class SparseMoeBlock(nn.Module):
         else:
             experts = ExpertConfig(
                 type="glu", num_experts_per_device=E, hidden_size_per_expert=F_, glu_activation=glu,
-                glu_bias=expert_bias, gpt_oss_alpha=cfg.swiglu_alpha,
+                glu_bias=expert_bias,
+                gpt_oss_alpha=cfg.swiglu_alpha if glu_alpha is None else glu_alpha,
                 gpt_oss_limit=(cfg.swiglu_limit or 7.0) if glu_limit is None else glu_limit,
                 num_shared_experts=num_shared_experts, shared_hidden_size=shared_hidden_size, shared_gate=shared_gate,
                 shared_fused_gate_up=shared_fused_gate_up, shared_glu_activation=shared_glu,

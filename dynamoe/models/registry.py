@@ -156,6 +156,10 @@ register("gemma4", "dynamoe.models.gemma4:Gemma4ForCausalLM", ("Gemma4ForConditi
 register("lara_mini", "dynamoe.models.lara_mini:LaraMiniForCausalLM", ("LaraMiniForCausalLM",))
 register("inkling_text", "dynamoe.models.inkling:InklingForCausalLM",
          ("InklingForCausalLM", "InklingForConditionalGeneration"), aliases=("inkling_mm_model",))
+register("inkling2_text", "dynamoe.models.inkling2:Inkling2ForCausalLM",
+         ("Inkling2ForCausalLM", "Inkling2ForConditionalGeneration"), aliases=("inkling2",))
+register("inkling2_loop_text", "dynamoe.models.inkling2_loop:Inkling2LoopForCausalLM",
+         ("Inkling2LoopForCausalLM", "Inkling2LoopForConditionalGeneration"), aliases=("inkling2_loop",))
 register("ernie4_5_vl_moe", "dynamoe.models.ernie4_5_vl_moe:Ernie4_5_VLMoeForCausalLM",
          ("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"))
 register("deepseek_ocr2", "dynamoe.models.deepseek_ocr2:DeepseekOcr2ForCausalLM", ("DeepseekOcr2ForConditionalGeneration",))

@@ -34,17 +34,6 @@ UNSUPPORTED: dict[str, str] = {
     "ernie4_5_vl_moe_text": ("the base language model of ERNIE-4.5-VL (Ernie4_5_VLMoeTextModel: transformers has no "
                              "causal LM with a head for it, and saves it without one); its multimodal checkpoints "
                              "(model_type 'ernie4_5_vl_moe') load, text only"),
-    "inkling2": _VLM,
-    "inkling2_loop": _VLM,
-    "inkling2_loop_text": _text_of("inkling2_loop", "Inkling-2's decoder (see inkling2_text) whose middle layers "
-                                   "run loop_num_passes times, each pass's residual blocks mixed into the next by "
-                                   "low-rank message gates"),
-    "inkling2_text": _text_of("inkling2", "its layers' inputs are attention over earlier blocks' residual states "
-                              "(block attention residuals), full layers convolve keys and values with per-token "
-                              "(dynamic) taps, attention has per-token sink logits, L2-clipped and log-scaled "
-                              "queries and relative states, and the experts a softcapped SwiGLU dynamoe's expert "
-                              "kernels do not compute; the hub's layout (which transformers saves) renames and "
-                              "interleaves its tensors (Inkling's own text model, inkling_text, loads)"),
     "muse_spark_text": ("the base language model of Muse Spark (MuseSparkTextModel: transformers has no causal LM with "
                         "a head for it); its multimodal checkpoints (model_type 'muse_spark') load, text only"),
     "nemo_speechlm": ("a speech-language wrapper whose checkpoint layout is not mapped yet (its default language "

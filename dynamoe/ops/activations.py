@@ -17,7 +17,7 @@ def relu_squared(x: Tensor) -> Tensor:
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu,
                                                       "relu2": relu_squared}
-GLU_KINDS = ("silu", "gelu", "gelu_tanh", "relu", "gpt_oss", "silu_clamp", "silu_clamp_in")
+GLU_KINDS = ("silu", "gelu", "gelu_tanh", "relu", "gpt_oss", "silu_clamp", "silu_clamp_in", "silu_softcap")
 
 
 def activation(fn) -> Callable[[Tensor], Tensor]:
@@ -32,7 +32,9 @@ def glu_activation(gate: Tensor, up: Tensor, kind: str, alpha: float = 1.702, li
     +-limit, then (up + 1) * gate * sigmoid(alpha * gate). ``silu_clamp`` (Step-3.5): silu(gate) clamped
     above at ``limit`` times up clamped to +-limit (the clamp after the activation, unlike GPT-OSS's).
     ``silu_clamp_in`` (DeepSeek-V4): silu(gate clamped above at ``limit``) times up clamped to +-limit (the clamp
-    before the activation, as GPT-OSS's)."""
+    before the activation, as GPT-OSS's). ``silu_softcap`` (Inkling-2): softcap(gate, alpha) * sigmoid(gate) *
+    softcap(up, limit) in fp32, softcap(x, c) = c tanh(x / c) -- the sigmoid sees the raw gate, the caps bound its
+    linear factor and up."""
     if kind == "silu":
         return F.silu(gate) * up
     if kind == "gelu":
@@ -49,4 +51,8 @@ def glu_activation(gate: Tensor, up: Tensor, kind: str, alpha: float = 1.702, li
         return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
     if kind == "silu_clamp_in":
         return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    if kind == "silu_softcap":
+        g, u = gate.float(), up.float()
+        out = torch.tanh(g / alpha) * alpha * torch.sigmoid(g) * (torch.tanh(u / limit) * limit)
+        return out.to(gate.dtype)
     raise ValueError(f"glu activation must be one of {list(GLU_KINDS)}, got {kind!r}")
