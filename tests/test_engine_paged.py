@@ -238,7 +238,11 @@ def test_chunk_cost_fit_and_the_tokens_within_a_time():
     c = ChunkCost()
     assert c.tokens_within(1.0, 100) is None
     c.observe(10, 0.030)                       # one size: all of it per token
-    assert c.fit() == (0.0, pytest.approx(0.003)) and c.tokens_within(0.015, 100) == 5
+    assert c.fit() == (0.0, pytest.approx(0.003)) and c.tokens_within(0.060, 100) == 20
+    # ... but over the target, one size cannot tell a fixed part from per-token cost: twice the size, once
+    assert c.tokens_within(0.015, 100) == 20
+    c.observe(11, 0.031)                       # nearby sizes are still one (their slope would be noise)
+    assert c.fit()[0] == 0.0 and c.tokens_within(0.015, 100) == 2 * int(c._m[0])
     for n in (4, 16, 8, 32, 4, 64, 12):        # a = 20 ms fixed, b = 1 ms a token
         c.observe(n, 0.020 + 0.001 * n)
     a, b = c.fit()

@@ -8,13 +8,19 @@ past chunks (their sizes vary as the budget moves, which is what makes the fit p
 largest ``n`` within a time. Where even one token costs more than the target (the fixed part alone is
 over it: a long context on a slow machine), stalls cannot be kept within it by chunk size; then the chunk
 is sized so that its own tokens cost as much as the fixed part (``n = a / b``): at most twice the least
-possible stall, for a useful amount of progress. The fit is trusted only near the chunk sizes it saw: an
+possible stall, for a useful amount of progress. (While it has seen one chunk size only, and that took longer than
+the target, it asks for twice that size once: one size cannot tell a fixed part from a per-token cost, and reading
+it all as per-token cost would keep every later chunk at the least size, however large the fixed part.) The fit is
+trusted only near the chunk sizes it saw: an
 answer is at most twice their (weighted) mean plus one (or :data:`GROWTH_FLOOR`), so the budget grows step
 by step, never by a jump a noisy fit suggests.
 """
 from __future__ import annotations
 
 __all__ = ["ChunkCost"]
+
+#: the least spread of the chunk sizes seen (standard deviation / mean) the fit reads a slope from
+SPREAD = 0.2
 
 #: a chunk the fit may always ask for, whatever sizes it saw (short prompts alone would hold it down)
 GROWTH_FLOOR = 128
@@ -40,10 +46,9 @@ class ChunkCost:
         if self._m is None:
             return None
         n, t, nn, nt = self._m
-        var = nn - n * n
-        if var <= 1e-9 * max(1.0, nn):   # one chunk size so far: all of it per token (the cautious reading)
+        if self._degenerate():   # one chunk size so far: all of it per token (the cautious reading)
             return 0.0, t / max(n, 1.0)
-        b = max((nt - n * t) / var, 1e-12)
+        b = max((nt - n * t) / (nn - n * n), 1e-12)
         a = max(t - b * n, 0.0)
         return a, b
 
@@ -53,5 +58,17 @@ class ChunkCost:
         if ab is None:
             return None
         a, b = ab
+        seen = self._m[0]
+        if self._m[1] > seconds and self._degenerate():
+            # one chunk size so far, and it took longer than the target: whether a smaller chunk would be quicker
+            # (per-token cost) or not (a fixed part) cannot be told from one size -- try twice the size once, so that
+            # the fit sees two (a fixed part over the target then gets chunks of a / b tokens, not the least ones)
+            return max(1, min(cap, 2 * int(seen)))
         n = (seconds - a) / b if seconds > a + b else a / b
-        return max(1, min(cap, int(n), max(int(2 * self._m[0]) + 1, GROWTH_FLOOR)))
+        return max(1, min(cap, int(n), max(int(2 * seen) + 1, GROWTH_FLOOR)))
+
+    def _degenerate(self) -> bool:
+        """Whether the sizes seen are (about) one: their spread under a fifth of their mean -- two nearby sizes
+        give a slope that is all noise."""
+        n, _, nn, _ = self._m
+        return nn - n * n <= (SPREAD * n) ** 2
