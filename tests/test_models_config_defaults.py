@@ -246,7 +246,7 @@ def _ml4_sources(cfg):
 
 
 def _loop(cfg):
-    from dynamoe.models.config import inkling2_loop_layers
+    from dynamoe.models.family_fields import inkling2_loop_layers
 
     loop = inkling2_loop_layers(cfg)
     return loop.start, loop.end, loop.passes, loop.gate_rank
@@ -259,7 +259,7 @@ def _glm5(cfg):
 
 
 def _qwen4(cfg):
-    from dynamoe.models.config import qwen4_fields
+    from dynamoe.models.family_fields import qwen4_fields
 
     return qwen4_fields(cfg)
 
@@ -271,7 +271,7 @@ def _v4(cfg):
 
 
 def _gemma4_layers(cfg):
-    from dynamoe.models.config import gemma4_attention_layers
+    from dynamoe.models.family_fields import gemma4_attention_layers
 
     return tuple((g.head_dim, g.num_key_value_heads, g.kv_source) for g in gemma4_attention_layers(cfg))
 

@@ -178,7 +178,7 @@ def test_engine_generation_matches_generate(pair):
 def test_config_sizes_as_transformers():
     """Per-layer head sizes and KV heads from the hub's fields (global_head_dim, num_global_key_value_heads) and from
     transformers' saved per_layer_config agree with transformers' per-layer configs; KV sharing as its modes."""
-    from dynamoe.models.config import gemma4_attention_layers
+    from dynamoe.models.family_fields import gemma4_attention_layers
 
     for extra in ({}, {"attention_k_eq_v": True, "num_global_key_value_heads": 1, "global_head_dim": 64},
                   {"num_kv_shared_layers": 1, "global_head_dim": 16}, {"attention_k_eq_v": False,

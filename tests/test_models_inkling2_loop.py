@@ -178,7 +178,7 @@ def test_server_says_images_are_not_supported(pair, tmp_path):
 def test_config_defaults_and_loop_config():
     """A config with only the sizes: Inkling2LoopTextConfig's defaults; the hub's loop_config wins over the flat
     loop fields, as the config class reads it."""
-    from dynamoe.models.config import inkling2_loop_layers
+    from dynamoe.models.family_fields import inkling2_loop_layers
 
     sizes = dict(vocab_size=128, hidden_size=64, num_hidden_layers=24, num_attention_heads=8)
     for extra in ({}, {"loop_config": {"core_start": 12, "core_end": 24, "num_passes": 2, "gate_rank": 16},

@@ -355,7 +355,7 @@ def test_ngrams_restart_after_the_text_configs_eos():
             "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
             "indexer_compress_ratio": 4, "ple_layer_ids": [1], "ple_embed_dim": 16, "eos_token_id": 5}
     cfg = dm.ModelConfig.from_dict({"model_type": "qwen4_exp", "eos_token_id": 7, "text_config": text})
-    from dynamoe.models.config import qwen4_fields
+    from dynamoe.models.family_fields import qwen4_fields
 
     assert cfg.eos_token_id == (7,) and qwen4_fields(cfg).ple_eos == 5
     with pytest.raises(ValueError, match="eos_token_id"):

@@ -9,7 +9,7 @@ input dim, E experts, k experts per token.
   ``sliding_window`` keys; the last is always full), each with its RoPE (sliding: plain over the whole head; full:
   'proportional', a quarter of the head's frequency pairs turning) and its own head size / KV heads
   (``per_layer_config``, else ``global_head_dim`` / ``num_global_key_value_heads``:
-  :func:`~dynamoe.models.config.gemma4_attention_layers`). Attention: q/k RMSNorms per head before RoPE, values
+  :func:`~dynamoe.models.family_fields.gemma4_attention_layers`). Attention: q/k RMSNorms per head before RoPE, values
   RMS-normed without a weight, softmax scale 1; with ``attention_k_eq_v`` the full layers have no ``v_proj`` (the
   values are the key projection, normed apart). The last ``num_kv_shared_layers`` layers have no k/v projections:
   they attend over the keys and values of the last earlier layer of their kind (in the cache: that layer's).
@@ -40,7 +40,8 @@ from .attention import Attention, attend
 from .base import CausalLM
 from .beam import _SoftcappedLMHead
 from .cache import KVCache
-from .config import ModelConfig, gemma4_attention_layers
+from .config import ModelConfig
+from .family_fields import gemma4_attention_layers
 from .mimo_v2_flash import RotaryByLayerType
 from .moe_block import GatedMLP, SparseMoeBlock, glu_kind
 from .norms import RMSNorm

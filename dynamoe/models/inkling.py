@@ -32,7 +32,8 @@ from ..ops.fused import Fused, Holds
 from .attention import attention_mask, cached_length, write_kv
 from .base import CausalLM
 from .cache import KVCache
-from .config import ModelConfig, inkling_attention_sizes
+from .config import ModelConfig
+from .family_fields import inkling_attention_sizes
 from .linear_attention import slot_states
 from .mamba import conv_with_state
 from .moe_block import GatedMLP, SparseMoeBlock, glu_kind

@@ -43,7 +43,8 @@ from torch import Tensor, nn
 from .attention import cached_length, write_kv
 from .base import CausalLM
 from .cache import KVCache
-from .config import ModelConfig, inkling_attention_sizes
+from .config import ModelConfig
+from .family_fields import inkling_attention_sizes
 from .inkling import InklingShortConv, _NormedEmbedding, _RelativeLogits
 from .linear_attention import slot_states
 from .moe_block import SparseMoeBlock

@@ -27,7 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from .cache import KVCache
-from .config import ModelConfig, inkling2_loop_layers
+from .config import ModelConfig
+from .family_fields import inkling2_loop_layers
 from .inkling2 import Inkling2DecoderLayer, Inkling2ForCausalLM, _unit_rms, block_attention
 from .wrapped import WrapperLayout
 

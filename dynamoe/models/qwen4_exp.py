@@ -35,7 +35,8 @@ from torch import Tensor, nn
 from .attention import _sdpa, attention_mask, cached_length, write_kv
 from .base import CausalLM
 from .cache import KVCache
-from .config import ModelConfig, Qwen4Fields, qwen4_fields
+from .config import ModelConfig
+from .family_fields import Qwen4Fields, qwen4_fields
 from .hyper_connections import GatedStreamMixer, StreamEmbedding
 from .linear_attention import GatedDeltaNet
 from .ngram_embedding import DERIVED_BUFFERS, NGramEmbedding, PerLayerEmbedding
