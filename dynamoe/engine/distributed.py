@@ -183,6 +183,11 @@ class LeaderModel(nn.Module):
     def moe_stats(self):
         return self.model.moe_stats()
 
+    def positions_independent_of_prompt(self, prompt_tokens: int) -> int | None:
+        """The model's (the engine's prefix cache asks: :mod:`dynamoe.engine.prefix`)."""
+        own = getattr(self.model, "positions_independent_of_prompt", None)
+        return None if own is None else own(prompt_tokens)
+
     def new_cache(self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None, device=None, **paging):
         """A KV cache here and the same one on every follower (each on its own device); ``paging``:
         ``block_size``, ``num_blocks``."""

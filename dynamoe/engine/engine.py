@@ -28,9 +28,9 @@ num_blocks=...)`` and ``model(input_ids_BT, cache=cache, slots=slots_B) -> logit
 prefix) gets no prefix caching, and speculative decoding only when it also says ``recurrent_rollback = True``:
 its recurrent layers record their state after every token of a verification forward (run between
 ``cache.begin_history()`` and ``cache.end_history()``), so that cutting rejected drafts off with
-``cache.truncate`` puts the state back where the accepted tokens leave it. A model with
-``kv_depends_on_prompt_length = True`` (Unlimited-OCR: keys and values after the prompt depend on where it
-ended) shares blocks past a prompt only with requests whose prompt ended at the same position
+``cache.truncate`` puts the state back where the accepted tokens leave it. A model whose keys and values depend
+on where the prompt ended (``positions_independent_of_prompt``: Unlimited-OCR past the prompt, dynamic NTK RoPE
+past max_position_embeddings) shares those blocks only with requests whose prompt ended at the same position
 (:mod:`dynamoe.engine.prefix`). Each admitted request's prompt length is declared to the cache
 (``cache.declare_prompt``, where the cache has it).
 """
@@ -192,7 +192,7 @@ class GenerationEngine:
             self.speculative_tokens = 0
         self._mtp = draft == "mtp" and self.speculative_tokens > 0
         self._prefix = PrefixCache(self.cache, self.prefix_caching,
-                                   prompt_scoped=bool(getattr(model, "kv_depends_on_prompt_length", False)))
+                                   prompt_scope=getattr(model, "positions_independent_of_prompt", None))
 
         # waiting queue, free slots, request states, cancel flags; re-entrant so that an on_event callback
         # (run under it, on the stepping thread) may call cancel()

@@ -17,11 +17,13 @@ takes a cached block only where that token is its own next one (the block's key 
 the other positions itself: it never reads head entries that were not written, or written for another
 continuation. A block with head entries takes over the key of an equal block without them.
 
-Where the keys and values after the prompt depend on where the prompt ended (``prompt_scoped``: Unlimited-OCR's
-attention keeps the prompt in sight and slides over generated tokens), a block wholly inside the prompt keys as
-usual, while the keys from the first block that reaches past the prompt on are salted with the prompt length: a
-preempted request finds its own blocks again, and a request whose prompt holds another's output (a chat's next
-turn) computes those positions as its prompt instead of reading keys and values made as output.
+Where keys and values depend on where the prompt ended (``prompt_scope``, the model's
+``positions_independent_of_prompt``), the blocks past the positions that do not are keyed with the prompt length
+too: Unlimited-OCR's attention keeps the prompt in sight and slides over generated tokens, so a block wholly inside
+the prompt keys as usual and the ones from the first block that reaches past it are salted; dynamic NTK RoPE past
+max_position_embeddings rotates a whole prompt with its length, so all its blocks are. A preempted request finds
+its own blocks again, and a request whose prompt holds another's output (a chat's next turn) computes those
+positions as its prompt instead of reading keys and values made as output.
 """
 from __future__ import annotations
 
@@ -36,8 +38,10 @@ __all__ = ["PrefixCache"]
 class PrefixCache:
     """The engine's use of the pool's prefix keys (``enabled`` False: requests share nothing)."""
 
-    def __init__(self, cache, enabled: bool, prompt_scoped: bool = False):
-        self.cache, self.enabled, self.prompt_scoped = cache, bool(enabled), bool(prompt_scoped)
+    def __init__(self, cache, enabled: bool, prompt_scope=None):
+        """``prompt_scope(prompt_tokens) -> int | None``: the leading positions whose keys and values do not depend
+        on where the prompt ends (None: all; the model's ``positions_independent_of_prompt``)."""
+        self.cache, self.enabled, self.prompt_scope = cache, bool(enabled), prompt_scope
         # registered block -> the token after it when its MTP head entries were written (absent: not written)
         self._head_next: dict[int, int] = {}
 
@@ -45,9 +49,10 @@ class PrefixCache:
         """``r``'s first ``blocks`` prefix keys (computed once, extended as it grows)."""
         keys = r._keys
         bs = self.cache.block_size
-        # blocks before ``inside`` hold prompt positions only; with prompt_scoped the later ones key by the
-        # prompt length too (see the module docstring)
-        inside = len(r.prompt_ids) // bs if self.prompt_scoped else blocks
+        # blocks before ``inside`` key by their tokens alone; the later ones by the prompt length too (see the module
+        # docstring)
+        free = None if self.prompt_scope is None else self.prompt_scope(len(r.prompt_ids))
+        inside = blocks if free is None else free // bs
         while len(keys) < blocks:
             start = len(keys)
             end = min(blocks, inside) if start < inside else blocks

@@ -202,17 +202,25 @@ class CausalLM(nn.Module):
             kv_len = int(starts.max()) + T if B else T
             slots = slots.to(dev)
         h = self.model.embed_tokens(input_ids)
-        plan = None if cache is None or T != 1 else self._decode_plan(h, cache, slots)
-        if plan is not None:
-            try:
-                h = plan.run(h.view(B, -1), positions, cache, slots, kv_len).view(B, 1, -1)
-            except RuntimeError as exc:  # a kernel refused what the plan's checks did not see: the layer path decides
-                log.warning("dynamoe: the decode plan of %s failed (%s); this state decodes layer by layer",
-                            type(self).__name__, exc)
-                self.__dict__["_plan"] = (plan.key, None, plan)
-                plan = None
-        if plan is None:
-            h = self.run_layers(h, positions, cache, slots, kv_len)
+        rotary = getattr(self.model, "rotary_emb", None)
+        by_prompt = cache is not None and getattr(getattr(rotary, "rope", None), "rope_type", None) == "dynamic"
+        if by_prompt:   # dynamic NTK rotates a prompt's positions with the prompt's length (RotaryEmbedding)
+            rotary.prompt_lengths = cache.prompt_lengths_for(slots, positions)
+        try:
+            plan = None if cache is None or T != 1 else self._decode_plan(h, cache, slots)
+            if plan is not None:
+                try:
+                    h = plan.run(h.view(B, -1), positions, cache, slots, kv_len).view(B, 1, -1)
+                except RuntimeError as exc:  # a kernel refused what the plan's checks did not see: the layers decide
+                    log.warning("dynamoe: the decode plan of %s failed (%s); this state decodes layer by layer",
+                                type(self).__name__, exc)
+                    self.__dict__["_plan"] = (plan.key, None, plan)
+                    plan = None
+            if plan is None:
+                h = self.run_layers(h, positions, cache, slots, kv_len)
+        finally:
+            if by_prompt:
+                rotary.prompt_lengths = None
         # with return_hidden, the final-normed states of every position fed (the MTP heads read each one; with
         # hidden_before_norm the states before the norm); the logits as without (the same ops on the same rows:
         # bit for bit the same numbers)
@@ -225,6 +233,20 @@ class CausalLM(nn.Module):
         if cache is not None:
             cache.advance(slots.to(cache.lengths.device), T)
         return (logits, hidden) if return_hidden else logits
+
+    def positions_independent_of_prompt(self, prompt_tokens: int) -> int | None:
+        """How many leading positions' keys and values a sequence with a prompt of ``prompt_tokens`` tokens computes
+        whatever the prompt's length is (so the prefix cache may share them with requests whose prompts end
+        elsewhere: :mod:`dynamoe.engine.prefix`); None: all of them. Unlimited-OCR's attention keeps the prompt in
+        sight (:attr:`kv_depends_on_prompt_length`): the prompt's positions. Dynamic NTK past
+        max_position_embeddings rotates the prompt with its length: none."""
+        if self.kv_depends_on_prompt_length:
+            return prompt_tokens
+        rotary = getattr(self.model, "rotary_emb", None)
+        if (getattr(getattr(rotary, "rope", None), "rope_type", None) == "dynamic"
+                and prompt_tokens > rotary.max_position_embeddings):
+            return 0
+        return None
 
     def run_layers(self, h: Tensor, positions_BT: Tensor, cache: KVCache | None, slots: Tensor | None,
                    kv_len: int | None) -> Tensor:

@@ -133,6 +133,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._last: tuple | None = None
         self._last_rows: tuple | None = None
+        #: the prompt lengths [B] of the rows of the forward in flight (set by the model around its layers), which
+        #: dynamic NTK reads: None takes each row's last position + 1 (a forward without a cache: the whole sequence)
+        self.prompt_lengths: Tensor | None = None
 
     def materialize_buffers(self, device) -> None:
         inv_freq, _ = rope_frequencies(self.rope, self.dim, self.max_position_embeddings)
@@ -140,31 +143,36 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         last = self._last
-        if last is not None and last[0] is positions_BT and last[1] == dtype:
+        prompt = self.prompt_lengths
+        if last is not None and last[0] is positions_BT and last[1] == dtype and last[4] is prompt:
             return last[2], last[3]
         inv_freq = self.inv_freq.float()
         if self.rope.rope_type == "dynamic":
-            inv_freq = self._dynamic_inv_freq(positions_BT, inv_freq)
+            inv_freq = self._dynamic_inv_freq(positions_BT, inv_freq, prompt)
         freqs = positions_BT[..., None].float() * inv_freq
         cos = (freqs.cos() * self.attention_scaling).to(dtype)
         sin = (freqs.sin() * self.attention_scaling).to(dtype)
-        self._last = (positions_BT, dtype, cos, sin)
+        self._last = (positions_BT, dtype, cos, sin, prompt)
         return cos, sin
 
-    def _dynamic_inv_freq(self, positions_BT: Tensor, inv_freq: Tensor) -> Tensor:
-        """Dynamic NTK: each row's frequencies from its own length (its last position + 1; the base grows past
-        max_position_embeddings), [B, 1, R/2] -- as transformers computes them for that row alone (it takes the
-        batch's longest, so a request's output would change with what shares its batch)."""
-        if not positions_BT.numel() or int(positions_BT.max()) < self.max_position_embeddings:
+    def _dynamic_inv_freq(self, positions_BT: Tensor, inv_freq: Tensor, prompt_B: Tensor | None) -> Tensor:
+        """Dynamic NTK (the base grows with the sequence length past max_position_embeddings), per position as
+        transformers computes it for that sequence alone, whatever shares the batch or how the prompt is chunked:
+        a prompt position with the prompt's length (transformers prefills the prompt in one forward), a later one
+        with its own position + 1 (one decode step each). Without prompt lengths (no cache), every position of a
+        row with the row's last position + 1: one forward over the whole sequence. [B, T, R/2]."""
+        if not positions_BT.numel():
             return inv_freq
-        lengths = positions_BT.amax(dim=-1) + 1
-        rows = []
-        for n in lengths.tolist():
-            if n <= self.max_position_embeddings:
-                rows.append(inv_freq)
-            else:
-                rows.append(rope_frequencies(self.rope, self.dim, self.max_position_embeddings, n)[0].to(inv_freq.device).float())
-        return torch.stack(rows)[:, None, :]
+        if prompt_B is None or prompt_B.numel() != positions_BT.size(0):
+            prompt_B = positions_BT[:, -1] + 1
+        seq_BT = torch.maximum(positions_BT + 1, prompt_B.to(positions_BT.device)[:, None])
+        if int(seq_BT.max()) <= self.max_position_embeddings:
+            return inv_freq
+        lengths, which = torch.unique(seq_BT, return_inverse=True)
+        tables = torch.stack([inv_freq if n <= self.max_position_embeddings else
+                              rope_frequencies(self.rope, self.dim, self.max_position_embeddings, n)[0].to(inv_freq.device).float()
+                              for n in lengths.tolist()])
+        return tables[which]
 
     def decode_rows(self, positions_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
         """(cos [B, R/2], sin [B, R/2] contiguous, positions [B] int64 contiguous) of a decode step
