@@ -152,3 +152,32 @@ def check_engine_with_shared_prefix(hf, ours, vocab: int) -> None:
         want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                            max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
         assert r.output_ids == want
+
+
+def check_mtp_drafts(model, reference, vocab: int, k: int = 4) -> None:
+    """The model's multi-token-prediction head (:mod:`dynamoe.models.mtp`) over two rows of different lengths --
+    ``mtp_fill`` after a 5-token prefill of both, then after each row's rest on its own (continuing the cache) --,
+    then ``mtp_drafts`` of both rows at once (k and k - 1 drafts): each row's last head output and its drafts equal
+    ``reference(float64 copy of the model, tokens, k) -> (drafts, head output)``, a recomputation without a cache."""
+    import copy
+
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (13, 9)]
+    cache = model.new_cache(2, 64)
+    slots = torch.arange(2)
+    with torch.no_grad():
+        _, h = model(torch.tensor([r[:5] for r in rows]), cache=cache, slots=slots, return_hidden=True)
+        model.mtp_fill(torch.tensor([r[1:6] for r in rows]), h, torch.arange(5).expand(2, 5), cache, slots)
+        outs = []
+        for b, r in enumerate(rows):
+            lg, h = model(torch.tensor([r[5:]]), cache=cache, slots=slots[b:b + 1], return_hidden=True)
+            after = r[6:] + [int(lg[0, -1].argmax())]
+            outs.append(model.mtp_fill(torch.tensor([after]), h, torch.arange(5, len(r))[None], cache,
+                                       slots[b:b + 1])[0, -1])
+        g_BD = torch.stack(outs)
+        drafts = model.mtp_drafts(g_BD, torch.tensor([len(r) - 1 for r in rows]), cache, slots, [k, k - 1])
+    ref = copy.deepcopy(model).double()
+    for b, r in enumerate(rows):
+        want, g_ref = reference(ref, r, k)
+        torch.testing.assert_close(g_BD[b].double(), g_ref, atol=2e-4, rtol=2e-4)
+        assert drafts[b] == want[:k - b], b

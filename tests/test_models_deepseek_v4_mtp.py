@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models_util import one_thread  # noqa: F401 (autouse fixture)
+from models_util import check_mtp_drafts, one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, save_tiny
 from test_models_deepseek_v4 import SIZES, VARIANTS, _randomize
 
@@ -205,31 +205,7 @@ def test_transformers_layout_and_copies_load_alike(mtp, tmp_path):
 
 
 def test_drafts_match_a_float64_recomputation(mtp):
-    """mtp_fill over a batch of rows at different lengths (a prefill, then each row's rest continuing the cache),
-    then mtp_drafts: the same head output and tokens as the reference."""
-    _, model, _ = mtp
-    g = torch.Generator().manual_seed(11)
-    rows = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (13, 9)]
-    k = 4
-    cache = model.new_cache(2, 64)
-    slots = torch.arange(2)
-    with torch.no_grad():
-        first = [r[:5] for r in rows]
-        _, h = model(torch.tensor(first), cache=cache, slots=slots, return_hidden=True)
-        model.mtp_fill(torch.tensor([r[1:6] for r in rows]), h, torch.arange(5).expand(2, 5), cache, slots)
-        outs = []
-        for b, r in enumerate(rows):
-            lg, h = model(torch.tensor([r[5:]]), cache=cache, slots=slots[b:b + 1], return_hidden=True)
-            after = r[6:] + [int(lg[0, -1].argmax())]
-            gg = model.mtp_fill(torch.tensor([after]), h, torch.arange(5, len(r))[None], cache, slots[b:b + 1])
-            outs.append(gg[0, -1])
-        g_B = torch.stack(outs)
-        drafts = model.mtp_drafts(g_B, torch.tensor([len(r) - 1 for r in rows]), cache, slots, [k, k - 1])
-    ref = copy.deepcopy(model).double()
-    for b, r in enumerate(rows):
-        want, g_ref = reference_v4_drafts(ref, r, k)
-        torch.testing.assert_close(g_B[b].double(), g_ref, atol=2e-4, rtol=2e-4)
-        assert drafts[b] == want[:k - b], b
+    check_mtp_drafts(mtp[1], reference_v4_drafts, VOCAB)
 
 
 def _run(model, prompts, n, **kw):

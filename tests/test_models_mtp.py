@@ -2,13 +2,12 @@
 MTP layers written beside transformers' tensors (it saves none): they load (sharing the model's embedding /
 lm_head copies), leave the model's output alone, and their drafts -- the cached, batched path the engine runs --
 equal a from-scratch float64 recomputation without any cache; bad MTP layouts are refused by name."""
-import copy
 import shutil
 
 import pytest
 import torch
 
-from models_util import one_thread  # noqa: F401 (autouse fixture)
+from models_util import check_mtp_drafts, one_thread  # noqa: F401 (autouse fixture)
 from models_mla_util import BASE, MLA, add_mtp_layers, edit_config, ids, make_pair, reference_mtp_drafts
 
 transformers = pytest.importorskip("transformers")
@@ -79,37 +78,7 @@ def test_heads_load_share_and_leave_the_model_alone(family, tmp_path):
 
 
 def test_drafts_match_a_float64_recomputation(family):
-    """mtp_fill over a batch of rows at different lengths (one prefill, then a second chunk that continues the
-    cache), then mtp_drafts: the same tokens and head output as the reference."""
-    name, _, model, _ = family
-    g = torch.Generator().manual_seed(11)
-    rows = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (13, 9)]
-    k = 4
-    cache = model.new_cache(2, 64)
-    slots = torch.arange(2)
-    T = max(map(len, rows))
-    with torch.no_grad():
-        # row 1 is shorter: pad it at the end, run its real positions only through the head (positions it never
-        # fills stay unread: the head reads positions <= its own)
-        first = [r[:5] for r in rows]
-        lg, h = model(torch.tensor(first), cache=cache, slots=slots, return_hidden=True)
-        nxt = torch.tensor([r[1:6] for r in rows])
-        model.mtp_fill(nxt, h, torch.arange(5).expand(2, 5), cache, slots)
-        outs = []
-        for b, r in enumerate(rows):   # the rest of each row on its own (different lengths)
-            rest = torch.tensor([r[5:]])
-            lg, h = model(rest, cache=cache, slots=slots[b:b + 1], return_hidden=True)
-            after = r[6:] + [int(lg[0, -1].argmax())]
-            gg = model.mtp_fill(torch.tensor([after]), h, torch.arange(5, len(r))[None], cache, slots[b:b + 1])
-            outs.append(gg[0, -1])
-        g_BD = torch.stack(outs)
-        drafts = model.mtp_drafts(g_BD, torch.tensor([len(r) - 1 for r in rows]), cache, slots, [k, k - 1])
-    assert T == 13
-    ref = copy.deepcopy(model).double()
-    for b, r in enumerate(rows):
-        want, g_ref = reference_mtp_drafts(ref, r, k)
-        torch.testing.assert_close(g_BD[b].double(), g_ref, atol=2e-4, rtol=2e-4)
-        assert drafts[b] == want[:k - b], (name, b)
+    check_mtp_drafts(family[2], reference_mtp_drafts, 128)
 
 
 def test_bad_mtp_layouts_are_refused(family, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models_util import one_thread  # noqa: F401 (autouse fixture)
+from models_util import check_mtp_drafts, one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, randomize_
 from models_mla_util import add_mtp_layers, reference_mtp_drafts
 
@@ -187,28 +187,7 @@ def test_head_loads_every_tensor(family):
 
 
 def test_drafts_match_a_float64_recomputation(family):
-    _, _, model, _ = family
-    g = torch.Generator().manual_seed(11)
-    rows = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (13, 9)]
-    k = 4
-    cache = model.new_cache(2, 64)
-    slots = torch.arange(2)
-    with torch.no_grad():
-        _, h = model(torch.tensor([r[:5] for r in rows]), cache=cache, slots=slots, return_hidden=True)
-        model.mtp_fill(torch.tensor([r[1:6] for r in rows]), h, torch.arange(5).expand(2, 5), cache, slots)
-        outs = []
-        for b, r in enumerate(rows):
-            lg, h = model(torch.tensor([r[5:]]), cache=cache, slots=slots[b:b + 1], return_hidden=True)
-            after = r[6:] + [int(lg[0, -1].argmax())]
-            outs.append(model.mtp_fill(torch.tensor([after]), h, torch.arange(5, len(r))[None], cache,
-                                       slots[b:b + 1])[0, -1])
-        g_BD = torch.stack(outs)
-        drafts = model.mtp_drafts(g_BD, torch.tensor([len(r) - 1 for r in rows]), cache, slots, [k, k - 1])
-    ref = copy.deepcopy(model).double()
-    for b, r in enumerate(rows):
-        want, g_ref = reference_mtp_drafts(ref, r, k)
-        torch.testing.assert_close(g_BD[b].double(), g_ref, atol=2e-4, rtol=2e-4)
-        assert drafts[b] == want[:k - b], b
+    check_mtp_drafts(family[2], reference_mtp_drafts, VOCAB)
 
 
 def _run(model, prompts, n, **kw):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models_util import one_thread  # noqa: F401 (autouse fixture)
+from models_util import check_mtp_drafts, one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, randomize_, save_tiny
 
 import transformers
@@ -315,30 +315,9 @@ def test_bad_layouts_are_refused(family, tmp_path):
 
 
 def test_drafts_match_a_float64_recomputation(family):
-    """mtp_fill over two rows at different lengths (a prefill chunk, then each row's rest on its own), then
-    mtp_drafts from both rows at once: the reference's tokens and head output."""
-    name, model, _ = family
-    g = torch.Generator().manual_seed(11)
-    rows = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (13, 9)]
-    k = 4
-    cache = model.new_cache(2, 64)
-    slots = torch.arange(2)
-    with torch.no_grad():
-        _, h = model(torch.tensor([r[:5] for r in rows]), cache=cache, slots=slots, return_hidden=True)
-        model.mtp_fill(torch.tensor([r[1:6] for r in rows]), h, torch.arange(5).expand(2, 5), cache, slots)
-        outs = []
-        for b, r in enumerate(rows):
-            lg, h = model(torch.tensor([r[5:]]), cache=cache, slots=slots[b:b + 1], return_hidden=True)
-            after = r[6:] + [int(lg[0, -1].argmax())]
-            gg = model.mtp_fill(torch.tensor([after]), h, torch.arange(5, len(r))[None], cache, slots[b:b + 1])
-            outs.append(gg[0, -1])
-        g_BD = torch.stack(outs)
-        drafts = model.mtp_drafts(g_BD, torch.tensor([len(r) - 1 for r in rows]), cache, slots, [k, k - 1])
-    ref = copy.deepcopy(model).double()
-    for b, r in enumerate(rows):
-        want, g_ref = _reference(ref, r, k, FAMILIES[name][2])
-        torch.testing.assert_close(g_BD[b].double(), g_ref, atol=2e-4, rtol=2e-4)
-        assert drafts[b] == want[:k - b], (name, b)
+    """The head over two rows at different lengths, then drafts from both at once: the reference's."""
+    name = family[0]
+    check_mtp_drafts(family[1], lambda ref, r, k: _reference(ref, r, k, FAMILIES[name][2]), VOCAB)
 
 
 def _run(model, prompts, params, n, follow=None, **kw):
