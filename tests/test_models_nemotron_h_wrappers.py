@@ -3,8 +3,8 @@ Nemotron-3-Nano-Omni (``nemotron_h_omni``: ``language_model.backbone.*``, the RA
 encoder and their projectors beside it; released configs under ``llm_config``) and Nemotron-3.5-Transcribe
 (``nemo_speechlm``: NeMo's ``llm.model.*`` names beside the speech / diarization encoders and the word-timestamp head;
 the released export's stacked experts). Logits, greedy generation and the engine equal transformers'; the wrapper's
-other parts are skipped and logged, every tensor of the language model is read; images are refused naming the model;
-neither wrapper ties its lm_head."""
+other parts are skipped and logged, every tensor of the language model is read; images and audio are refused naming
+the model; neither wrapper ties its lm_head."""
 import json
 import logging
 import os
@@ -180,13 +180,16 @@ def test_an_unknown_language_model_tensor_is_an_error(pair, tmp_path):
         dm.load(_copy(path, tmp_path / "extra", tensors), progress=False)
 
 
-def test_server_says_images_are_not_supported(pair, tmp_path):
-    from serve_testing import image_refusal
+def test_server_says_images_and_audio_are_not_supported(pair, tmp_path):
+    from serve_testing import AUDIO_PART, image_refusal
 
     name, _, ours, _ = pair
-    msg = image_refusal(ours, str(tmp_path), "nemotron-tiny")
     towers = {"nemotron_h_omni": "its vision and audio encoders", "nemo_speechlm": "its speech encoders"}[name]
+    msg = image_refusal(ours, str(tmp_path / "image"), "nemotron-tiny")
     assert f"images are not supported by the model 'nemotron-tiny' ({name}): {towers} are not loaded" in msg
+    msg = image_refusal(ours, str(tmp_path / "audio"), "nemotron-tiny", AUDIO_PART)
+    assert msg.startswith("messages[0].content[1] is an 'input_audio' part: audio is not supported by the model "
+                          f"'nemotron-tiny' ({name}): {towers} are not loaded"), msg
 
 
 @pytest.mark.parametrize("pair", ["nemotron_h_omni"], indirect=True)
