@@ -270,3 +270,21 @@ def test_config_errors_name_the_field():
     for legacy in (sizes, {**sizes, "model_type": "nemotron_h"}):
         cfg = dm.ModelConfig.from_dict({"model_type": "nemotron_h_omni", "llm_config": legacy})
         assert cfg.family_type == "nemotron_h" and cfg.hidden_size == 64 and cfg.text_config_nested
+
+
+def test_omni_with_mtp_layers_skips_them_and_the_vision_final_norm(tmp_path, caplog):
+    """A language model with MTP layers (num_nextn_predict_layers): the Omni wrapper then builds a final norm for the
+    vision features (saved as vision_projector.vision_final_layernorm), and the released checkpoint carries the MTP
+    layers under language_model.mtp. -- neither is loaded, both are named in the log."""
+    hf = _build("nemotron_h_omni", num_nextn_predict_layers=1)
+    assert hf.vision_final_layernorm is not None
+    path = save_tiny(hf, tmp_path / "saved")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    assert any(n.startswith("vision_projector.vision_final_layernorm.") for n in tensors)
+    tensors["language_model.mtp.layers.0.norm.weight"] = torch.ones(SIZES["hidden_size"])
+    released = _copy(path, tmp_path / "released", tensors)
+    with caplog.at_level(logging.INFO, logger="dynamoe.models.loader"):
+        ours = dm.load(released, progress=False)
+    notes = [r.getMessage() for r in caplog.records if "not loading" in r.getMessage()]
+    assert len(notes) == 1 and "vision_projector.* (2 tensors)" in notes[0] and "language_model.mtp.* (1 tensors)" in notes[0]
+    check_logits(hf, ours, _ids())
