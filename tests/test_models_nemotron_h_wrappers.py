@@ -288,3 +288,24 @@ def test_omni_with_mtp_layers_skips_them_and_the_vision_final_norm(tmp_path, cap
     notes = [r.getMessage() for r in caplog.records if "not loading" in r.getMessage()]
     assert len(notes) == 1 and "vision_projector.* (2 tensors)" in notes[0] and "language_model.mtp.* (1 tensors)" in notes[0]
     check_logits(hf, ours, _ids())
+
+
+def test_stacked_ffn_experts_read_as_per_expert_ones():
+    """StackedFFN (in->out, stacked by expert) reads the same experts as PerExpertFFN (out->in, one tensor each), and
+    expert parallelism's contiguous range reads rows of the whole."""
+    from dynamoe.models.weights import read_ffn_experts
+
+    E, F_, D = 4, 6, 5
+    g = torch.Generator().manual_seed(0)
+    per = {f"x.{e}.{p}.weight": torch.randn(shape, generator=g) for e in range(E)
+           for p, shape in (("up_proj", (F_, D)), ("down_proj", (D, F_)))}
+    stacked = {"x.gate_and_up_projs": torch.stack([per[f"x.{e}.up_proj.weight"].t() for e in range(E)]),
+               "x.down_projs": torch.stack([per[f"x.{e}.down_proj.weight"].t() for e in range(E)])}
+    want = read_ffn_experts(per, None, "x", PerExpertFFN(), E, F_, D, torch.float32, "cpu")
+    got = read_ffn_experts(stacked, None, "x", StackedFFN(), E, F_, D, torch.float32, "cpu")
+    assert torch.equal(got.w1, want.w1) and torch.equal(got.w2, want.w2)
+    part = read_ffn_experts(stacked, None, "x", StackedFFN(), E, F_, D, torch.float32, "cpu", local=range(1, 3))
+    assert torch.equal(part.w1, want.w1[1:3]) and torch.equal(part.w2, want.w2[1:3])
+    with pytest.raises(ValueError, match=r"'x.down_projs': expected shape \(4, 6, 5\)"):
+        read_ffn_experts({**stacked, "x.down_projs": torch.zeros(E, D, F_)}, None, "x", StackedFFN(), E, F_, D,
+                         torch.float32, "cpu")

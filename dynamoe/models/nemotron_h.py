@@ -22,8 +22,8 @@ Checkpoint: ``backbone.embeddings``, ``backbone.layers.{i}.norm``, ``backbone.la
 MLP: ``{up,down}_proj``), ``backbone.norm_f``, ``lm_head``. Multi-token-prediction tensors (``mtp.*``) are not
 loaded (plain decoding does not run them; the loader names them once).
 
-Multimodal wrappers (text only: their other parts are skipped and logged, the server refuses images naming the
-model):
+Multimodal wrappers (text only: their other parts are skipped and logged, the server refuses images and audio naming
+the model):
 
 * Nemotron-3-Nano-Omni (``nemotron_h_omni``, NemotronH_Omni_Reasoning_V3; the config nests the text model under
   ``text_config``, released ones under ``llm_config``): the text model under ``language_model.`` (``backbone.*`` and
@@ -142,7 +142,8 @@ class NemotronHForCausalLM(TextOfWrapper, CausalLM):
 
     @property
     def text_only_reason(self) -> str | None:
-        """What the server tells a request with an image: a wrapper's towers are not loaded (Nemotron-H reads text)."""
+        """What the server tells a request with an image or audio: a wrapper's encoders are not loaded (Nemotron-H
+        reads text)."""
         if self.config.model_type == "nemotron_h_omni":
             return "its vision and audio encoders are not loaded (dynamoe serves the Nemotron-H text model only)"
         if self.config.model_type == "nemo_speechlm":
