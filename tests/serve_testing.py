@@ -284,8 +284,13 @@ def scripted_server(tmp_path_factory) -> InProcessServer:
     return _SHARED["scripted"]
 
 
-def image_refusal(model, tmp_dir: str, model_name: str) -> str:
-    """The error message a served ``model`` gives a chat request holding an image part (asserting a 400)."""
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+AUDIO_PART = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+
+
+def image_refusal(model, tmp_dir: str, model_name: str, part: dict = IMAGE_PART) -> str:
+    """The error message a served ``model`` gives a chat request holding an image part (or ``part``, e.g.
+    :data:`AUDIO_PART`), asserting a 400."""
     from engine_testing import write_tokenizer_dir
 
     from dynamoe.engine import GenerationEngine, Tokenizer
@@ -293,9 +298,8 @@ def image_refusal(model, tmp_dir: str, model_name: str) -> str:
     tok = Tokenizer.from_dir(write_tokenizer_dir(os.path.join(tmp_dir, "tok")))
     srv = InProcessServer(GenerationEngine(model, tok, max_seq_len=64, max_batch=2), tok, model_name=model_name)
     try:
-        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={"messages": [
-            {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]})
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]})
         assert r.status_code == 400, r.text
         return r.json()["error"]["message"]
     finally:

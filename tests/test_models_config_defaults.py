@@ -105,6 +105,10 @@ FAMILIES = {
     "granitemoehybrid": ("GraniteMoeHybridConfig", dict(mamba_n_heads=8)),
     # Nemotron-H: blocks by kind (its default: M, E, *, -), DeepSeek-V3 routing
     "nemotron_h": ("NemotronHConfig", {}),
+    # ... and in its multimodal wrappers: Nemotron-3-Nano-Omni, Nemotron-3.5-Transcribe (a text_config given as a dict
+    # takes NemotronHConfig's defaults, not the transcription config's released sizes: those fill in a missing one)
+    "nemotron_h_omni": ("NemotronH_Omni_Reasoning_V3_Config", {}),
+    "nemo_speechlm": ("Nemotron3_5TranscribeConfig", {}),
     # LFM2-MoE: short convolutions and attention (its config class derives no layer_types: the model needs them)
     "lfm2_moe": ("Lfm2MoeConfig", dict(layer_types=["conv", "conv", "full_attention", "conv"])),
     # MiniMax-Text-01: lightning and softmax attention alternating, Mixtral's MoE, residual factors
@@ -182,7 +186,7 @@ WRAPPED = {"qwen3_5_moe": ("text_config",), "qwen3_vl_moe": ("text_config",), "g
            "inkling_mm_model": ("text_config",), "inkling2": ("text_config",), "inkling2_loop": ("text_config",),
            "ernie4_5_vl_moe": ("text_config",),
            "deepseek_ocr2": ("text_config",), "muse_spark": ("text_config",), "qwen4_exp": ("text_config",),
-           "unlimited_ocr": ("text_config",)}
+           "unlimited_ocr": ("text_config",), "nemotron_h_omni": ("text_config",), "nemo_speechlm": ("text_config",)}
 INKLING = {"inkling_text", "inkling_mm_model"}
 INKLING2 = {"inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"}
 INKLING2_LOOP = {"inkling2_loop_text", "inkling2_loop"}
@@ -198,7 +202,8 @@ QWEN3_RULE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_vl_
               "qwen3_omni_moe", "flint"}
 QWEN4 = {"qwen4_exp_text", "qwen4_exp"}
 HYBRID = {"qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "lara_mini"} | QWEN4
-MAMBA = {"jamba", "granitemoehybrid", "nemotron_h", "lfm2_moe", "minimax", "bailing_hybrid", "minimax_m3_vl_text", "minimax_m3_vl"}
+NEMOTRON = {"nemotron_h", "nemotron_h_omni", "nemo_speechlm"}
+MAMBA = {"jamba", "granitemoehybrid", "lfm2_moe", "minimax", "bailing_hybrid", "minimax_m3_vl_text", "minimax_m3_vl"} | NEMOTRON
 DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                  "dots1", "glm4v_moe", "glm4v_moe_text", "sarvam_mla"}
 MLA_FAMILIES = ((DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_text"})
@@ -207,8 +212,8 @@ MLA_FAMILIES = ((DEEPSEEK_LIKE - {"glm4_moe", "dots1", "glm4v_moe", "glm4v_moe_t
 DEEPSEEK_ROUTING = (DEEPSEEK_LIKE | {"kimi_linear", "bailing_hybrid", "mimo_v2_flash", "mistral4", "solar_open",
                                      "sarvam_moe", "beam", "axk1", "axk2"} | GLM5 | HY4 | DOTS3)
 # no single rope_parameters dict: Kimi-Linear and Jamba have no RoPE, MiMo-V2-Flash one per layer type
-NO_SINGLE_ROPE = ({"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "jamba", "nemotron_h",
-                   "deepseek_v4"} | INKLING | INKLING2 | STEP | GLM5 | DOTS3 | GEMMA4)
+NO_SINGLE_ROPE = ({"kimi_linear", "mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "jamba",
+                   "deepseek_v4"} | INKLING | INKLING2 | STEP | GLM5 | DOTS3 | GEMMA4 | NEMOTRON)
 ROPE_PER_LAYER_TYPE = {"mimo_v2_flash", "laguna", "mellum", "beam", "zaya", "deepseek_v4"} | STEP | DOTS3 | GEMMA4
 # ZAYA's layer kind names -> dynamoe's
 ZAYA_KINDS = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
@@ -313,7 +318,7 @@ def _hf_moe_layers(hf, mt):
         return [e > 1 for e in hf.layers_num_experts]
     if mt == "granitemoehybrid":
         return [hf.num_local_experts > 0] * n
-    if mt == "nemotron_h":
+    if mt in NEMOTRON:
         return [t == "moe" for t in hf.layers_block_type]
     if mt == "lfm2_moe":
         return [i >= hf.num_dense_layers for i in range(n)]
@@ -380,7 +385,7 @@ FIELDS = {
     # DBRX's LayerNorms: torch's default eps (its config has no field)
     # (Nemotron-H: layer_norm_epsilon; LFM2: norm_eps; Cohere2-MoE: LayerNorms of layer_norm_eps when rms_norm_eps is
     # null)
-    "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.layer_norm_epsilon if mt == "nemotron_h"
+    "rms_norm_eps": (lambda hf, mt: 1e-5 if mt == "dbrx" else hf.layer_norm_epsilon if mt in NEMOTRON
                      else hf.norm_eps if mt == "lfm2_moe"
                      else hf.layer_norm_eps if getattr(hf, "rms_norm_eps", 0) is None else hf.rms_norm_eps, None, None),
     "layer_norm": (lambda hf, mt: getattr(hf, "rms_norm_eps", 0) is None, None, None),
@@ -396,11 +401,13 @@ FIELDS = {
     # activation_function
     "hidden_act": (lambda hf, mt: hf.activation_function if mt == "jetmoe" else hf.hidden_activation if mt in GEMMA4
                    else hf.hidden_act, None,
-                   set(FAMILIES) - {"gpt_oss", "dbrx", "nemotron_h", "lfm2_moe"}),
+                   set(FAMILIES) - {"gpt_oss", "dbrx", "lfm2_moe"} - NEMOTRON),
     # DBRX: clip_qkv in attn_config
     "clip_qkv_dbrx": (lambda hf, mt: hf.attn_config.clip_qkv, lambda cfg: cfg.clip_qkv, {"dbrx"}),
-    # (Inkling never ties: its checkpoints keep embed and unembed apart, whatever the attribute says)
-    "tie_word_embeddings": (lambda hf, mt: mt not in INKLING | INKLING2 and hf.tie_word_embeddings, None, None),
+    # (Inkling never ties: its checkpoints keep embed and unembed apart, whatever the attribute says; nor does
+    # Nemotron-H: NemotronHForCausalLM has no tied weights)
+    "tie_word_embeddings": (lambda hf, mt: mt not in INKLING | INKLING2 | NEMOTRON and hf.tie_word_embeddings, None,
+                            None),
     # Mixtral's attention has no biases (and no attention_bias field)
     # (Kolibri-1's attention has no biases, whatever a config attribute says)
     "attention_bias": (lambda hf, mt: mt != "kolibri1" and getattr(hf, "attention_bias", False), None, None),
@@ -585,9 +592,9 @@ FIELDS = {
                      lambda cfg: (cfg.ssm.kind, cfg.ssm.intermediate_size, cfg.ssm.state_size, cfg.ssm.conv_kernel,
                                   cfg.ssm.conv_bias, cfg.ssm.proj_bias, cfg.ssm.activation, cfg.ssm.num_heads,
                                   cfg.ssm.head_dim, cfg.ssm.n_groups, cfg.ssm.chunk_size, cfg.ssm.time_step_limit),
-                     {"nemotron_h"}),
+                     NEMOTRON),
     **{f"{ours}_nemotron": (lambda hf, mt, theirs=theirs: getattr(hf, theirs), lambda cfg, ours=ours: getattr(cfg, ours),
-                            {"nemotron_h"})
+                            NEMOTRON)
        for ours, theirs in (("n_group", "n_group"), ("topk_group", "topk_group"), ("norm_topk_prob", "norm_topk_prob"),
                             ("routed_scaling_factor", "routed_scaling_factor"), ("intermediate_size", "intermediate_size"),
                             ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"))},
@@ -977,6 +984,12 @@ def test_omitted_fields_default_as_transformers(mt):
                     "mamba_d_conv": 3, "mamba_chunk_size": 64, "mamba_conv_bias": False, "n_routed_experts": 16,
                     "mamba_num_heads": 8, "mamba_head_dim": 8}),
     ("nemotron_h", {"layers_block_type": ["mamba", "attention", "moe"], "layer_norm_epsilon": 1e-6}),
+    ("nemotron_h", {"tie_word_embeddings": True}),                       # never tied
+    # ... inside its wrappers (the hub's names in text_config; never tied, at either level)
+    ("nemotron_h_omni", {"hybrid_override_pattern": "ME*-", "mamba_n_groups": 4, "mamba_dt_min": 0.01,
+                         "tie_word_embeddings": True}),
+    ("nemo_speechlm", {"hybrid_override_pattern": "MEM*E", "n_routed_experts": 16, "num_experts_per_tok": 4,
+                       "routed_scaling_factor": 2.5, "tie_word_embeddings": True}),
     ("minimax", {"sliding_window": 64, "block_size": 32, "mlp_alpha_factor": 0.5, "head_dim": 16,
                  "layer_types": ["linear_attention"] * 3 + ["full_attention"]}),
     # Ling-3, the hub's way: its names, a group size of 2, an explicit mlp_layer_types, MTP layers

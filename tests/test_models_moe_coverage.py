@@ -112,7 +112,7 @@ def test_refused_types_raise_before_parsing(moe_types):
 
 
 @pytest.mark.parametrize("mt,why", [
-    ("nemotron_h_omni", "wrapper"),                       # was: 'hidden_size' is required
+    ("diffusion_gemma", "wrapper"),                       # was: 'hidden_size' is required
     ("nllb-moe", "encoder-decoder"),                      # not a decoder-only model: would complain about its fields
     ("unlimited_ocr_text", "no causal LM with a head"),   # a base model: would parse, then miss lm_head
 ])

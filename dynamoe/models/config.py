@@ -113,6 +113,11 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "inkling2_loop": TextWrapper(("text_config",), ("inkling2_loop_text",)),
     # (Gemma4ForConditionalGeneration ties by the wrapper's flag, default true)
     "gemma4": TextWrapper(("text_config",), ("gemma4_text",), tie_default=True),
+    # Nemotron-3-Nano-Omni (NemotronH_Omni_Reasoning_V3): its language model is a NemotronHForCausalLM, which never
+    # ties (nemotron_h ignores the flag); released configs nest it under llm_config (the config class's legacy name)
+    "nemotron_h_omni": TextWrapper(("text_config",), ("nemotron_h",), legacy_key="llm_config"),
+    # Nemotron-3.5-Transcribe (Nemotron3_5TranscribeForConditionalGeneration never ties: no tied weights)
+    "nemo_speechlm": TextWrapper(("text_config",), ("nemotron_h",)),
 }
 #: fields that describe the whole checkpoint: the outermost level that gives one wins (as transformers'
 #: generation config reads token ids: the wrapper's, else its text config's)

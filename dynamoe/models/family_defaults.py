@@ -636,9 +636,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # 'mlp' -- from layers_block_type / layer_types, else the hub's hybrid_override_pattern (M, *, E, -), else
     # its four-block default; num_hidden_layers is the list's length ("nemotron_layers"). The hub's mamba_* names
     # win over the plain ones (as the config class pops them); DeepSeek-V3's sigmoid routing with a selection
-    # bias; the norms' eps is layer_norm_epsilon; experts and shared expert are relu2 MLPs
+    # bias; the norms' eps is layer_norm_epsilon; experts and shared expert are relu2 MLPs; never tied
+    # (NemotronHForCausalLM has no tied weights, whatever tie_word_embeddings says: "ignored")
     "nemotron_h": {"num_experts": 8, "num_experts_per_tok": 2, "head_dim": 128, "ssm": "nemotron",
-                   "nemotron_layers": True, "ignored": ("rms_norm_eps", "hidden_act", "scoring_func"),
+                   "nemotron_layers": True,
+                   "ignored": ("rms_norm_eps", "hidden_act", "scoring_func", "tie_word_embeddings"),
                    "aliases": {"rms_norm_eps": "layer_norm_epsilon", "layer_types": "layers_block_type",
                                "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size"},
                    "fields": {"num_key_value_heads": 8, "max_position_embeddings": 4096, "layer_norm_epsilon": 1e-5,

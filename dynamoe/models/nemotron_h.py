@@ -22,6 +22,22 @@ Checkpoint: ``backbone.embeddings``, ``backbone.layers.{i}.norm``, ``backbone.la
 MLP: ``{up,down}_proj``), ``backbone.norm_f``, ``lm_head``. Multi-token-prediction tensors (``mtp.*``) are not
 loaded (plain decoding does not run them; the loader names them once).
 
+Multimodal wrappers (text only: their other parts are skipped and logged, the server refuses images and audio naming
+the model):
+
+* Nemotron-3-Nano-Omni (``nemotron_h_omni``, NemotronH_Omni_Reasoning_V3; the config nests the text model under
+  ``text_config``, released ones under ``llm_config``): the text model under ``language_model.`` (``backbone.*`` and
+  ``lm_head``, as above); not loaded: the RADIO vision tower ``vision_model.``, its projector ``mlp1.`` and final norm
+  ``vision_projector.``, the Parakeet audio encoder ``sound_encoder.`` and its projector ``sound_projection.``, the
+  MTP layers ``language_model.mtp.``.
+* Nemotron-3.5-Transcribe (``nemo_speechlm``, Nemotron3_5TranscribeForConditionalGeneration): the text model under
+  NeMo's names, ``llm.model.`` (``embed_tokens``, ``layers.{i}``, ``norm``; the Mamba blocks' ``A_log``, ``D``,
+  ``dt_bias`` under ``mixer._fp32_params.``) and ``llm.lm_head``; the routed experts per expert (what transformers
+  saves) or stacked in->out, ``experts.gate_and_up_projs`` [E, D, F] / ``experts.down_projs`` [E, F, D] (the
+  released export); TransformerEngine's ``*._extra_state`` entries are not tensors of the model. Not loaded: the
+  speech and diarization encoders and the projector ``perception.``, the word-timestamp head ``ctc_timestamp.``, the
+  MTP layers ``llm.mtp.``.
+
 Not supported (a ValueError naming the field): ``moe_latent_size`` (experts in a projected latent space),
 ``mlp_bias``, an ``mlp_hidden_act`` other than relu2. The model keeps per-sequence recurrent state
 (``recurrent_state = True``: no prefix reuse).
@@ -39,7 +55,8 @@ from .mamba2 import Mamba2Mixer
 from .moe_block import SparseMoeBlock
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
-from .weights import PerExpertFFN
+from .weights import PerExpertFFN, StackedFFN
+from .wrapped import TextOfWrapper, WrapperLayout
 
 __all__ = ["NemotronHForCausalLM", "NemotronHBlock", "NemotronHMoE", "ReluSquaredMLP"]
 
@@ -88,16 +105,28 @@ class NemotronHBlock(nn.Module):
         return h_BTD + (self.mixer(x, positions_BT, cache, slots, kv_len) if self.takes_positions else self.mixer(x))
 
 
-class NemotronHForCausalLM(CausalLM):
-    """Nemotron-H (see the module docstring)."""
+_MOE_RENAMES = ((".mixer.moe.gates.0.wg.", ".mixer.gate."), (".mixer.moe.gates.0.", ".mixer.gate."),
+                (".mixer.moe.", ".mixer."))
+# NeMo's names (Nemotron-3.5-Transcribe): embed_tokens and norm as ours, the Mamba parameters NeMo keeps in fp32 apart
+_NEMO_RENAMES = _MOE_RENAMES + tuple((f".mixer.{n}", f".mixer._fp32_params.{n}") for n in ("A_log", "D", "dt_bias"))
+
+
+class NemotronHForCausalLM(TextOfWrapper, CausalLM):
+    """Nemotron-H (see the module docstring), alone or in a multimodal wrapper."""
 
     #: the Mamba layers' conv window and SSM state summarise a slot's whole prefix: no prefix reuse
     recurrent_state = True
-    checkpoint_renames = ((".mixer.moe.gates.0.wg.", ".mixer.gate."), (".mixer.moe.gates.0.", ".mixer.gate."),
-                          (".mixer.moe.", ".mixer."), ("model.embed_tokens.", "model.embeddings."),
-                          ("model.norm.", "model.norm_f."))
+    checkpoint_renames = _MOE_RENAMES + (("model.embed_tokens.", "model.embeddings."), ("model.norm.", "model.norm_f."))
     expert_layout = PerExpertFFN("up_proj", "down_proj")
-    unused_checkpoint_prefixes = ("mtp.",)
+    wrapper_layouts = {
+        "nemotron_h_omni": WrapperLayout("language_model.backbone.", "language_model.",
+                                         unused=("vision_model.", "mlp1.", "vision_projector.", "sound_encoder.",
+                                                 "sound_projection.", "language_model.mtp.")),
+        "nemo_speechlm": WrapperLayout("llm.model.", "llm.", unused=("perception.", "ctc_timestamp.", "llm.mtp."),
+                                       renames=_NEMO_RENAMES),
+    }
+    #: the released Nemotron-3.5-Transcribe export's routed experts (see adapt_to_checkpoint)
+    nemo_expert_layout = StackedFFN("gate_and_up_projs", "down_projs")
 
     def __init__(self, config: ModelConfig, dtype=None):
         raw = config.raw
@@ -111,10 +140,41 @@ class NemotronHForCausalLM(CausalLM):
                              f"{raw.get('mlp_hidden_act')!r}")
         super().__init__(config, dtype)
 
+    @property
+    def text_only_reason(self) -> str | None:
+        """What the server tells a request with an image or audio: a wrapper's encoders are not loaded (Nemotron-H
+        reads text)."""
+        if self.config.model_type == "nemotron_h_omni":
+            return "its vision and audio encoders are not loaded (dynamoe serves the Nemotron-H text model only)"
+        if self.config.model_type == "nemo_speechlm":
+            return ("its speech encoders are not loaded (dynamoe serves the Nemotron-H language model only, "
+                    "without transcription)")
+        return None
+
+    @property
+    def unused_checkpoint_prefixes(self) -> tuple:
+        return ("mtp.",) if self.wrapper_layout() is None else self.wrapper_layout().unused
+
     def checkpoint_name(self, name: str) -> str:
-        """Ours -> the checkpoint's: the renames, then ``model.`` -> ``backbone.``."""
+        """Ours -> the checkpoint's: the renames, then ``model.`` -> ``backbone.`` (in a wrapper: where the wrapper
+        keeps the stack and the head, :class:`TextOfWrapper`)."""
         name = super().checkpoint_name(name)
-        return "backbone." + name[len("model."):] if name.startswith("model.") else name
+        if self.wrapper_layout() is None and name.startswith("model."):
+            return "backbone." + name[len("model."):]
+        return name
+
+    def adapt_to_checkpoint(self, names) -> None:
+        """Called by the loader with the checkpoint's tensor names: Nemotron-3.5-Transcribe's released export stacks
+        the routed experts (``experts.gate_and_up_projs`` / ``down_projs``, in->out), what transformers saves keeps
+        them per expert; the layout switches to what the checkpoint holds."""
+        if self.config.model_type == "nemo_speechlm" and any(
+                n.endswith(".mixer.experts." + self.nemo_expert_layout.up) for n in names):
+            self.expert_layout = self.nemo_expert_layout
+
+    def ignores_checkpoint_tensor(self, name: str) -> bool:
+        """NeMo's export keeps TransformerEngine's ``_extra_state`` (metadata, not weights) beside the tensors of the
+        language model (transformers leaves them unread too)."""
+        return self.config.model_type == "nemo_speechlm" and name.endswith("._extra_state")
 
     def build_norm(self, cfg: ModelConfig, dim: int, dtype) -> nn.Module:
         return RMSNorm(dim, cfg.rms_norm_eps, weight_in_fp32=True, dtype=dtype)

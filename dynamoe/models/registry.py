@@ -131,7 +131,9 @@ register("step3p7", "dynamoe.models.step3p5:Step3p7ForCausalLM", ("Step3p7ForCon
 register("jamba", "dynamoe.models.jamba:JambaForCausalLM", ("JambaForCausalLM",))
 register("granitemoehybrid", "dynamoe.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
          ("GraniteMoeHybridForCausalLM",))
-register("nemotron_h", "dynamoe.models.nemotron_h:NemotronHForCausalLM", ("NemotronHForCausalLM",))
+register("nemotron_h", "dynamoe.models.nemotron_h:NemotronHForCausalLM",
+         ("NemotronHForCausalLM", "NemotronH_Omni_Reasoning_V3", "Nemotron3_5TranscribeForConditionalGeneration"),
+         aliases=("nemotron_h_omni", "nemo_speechlm"))
 register("lfm2_moe", "dynamoe.models.lfm2_moe:Lfm2MoeForCausalLM", ("Lfm2MoeForCausalLM",))
 register("minimax", "dynamoe.models.minimax:MiniMaxForCausalLM", ("MiniMaxForCausalLM",))
 register("bailing_hybrid", "dynamoe.models.bailing_hybrid:BailingHybridForCausalLM", ("BailingHybridForCausalLM",))

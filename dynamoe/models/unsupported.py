@@ -36,10 +36,6 @@ UNSUPPORTED: dict[str, str] = {
                              "(model_type 'ernie4_5_vl_moe') load, text only"),
     "muse_spark_text": ("the base language model of Muse Spark (MuseSparkTextModel: transformers has no causal LM with "
                         "a head for it); its multimodal checkpoints (model_type 'muse_spark') load, text only"),
-    "nemo_speechlm": ("a speech-language wrapper whose checkpoint layout is not mapped yet (its default language "
-                      "model, Nemotron-H, loads on its own as model_type 'nemotron_h')"),
-    "nemotron_h_omni": ("a multimodal (audio / vision) wrapper whose checkpoint layout (llm_config / text_config) is not "
-                        "mapped yet (its language model, Nemotron-H, loads on its own as model_type 'nemotron_h')"),
     "nllb-moe": "NLLB-MoE is an encoder-decoder translation model, not a decoder-only causal LM",
     "openai_privacy_filter": "a bidirectional token classifier, not a causal LM",
     "qwen3_omni_moe_talker_text": "the speech talker of Qwen3-Omni, not a text causal LM",

@@ -26,6 +26,9 @@ rows), ``w2`` = down [E, D, F], optional biases b1 [E, 2F], b2 [E, D]. On disk:
 * :class:`PerExpertFFN` -- non-gated experts (Nemotron-H: ``experts.{e}.up_proj|down_proj.weight``), read by
   :func:`read_ffn_experts` into ``w1`` = up [E, F, D] and ``w2`` = down [E, D, F]; packed tensors are dequantized
   (dynamoe's packed expert kernels are GLU).
+* :class:`StackedFFN` -- non-gated experts stacked by expert and stored in->out (NeMo's Nemotron-H export inside
+  Nemotron-3.5-Transcribe: ``experts.gate_and_up_projs`` [E, D, F], ``experts.down_projs`` [E, F, D]), read by
+  :func:`read_ffn_experts` as well; dense only.
 
 Readers stream: the dense result is allocated once in the target dtype and filled one expert (or
 one tensor) at a time; packed weights stay packed (:mod:`dynamoe.quant.checkpoint`).
@@ -48,7 +51,7 @@ from ..quant.base import QuantizedWeight
 from ..quant.dequantize import dense
 from ..quant.checkpoint import QuantConfig, concat_out, deinterleave_gate_up, read_weight, stack_experts
 
-__all__ = ["PerExpert", "PerExpertFFN", "FusedInterleaved", "FusedGateUp", "Stacked", "SplitStacked", "RowStacked",
+__all__ = ["PerExpert", "PerExpertFFN", "StackedFFN", "FusedInterleaved", "FusedGateUp", "Stacked", "SplitStacked", "RowStacked",
            "ExpertWeights", "ExpertRows", "read_experts", "read_ffn_experts", "check_shape"]
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,15 @@ class PerExpertFFN:
 
     up: str = "up_proj"
     down: str = "down_proj"
+
+
+@dataclass(frozen=True)
+class StackedFFN:
+    """Non-gated experts stacked by expert, stored in->out: ``{prefix}.{up}`` [E, D, F] and ``{prefix}.{down}``
+    [E, F, D] (no ``.weight``; NeMo's names by default)."""
+
+    up: str = "gate_and_up_projs"
+    down: str = "down_projs"
 
 
 @dataclass(frozen=True)
@@ -335,18 +347,33 @@ def _read_row_stacked(tensors: Mapping, qcfg, prefix: str, layout: RowStacked, E
     return ExpertWeights(torch.cat([gate, up], dim=1).contiguous(), down.transpose(1, 2).contiguous())
 
 
-def read_ffn_experts(tensors: Mapping, qcfg: Optional[QuantConfig], prefix: str, layout: PerExpertFFN, num_experts: int,
-                     hidden_size: int, model_dim: int, dtype: torch.dtype, device,
+def _read_stacked_ffn(tensors: Mapping, qcfg, prefix: str, layout: StackedFFN, E: int, F_: int, D: int, dtype,
+                      device) -> ExpertWeights:
+    out = []
+    for name, want in ((f"{prefix}.{layout.up}", (E, D, F_)), (f"{prefix}.{layout.down}", (E, F_, D))):
+        t = read_weight(tensors, name, qcfg)
+        if isinstance(t, QuantizedWeight):
+            raise ValueError(f"tensor {name!r} is quantized: stacked non-gated (NeMo-style) experts load dense only")
+        check_shape(name, t.shape, want)
+        out.append(t.to(dtype=dtype, device=device).transpose(1, 2).contiguous())   # in->out -> out->in
+    return ExpertWeights(*out)
+
+
+def read_ffn_experts(tensors: Mapping, qcfg: Optional[QuantConfig], prefix: str, layout: Union[PerExpertFFN, StackedFFN],
+                     num_experts: int, hidden_size: int, model_dim: int, dtype: torch.dtype, device,
                      local: Optional[range] = None) -> ExpertWeights:
-    """Non-gated experts under ``prefix`` as dense ``w1`` = up [L, F, D] and ``w2`` = down [L, D, F] in ``dtype``
-    (``local``: the contiguous range of the E experts to read, as :func:`read_experts`); a packed tensor is
-    dequantized, logged once per prefix."""
-    if not isinstance(layout, PerExpertFFN):
-        raise ValueError(f"non-gated experts are read from a PerExpertFFN layout, got {layout!r}")
+    """Non-gated experts under ``prefix`` (``layout``: :class:`PerExpertFFN` or :class:`StackedFFN`) as dense ``w1`` =
+    up [L, F, D] and ``w2`` = down [L, D, F] in ``dtype`` (``local``: the contiguous range of the E experts to read, as
+    :func:`read_experts`); a packed per-expert tensor is dequantized, logged once per prefix."""
+    if not isinstance(layout, (PerExpertFFN, StackedFFN)):
+        raise ValueError(f"non-gated experts are read from a PerExpertFFN or StackedFFN layout, got {layout!r}")
     E, F_, D = num_experts, hidden_size, model_dim
     local = range(E) if local is None else local
     if local.step != 1 or not 0 <= local.start < local.stop <= E:
         raise ValueError(f"local must be a non-empty contiguous range within [0, {E}), got {local!r}")
+    if isinstance(layout, StackedFFN):
+        return _read_stacked_ffn(ExpertRows(tensors, local, E) if len(local) != E else tensors, qcfg, prefix, layout,
+                                 len(local), F_, D, dtype, device)
     w1 = torch.empty(len(local), F_, D, dtype=dtype, device=device)
     w2 = torch.empty(len(local), D, F_, dtype=dtype, device=device)
     packed = False

@@ -1,6 +1,6 @@
-"""The text model of a multimodal wrapper checkpoint (Qwen3.5-MoE, Qwen3-VL-MoE, GLM-4.5V, Qwen3-Omni, Llama 4):
-where the wrapper keeps the decoder stack and the lm_head, and which of its parts the text model does not
-load (the vision tower, an audio encoder, a speech talker).
+"""The text model of a multimodal wrapper checkpoint (Qwen3.5-MoE, Qwen3-VL-MoE, GLM-4.5V, Qwen3-Omni, Llama 4,
+Nemotron-3-Nano-Omni, Nemotron-3.5-Transcribe, ...): where the wrapper keeps the decoder stack and the lm_head, and
+which of its parts the text model does not load (the vision tower, an audio encoder, a speech talker).
 
 Its config.json is flattened by :func:`dynamoe.models.config.unwrap_text_config` (``text_config_nested``
 then says the weights sit where the wrapper keeps them); a config of the text model itself uses our names.
@@ -17,11 +17,14 @@ __all__ = ["WrapperLayout", "TextOfWrapper"]
 @dataclass(frozen=True)
 class WrapperLayout:
     """``stack``: the checkpoint prefix that holds our ``model.`` (embed_tokens, layers, norm); ``head``: the
-    prefix before ``lm_head``; ``unused``: prefixes of the wrapper's other parts (skipped, logged once)."""
+    prefix before ``lm_head``; ``unused``: prefixes of the wrapper's other parts (skipped, logged once);
+    ``renames``: the text model's ``checkpoint_renames`` inside this wrapper, in place of the family's (None: the
+    family's; Nemotron-3.5-Transcribe keeps its Nemotron-H under NeMo's names, not transformers')."""
 
     stack: str
     head: str = ""
     unused: tuple = ()
+    renames: tuple | None = None
 
 
 class TextOfWrapper:
@@ -48,8 +51,12 @@ class TextOfWrapper:
         return () if layout is None else layout.unused
 
     def checkpoint_name(self, name: str) -> str:
-        name = super().checkpoint_name(name)
         layout = self.wrapper_layout()
+        if layout is not None and layout.renames is not None:   # (first match, as CausalLM.checkpoint_name)
+            name = self.checkpoint_prefix + next((name.replace(ours, theirs, 1) for ours, theirs in layout.renames
+                                                  if ours in name), name)
+        else:
+            name = super().checkpoint_name(name)
         if layout is None:
             return name
         if name.startswith("model."):

@@ -93,11 +93,12 @@ def server(request: Request) -> ServerState:
 # --- request -> engine inputs ---------------------------------------------------------------------
 
 _IMAGE_PARTS = ("image_url", "input_image", "image")
+_AUDIO_PARTS = ("input_audio", "audio_url")
 
 
-def _text(content, where: str, images: str | None = None) -> str:
-    """OpenAI message content: a string, or parts of which only text is supported (``images``: what an
-    image part is told)."""
+def _text(content, where: str, images: str | None = None, audio: str | None = None) -> str:
+    """OpenAI message content: a string, or parts of which only text is supported (``images`` / ``audio``: what
+    an image / audio part is told)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -113,6 +114,8 @@ def _text(content, where: str, images: str | None = None) -> str:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 if kind in _IMAGE_PARTS and images:
                     raise APIError(400, f"{where}[{j}] is an {kind!r} part: {images}; send text parts only", param=where)
+                if kind in _AUDIO_PARTS and audio:
+                    raise APIError(400, f"{where}[{j}] is an {kind!r} part: {audio}; send text parts only", param=where)
                 raise APIError(400, f"{where}[{j}] is a {kind!r} part; this server takes text only", param=where)
         return "".join(out)
     raise APIError(400, f"{where} must be a string or a list of text parts, got {type(content).__name__}", param=where)
@@ -129,10 +132,10 @@ def _arguments(value):
     return value if value is not None else {}
 
 
-def openai_messages(messages: list[dict], images: str | None = None) -> list[dict]:
+def openai_messages(messages: list[dict], images: str | None = None, audio: str | None = None) -> list[dict]:
     """OpenAI chat messages -> the chat template's messages (``developer`` is a system message;
-    text parts joined; reasoning as ``reasoning_content``; tool calls with dict arguments). ``images``:
-    the error an image part gets (:attr:`ServerState.no_images`)."""
+    text parts joined; reasoning as ``reasoning_content``; tool calls with dict arguments). ``images`` /
+    ``audio``: the error an image / audio part gets (:attr:`ServerState.no_images`, :attr:`ServerState.no_audio`)."""
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
     out = []
@@ -142,7 +145,8 @@ def openai_messages(messages: list[dict], images: str | None = None) -> list[dic
         if role not in ("system", "user", "assistant", "tool"):
             raise APIError(400, f"messages[{i}].role must be one of system, developer, user, assistant, tool; "
                                 f"got {m.get('role')!r}", param=f"messages[{i}].role")
-        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"messages[{i}].content", images)}
+        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"messages[{i}].content", images,
+                                                              audio)}
         if role == "assistant":
             reasoning = m.get("reasoning_content") or m.get("reasoning")
             if isinstance(reasoning, str) and reasoning:
@@ -293,7 +297,7 @@ async def chat_completions(request: Request):
     st.check_model(body.model)
     _check_n(body.n)
     _check_unsupported(body)
-    messages = openai_messages(body.messages, images=st.no_images)
+    messages = openai_messages(body.messages, images=st.no_images, audio=st.no_audio)
     use_tools = bool(body.tools) and body.tool_choice != "none"
     kwargs = dict(body.chat_template_kwargs or {})
     thinking = kwargs.pop("enable_thinking", kwargs.pop("thinking", None))

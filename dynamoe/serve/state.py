@@ -141,10 +141,19 @@ class ServerState:
         """What a request holding an image is told, naming the served model: dynamoe's models read text
         (a vision-language checkpoint such as Kimi-K2.5 is served without its vision tower, which its model
         class says in ``text_only_reason``)."""
+        return self._not_supported("images are")
+
+    @property
+    def no_audio(self) -> str:
+        """What a request holding audio is told, naming the served model (an omni or speech checkpoint such as
+        Nemotron-3.5-Transcribe is served without its audio encoders: ``text_only_reason``)."""
+        return self._not_supported("audio is")
+
+    def _not_supported(self, what: str) -> str:
         model = self.engine.model
         kind = getattr(getattr(model, "config", None), "model_type", None)
         reason = getattr(model, "text_only_reason", None) or "dynamoe serves it as a text model"
-        return f"images are not supported by the model {self.model_name!r}{f' ({kind})' if kind else ''}: {reason}"
+        return f"{what} not supported by the model {self.model_name!r}{f' ({kind})' if kind else ''}: {reason}"
 
     def check_model(self, name: str | None) -> None:
         """OpenAI routes: only the served model (or no name) is accepted."""
