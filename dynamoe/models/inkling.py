@@ -33,7 +33,7 @@ from .attention import attention_mask, cached_length, write_kv
 from .base import CausalLM
 from .cache import KVCache
 from .config import ModelConfig, inkling_attention_sizes
-from .linear_attention import slot_states
+from .linear_attention import record_conv_windows, slot_states
 from .mamba import conv_with_state
 from .moe_block import GatedMLP, SparseMoeBlock, glu_kind
 from .norms import RMSNorm
@@ -62,6 +62,8 @@ class InklingShortConv(nn.Module):
             slot_states(cache, self.layer_idx, slots, positions_BT, x.size(1), None, None, self.checks_position)
             buf = cache.buffer(self.layer_idx, f"conv_{self.name}", x.size(-1), self.kernel - 1, dtype=torch.float32)
             window = buf[slots].masked_fill((positions_BT[:, 0] == 0).view(-1, 1, 1), 0)
+            if cache.keeps_history:   # speculative verification: the window after every token
+                record_conv_windows(cache, self.layer_idx, f"conv_{self.name}", slots, window, x.transpose(1, 2))
         y, window = conv_with_state(x.transpose(1, 2), self.conv1d, window)
         if cache is not None:
             buf[slots] = window
@@ -287,6 +289,9 @@ class InklingForCausalLM(TextOfWrapper, CausalLM):
 
     #: per-sequence state beside the KV cache (the short convolutions' windows): no prefix reuse
     recurrent_state = True
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".mlp.gate."),
                           (".mlp.moe.gates.0.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
                           (".mlp.router.shared_weight", ".mlp.gate.weight"),

@@ -93,6 +93,9 @@ class NemotronHForCausalLM(CausalLM):
 
     #: the Mamba layers' conv window and SSM state summarise a slot's whole prefix: no prefix reuse
     recurrent_state = True
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = ((".mixer.moe.gates.0.wg.", ".mixer.gate."), (".mixer.moe.gates.0.", ".mixer.gate."),
                           (".mixer.moe.", ".mixer."), ("model.embed_tokens.", "model.embeddings."),
                           ("model.norm.", "model.norm_f."))

@@ -190,6 +190,8 @@ class PerLayerEmbedding(nn.Module):
         history = torch.cat([ctx, ids_BT.long()], dim=1)                                  # [B, n - 1 + T]
         if ctx_buf is not None:
             ctx_buf[slots] = history[:, -(n - 1):]
+            if cache.keeps_history:   # speculative verification: the context after every token
+                cache.record_windows(self.layer_idx, "ngram_context", slots, history, n - 1)
         emb = self.ple_embedding(previous_tokens(history, n, self.eos))                   # [B, T, E]
         key = self.norm_key(self.key_proj(emb).view(B, T, N, D))
         query = self.norm_query(h_BTND)
@@ -202,5 +204,7 @@ class PerLayerEmbedding(nn.Module):
         xs = torch.cat([window.to(x.dtype), x], dim=-1)                                   # [B, N D, W + T]
         if conv_buf is not None:
             conv_buf[slots] = xs[..., xs.size(-1) - self.window:].to(conv_buf.dtype)
+            if cache.keeps_history:
+                cache.record_windows(self.layer_idx, "ple_conv_state", slots, xs, self.window)
         y = F.silu(F.conv1d(xs, self.conv1d.weight, groups=N * D, dilation=n))            # [B, N D, T]
         return value + y.transpose(1, 2).reshape(B, T, N, D)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from .cache import KVCache
-from .linear_attention import slot_states
+from .linear_attention import record_conv_windows, slot_states
 from .mamba import conv_with_state
 
 __all__ = ["ShortConv"]
@@ -51,7 +51,10 @@ class ShortConv(nn.Module):
         if cache is not None:
             conv_buf, _, window, _ = slot_states(cache, self.layer_idx, slots, positions_BT, T, (D, self.kernel - 1),
                                                  None, self.checks_position)
-        y, window = conv_with_state(b * x, self.conv, window)
+        bx = b * x
+        if cache is not None and cache.keeps_history:   # speculative verification: the window after every token
+            record_conv_windows(cache, self.layer_idx, "conv_state", slots, window, bx.to(self.conv.weight.dtype))
+        y, window = conv_with_state(bx, self.conv, window)
         if cache is not None:
             conv_buf[slots] = window.to(conv_buf.dtype)
         return self.out_proj((c * y.to(c.dtype)).transpose(1, 2))
