@@ -34,7 +34,7 @@ from dynamoe.engine import GenerationEngine, SamplingParams  # noqa: E402
 from dynamoe.models.cache import KVCache  # noqa: E402
 
 T = transformers
-GREEDY = SamplingParams(temperature=0)
+GREEDY = SamplingParams(temperature=0, logprobs=2)   # (the logprobs show a wrong state where the argmax does not)
 
 #: family -> (its tiny transformers model, randomize_ scales): one variant each, the one with the widest conv windows
 FAMILIES = {
@@ -128,18 +128,20 @@ def _prompts() -> list[list[int]]:
 
 
 def _generate(model, n: int, **kw):
-    """Greedy outputs of 4 requests (3 slots: batched rows, a slot reused) and the engine."""
+    """Greedy outputs of 4 requests (3 slots: batched rows, a slot reused), their logprobs (the chosen token's and
+    the top 2, [requests, n, 3]) and the engine."""
     engine = GenerationEngine(model, max_seq_len=VOCAB + 2 * n, max_batch=3, block_size=4, prefill_chunk=16, **kw)
     reqs = [engine.add_request(p, GREEDY, n, ignore_eos=True) for p in _prompts()]
     engine.run_until_done()
-    return [r.output_ids for r in reqs], engine
+    lps = torch.tensor([[[lp.logprob, *(v for _, v in lp.top)] for lp in r.logprobs] for r in reqs])
+    return [r.output_ids for r in reqs], lps, engine
 
 
 def test_engine_ngram_drafts_give_plain_tokens(looping_model):
-    """n-gram drafts (speculative_tokens=3) verified in batched forwards: the greedy tokens of plain decoding, with
-    drafts accepted and rejected and, in some forward, rows cut back to different lengths."""
+    """n-gram drafts (speculative_tokens=3) verified in batched forwards: the greedy tokens of plain decoding and
+    their logprobs, with drafts accepted and rejected and, in some forward, rows cut back to different lengths."""
     model = looping_model
-    plain, _ = _generate(model, 24)
+    plain, plain_lps, _ = _generate(model, 24)
     cuts: list[list[int]] = []   # per verification forward, how many drafts each row kept
     begin, rewind = KVCache.begin_history, KVCache._rewind
 
@@ -154,8 +156,9 @@ def test_engine_ngram_drafts_give_plain_tokens(looping_model):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(KVCache, "begin_history", spy_begin)
         mp.setattr(KVCache, "_rewind", spy_rewind)
-        spec, engine = _generate(model, 24, speculative_tokens=3)
+        spec, lps, engine = _generate(model, 24, speculative_tokens=3)
     assert spec == plain
+    torch.testing.assert_close(lps, plain_lps, atol=1e-4, rtol=0)
     t = engine.totals
     assert 0 < t["spec_accepted_ngram"] < t["spec_drafted_ngram"], t   # drafts accepted, and rejected
     assert cuts and any(len(set(c)) > 1 for c in cuts), cuts           # rows of one forward kept different counts
