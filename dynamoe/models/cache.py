@@ -22,7 +22,8 @@ Storage, per attention layer, by name (allocated on first use):
   :meth:`KVCache.truncate` cannot cut it back -- except to a position inside the last forward, when that forward
   ran between :meth:`KVCache.begin_history` and :meth:`KVCache.end_history` (speculative decoding: a verification
   forward whose rejected drafts are cut off): then the layers recorded each buffer's value after every token
-  (:meth:`KVCache.record`) and truncate puts the slot's back to the value after its last kept token.
+  (:meth:`KVCache.record`; :meth:`KVCache.record_windows` for a window of past inputs) and truncate puts the
+  slot's back to the value after its last kept token -- or refuses, naming it, a buffer no layer recorded.
 
 The model advances ``lengths`` once per forward, after all layers.
 

@@ -20,7 +20,8 @@ experts, S shared experts, k experts per token, R relative-bias extent.
   stacked ``shared_experts.{gate,up,down}_proj`` [S, F, D] / [S, D, F]. Dense MLPs times ``global_scale``.
 
 The conv windows (four per layer) live per sequence in the cache beside the keys and values, so the model keeps
-per-sequence state: no prefix reuse. Multi-token-prediction layers (``model.mtp.*``) are not loaded.
+per-sequence state: no prefix reuse (a speculative verification forward records them after every token, so that
+rejected drafts can be cut off: ``recurrent_rollback``). Multi-token-prediction layers (``model.mtp.*``) are not loaded.
 """
 from __future__ import annotations
 

@@ -24,7 +24,9 @@ The layer (:class:`KimiDeltaAttention`): q/k/v projections, a short causal conv 
 sigmoid(``b_proj``(x)), g = -exp(``A_log``) * softplus(``f_b_proj``(``f_a_proj``(x)) + ``dt_bias``),
 the rule above, then ``o_norm`` -- RMSNorm in fp32 times sigmoid(``g_b_proj``(``g_a_proj``(x))) -- and
 ``o_proj``. Its cache use (conv window and fp32 state per slot, read as zero where a row starts at
-position 0, no prefix reuse) is :func:`~dynamoe.models.linear_attention.slot_states`'.
+position 0, no prefix reuse) is :func:`~dynamoe.models.linear_attention.slot_states`'; while the cache keeps a
+history (speculative decoding's verification forward), the layer runs :func:`kda_recurrent` and records its conv
+window and state after every token, so that cutting rejected drafts off rolls them back.
 """
 from __future__ import annotations
 

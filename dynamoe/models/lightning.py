@@ -19,7 +19,9 @@ This is Mamba-2's SSD recurrence (:mod:`dynamoe.models.mamba2`) with x = v, B = 
 With a :class:`~dynamoe.models.cache.KVCache` each layer keeps per slot its fp32 state (``"recurrent_state"``
 [H, d, d]), read as zero for a row whose first position is 0 and continued exactly across chunked prefill and
 decode; the model's first such layer checks that every row continues its slot where it stopped
-(:func:`dynamoe.models.linear_attention.slot_states`, no conv window).
+(:func:`dynamoe.models.linear_attention.slot_states`, no conv window). A speculative verification forward (the cache
+keeping a history) runs token by token and records the state after every token, so that rejected drafts can be cut
+off.
 """
 from __future__ import annotations
 

@@ -26,8 +26,10 @@ built with ``checks_position`` (the model's first linear-attention layer) also k
 slot's state has reached (``"state_position"``) and raises a ValueError when a row continues a slot
 from any other position. The one exception is speculative decoding's verification forward: while the cache
 keeps a history (:meth:`~dynamoe.models.cache.KVCache.begin_history`), :class:`GatedDeltaNet` runs the
-recurrence token by token and records its conv window, its state and the position after every token, so that
-cutting off rejected drafts (``cache.truncate``) puts them back where the kept tokens leave them.
+recurrence token by token and records its conv window (:func:`record_conv_windows`), its state and the position
+after every token, so that cutting off rejected drafts (``cache.truncate``) puts them back where the kept tokens
+leave them. The other layers that keep per-slot state through :func:`slot_states` (Kimi Delta Attention, Mamba-1
+and -2, lightning attention, short convolutions, ...) do the same; plain decoding and prefill record nothing.
 """
 from __future__ import annotations
 

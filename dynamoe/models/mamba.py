@@ -28,7 +28,9 @@ With a :class:`~dynamoe.models.cache.KVCache`, each layer keeps per slot its con
 (``cache.buffer(layer, "conv_state", I, W)``, the cache's dtype) and its state (``"recurrent_state"``,
 fp32 [I, N]), read as zero for a row whose first position is 0 and continued exactly across chunked
 prefill and decode; the model's first Mamba layer checks that every row continues its slot where the state
-stopped (see :func:`dynamoe.models.linear_attention.slot_states`).
+stopped (see :func:`dynamoe.models.linear_attention.slot_states`). While the cache keeps a history (speculative
+decoding's verification forward), the layer runs :func:`selective_scan_recurrent` and records its conv window and
+state after every token, so that cutting rejected drafts off rolls them back.
 """
 from __future__ import annotations
 

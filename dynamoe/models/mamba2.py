@@ -27,7 +27,9 @@ limit (0, inf) clamps nothing).
 
 With a :class:`~dynamoe.models.cache.KVCache`, each layer keeps per slot its conv window (``"conv_state"``
 [I + 2 G N, W], the cache's dtype) and its state (``"recurrent_state"``, fp32 [H, P, N]), as
-:mod:`dynamoe.models.mamba`'s Mamba-1 layers do (:func:`dynamoe.models.linear_attention.slot_states`).
+:mod:`dynamoe.models.mamba`'s Mamba-1 layers do (:func:`dynamoe.models.linear_attention.slot_states`), recording
+both after every token of a speculative verification forward (:func:`ssd_recurrent`) so that rejected drafts can
+be cut off.
 """
 from __future__ import annotations
 

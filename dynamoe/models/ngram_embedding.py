@@ -17,7 +17,8 @@ As transformers' Qwen4ExpTextNGramEmbedding / Qwen4ExpTextPLELayer compute it:
 
 With a :class:`~dynamoe.models.cache.KVCache` each PLE layer keeps per slot the last n - 1 token ids
 (``"ngram_context"``, int64) and the conv's last (K - 1) n inputs (``"ple_conv_state"``); both read as a sequence
-start (eos / zeros) for a row whose first position is 0.
+start (eos / zeros) for a row whose first position is 0, and both recorded after every token of a speculative
+verification forward (the cache keeping a history), so that rejected drafts can be cut off.
 
 Checkpoint: transformers saves the table in ``split_ngram_parts`` row chunks, ``ngram_embedding.shard_{k}.weight``
 (torch.chunk's: rows ceil(V / parts) each, the last fewer), which this module keeps as they are (looked up shard by

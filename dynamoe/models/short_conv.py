@@ -11,7 +11,8 @@ With a :class:`~dynamoe.models.cache.KVCache` the layer keeps per slot the last 
 ``cache.buffer(layer, "conv_state", D, W)`` in the cache's dtype, read as zero for a row whose first position
 is 0 and continued exactly across chunked prefill and decode; the model's first such layer checks that every
 row continues its slot where it stopped (:func:`dynamoe.models.linear_attention.slot_states`, no state
-buffer).
+buffer). A speculative verification forward (the cache keeping a history) records the window after every token, so
+that rejected drafts can be cut off.
 """
 from __future__ import annotations
 

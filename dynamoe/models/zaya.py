@@ -11,7 +11,8 @@ v_proj_delayed(x_{t-1})] (v_proj_delayed(0) before the first token). q and k are
 norm of sqrt(d), k times a learned per-KV-head ``temp``; RoPE (half-split) on the first ``partial_rotary_factor`` of
 each head with a RoPE per layer kind ('hybrid': full attention, 'hybrid_sliding': a window of ``sliding_window``).
 With a cache, each sequence keeps the convolution's last W inputs and the last delayed value in its slot (a
-recurrent state: ``recurrent_state`` is True, so the engine shares no prefix blocks).
+recurrent state: ``recurrent_state`` is True, so the engine shares no prefix blocks; a speculative verification
+forward records both after every token, so that rejected drafts can be cut off: ``recurrent_rollback``).
 
 Layers: h' = s_h * (attn(norm1(h)) + b_h) + s_r * (h + b_r) (``post_attention_residual_scale``, per-channel scales
 and biases), then the same around the MoE (``post_mlp_residual_scale``). The embeddings are (e + b) * s
