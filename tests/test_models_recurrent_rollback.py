@@ -119,8 +119,8 @@ def test_recurrent_state_rolls_back_to_any_position(model):
 
 
 def _prompts() -> list[list[int]]:
-    """Prompts that repeat (n-gram drafts from the start), one that does not, and one holding every token once
-    (whatever the model's first token is, the prompt's next token after it is drafted: mostly rejected)."""
+    """Two prompts repeating a pattern, one without repeats, and one holding every token once (whatever token the
+    model chooses first, the one after it in the prompt is drafted: mostly rejected)."""
     g = torch.Generator().manual_seed(4)
     pat = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (4, 5)]
     return [pat[0] * 4 + [1], torch.randperm(VOCAB, generator=g).tolist(), pat[1] * 3,
