@@ -103,7 +103,7 @@ def check_truncated_slot_is_an_error(ours) -> None:
 
 
 def check_engine(ours) -> None:
-    """dynamoe's engine with its defaults (it turns prefix reuse off for a recurrent model, and speculation) with 2
+    """dynamoe's engine with its defaults (it turns prefix reuse off for a recurrent model; no speculation) with 2
     slots for 3 requests, the third sharing the first's prompt: chunked prefill, decoding rows at different positions
     together and a slot reused by the third request give each request the greedy continuation it gets alone."""
     from dynamoe.engine import GenerationEngine

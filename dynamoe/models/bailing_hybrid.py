@@ -92,6 +92,9 @@ class BailingHybridForCausalLM(MTPHeads, CausalLM):
 
     #: per-sequence recurrent state (the KDA layers): no prefix reuse, see dynamoe.models.linear_attention
     recurrent_state = True
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".mlp.gate."),
                           (".mlp.moe.gates.0.e_score_correction_bias", ".mlp.gate.expert_bias"),
                           (".mlp.moe.", ".mlp."), (".self_attn.o_proj.", ".attention.dense."),

@@ -22,7 +22,8 @@ Storage, per attention layer, by name (allocated on first use):
   :meth:`KVCache.truncate` cannot cut it back -- except to a position inside the last forward, when that forward
   ran between :meth:`KVCache.begin_history` and :meth:`KVCache.end_history` (speculative decoding: a verification
   forward whose rejected drafts are cut off): then the layers recorded each buffer's value after every token
-  (:meth:`KVCache.record`) and truncate puts the slot's back to the value after its last kept token.
+  (:meth:`KVCache.record`; :meth:`KVCache.record_windows` for a window of past inputs) and truncate puts the
+  slot's back to the value after its last kept token -- or refuses, naming it, a buffer no layer recorded.
 
 The model advances ``lengths`` once per forward, after all layers.
 
@@ -86,7 +87,9 @@ class KVCache:
         self._dropped = [0] * num_slots       # leading blocks given back by trim (out of every layer's window)
         self._mirror = False                  # tables set by set_blocks (a follower rank): never allocate
         self._history: list | None = None     # (layer, name, values [B, T, ...]) of one forward, see begin_history
-        self._history_rows: dict[int, int] = {}   # slot -> row of that forward
+        self._history_rows: dict[int, tuple[int, int]] = {}   # slot -> (row, first position) of that forward
+        self._recorded: set[tuple[int, str]] = set()         # the (layer, name) of the history's records
+        self._slot_buffers: list[tuple[int, str]] = []        # every per-slot buffer's (layer, name)
 
     # --- storage ------------------------------------------------------------------------------------
     def kv_pool(self, layer: int, name: str, heads: int, dim: int, dtype: torch.dtype | None = None) -> Tensor:
@@ -109,6 +112,7 @@ class KVCache:
         if t is None:
             t = torch.zeros(self.num_slots, *shape, dtype=dtype or self.dtype, device=self.device)
             bufs[name] = t
+            self._slot_buffers.append((layer, name))
         return t
 
     # --- per-token history of the per-slot buffers (rolling recurrent state back) --------------------------
@@ -116,10 +120,10 @@ class KVCache:
         """Until :meth:`end_history`, keep what layers :meth:`record` of ONE forward: each per-slot buffer's value
         after every token, so that :meth:`truncate` can put a slot's buffers back to any position of that forward
         (cost: T copies of every recorded buffer for the batch, until end_history)."""
-        self._history, self._history_rows = [], {}
+        self._history, self._history_rows, self._recorded = [], {}, set()
 
     def end_history(self) -> None:
-        self._history, self._history_rows = None, {}
+        self._history, self._history_rows, self._recorded = None, {}, set()
 
     @property
     def keeps_history(self) -> bool:
@@ -131,7 +135,7 @@ class KVCache:
         (the last equals what the layer leaves in the buffer); only while :attr:`keeps_history`."""
         if self._history is None:
             raise ValueError("record() is only meaningful between begin_history() and end_history()")
-        if any(h[0] == layer and h[1] == name for h in self._history):
+        if (layer, name) in self._recorded:
             raise ValueError(f"layer {layer} recorded {name!r} twice: a history holds one forward (call "
                              f"begin_history() before each)")
         if not self._history_rows:   # (every record of a forward has its slots: one host sync per forward; the
@@ -139,13 +143,34 @@ class KVCache:
             starts = self.lengths[slots_B.to(self.lengths.device)]
             self._history_rows = {s: (b, n) for b, (s, n) in enumerate(zip(slots_B.tolist(), starts.tolist()))}
         self._history.append((layer, name, values_BT))
+        self._recorded.add((layer, name))
+
+    def record_windows(self, layer: int, name: str, slots_B: Tensor, stream: Tensor, width: int) -> None:
+        """:meth:`record` for a buffer that holds a sliding window -- the last ``width`` entries, along the last dim,
+        of a per-sequence stream (a convolution's past inputs, the last token ids): ``stream`` [B, ..., width + T] is
+        the window before the forward followed by its T new entries, and the window after each token, [B, T, ...,
+        width], is recorded in the buffer's dtype."""
+        T = stream.size(-1) - width
+        if width:
+            windows = stream.unfold(-1, width, 1)[..., 1:, :]                    # [B, ..., T, width]
+        else:
+            windows = stream.new_zeros(*stream.shape[:-1], T, 0)
+        self.record(layer, name, slots_B, windows.movedim(-2, 1).to(self.layers[layer][name].dtype))
 
     def _rewind(self, slot: int, length: int) -> None:
         """Put ``slot``'s recorded buffers back to their values after position ``length - 1`` (inside the
         recorded forward)."""
         row = self._history_rows.get(slot)
         if row is None:
-            return
+            if self._history_rows or not self._slot_buffers:
+                return   # (a slot the recorded forward did not hold, or a cache without per-slot state)
+            raise ValueError(f"slot {slot}: cannot roll its per-slot state back: no layer recorded its buffers "
+                             "(KVCache.record) in the history's forward")
+        missing = [key for key in self._slot_buffers if key not in self._recorded]
+        if missing:
+            raise ValueError(f"slot {slot}: cannot roll its per-slot state back: layer {missing[0][0]}'s buffer "
+                             f"{missing[0][1]!r} was not recorded (KVCache.record) in the history's forward; a model "
+                             "that says recurrent_rollback must record every per-slot buffer")
         b, start = row
         t = length - start - 1
         if t < 0:
@@ -332,7 +357,7 @@ class KVCache:
         is kept (:meth:`begin_history`), the slot's recorded per-slot buffers go back to their values at ``length``."""
         if not 0 <= length <= int(self.lengths[slot]):
             raise ValueError(f"length must be in [0, {int(self.lengths[slot])}], got {length}")
-        if self._history and length:
+        if self._history is not None and length:
             self._rewind(slot, length)
         keep = -(-length // self.block_size)
         have = self._blocks[slot]

@@ -101,6 +101,9 @@ class Glm5NextForCausalLM(TextOfWrapper, CausalLM):
 
     #: per-sequence recurrent state (the KDA layers): no prefix reuse, see dynamoe.models.linear_attention
     recurrent_state = True
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = ((".attn_hc.", ".hc_attn_"), (".ffn_hc.", ".hc_ffn_")) + DEEPSEEK_RENAMES
     expert_layout = PerExpert("gate_proj", "up_proj", "down_proj")
     use_decode_plan = False   # (hyper-connected layers: no fused kernels to lay out)

@@ -53,6 +53,9 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     #: the Mamba layers' conv window and SSM state summarise a slot's whole prefix: no prefix reuse
     recurrent_state = True
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".block_sparse_moe.router.layer."),
                           (".mlp.moe.shared_experts.gate_up_proj.", ".shared_mlp.input_linear."),
                           (".mlp.moe.shared_experts.down_proj.", ".shared_mlp.output_linear."),

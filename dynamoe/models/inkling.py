@@ -20,7 +20,8 @@ experts, S shared experts, k experts per token, R relative-bias extent.
   stacked ``shared_experts.{gate,up,down}_proj`` [S, F, D] / [S, D, F]. Dense MLPs times ``global_scale``.
 
 The conv windows (four per layer) live per sequence in the cache beside the keys and values, so the model keeps
-per-sequence state: no prefix reuse. Multi-token-prediction layers (``model.mtp.*``) are not loaded.
+per-sequence state: no prefix reuse (a speculative verification forward records them after every token, so that
+rejected drafts can be cut off: ``recurrent_rollback``). Multi-token-prediction layers (``model.mtp.*``) are not loaded.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from .base import CausalLM
 from .cache import KVCache
 from .config import ModelConfig
 from .family_fields import inkling_attention_sizes
-from .linear_attention import slot_states
+from .linear_attention import record_conv_windows, slot_states
 from .mamba import conv_with_state
 from .moe_block import GatedMLP, SparseMoeBlock, glu_kind
 from .norms import RMSNorm
@@ -66,6 +67,8 @@ class InklingShortConv(nn.Module):
             slot_states(cache, self.layer_idx, slots, positions_BT, x.size(1), None, None, self.checks_position)
             buf = cache.buffer(self.layer_idx, f"conv_{self.name}", x.size(-1), self.kernel - 1, dtype=torch.float32)
             window = buf[slots].masked_fill((positions_BT[:, 0] == 0).view(-1, 1, 1), 0)
+            if cache.keeps_history:   # speculative verification: the window after every token
+                record_conv_windows(cache, self.layer_idx, f"conv_{self.name}", slots, window, x.transpose(1, 2))
         y, window = conv_with_state(x.transpose(1, 2), self.conv1d, window)
         if cache is not None:
             buf[slots] = window
@@ -292,6 +295,9 @@ class InklingForCausalLM(TextOfWrapper, CausalLM):
 
     #: per-sequence state beside the KV cache (the short convolutions' windows): no prefix reuse
     recurrent_state = True
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".mlp.gate."),
                           (".mlp.moe.gates.0.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
                           (".mlp.router.shared_weight", ".mlp.gate.weight"),

@@ -34,6 +34,9 @@ class JambaForCausalLM(CausalLM):
 
     #: the Mamba layers' conv window and SSM state summarise a slot's whole prefix: no prefix reuse
     recurrent_state = True
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".feed_forward.router."), (".mlp.moe.", ".feed_forward."),
                           (".mlp.", ".feed_forward."), (".post_attention_layernorm.", ".pre_ff_layernorm."),
                           ("model.norm.", "model.final_layernorm."))

@@ -24,7 +24,9 @@ The layer (:class:`KimiDeltaAttention`): q/k/v projections, a short causal conv 
 sigmoid(``b_proj``(x)), g = -exp(``A_log``) * softplus(``f_b_proj``(``f_a_proj``(x)) + ``dt_bias``),
 the rule above, then ``o_norm`` -- RMSNorm in fp32 times sigmoid(``g_b_proj``(``g_a_proj``(x))) -- and
 ``o_proj``. Its cache use (conv window and fp32 state per slot, read as zero where a row starts at
-position 0, no prefix reuse) is :func:`~dynamoe.models.linear_attention.slot_states`'.
+position 0, no prefix reuse) is :func:`~dynamoe.models.linear_attention.slot_states`'; while the cache keeps a
+history (speculative decoding's verification forward), the layer runs :func:`kda_recurrent` and records its conv
+window and state after every token, so that cutting rejected drafts off rolls them back.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import KVCache
-from .linear_attention import causal_conv1d, l2norm, slot_states
+from .linear_attention import causal_conv1d, l2norm, record_conv_windows, slot_states
 
 __all__ = ["KimiDeltaAttention", "SigmoidGatedRMSNorm", "kda", "kda_recurrent", "kda_chunked"]
 
@@ -43,21 +45,24 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
 
 
 def kda_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                  state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  state: Tensor | None = None, every_state: bool = False) -> tuple[Tensor, Tensor]:
     """Token by token. q, k [B, H, T, k] (already normalised and scaled), v [B, H, T, v], g (log decay)
     [B, H, T, k], beta [B, H, T], state [B, H, k, v] (None: zeros). Returns (o [B, H, T, v], final
-    state) in fp32 (fp64 for fp64 inputs)."""
+    state) in fp32 (fp64 for fp64 inputs); with ``every_state``, the state after each token [B, T, H, k, v] in
+    place of the final one (what rolling back to any of them needs)."""
     dt = _compute_dtype(q)
     q, k, v, g, beta = (t.to(dt) for t in (q, k, v, g, beta))
     B, H, T, dk = k.shape
     S = q.new_zeros(B, H, dk, v.size(-1)) if state is None else state.to(dt)
-    out = []
+    out, states = [], []
     for t in range(T):
         S = S * g[:, :, t].exp()[..., None]
         u = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, :, t]))
         S = S + k[:, :, t, :, None] * u[:, :, None, :]
         out.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
-    return torch.stack(out, dim=2), S
+        if every_state:
+            states.append(S)
+    return torch.stack(out, dim=2), (torch.stack(states, dim=1) if every_state else S)
 
 
 def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None = None,
@@ -195,16 +200,26 @@ class KimiDeltaAttention(nn.Module):
             conv_buf, state_buf, conv_state, state = slot_states(
                 cache, self.layer_idx, slots, positions_BT, T, (3 * C, self.conv_kernel - 1), (H, d, d),
                 self.checks_position)
+        # speculative verification: the state after every token, so that rejected drafts can be cut off
+        history = cache is not None and cache.keeps_history
         weight = self.conv_weight()
-        y, conv_state = causal_conv1d(qkv.transpose(1, 2).to(weight.dtype), weight, conv_state)
+        x_BCT = qkv.transpose(1, 2).to(weight.dtype)
+        if history:
+            record_conv_windows(cache, self.layer_idx, "conv_state", slots, conv_state, x_BCT)
+        y, conv_state = causal_conv1d(x_BCT, weight, conv_state)
         q, k, v = F.silu(y).to(x_BTD.dtype).transpose(1, 2).split([C, C, C], dim=-1)  # [B, T, C] each
         q = l2norm(q.reshape(B, T, H, d).float()) * d ** -0.5
         k = l2norm(k.reshape(B, T, H, d).float())
         v = v.reshape(B, T, H, d)
         beta = torch.sigmoid(self.b_proj(x_BTD))
         g = self.decay(x_BTD)
-        o, state = kda(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2),
-                       beta.transpose(1, 2), state, self.chunk_size)
+        q, k, v, g, beta = (t.transpose(1, 2) for t in (q, k, v, g, beta))
+        if history:   # (a few tokens: the recurrence, as decoding runs it)
+            o, states = kda_recurrent(q, k, v, g, beta, state, every_state=True)
+            cache.record(self.layer_idx, "recurrent_state", slots, states)
+            state = states[:, -1]
+        else:
+            o, state = kda(q, k, v, g, beta, state, self.chunk_size)
         if cache is not None:
             conv_buf[slots] = conv_state.to(conv_buf.dtype)
             state_buf[slots] = state

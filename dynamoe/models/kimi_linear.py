@@ -48,6 +48,9 @@ class KimiLinearForCausalLM(CausalLM):
 
     #: per-sequence recurrent state (the KDA layers): no prefix reuse, see dynamoe.models.linear_attention
     recurrent_state = True
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = DEEPSEEK_RENAMES
     expert_layout = PerExpert("w1", "w3", "w2")
     #: chunk length of the prefill's delta rule (any value gives the same result up to rounding)

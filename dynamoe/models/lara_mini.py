@@ -62,6 +62,9 @@ class LaraMiniForCausalLM(CausalLM):
 
     #: per-sequence recurrent state (the Gated DeltaNet layers): no prefix reuse (see dynamoe.models.qwen3_next)
     recurrent_state = True
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".mlp.gate."), (".mlp.moe.shared_experts.", ".mlp.shared_expert."),
                           (".mlp.moe.", ".mlp."))
     expert_layout = Stacked("gate_up_proj", "down_proj", suffix="")

@@ -39,6 +39,9 @@ class Lfm2MoeForCausalLM(CausalLM):
 
     #: the conv layers' windows summarise a slot's last inputs: no prefix reuse
     recurrent_state = True
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".feed_forward.gate."),
                           (".mlp.moe.gates.0.e_score_correction_bias", ".feed_forward.expert_bias"),
                           (".mlp.moe.", ".feed_forward."), (".mlp.gate_proj.", ".feed_forward.w1."),

@@ -19,7 +19,9 @@ This is Mamba-2's SSD recurrence (:mod:`dynamoe.models.mamba2`) with x = v, B = 
 With a :class:`~dynamoe.models.cache.KVCache` each layer keeps per slot its fp32 state (``"recurrent_state"``
 [H, d, d]), read as zero for a row whose first position is 0 and continued exactly across chunked prefill and
 decode; the model's first such layer checks that every row continues its slot where it stopped
-(:func:`dynamoe.models.linear_attention.slot_states`, no conv window).
+(:func:`dynamoe.models.linear_attention.slot_states`, no conv window). A speculative verification forward (the cache
+keeping a history) runs token by token and records the state after every token, so that rejected drafts can be cut
+off.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from torch import Tensor, nn
 from .cache import KVCache
 from .linear_attention import slot_states
 from .mamba import ACTIVATIONS
-from .mamba2 import ssd
+from .mamba2 import ssd, ssd_recurrent
 from .norms import RMSNorm
 
 __all__ = ["LightningAttention", "lightning_slopes"]
@@ -83,7 +85,12 @@ class LightningAttention(nn.Module):
             _, state_buf, _, state = slot_states(cache, self.layer_idx, slots, positions_BT, T, None, (H, d, d),
                                                  self.checks_position)
         ones = torch.ones(Bn, T, H, dtype=torch.float32, device=x_BTD.device)
-        o, state = ssd(v, ones, -self.slope.float(), k, q, state, self.block_size)  # (x, dt, A, B, C)
+        if cache is not None and cache.keeps_history:   # speculative verification: the state after every token
+            o, states = ssd_recurrent(v, ones, -self.slope.float(), k, q, state, every_state=True)
+            cache.record(self.layer_idx, "recurrent_state", slots, states)
+            state = states[:, -1]
+        else:
+            o, state = ssd(v, ones, -self.slope.float(), k, q, state, self.block_size)  # (x, dt, A, B, C)
         if cache is not None:
             state_buf[slots] = state
         o = self.norm(o.reshape(Bn, T, H * d).to(x_BTD.dtype))

@@ -26,8 +26,10 @@ built with ``checks_position`` (the model's first linear-attention layer) also k
 slot's state has reached (``"state_position"``) and raises a ValueError when a row continues a slot
 from any other position. The one exception is speculative decoding's verification forward: while the cache
 keeps a history (:meth:`~dynamoe.models.cache.KVCache.begin_history`), :class:`GatedDeltaNet` runs the
-recurrence token by token and records its conv window, its state and the position after every token, so that
-cutting off rejected drafts (``cache.truncate``) puts them back where the kept tokens leave them.
+recurrence token by token and records its conv window (:func:`record_conv_windows`), its state and the position
+after every token, so that cutting off rejected drafts (``cache.truncate``) puts them back where the kept tokens
+leave them. The other layers that keep per-slot state through :func:`slot_states` (Kimi Delta Attention, Mamba-1
+and -2, lightning attention, short convolutions, ...) do the same; plain decoding and prefill record nothing.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from .cache import KVCache
 from .norms import GatedRMSNorm
 
 __all__ = ["GatedDeltaNet", "causal_conv1d", "l2norm", "gated_delta_rule", "gated_delta_rule_recurrent",
-           "gated_delta_rule_chunked", "slot_states", "PROJECTIONS"]
+           "gated_delta_rule_chunked", "slot_states", "record_conv_windows", "PROJECTIONS"]
 
 #: how the input projections are laid out on disk: 'qkvz' (Qwen3-Next: ``in_proj_qkvz`` and ``in_proj_ba``,
 #: grouped per key head) or 'split' (Qwen3.5: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``)
@@ -158,6 +160,15 @@ def _check_position(cache: KVCache, layer_idx: int, slots: Tensor, start_B: Tens
         cache.record(layer_idx, "state_position", slots, start_B[:, None] + torch.arange(1, T + 1, device=start_B.device))
 
 
+def record_conv_windows(cache: KVCache, layer_idx: int, name: str, slots: Tensor, window_BCW: Tensor,
+                        x_BCT: Tensor) -> None:
+    """Record (:meth:`~dynamoe.models.cache.KVCache.record_windows`, while the cache keeps a history) a causal
+    conv's window buffer ``name`` after each of the T inputs x, from the rows' window before them (``window_BCW``,
+    as :func:`slot_states` gives it)."""
+    cache.record_windows(layer_idx, name, slots, torch.cat([window_BCW.to(x_BCT.dtype), x_BCT], dim=-1),
+                         window_BCW.size(-1))
+
+
 def slot_states(cache: KVCache, layer_idx: int, slots: Tensor | None, positions_BT: Tensor, T: int,
                 conv_shape: tuple | None, state_shape: tuple | None, checks_position: bool
                 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
@@ -266,11 +277,7 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight.squeeze(1)
         x_BCT = qkv.transpose(1, 2).to(weight.dtype)
         if history:
-            W = self.conv_kernel - 1
-            xs = torch.cat([x_BCT.new_zeros(B, self.conv_dim, W) if conv_state is None else conv_state.to(x_BCT.dtype),
-                            x_BCT], dim=-1)
-            windows = xs.unfold(-1, W, 1)[:, :, 1:] if W else xs.new_zeros(B, self.conv_dim, T, 0)   # [B, C, T, W]
-            cache.record(self.layer_idx, "conv_state", slots, windows.transpose(1, 2).to(conv_buf.dtype))
+            record_conv_windows(cache, self.layer_idx, "conv_state", slots, conv_state, x_BCT)
         y, conv_state = causal_conv1d(x_BCT, weight, conv_state)
         qkv = _ACTIVATIONS[self.activation](y).to(x_BTD.dtype).transpose(1, 2)  # [B, T, C]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

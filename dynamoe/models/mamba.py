@@ -28,7 +28,9 @@ With a :class:`~dynamoe.models.cache.KVCache`, each layer keeps per slot its con
 (``cache.buffer(layer, "conv_state", I, W)``, the cache's dtype) and its state (``"recurrent_state"``,
 fp32 [I, N]), read as zero for a row whose first position is 0 and continued exactly across chunked
 prefill and decode; the model's first Mamba layer checks that every row continues its slot where the state
-stopped (see :func:`dynamoe.models.linear_attention.slot_states`).
+stopped (see :func:`dynamoe.models.linear_attention.slot_states`). While the cache keeps a history (speculative
+decoding's verification forward), the layer runs :func:`selective_scan_recurrent` and records its conv window and
+state after every token, so that cutting rejected drafts off rolls them back.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import KVCache
-from .linear_attention import causal_conv1d, slot_states
+from .linear_attention import causal_conv1d, record_conv_windows, slot_states
 from .norms import RMSNorm
 
 __all__ = ["MambaMixer", "MixerDecoderLayer", "selective_scan", "selective_scan_recurrent", "selective_scan_chunked",
@@ -53,19 +55,22 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
 
 
 def selective_scan_recurrent(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-                             state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                             state: Tensor | None = None, every_state: bool = False) -> tuple[Tensor, Tensor]:
     """Token by token. x, dt [B, I, T] (dt already through its bias and softplus), A [I, N], B, C [B, T, N],
     state [B, I, N] (None: zeros). Returns (y [B, I, T] without the D skip, final state) in fp32 (fp64 for
-    fp64 inputs)."""
+    fp64 inputs); with ``every_state``, the state after each token [B, T, I, N] in place of the final one (what
+    rolling back to any of them needs)."""
     ct = _compute_dtype(x)
     x, dt, A, B, C = (t.to(ct) for t in (x, dt, A, B, C))
     h = x.new_zeros(x.size(0), x.size(1), A.size(-1)) if state is None else state.to(ct)
-    ys = []
+    ys, states = [], []
     for t in range(x.size(-1)):
         d = dt[:, :, t, None]                                               # [B, I, 1]
         h = torch.exp(d * A) * h + (d * x[:, :, t, None]) * B[:, None, t]
         ys.append(torch.einsum("bin,bn->bi", h, C[:, t]))
-    return torch.stack(ys, dim=-1), h
+        if every_state:
+            states.append(h)
+    return torch.stack(ys, dim=-1), (torch.stack(states, dim=1) if every_state else h)
 
 
 def selective_scan_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state: Tensor | None = None,
@@ -171,6 +176,11 @@ class MambaMixer(nn.Module):
         if cache is not None:
             conv_buf, state_buf, conv_state, state = slot_states(
                 cache, self.layer_idx, slots, positions_BT, T, (I, self.conv_kernel - 1), (I, N), self.checks_position)
+        # speculative verification: the state after every token, so that rejected drafts can be cut off
+        history = cache is not None and cache.keeps_history
+        if history:
+            record_conv_windows(cache, self.layer_idx, "conv_state", slots, conv_state,
+                                x_BIT.to(self.conv1d.weight.dtype))
         y, conv_state = conv_with_state(x_BIT, self.conv1d, conv_state)
         x_BIT = ACTIVATIONS[self.activation](y).to(x_BTD.dtype)
         dt_low, B_BTN, C_BTN = self.x_proj(x_BIT.transpose(1, 2)).split([R, N, N], dim=-1)
@@ -180,7 +190,12 @@ class MambaMixer(nn.Module):
         dt_BIT = F.softplus((dt_low @ self.dt_proj.weight.t()).transpose(1, 2).float()
                             + self.dt_proj.bias.float()[:, None])
         A = -torch.exp(self.A_log.float())
-        y, state = selective_scan(x_BIT, dt_BIT, A, B_BTN, C_BTN, state, self.chunk_size)
+        if history:   # (a few tokens: the recurrence, as decoding runs it)
+            y, states = selective_scan_recurrent(x_BIT, dt_BIT, A, B_BTN, C_BTN, state, every_state=True)
+            cache.record(self.layer_idx, "recurrent_state", slots, states)
+            state = states[:, -1]
+        else:
+            y, state = selective_scan(x_BIT, dt_BIT, A, B_BTN, C_BTN, state, self.chunk_size)
         if cache is not None:
             conv_buf[slots] = conv_state.to(conv_buf.dtype)
             state_buf[slots] = state.float()

@@ -27,7 +27,9 @@ limit (0, inf) clamps nothing).
 
 With a :class:`~dynamoe.models.cache.KVCache`, each layer keeps per slot its conv window (``"conv_state"``
 [I + 2 G N, W], the cache's dtype) and its state (``"recurrent_state"``, fp32 [H, P, N]), as
-:mod:`dynamoe.models.mamba`'s Mamba-1 layers do (:func:`dynamoe.models.linear_attention.slot_states`).
+:mod:`dynamoe.models.mamba`'s Mamba-1 layers do (:func:`dynamoe.models.linear_attention.slot_states`), recording
+both after every token of a speculative verification forward (:func:`ssd_recurrent`) so that rejected drafts can
+be cut off.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import KVCache
-from .linear_attention import slot_states
+from .linear_attention import record_conv_windows, slot_states
 from .mamba import ACTIVATIONS, conv_with_state
 
 __all__ = ["Mamba2Mixer", "GroupGatedRMSNorm", "ssd", "ssd_recurrent", "ssd_chunked"]
@@ -54,21 +56,26 @@ def _per_head(B_: Tensor, H: int) -> Tensor:
 
 
 def ssd_recurrent(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-                  state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  state: Tensor | None = None, every_state: bool = False) -> tuple[Tensor, Tensor]:
     """Token by token. x [B, T, H, P], dt [B, T, H] (after bias, softplus and clamp), A [H], B, C [B, T, G, N],
     state [B, H, P, N] (None: zeros). Returns (y [B, T, H, P] without the D skip, final state) in fp32 (fp64 for
-    fp64 inputs)."""
+    fp64 inputs); with ``every_state``, the state after each token [B, T, H, P, N] in place of the final one (what
+    rolling back to any of them needs)."""
     ct = _compute_dtype(x)
     Bn, T, H, P = x.shape
     x, dt, A = x.to(ct).transpose(1, 2), dt.to(ct).transpose(1, 2), A.to(ct)   # [B, H, T, P], [B, H, T]
     Bh, Ch = _per_head(B.to(ct), H), _per_head(C.to(ct), H)                      # [B, H, T, N]
     S = x.new_zeros(Bn, H, P, B.size(-1)) if state is None else state.to(ct)
-    ys = []
+    ys, states = [], []
     for t in range(T):
         d = dt[:, :, t, None, None]                                             # [B, H, 1, 1]
         S = torch.exp(d * A[:, None, None]) * S + (d * x[:, :, t, :, None]) * Bh[:, :, t, None, :]
         ys.append(S @ Ch[:, :, t, :, None])                                     # [B, H, P, 1]
+        if every_state:
+            states.append(S)
     y = torch.cat(ys, dim=-1).permute(0, 3, 1, 2) if ys else x.new_zeros(Bn, 0, H, P)
+    if every_state:
+        return y, torch.stack(states, dim=1) if states else S.new_zeros(Bn, 0, *S.shape[1:])
     return y, S
 
 
@@ -182,6 +189,11 @@ class Mamba2Mixer(nn.Module):
             conv_buf, state_buf, conv_state, state = slot_states(
                 cache, self.layer_idx, slots, positions_BT, T, (self.conv_dim, self.conv_kernel - 1), (H, P, N),
                 self.checks_position)
+        # speculative verification: the state after every token, so that rejected drafts can be cut off
+        history = cache is not None and cache.keeps_history
+        if history:
+            record_conv_windows(cache, self.layer_idx, "conv_state", slots, conv_state,
+                                xBC.transpose(1, 2).to(self.conv1d.weight.dtype))
         y, conv_state = conv_with_state(xBC.transpose(1, 2), self.conv1d, conv_state)
         xBC = ACTIVATIONS[self.activation](y).to(x_BTD.dtype).transpose(1, 2)    # [B, T, conv_dim]
         x, B_, C_ = xBC.split([I, G * N, G * N], dim=-1)
@@ -189,7 +201,13 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=lo, max=hi)  # [B, T, H]
         A = -torch.exp(self.A_log.float())
         x = x.reshape(Bn, T, H, P)
-        y, state = ssd(x, dt, A, B_.reshape(Bn, T, G, N), C_.reshape(Bn, T, G, N), state, self.chunk_size)
+        if history:   # (a few tokens: the recurrence, as decoding runs it)
+            y, states = ssd_recurrent(x, dt, A, B_.reshape(Bn, T, G, N), C_.reshape(Bn, T, G, N), state,
+                                      every_state=True)
+            cache.record(self.layer_idx, "recurrent_state", slots, states)
+            state = states[:, -1]
+        else:
+            y, state = ssd(x, dt, A, B_.reshape(Bn, T, G, N), C_.reshape(Bn, T, G, N), state, self.chunk_size)
         if cache is not None:
             conv_buf[slots] = conv_state.to(conv_buf.dtype)
             state_buf[slots] = state.float()

@@ -66,6 +66,9 @@ class MiniMaxForCausalLM(CausalLM):
 
     #: the lightning layers' states summarise a slot's whole prefix: no prefix reuse
     recurrent_state = True
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = ((".mlp.moe.gates.0.wg.", ".block_sparse_moe.gate."), (".mlp.moe.", ".block_sparse_moe."))
     expert_layout = PerExpert("w1", "w3", "w2")
 

@@ -116,6 +116,9 @@ class NemotronHForCausalLM(TextOfWrapper, CausalLM):
 
     #: the Mamba layers' conv window and SSM state summarise a slot's whole prefix: no prefix reuse
     recurrent_state = True
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = _MOE_RENAMES + (("model.embed_tokens.", "model.embeddings."), ("model.norm.", "model.norm_f."))
     expert_layout = PerExpertFFN("up_proj", "down_proj")
     wrapper_layouts = {

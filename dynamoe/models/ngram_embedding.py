@@ -17,7 +17,8 @@ As transformers' Qwen4ExpTextNGramEmbedding / Qwen4ExpTextPLELayer compute it:
 
 With a :class:`~dynamoe.models.cache.KVCache` each PLE layer keeps per slot the last n - 1 token ids
 (``"ngram_context"``, int64) and the conv's last (K - 1) n inputs (``"ple_conv_state"``); both read as a sequence
-start (eos / zeros) for a row whose first position is 0.
+start (eos / zeros) for a row whose first position is 0, and both recorded after every token of a speculative
+verification forward (the cache keeping a history), so that rejected drafts can be cut off.
 
 Checkpoint: transformers saves the table in ``split_ngram_parts`` row chunks, ``ngram_embedding.shard_{k}.weight``
 (torch.chunk's: rows ceil(V / parts) each, the last fewer), which this module keeps as they are (looked up shard by
@@ -190,6 +191,8 @@ class PerLayerEmbedding(nn.Module):
         history = torch.cat([ctx, ids_BT.long()], dim=1)                                  # [B, n - 1 + T]
         if ctx_buf is not None:
             ctx_buf[slots] = history[:, -(n - 1):]
+            if cache.keeps_history:   # speculative verification: the context after every token
+                cache.record_windows(self.layer_idx, "ngram_context", slots, history, n - 1)
         emb = self.ple_embedding(previous_tokens(history, n, self.eos))                   # [B, T, E]
         key = self.norm_key(self.key_proj(emb).view(B, T, N, D))
         query = self.norm_query(h_BTND)
@@ -202,5 +205,7 @@ class PerLayerEmbedding(nn.Module):
         xs = torch.cat([window.to(x.dtype), x], dim=-1)                                   # [B, N D, W + T]
         if conv_buf is not None:
             conv_buf[slots] = xs[..., xs.size(-1) - self.window:].to(conv_buf.dtype)
+            if cache.keeps_history:
+                cache.record_windows(self.layer_idx, "ple_conv_state", slots, xs, self.window)
         y = F.silu(F.conv1d(xs, self.conv1d.weight, groups=N * D, dilation=n))            # [B, N D, T]
         return value + y.transpose(1, 2).reshape(B, T, N, D)

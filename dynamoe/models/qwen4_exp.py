@@ -128,6 +128,9 @@ class Qwen4ExpForCausalLM(TextOfWrapper, CausalLM):
 
     #: per-sequence recurrent state (Gated DeltaNet, the PLE convolutions and n-gram context): no prefix reuse
     recurrent_state = True
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
     checkpoint_renames = (("model.norm.", "model.hyper_connection_mixer."), (".mlp.moe.gates.0.wg.", ".mlp.gate."),
                           (".mlp.moe.", ".mlp."))
     expert_layout = PerExpert("gate_proj", "up_proj", "down_proj")

@@ -11,14 +11,15 @@ With a :class:`~dynamoe.models.cache.KVCache` the layer keeps per slot the last 
 ``cache.buffer(layer, "conv_state", D, W)`` in the cache's dtype, read as zero for a row whose first position
 is 0 and continued exactly across chunked prefill and decode; the model's first such layer checks that every
 row continues its slot where it stopped (:func:`dynamoe.models.linear_attention.slot_states`, no state
-buffer).
+buffer). A speculative verification forward (the cache keeping a history) records the window after every token, so
+that rejected drafts can be cut off.
 """
 from __future__ import annotations
 
 from torch import Tensor, nn
 
 from .cache import KVCache
-from .linear_attention import slot_states
+from .linear_attention import record_conv_windows, slot_states
 from .mamba import conv_with_state
 
 __all__ = ["ShortConv"]
@@ -51,7 +52,10 @@ class ShortConv(nn.Module):
         if cache is not None:
             conv_buf, _, window, _ = slot_states(cache, self.layer_idx, slots, positions_BT, T, (D, self.kernel - 1),
                                                  None, self.checks_position)
-        y, window = conv_with_state(b * x, self.conv, window)
+        bx = b * x
+        if cache is not None and cache.keeps_history:   # speculative verification: the window after every token
+            record_conv_windows(cache, self.layer_idx, "conv_state", slots, window, bx.to(self.conv.weight.dtype))
+        y, window = conv_with_state(bx, self.conv, window)
         if cache is not None:
             conv_buf[slots] = window.to(conv_buf.dtype)
         return self.out_proj((c * y.to(c.dtype)).transpose(1, 2))

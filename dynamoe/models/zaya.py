@@ -11,7 +11,8 @@ v_proj_delayed(x_{t-1})] (v_proj_delayed(0) before the first token). q and k are
 norm of sqrt(d), k times a learned per-KV-head ``temp``; RoPE (half-split) on the first ``partial_rotary_factor`` of
 each head with a RoPE per layer kind ('hybrid': full attention, 'hybrid_sliding': a window of ``sliding_window``).
 With a cache, each sequence keeps the convolution's last W inputs and the last delayed value in its slot (a
-recurrent state: ``recurrent_state`` is True, so the engine shares no prefix blocks).
+recurrent state: ``recurrent_state`` is True, so the engine shares no prefix blocks; a speculative verification
+forward records both after every token, so that rejected drafts can be cut off: ``recurrent_rollback``).
 
 Layers: h' = s_h * (attn(norm1(h)) + b_h) + s_r * (h + b_r) (``post_attention_residual_scale``, per-channel scales
 and biases), then the same around the MoE (``post_mlp_residual_scale``). The embeddings are (e + b) * s
@@ -57,7 +58,9 @@ class _CastingRMSNorm(RMSNorm):
 
 class CCAProjection(nn.Module):
     """ZAYA's q/k/v (see the module docstring): ``forward(x [B, T, D], conv_state [B, C, W], v_state [B, K d / 2])
-    -> q [B, T, H, d], k [B, T, K, d], v [B, T, K, d], the new conv state, the new value state``."""
+    -> q [B, T, H, d], k [B, T, K, d], v [B, T, K, d], the conv's inputs [B, C, W + T] (the conv state, then the new
+    ones: the next conv state is their last W), the delayed values [B, T, K d / 2] (the next value state is the
+    last)``."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, time0: int, time1: int,
                  bias: bool = False, dtype=None):
@@ -91,7 +94,6 @@ class CCAProjection(nn.Module):
         if conv_BCW is None:
             conv_BCW = qk_BCT.new_zeros(B, qk_BCT.size(1), W)
         qk_BCT = torch.cat([conv_BCW.to(qk_BCT.dtype), qk_BCT], dim=-1)          # [B, C, W + T]
-        new_conv = qk_BCT[..., qk_BCT.size(-1) - W:]
         mixed = self.conv_qk_grouped(self.conv_qk_depthwise(qk_BCT)).transpose(1, 2)   # [B, T, C]
         query = mixed[..., :H * d].reshape(B, T, H, d) + q_res.reshape(B, T, H, d)
         key = mixed[..., H * d:].reshape(B, T, K, d) + k_res
@@ -100,7 +102,7 @@ class CCAProjection(nn.Module):
             v_prev_BV = self.v_proj_delayed(x_BTD.new_zeros(B, x_BTD.size(-1)))
         v_delayed = torch.cat([v_prev_BV.to(delayed.dtype)[:, None], delayed[:, :-1]], dim=1)
         value = torch.cat([self.v_proj_current(x_BTD), v_delayed], dim=-1).view(B, T, K, d)
-        return query, key, value, new_conv, delayed[:, -1]
+        return query, key, value, qk_BCT, delayed
 
 
 class _QKNorm(nn.Module):
@@ -151,10 +153,14 @@ class CCAttention(nn.Module):
             if bool(fresh_B.any()):
                 v_prev = torch.where(fresh_B[:, None], proj.v_proj_delayed(x_BTD.new_zeros(B, x_BTD.size(-1))).float(),
                                      v_prev)
-        q, k, v, new_conv, last_v = proj(x_BTD, conv, v_prev)
+        q, k, v, conv_in, delayed = proj(x_BTD, conv, v_prev)
         if cache is not None:
-            conv_buf[slots] = new_conv.to(conv_buf.dtype)
-            v_buf[slots] = last_v.float()
+            W = proj.window
+            conv_buf[slots] = conv_in[..., conv_in.size(-1) - W:].to(conv_buf.dtype)
+            v_buf[slots] = delayed[:, -1].float()
+            if cache.keeps_history:   # speculative verification: the window and delayed value after every token
+                cache.record_windows(self.layer_idx, "conv_state", slots, conv_in, W)
+                cache.record(self.layer_idx, "recurrent_state", slots, delayed.float())
         q, k = self.qk_norm(q, k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)      # [B, H|K, T, d]
         cos, sin = self.rotary(positions_BT, q.dtype)
@@ -321,6 +327,9 @@ class ZayaForCausalLM(CausalLM):
     """ZAYA1 (see the module docstring)."""
 
     recurrent_state = True  # (the convolution's window and the delayed value live in the slots: no prefix sharing)
+    #: ... but speculative decoding can cut it back past rejected drafts: its layers record their state after every
+    #: token of a verification forward (dynamoe.models.cache.KVCache.begin_history)
+    recurrent_rollback = True
 
     def __init__(self, config: ModelConfig, dtype=None):
         raw = config.raw
