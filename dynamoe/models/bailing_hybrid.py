@@ -24,8 +24,8 @@ Multi-token prediction: the layers stored after the decoder's (``model.layers.{N
 ``eh_proj``, an MLA attention layer and MoE under the decoder's names, ``final_layernorm``) load as the ``mtp`` heads
 (:mod:`dynamoe.models.mtp`) as vLLM's BailingMoeV3 MTP model computes them: no embedding masked at position 0, the
 output ``final_layernorm``'d (what a further draft reads), the model's embedding and lm_head (or the layer's own
-copies). ``mtp_fill`` / ``mtp_drafts`` run them; the serving engine does not speculate with this model (its recurrent
-KDA state cannot be cut back to the accepted tokens), so ``draft="mtp"`` decodes plainly there.
+copies). ``mtp_fill`` / ``mtp_drafts`` run them, and the engine drafts with them (``draft="mtp"``): its KDA layers
+record their state per token while drafts are verified, so the state rolls back past rejected ones.
 
 The model keeps per-sequence recurrent state (``recurrent_state = True``: no prefix reuse).
 """

@@ -1,8 +1,8 @@
 """Multi-token-prediction (MTP) heads: draft tokens for speculative decoding (:mod:`dynamoe.engine.engine`,
 ``draft="mtp"``) from the layers checkpoints ship beside the decoder's. Families: DeepSeek-V3 / R1 / V3.2, Kimi-K2,
 the GLM-4.5 family and GLM-5 (:mod:`~dynamoe.models.deepseek_v3`, :mod:`~dynamoe.models.glm4_moe`), DeepSeek-V4,
-Step-3.5, Hy3, Hy4, dots3_note and Ling-3 (``bailing_hybrid``: loaded and run by :meth:`MTPHeads.mtp_fill` /
-:meth:`MTPHeads.mtp_drafts`, but the engine does not speculate with its recurrent state). Families whose MTP
+Step-3.5, Hy3, Hy4, dots3_note and Ling-3 (``bailing_hybrid``: its recurrent KDA state rolls back past rejected
+drafts, ``recurrent_rollback``). Families whose MTP
 architecture no public source gives keep theirs unread and say so (Sarvam: ``mtp_unsupported``; Mellum).
 
 Checkpoint: MTP depth j lives under ``model.layers.{N + j}.`` (N = ``num_hidden_layers``, j <
