@@ -106,7 +106,7 @@ class GenerationEngine:
     greedy request and step and verifies them in one forward (the same tokens as without). draft: where drafts
     come from -- 'ngram' (default): lookup in the request's own context (:mod:`dynamoe.engine.speculative`);
     'mtp': the model's multi-token-prediction head (:mod:`dynamoe.models.mtp`: DeepSeek-V3 / R1, Kimi-K2,
-    GLM-4.5, DeepSeek-V4, Step-3.5, Hy3, Hy4, dots3_note checkpoints that ship it; :mod:`dynamoe.models.mtp_prefixed`:
+    GLM-4.5, DeepSeek-V4, Step-3.5, Hy3, Hy4, dots3_note, Ling-3 checkpoints that ship it; :mod:`dynamoe.models.mtp_prefixed`:
     Qwen3-Next / Qwen3.5, MiMo-V2-Flash, K-EXAONE, MiniMax-M3), run after each forward over the positions just
     computed (keeping its own cache entries in step) to draft the next k tokens; a request that drafts with it reuses only cached prefix
     blocks whose head entries were written for its own continuation (:mod:`dynamoe.engine.prefix`).
