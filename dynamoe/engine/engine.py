@@ -43,6 +43,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -87,6 +88,18 @@ def _check_int(name: str, v, low: int = 1, none: bool = False) -> None:
         return
     if isinstance(v, bool) or not isinstance(v, int) or v < low:
         raise ValueError(f"{name} must be {'None or ' if none else ''}an int >= {low}, got {v!r}")
+
+
+@dataclass
+class _LayerRun:
+    """A chunk's forward part way through the model's layers (:meth:`GenerationEngine._layer_steps`)."""
+
+    group: list
+    n: int
+    starts: list
+    head: bool
+    run: object
+    seconds: float = 0.0
 
 
 class GenerationEngine:
@@ -158,6 +171,9 @@ class GenerationEngine:
         self.draft = draft
         self._decode_s: float | None = None      # moving average: seconds of a decode step
         self._chunk_cost = ChunkCost()           # prefill chunk seconds = a + b * tokens, while requests decode
+        # beside decoding requests, a chunk's forward a few layers a step (the model runs its layers in steps)
+        self._in_steps = self.adaptive_budget and bool(getattr(model, "runs_in_steps", False))
+        self._layer_run: _LayerRun | None = None
         self.device = torch.device(device) if device is not None else _model_device(model)
         self.vocab_size = getattr(config, "vocab_size", None)
         if eos_token_ids is None:
@@ -457,6 +473,8 @@ class GenerationEngine:
         top = max(1, self.token_budget - decoded)
         if not self.adaptive_budget:
             return top
+        # (the fit is of whatever a step runs of a chunk at once: the whole forward, or one layer where the forward
+        # runs in steps -- _layer_steps)
         n = None if self._decode_s is None else self._chunk_cost.tokens_within(self.stall_ratio * self._decode_s, top)
         # at least a block: where a forward's fixed part alone is over the target (a long context on a slow
         # machine), smaller chunks would not shorten the stall, only the progress
@@ -600,7 +618,14 @@ class GenerationEngine:
         """Prefill chunks, oldest request first, within the step's token budget: ``token_budget`` minus the
         rows just decoded while others decode (so that a long prompt never stalls them), else up to
         ``prefill_chunk`` tokens per request; a chunk shrinks (to a block at the least) to the blocks free
-        before it preempts a later request. Chunks of equal length run as one batch."""
+        before it preempts a later request. Chunks of equal length run as one batch. Beside decoding requests,
+        a model whose forward runs a few layers at a time (``runs_in_steps``) takes one request's chunk through
+        as many layers as fit the step's time and goes on in the next steps (:meth:`_layer_steps`): a chunk
+        may then cost up to a layer count's worth of steps, each step only its share."""
+        if self._layer_run is not None:   # a chunk part way through the layers: its next layers, nothing else
+            self._layer_steps(events)
+            return
+        stepped = bool(decoded) and self._in_steps
         limit = min(self.prefill_chunk or self.max_seq_len, self._chunk_cap or self.max_seq_len)
         budget = self._prefill_budget(decoded) if decoded else None
         with self._lock:
@@ -619,40 +644,104 @@ class GenerationEngine:
             chunks.setdefault(n, []).append(r)
             if budget is not None:
                 budget -= n
+            if stepped:
+                # one request's chunk, through the layers over the next steps -- if the decoding requests keep
+                # room for the blocks they may take meanwhile (else the chunk runs whole: its blocks are held
+                # until it is done, and a window's old blocks go back only then)
+                layers = len(self.model.model.layers)
+                stepped = self.cache.pool.num_free >= decoded * (-(-layers // self.cache.block_size) + 1)
+                break
         for n, group in chunks.items():
             group = [r for r in group if r.state == RUNNING]
             if not group:
                 continue
-            t0 = time.perf_counter()
             head = any(r._mtp_draft is not None for r in group)
             starts = [r._computed for r in group]
-            logits = self._forward(group, [r.tokens(r._computed, r._computed + n) for r in group], with_hidden=head)
-            if head:
-                logits, hidden = logits
-            done = []
-            for r in group:
-                r._computed += n
-                if r._computed == r.num_tokens:
-                    r._decoding = True
-                    done.append(r)
-            if done:
-                rows = torch.tensor([group.index(r) for r in done], device=logits.device)
-                self._sample_and_emit(done, logits[rows, -1], events)
-            if head:   # the head over the chunk (the token after its last position: the prompt's, or the one chosen)
-                self._mtp_pass(group, starts, [r.tokens(s + 1, s + n + 1) if r.num_tokens > s + n else [0] * n
-                                               for r, s in zip(group, starts)],
-                               hidden, [n - 1 if r in done else None for r in group])
-            self._prefix.register(group)
-            self._trim(group)
-            dt = time.perf_counter() - t0
+            ids = [r.tokens(r._computed, r._computed + n) for r in group]
+            if stepped:
+                self._layer_run = _LayerRun(group, n, starts, head, self._begin(group, ids, head))
+                self._layer_steps(events)
+                return
+            t0 = time.perf_counter()
+            out = self._forward(group, ids, with_hidden=head)
+            self._chunk_done(group, n, starts, out, head, time.perf_counter() - t0, events, observe=bool(decoded))
+
+    def _begin(self, reqs: list[Request], ids: list[list[int]], with_hidden: bool):
+        """:meth:`CausalLM.begin_forward` for a chunk (the arguments :meth:`_forward` gives)."""
+        ids_BT = torch.tensor(ids, dtype=torch.long, device=self.device)
+        slots_B = torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
+        keep = 1 if self._keeps_last and ids_BT.size(1) > 1 else 0
+        with torch.inference_mode():
+            return self._guarded(reqs, self.model.begin_forward, ids_BT, self.cache, slots_B, keep, with_hidden)
+
+    def _layer_steps(self, events: list[TokenEvent]) -> None:
+        """The pending chunk's next layers: at least one, another while the last one's time still fits the step's
+        target (``stall_ratio`` decode steps); each layer's time goes into the chunk-size fit (one layer is what
+        a step cannot split). Once through every layer, its logits as any chunk's."""
+        lr = self._layer_run
+        target = self.stall_ratio * (self._decode_s or 0.0)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            while True:
+                t1 = time.perf_counter()
+                done = self._guarded(lr.group, self.model.run_some_layers, lr.run, 1)
+                t2 = time.perf_counter()
+                self._chunk_cost.observe(lr.n * len(lr.group), t2 - t1)
+                if done or (t2 - t0) + (t2 - t1) > target:
+                    break
+            out = self._guarded(lr.group, self.model.end_forward, lr.run) if done else None
+        dt = time.perf_counter() - t0
+        lr.seconds += dt
+        if not done:
             self.totals["prefill_s"] += dt
-            if decoded:
-                self._chunk_cost.observe(n * len(group), dt)
-            self.totals["prefill_tokens"] += n * len(group)
-            for r in done:
-                if not r._preempted:
-                    self.totals["prompt_tokens"] += len(r.prompt_ids)
-                    self.totals["cached_tokens"] += r.stats.cached_tokens
+            return
+        self._layer_run = None
+        self.totals["prefill_s"] -= lr.seconds - dt   # (_chunk_done counts the whole chunk)
+        self._chunk_done(lr.group, lr.n, lr.starts, out, lr.head, lr.seconds, events, observe=False)
+
+    def _guarded(self, reqs: list[Request], fn, *args):
+        """``fn(*args)`` for a forward over ``reqs``; on an error they end with it (their slots' cache contents
+        are undefined now) and the caller sees it."""
+        try:
+            return fn(*args)
+        except Exception as err:
+            self._layer_run = None
+            with self._lock:
+                for r in reqs:
+                    if r.state != FINISHED:
+                        self._finish(r, "error", error=f"{type(err).__name__}: {err}")
+            raise
+
+    def _chunk_done(self, group: list[Request], n: int, starts: list[int], out, head: bool, seconds: float,
+                    events: list[TokenEvent], observe: bool) -> None:
+        """After a chunk's forward (``out``: its logits, or (logits, hidden) with the MTP head): the positions
+        computed, the first token of the requests whose prompt it completed, the head's pass, the prefix blocks."""
+        logits, hidden = out if head else (out, None)
+        t0 = time.perf_counter()
+        done = []
+        for r in group:
+            r._computed += n
+            if r._computed == r.num_tokens:
+                r._decoding = True
+                done.append(r)
+        if done:
+            rows = torch.tensor([group.index(r) for r in done], device=logits.device)
+            self._sample_and_emit(done, logits[rows, -1], events)
+        if head:   # the head over the chunk (the token after its last position: the prompt's, or the one chosen)
+            self._mtp_pass(group, starts, [r.tokens(s + 1, s + n + 1) if r.num_tokens > s + n else [0] * n
+                                           for r, s in zip(group, starts)],
+                           hidden, [n - 1 if r in done else None for r in group])
+        self._prefix.register(group)
+        self._trim(group)
+        dt = seconds + time.perf_counter() - t0
+        self.totals["prefill_s"] += dt
+        if observe:
+            self._chunk_cost.observe(n * len(group), dt)
+        self.totals["prefill_tokens"] += n * len(group)
+        for r in done:
+            if not r._preempted:
+                self.totals["prompt_tokens"] += len(r.prompt_ids)
+                self.totals["cached_tokens"] += r.stats.cached_tokens
 
     def _trim(self, reqs: list[Request]) -> None:
         """Give back the blocks out of the window of every layer (sliding-window models)."""
@@ -664,6 +753,8 @@ class GenerationEngine:
     def _release(self, r: Request) -> None:
         """Free ``r``'s slot and give its blocks back (caller holds ``_lock``); its full blocks stay cached
         under their prefix keys."""
+        if self._layer_run is not None and r in self._layer_run.group:
+            self._layer_run = None   # (its chunk starts again when it is admitted again)
         self.cache.free(r.slot)
         self._free_slots.append(r.slot)
         self._free_slots.sort()
@@ -677,16 +768,8 @@ class GenerationEngine:
         kw = {"logits_to_keep": keep} if self._keeps_last and ids_BT.size(1) > keep else {}
         if with_hidden:
             kw["return_hidden"] = True
-        try:
-            with torch.inference_mode():
-                out = self.model(ids_BT, cache=self.cache, slots=slots_B, **kw)
-        except Exception as err:
-            # the slots' cache contents are undefined now: end these requests, let the caller see the error
-            with self._lock:
-                for r in reqs:
-                    if r.state != FINISHED:
-                        self._finish(r, "error", error=f"{type(err).__name__}: {err}")
-            raise
+        with torch.inference_mode():
+            out = self._guarded(reqs, lambda: self.model(ids_BT, cache=self.cache, slots=slots_B, **kw))
         return out if with_hidden else getattr(out, "logits", out)
 
     def _penalty_state(self, reqs: list[Request], V: int, device) -> tuple[Tensor | None, Tensor | None]:

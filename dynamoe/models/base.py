@@ -11,6 +11,7 @@ most tensors load by name; a sparse block's router and experts live in a dynamoe
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -27,7 +28,7 @@ from .rope import RotaryEmbedding, rotary_dims
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CausalLM", "DecoderLayer", "DecoderStack", "MoELayerStats"]
+__all__ = ["CausalLM", "DecoderLayer", "DecoderStack", "LayerRun", "MoELayerStats"]
 
 
 class DecoderLayer(nn.Module):
@@ -77,6 +78,24 @@ class MoELayerStats:
     layer: int
     load: Tensor
     dropped: int
+
+
+@dataclass
+class LayerRun:
+    """One forward between :meth:`CausalLM.begin_forward` and :meth:`CausalLM.end_forward`: the hidden states
+    ``h`` after ``next_layer`` layers, and what every layer takes (positions, cache, slots, kv_len); the
+    rows' prompt lengths for dynamic NTK RoPE (None: not needed)."""
+
+    h: Tensor
+    positions: Tensor
+    cache: KVCache | None
+    slots: Tensor | None
+    kv_len: int | None
+    T: int
+    logits_to_keep: int
+    return_hidden: bool
+    prompt_lengths: Tensor | None
+    next_layer: int = 0
 
 
 class CausalLM(nn.Module):
@@ -177,6 +196,29 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 logits_to_keep: int = 0, return_hidden: bool = False):
+        run = self.begin_forward(input_ids, cache, slots, logits_to_keep, return_hidden)
+        B = input_ids.size(0)
+        plan = None if cache is None or run.T != 1 else self._decode_plan(run.h, cache, run.slots)
+        if plan is not None:
+            with self._rope_prompt(run):
+                try:
+                    run.h = plan.run(run.h.view(B, -1), run.positions, cache, run.slots, run.kv_len).view(B, 1, -1)
+                    run.next_layer = len(self.model.layers)
+                except RuntimeError as exc:  # a kernel refused what the plan's checks did not see: the layers decide
+                    log.warning("dynamoe: the decode plan of %s failed (%s); this state decodes layer by layer",
+                                type(self).__name__, exc)
+                    self.__dict__["_plan"] = (plan.key, None, plan)
+        if run.next_layer == 0:
+            with self._rope_prompt(run):
+                run.h = self.run_layers(run.h, run.positions, cache, run.slots, run.kv_len)
+            run.next_layer = len(self.model.layers)
+        return self.end_forward(run)
+
+    def begin_forward(self, input_ids: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
+                      logits_to_keep: int = 0, return_hidden: bool = False) -> "LayerRun":
+        """The first part of :meth:`forward`: the arguments checked, positions and the embeddings, as a
+        :class:`LayerRun` that :meth:`run_some_layers` takes through the layers (a few at a time if the caller
+        wants: the engine spreads a long prefill chunk over several steps) and :meth:`end_forward` finishes."""
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
             got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be an int64 (or int32) tensor [batch, tokens], got {got}")
@@ -201,38 +243,58 @@ class CausalLM(nn.Module):
             positions = starts.to(dev)[:, None] + steps
             kv_len = int(starts.max()) + T if B else T
             slots = slots.to(dev)
-        h = self.model.embed_tokens(input_ids)
         rotary = getattr(self.model, "rotary_emb", None)
-        by_prompt = cache is not None and getattr(getattr(rotary, "rope", None), "rope_type", None) == "dynamic"
-        if by_prompt:   # dynamic NTK rotates a prompt's positions with the prompt's length (RotaryEmbedding)
-            rotary.prompt_lengths = cache.prompt_lengths_for(slots, positions)
-        try:
-            plan = None if cache is None or T != 1 else self._decode_plan(h, cache, slots)
-            if plan is not None:
-                try:
-                    h = plan.run(h.view(B, -1), positions, cache, slots, kv_len).view(B, 1, -1)
-                except RuntimeError as exc:  # a kernel refused what the plan's checks did not see: the layers decide
-                    log.warning("dynamoe: the decode plan of %s failed (%s); this state decodes layer by layer",
-                                type(self).__name__, exc)
-                    self.__dict__["_plan"] = (plan.key, None, plan)
-                    plan = None
-            if plan is None:
-                h = self.run_layers(h, positions, cache, slots, kv_len)
-        finally:
-            if by_prompt:
-                rotary.prompt_lengths = None
+        prompt = None
+        if cache is not None and getattr(getattr(rotary, "rope", None), "rope_type", None) == "dynamic":
+            prompt = cache.prompt_lengths_for(slots, positions)   # dynamic NTK rotates a prompt with its length
+        return LayerRun(self.model.embed_tokens(input_ids), positions, cache, slots, kv_len, T, logits_to_keep,
+                        return_hidden, prompt)
+
+    @property
+    def runs_in_steps(self) -> bool:
+        """Whether :meth:`run_some_layers` can take a forward a few layers at a time: the model's layers run one
+        after the other through the shared forward (a family with a forward or layer loop of its own: no)."""
+        return type(self).forward is CausalLM.forward and type(self).run_layers is CausalLM.run_layers
+
+    def run_some_layers(self, run: "LayerRun", count: int) -> bool:
+        """The next ``count`` (>= 1) layers of ``run``; whether it has been through every layer."""
+        layers = self.model.layers
+        stop = min(len(layers), run.next_layer + max(1, count))
+        with self._rope_prompt(run):
+            for i in range(run.next_layer, stop):
+                run.h = layers[i](run.h, run.positions, run.cache, run.slots, run.kv_len)
+        run.next_layer = stop
+        return stop == len(layers)
+
+    def end_forward(self, run: "LayerRun"):
+        """The last part of :meth:`forward` (``run`` through every layer): logits (and the hidden states with
+        return_hidden); the cache advances past the positions."""
+        h, T = run.h, run.T
         # with return_hidden, the final-normed states of every position fed (the MTP heads read each one; with
         # hidden_before_norm the states before the norm); the logits as without (the same ops on the same rows:
         # bit for bit the same numbers)
-        normed = self.model.norm(h) if return_hidden and not self.hidden_before_norm else None
-        hidden = (h if self.hidden_before_norm else normed) if return_hidden else None
-        if 0 < logits_to_keep < T:
-            logits = self.lm_head(self.model.norm(h[:, -logits_to_keep:]))
+        normed = self.model.norm(h) if run.return_hidden and not self.hidden_before_norm else None
+        hidden = (h if self.hidden_before_norm else normed) if run.return_hidden else None
+        if 0 < run.logits_to_keep < T:
+            logits = self.lm_head(self.model.norm(h[:, -run.logits_to_keep:]))
         else:
             logits = self.lm_head(self.model.norm(h) if normed is None else normed)
-        if cache is not None:
-            cache.advance(slots.to(cache.lengths.device), T)
-        return (logits, hidden) if return_hidden else logits
+        if run.cache is not None:
+            run.cache.advance(run.slots.to(run.cache.lengths.device), T)
+        return (logits, hidden) if run.return_hidden else logits
+
+    @contextlib.contextmanager
+    def _rope_prompt(self, run: "LayerRun"):
+        """The rows' prompt lengths on the shared rotary embedding while ``run``'s layers run (dynamic NTK)."""
+        if run.prompt_lengths is None:
+            yield
+            return
+        rotary = self.model.rotary_emb
+        rotary.prompt_lengths = run.prompt_lengths
+        try:
+            yield
+        finally:
+            rotary.prompt_lengths = None
 
     def positions_independent_of_prompt(self, prompt_tokens: int) -> int | None:
         """How many leading positions' keys and values a sequence with a prompt of ``prompt_tokens`` tokens computes
