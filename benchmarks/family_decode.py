@@ -176,15 +176,15 @@ def conversions(model) -> list:
     return [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
 
 
-def layout_model(skeleton, cfg):
+def layout_model(skeleton, cfg, borrow: bool = False):
     """The model whose conversions give the checkpoint's tensor layout and where it keeps the text model: the model
     itself, or for a base text model that has none of its own (glm4v_moe_text: its checkpoints hold the wrapper's
-    text part, under a causal LM's names) the wrapper (on the meta device)."""
+    text part, under a causal LM's names) or when ``borrow`` says so, the wrapper (on the meta device)."""
     from transformers import CONFIG_MAPPING
 
     from transformers import PreTrainedModel
 
-    if conversions(skeleton):
+    if conversions(skeleton) and not borrow:
         return skeleton, None
     for wrapper in CONFIG_MAPPING.values():
         if (getattr(wrapper, "sub_configs", None) or {}).get("text_config") is type(cfg):
@@ -234,18 +234,21 @@ def build_checkpoint(family: str, folder: str, rename: str = "all") -> None:
         rows, cols = head.weight.shape if head is not None else (text_cfg.vocab_size, text_cfg.hidden_size)
         tensors[head_name + ".weight"] = torch.randn(rows, cols) * 0.02
     # the checkpoint's names and tensor layout (what save_pretrained writes, reversing what transformers converts on
-    # load): the tensor conversions (per-expert tensors); the renamings of the model's own (a borrowed wrapper's
-    # rename the wrapper's names), over every name or (rename="place") only on the text model's and the head's place
-    # in the wrapper (Kimi-K2.5's vision renaming blocks -> layers must not reach the text layers)
-    layout, at = layout_model(skeleton, cfg)
+    # load): the tensor conversions (per-expert tensors); the renamings of the model's own over every name or
+    # (rename="place") only on the text model's and the head's place in the wrapper (Kimi-K2.5's vision renaming
+    # blocks -> layers must not reach the text layers). A base text model's checkpoint: under a causal LM's names,
+    # or (rename="wrapper") as its wrapper writes it (Mistral-Large-4's text config: Mistral's own names)
+    layout, at = layout_model(skeleton, cfg, borrow=rename == "wrapper")
     converters = [c for c in conversions(layout) if isinstance(c, WeightConverter)]
-    renamings = [c for c in conversions(layout) if isinstance(c, WeightRenaming)] if layout is skeleton else []
-    layout._weight_conversions = (converters + (renamings if rename == "all" else [])) or None
+    renamings = [c for c in conversions(layout) if isinstance(c, WeightRenaming)]
+    if layout is not skeleton and rename != "wrapper":
+        renamings = []
+    layout._weight_conversions = (converters + (renamings if rename != "place" else [])) or None
     at = at or prefix
     if at != prefix:  # (a borrowed wrapper's conversions apply where it keeps the text model)
         tensors = {at + k[len(prefix):] if k.startswith(prefix + ".") else k: v for k, v in tensors.items()}
     tensors = revert_weight_conversion(layout, tensors)
-    if at != prefix:
+    if at != prefix and rename != "wrapper":
         tensors = {prefix + k[len(at):] if k.startswith(at + ".") else k: v for k, v in tensors.items()}
     if rename == "place" and renamings:
         layout._weight_conversions = renamings
@@ -296,14 +299,13 @@ def load(family: str, dtype: torch.dtype, folder: str):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            build_checkpoint(family, folder)
-            try:
-                return dynamoe.models.load(folder, dtype=dtype, progress=False)
-            except ValueError as exc:  # (a wrapper whose renamings reach its text model's names: see build_checkpoint)
-                if "missing tensor" not in str(exc):
-                    raise
-                build_checkpoint(family, folder, rename="place")
-        return dynamoe.models.load(folder, dtype=dtype, progress=False)
+            for rename in ("all", "place", "wrapper"):  # (the layouts a family's checkpoints may have: build_checkpoint)
+                build_checkpoint(family, folder, rename)
+                try:
+                    return dynamoe.models.load(folder, dtype=dtype, progress=False)
+                except ValueError as exc:
+                    if "missing tensor" not in str(exc) or rename == "wrapper":
+                        raise
     except Exception as exc:  # noqa: BLE001 (reported in the table: one family's failure is not the run's)
         return f"not built: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
 
