@@ -76,13 +76,16 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     # (the text and the vision experts' widths; the RoPE sections share head_dim / 2, split as the default 22:22:20)
     "ernie4_5_vl_moe": dict(moe_intermediate_size=[F_MOE, F_MOE],
                             rope_parameters=dict(rope_type="default", rope_theta=500000.0, mrope_section=[11, 11, 10])),
-    # (the towers' outputs are the text model's inputs)
-    "muse_spark": dict(audio_config=dict(out_hidden_size=D)),
+    # (the audio tower's output is the text model's input; the experts' pooled width, half the model's as released)
+    "muse_spark": dict(audio_config=dict(out_hidden_size=D), moe_hidden_size=D // 2),
     # (the QSA indexer's sizes have no defaults)
     "qwen4_exp": dict(indexer_n_heads=HEADS, indexer_kv_heads=1, indexer_head_dim=HEAD_DIM, indexer_budget=64,
                       indexer_compress_ratio=4),
     "qwen4_exp_text": dict(indexer_n_heads=HEADS, indexer_kv_heads=1, indexer_head_dim=HEAD_DIM, indexer_budget=64,
                            indexer_compress_ratio=4),
+    # (Gemma 4's MoE variant; its per-layer input embeddings over the vocab, as by default)
+    "gemma4": dict(enable_moe_block=True, vocab_size_per_layer_input=VOCAB),
+    "gemma4_text": dict(enable_moe_block=True, vocab_size_per_layer_input=VOCAB),
     "qwen3_omni_moe": dict(enable_audio_output=False),  # (no speech talker: its class fails at these sizes)
     # (Inkling-2: the head's unpadded rows within the vocab, the sliding layers' own sizes; the loop within 4 layers)
     "inkling2_text": dict(unpadded_vocab_size=VOCAB, swa_num_attention_heads=HEADS, swa_num_key_value_heads=KV_HEADS,
