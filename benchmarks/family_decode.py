@@ -86,7 +86,8 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     # (Gemma 4's MoE variant; its per-layer input embeddings over the vocab, as by default)
     "gemma4": dict(enable_moe_block=True, vocab_size_per_layer_input=VOCAB),
     "gemma4_text": dict(enable_moe_block=True, vocab_size_per_layer_input=VOCAB),
-    "qwen3_omni_moe": dict(enable_audio_output=False),  # (no speech talker: its class fails at these sizes)
+    # (no speech talker: transformers' talker class fails on its own default config; dynamoe does not load it)
+    "qwen3_omni_moe": dict(enable_audio_output=False),
     # (Inkling-2: the head's unpadded rows within the vocab, the sliding layers' own sizes; the loop within 4 layers)
     "inkling2_text": dict(unpadded_vocab_size=VOCAB, swa_num_attention_heads=HEADS, swa_num_key_value_heads=KV_HEADS,
                           swa_head_dim=HEAD_DIM, n_layers_per_attn_res_block=2),
@@ -294,7 +295,11 @@ def params(model) -> float:
 
 def describe(model) -> str:
     plan = model.__dict__.get("_plan")
-    return plan[2].describe() if plan and plan[2] is not None else "no decode plan (the model's own forward)"
+    if plan and plan[2] is not None:
+        return plan[2].describe()
+    if plan:  # (DecodePlan.build declined: the kernels write the cache in the steps' dtype)
+        return "no decode plan (the decode steps' hidden states are not in the cache's dtype)"
+    return "no decode plan (the model's own forward)"
 
 
 def load(family: str, dtype: torch.dtype, folder: str):
