@@ -132,3 +132,12 @@ def test_engine_generation_matches_generate(pair):
         want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                            max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
         assert r.output_ids == want
+
+
+def test_head_dim_must_be_the_rope_head_dim():
+    """LongCat's RoPE table is head_dim wide and rotates the qk_rope_head_dim part of each head (transformers'
+    LongcatFlash fails on any other config): refused at build, naming the field, not at the first decode."""
+    d = {"model_type": "longcat_flash", **SIZES, "rope_parameters": VARIANTS["default"]["rope_parameters"]}
+    LongcatFlashForCausalLM(dm.ModelConfig.from_dict(d))
+    with pytest.raises(ValueError, match=r"'head_dim' must equal qk_rope_head_dim=8 for longcat_flash.*got 16"):
+        LongcatFlashForCausalLM(dm.ModelConfig.from_dict({**d, "head_dim": 16}))

@@ -140,6 +140,10 @@ class LongcatFlashForCausalLM(CausalLM):
                      "intermediate_size"):
             if getattr(cfg, name) is None:
                 raise ValueError(f"config field {name!r} is required for longcat_flash")
+        if cfg.head_dim != cfg.qk_rope_head_dim:  # (the rotary table is head_dim wide, applied to the rope part)
+            raise ValueError(f"config field 'head_dim' must equal qk_rope_head_dim={cfg.qk_rope_head_dim} for "
+                             f"longcat_flash (its RoPE is sized by head_dim and rotates each head's qk_rope_head_dim "
+                             f"channels, as transformers' LongcatFlash does), got {cfg.head_dim}")
         scale = mla_softmax_scale(cfg.rope, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         lora = ((D / cfg.q_lora_rank) ** 0.5, (D / cfg.kv_lora_rank) ** 0.5)
         attns = [MLAttention(D, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
