@@ -187,6 +187,21 @@ def _kimi_layer_types(linear_attn_config: dict, layers: int) -> tuple:
     return tuple(types)
 
 
+def _linear_and_indexed(d: dict, layer_types, layers: int, every: int | None) -> tuple:
+    """Layer kinds of the hybrids of linear attention and indexed (sparse) attention, GLM-5.3's and Qwen4-Exp's:
+    ``layer_types`` as given, with 'full_attention' read as 'indexed_attention' (their configs name the indexed
+    layers so), or by default (``every``) every ``every``-th layer indexed and the others linear."""
+    if layer_types is None:
+        layer_types = ["indexed_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)]
+    if isinstance(layer_types, (list, tuple)):
+        layer_types = ["indexed_attention" if t == "full_attention" else t for t in layer_types]
+    if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
+            or any(t not in ("linear_attention", "indexed_attention") for t in layer_types)):
+        raise _err("layer_types", d.get("layer_types"), f"a list of {layers} entries from ['linear_attention', "
+                   "'indexed_attention', 'full_attention']")
+    return tuple(layer_types)
+
+
 def _ropes_by_layer_type(d: dict, max_pos: int, defaults: dict, layer_types: tuple,
                          partial_default: float | None = None, nope_kinds: bool = False) -> tuple:
     """MiMo-V2-Flash: ``rope_parameters`` nested by layer type (``{"full_attention": {...}, "sliding_attention":
@@ -1085,28 +1100,12 @@ class ModelConfig:
             layer_types = _v4_layer_types(d, layers)
         elif fam.get("dots3_layers"):
             layer_types = _dots3_layer_types(d, layers)
-        elif fam.get("glm5_layers"):  # every 4th layer (from 3) MLA, the others KDA; 'full_attention' is MLA
-            if layer_types is None:
-                layer_types = ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(layers)]
-            if isinstance(layer_types, (list, tuple)):
-                layer_types = ["indexed_attention" if t == "full_attention" else t for t in layer_types]
-            if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
-                    or any(t not in ("linear_attention", "indexed_attention") for t in layer_types)):
-                raise _err("layer_types", d.get("layer_types"), f"a list of {layers} entries from ['linear_attention', "
-                           "'indexed_attention', 'full_attention']")
-            layer_types = tuple(layer_types)
-        elif fam.get("qwen4_layers"):  # every n-th layer QSA-indexed attention, the others linear; 'full_attention'
-            # is read as 'indexed_attention' (the released configs say so of their indexed layers)
-            if layer_types is None:
-                n = _int(d, "full_attention_interval", fam["full_attention_interval"])
-                layer_types = ["indexed_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(layers)]
-            if isinstance(layer_types, (list, tuple)):
-                layer_types = ["indexed_attention" if t == "full_attention" else t for t in layer_types]
-            if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
-                    or any(t not in ("linear_attention", "indexed_attention") for t in layer_types)):
-                raise _err("layer_types", d.get("layer_types"), f"a list of {layers} entries from ['linear_attention', "
-                           "'indexed_attention', 'full_attention']")
-            layer_types = tuple(layer_types)
+        elif fam.get("glm5_layers"):  # every 4th layer (from 3) MLA, the others KDA
+            every = 4 if layer_types is None else None
+            layer_types = _linear_and_indexed(d, layer_types, layers, every)
+        elif fam.get("qwen4_layers"):  # every n-th layer QSA-indexed attention, the others linear
+            every = None if layer_types is not None else _int(d, "full_attention_interval", fam["full_attention_interval"])
+            layer_types = _linear_and_indexed(d, layer_types, layers, every)
         elif layer_types is not None:
             if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
                     or any(t not in kinds for t in layer_types)):

@@ -69,8 +69,9 @@ class GatedAttention(Attention):
         raise Unfusable("the output gate interleaved with the queries in q_proj (per head [query | gate]): the "
                         "fused kernel reads a gate projection of its own")
 
-    def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
-                kv_len: int | None = None) -> Tensor:
+    def gated_heads(self, x_BTD: Tensor, positions_BT: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """q [B, H, T, d] and k [B, K, T, d] normed and rotated, v [B, K, T, d], and the output gate [B, T, H, d]
+        (q_proj gives each head's query and gate side by side)."""
         B, T, _ = x_BTD.shape
         H, K, d = self.num_heads, self.num_kv_heads, self.head_dim
         qg, k, v = self._project_qkv(x_BTD)
@@ -78,10 +79,14 @@ class GatedAttention(Attention):
         q, k = self.q_norm(q), self.k_norm(k.reshape(B, T, K, d))
         v = v.reshape(B, T, K, d).transpose(1, 2)
         cos, sin = self.rotary(positions_BT, q.dtype)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, d]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, K, T, d]
-        out = self.attend_cached(q, k, v, positions_BT, cache, slots, kv_len).transpose(1, 2).reshape(B, T, H * d)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(B, T, H * d)))
+        return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v, gate
+
+    def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
+                kv_len: int | None = None) -> Tensor:
+        B, T, _ = x_BTD.shape
+        q, k, v, gate = self.gated_heads(x_BTD, positions_BT)
+        out = self.attend_cached(q, k, v, positions_BT, cache, slots, kv_len).transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(B, T, -1)))
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):

@@ -42,7 +42,7 @@ from .linear_attention import GatedDeltaNet
 from .ngram_embedding import DERIVED_BUFFERS, NGramEmbedding, PerLayerEmbedding
 from .qsa_indexer import QSAIndexer
 from .qwen3_next import GatedAttention, SharedExpertMoeBlock
-from .rope import RotaryEmbedding, apply_rope
+from .rope import RotaryEmbedding
 from .weights import PerExpert
 from .wrapped import TextOfWrapper, WrapperLayout
 
@@ -59,17 +59,11 @@ class QSAGatedAttention(GatedAttention):
     def forward(self, x_BTD: Tensor, positions_BT: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                 kv_len: int | None = None) -> Tensor:
         B, T, _ = x_BTD.shape
-        H, K, d = self.num_heads, self.num_kv_heads, self.head_dim
+        H, d = self.num_heads, self.head_dim
         if cache is not None:
             kv_len = cached_length(positions_BT, slots, kv_len)
         allowed = self.indexer(x_BTD, positions_BT, cache, slots, kv_len)              # [B, 1, T, L] or None
-        qg, k, v = self._project_qkv(x_BTD)
-        q, gate = qg.reshape(B, T, H, 2 * d).split([d, d], dim=-1)
-        q, k = self.q_norm(q), self.k_norm(k.reshape(B, T, K, d))
-        v = v.reshape(B, T, K, d).transpose(1, 2)
-        cos, sin = self.rotary(positions_BT, q.dtype)
-        q = apply_rope(q.transpose(1, 2), cos, sin)                                    # [B, H, T, d]
-        k = apply_rope(k.transpose(1, 2), cos, sin)                                    # [B, K, T, d]
+        q, k, v, gate = self.gated_heads(x_BTD, positions_BT)
         if allowed is None:
             out = self.attend_cached(q, k, v, positions_BT, cache, slots, kv_len)
         else:
