@@ -201,3 +201,32 @@ def test_history_records_windows_and_refuses_an_unrecorded_buffer():
     with pytest.raises(ValueError, match="no layer recorded its buffers"):
         cache.truncate(2, 9)
     cache.end_history()
+
+
+@pytest.mark.parametrize("looping_model", ["qwen3_next", "jamba"], indirect=True)
+def test_drafts_shrink_to_the_history_memory(looping_model):
+    """A verification forward keeps every row's recurrent state after each token: it feeds rows x tokens states
+    within the engine's history_memory (fewer drafts where more rows decode), none where not even one state fits
+    -- the same tokens as plain decoding."""
+    model = looping_model
+    plain, _, engine = _generate(model, 16)
+    per_row = engine.cache.slot_state_bytes
+    assert per_row > 0
+    fed: list[tuple[int, int]] = []
+    verify = GenerationEngine._verify
+
+    def spy_verify(self, reqs, ids, *args, **kw):
+        fed.append((len(reqs), len(ids[0])))
+        return verify(self, reqs, ids, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GenerationEngine, "_verify", spy_verify)
+        mp.setattr(GenerationEngine, "history_memory", 6 * per_row)
+        spec, _, engine = _generate(model, 16, speculative_tokens=3)
+        assert spec == plain and engine.totals["spec_drafted_ngram"] > 0
+        assert fed and all(rows * tokens <= 6 for rows, tokens in fed), fed
+        assert any(rows == 3 for rows, _ in fed) and any(tokens == 4 for _, tokens in fed), fed
+        fed.clear()
+        mp.setattr(GenerationEngine, "history_memory", per_row - 1)
+        spec, _, engine = _generate(model, 16, speculative_tokens=3)
+    assert spec == plain and not fed and engine.totals["spec_drafted_ngram"] == 0

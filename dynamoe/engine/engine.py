@@ -130,6 +130,10 @@ class GenerationEngine:
     default_token_budget = 512
     #: while requests decode, a step's prefill chunks take about this many decode steps' time
     stall_ratio = 2.0
+    #: the most bytes a verification forward of a model with recurrent state may keep of its rows' states after every
+    #: token (what rolls them back past rejected drafts): fewer drafts a step where rows x (drafts + 1) x a row's
+    #: state would exceed it (a Qwen3-Next-sized model keeps ~72 MiB a row and token)
+    history_memory = 2 << 30
 
     def __init__(self, model, tokenizer=None, max_seq_len: int | None = None, max_batch: int = 8, *,
                  cache_dtype: torch.dtype | None = None, device=None, prefill_chunk: int | None = None,
@@ -490,6 +494,10 @@ class GenerationEngine:
         out = []
         room = min((self.capacity - r.num_tokens for r in reqs), default=0)
         k = min(k, room)
+        if self._rollback:   # the verification forward keeps every row's recurrent state after each of its tokens
+            per_token = len(reqs) * self.cache.slot_state_bytes
+            if per_token:
+                k = min(k, self.history_memory // per_token - 1)
         for r in reqs:
             d = []
             if k > 0 and _speculates(r.params):

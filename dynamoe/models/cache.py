@@ -115,6 +115,13 @@ class KVCache:
             self._slot_buffers.append((layer, name))
         return t
 
+    @property
+    def slot_state_bytes(self) -> int:
+        """Bytes of one slot's per-slot buffers (conv windows, recurrent states) made so far: what a history keeps
+        per row and token (:meth:`begin_history`)."""
+        return sum(self.layers[layer][name][0].numel() * self.layers[layer][name].element_size()
+                   for layer, name in self._slot_buffers)
+
     # --- per-token history of the per-slot buffers (rolling recurrent state back) --------------------------
     def begin_history(self) -> None:
         """Until :meth:`end_history`, keep what layers :meth:`record` of ONE forward: each per-slot buffer's value
