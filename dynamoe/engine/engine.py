@@ -43,7 +43,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -51,12 +50,13 @@ from torch import Tensor
 
 from ..models.cache import DEFAULT_BLOCK_SIZE, OutOfBlocks
 from .budget import ChunkCost
+from .chunks import ChunkedPrefill, _LayerRun
 from .detokenizer import IncrementalDecoder, StopStrings, decode_keeping, special_token_ids
+from .drafts import SpeculativeSteps, speculates
 from .prefix import PrefixCache
 from .prompts import encode_prompt, token_list
 from .request import FINISHED, RUNNING, WAITING, Request, RequestStats, TokenEvent
 from .sampling import SamplingParams, TokenLogprob, sample
-from .speculative import NgramIndex
 
 __all__ = ["GenerationEngine", "Request", "TokenEvent", "RequestStats", "encode_prompt", "DRAFT_SOURCES"]
 
@@ -64,12 +64,6 @@ log = logging.getLogger(__name__)
 
 #: where speculative drafts come from: n-gram lookup in the request's context, or the model's MTP head
 DRAFT_SOURCES = ("ngram", "mtp")
-
-
-def _speculates(p: SamplingParams) -> bool:
-    """Whether requests with these parameters speculate: greedy ones without penalties (whose next choice
-    depends on nothing but the logits)."""
-    return p.greedy and not p.uses_repetition_penalty and not p.uses_output_penalties
 
 
 def _model_device(model) -> torch.device:
@@ -90,19 +84,7 @@ def _check_int(name: str, v, low: int = 1, none: bool = False) -> None:
         raise ValueError(f"{name} must be {'None or ' if none else ''}an int >= {low}, got {v!r}")
 
 
-@dataclass
-class _LayerRun:
-    """A chunk's forward part way through the model's layers (:meth:`GenerationEngine._layer_steps`)."""
-
-    group: list
-    n: int
-    starts: list
-    head: bool
-    run: object
-    seconds: float = 0.0
-
-
-class GenerationEngine:
+class GenerationEngine(SpeculativeSteps, ChunkedPrefill):
     """Continuous batching of generation requests for one model (see the module docstring).
 
     model: a module honouring the cache contract. tokenizer: a :class:`~dynamoe.engine.Tokenizer`
@@ -376,7 +358,7 @@ class GenerationEngine:
             req.state = RUNNING
             if req.stats.scheduled is None:
                 req.stats.scheduled = time.perf_counter()
-            if self._mtp and _speculates(req.params):
+            if self._mtp and speculates(req.params):
                 req._mtp_draft = []   # it runs the MTP head (and takes cached blocks only with head entries)
             cached = self._prefix.attach(req)
             declare = getattr(self.cache, "declare_prompt", None)
@@ -470,243 +452,6 @@ class GenerationEngine:
         self._decode_s = _average(self._decode_s, dt)
         return len(ready)
 
-    def _prefill_budget(self, decoded: int) -> int:
-        """Prefill tokens for a step that decoded ``decoded`` rows: ``token_budget`` - decoded (at least one)
-        when it is fixed, else what takes ``stall_ratio`` decode steps at the measured speeds (:mod:`.budget`),
-        at least a block, at most ``default_token_budget`` - decoded."""
-        top = max(1, self.token_budget - decoded)
-        if not self.adaptive_budget:
-            return top
-        # (the fit is of whatever a step runs of a chunk at once: the whole forward, or one layer where the forward
-        # runs in steps -- _layer_steps)
-        n = None if self._decode_s is None else self._chunk_cost.tokens_within(self.stall_ratio * self._decode_s, top)
-        # at least a block: where a forward's fixed part alone is over the target (a long context on a slow
-        # machine), smaller chunks would not shorten the stall, only the progress
-        return min(top, max(self.cache.block_size, n or 0))
-
-    def _drafts(self, reqs: list[Request]) -> list[list[int]]:
-        """Each request's n-gram draft ([] for requests that do not speculate: sampled ones and those with
-        penalties, whose next choice depends on the previous one beyond the logits), all cut to what every
-        row has room for."""
-        k = self.speculative_tokens
-        if not k:
-            return [[] for _ in reqs]
-        out = []
-        room = min((self.capacity - r.num_tokens for r in reqs), default=0)
-        k = min(k, room)
-        if self._rollback:   # the verification forward keeps every row's recurrent state after each of its tokens
-            per_token = len(reqs) * self.cache.slot_state_bytes
-            if per_token:
-                k = min(k, self.history_memory // per_token - 1)
-        for r in reqs:
-            d = []
-            if k > 0 and _speculates(r.params):
-                left = r.max_tokens - len(r.output_ids) - 1   # tokens it may add after the next one
-                if left > 0 and self._mtp:
-                    d = (r._mtp_draft or [])[:min(k, left)]   # made by the head after the last forward
-                elif left > 0:
-                    if r._ngram is None:
-                        r._ngram = NgramIndex()
-                    d = r._ngram.draft(r.prompt_ids + r.output_ids, min(k, left))
-            out.append(d)
-        return out if any(out) else [[] for _ in reqs]
-
-    def _verify(self, reqs: list[Request], ids: list[list[int]], logits: Tensor, events: list[TokenEvent],
-                hidden: Tensor | None = None) -> None:
-        """Emit, per row, the model's choices after each of its fed tokens as long as they equal the next fed
-        token (the accepted draft), then its choice after the last accepted one; run the MTP head over the
-        accepted positions (``hidden``: the main model's states, with draft='mtp'); cut the cache back to the
-        tokens fed and accepted."""
-        K = len(ids[0]) - 1
-        spec = [i for i, r in enumerate(reqs)
-                if (r._ngram is not None or r._mtp_draft is not None) and r.params.greedy]
-        speculating = set(spec)
-        plain = [i for i in range(len(reqs)) if i not in speculating]
-        if plain:
-            self._sample_and_emit([reqs[i] for i in plain], logits[plain, 0], events)
-        accepted = [0] * len(reqs)
-        if spec:
-            flat = logits[spec].reshape(len(spec) * (K + 1), -1)
-            params = [reqs[i].params for i in spec for _ in range(K + 1)]
-            toks, lps = sample(flat, params, [None] * len(params), None, None)
-            toks = toks.view(len(spec), K + 1).tolist()
-            now = time.perf_counter()
-            with self._lock:
-                for j, i in enumerate(spec):
-                    r, row = reqs[i], toks[j]
-                    a = 0
-                    while a < K and row[a] == ids[i][a + 1]:
-                        a += 1
-                    accepted[i] = a
-                    src = "mtp" if r._mtp_draft is not None else "ngram"
-                    for key in ("spec_drafted", f"spec_drafted_{src}"):
-                        self.totals[key] += K
-                    for key in ("spec_accepted", f"spec_accepted_{src}"):
-                        self.totals[key] += a
-                    for t in range(a + 1):
-                        if not self._emit(r, row[t], lps[j * (K + 1) + t], now, events):
-                            break
-        starts = [r._computed for r in reqs]
-        with self._lock:
-            for i, r in enumerate(reqs):
-                r._computed += 1 + accepted[i]
-        if hidden is not None:
-            # the head over every fed position (after the last accepted one: filler, overwritten next time); next
-            # tokens are the accepted drafts and the model's choice after them
-            nxt = [[*ids[i][1:accepted[i] + 1], r.output_ids[-1], *ids[i][accepted[i] + 1:]]
-                   for i, r in enumerate(reqs)]
-            self._mtp_pass(reqs, starts, nxt, hidden, accepted)
-        with self._lock:
-            for r in reqs:
-                if r.slot is not None:
-                    self.cache.truncate(r.slot, r._computed)
-
-    def _mtp_pass(self, reqs: list[Request], starts: list[int], next_ids: list[list[int]], hidden_BTD: Tensor,
-                  last: list[int | None]) -> None:
-        """Run the MTP head after a forward, for the rows of ``reqs`` that use it: over the positions
-        ``starts[i]``.. that the forward computed (``hidden_BTD``: its final-normed states; ``next_ids``: the
-        token after each position), writing the head's cache entries there; then, for rows whose
-        ``last[i]`` is not None (the index of their last real position), draft their next step's tokens from
-        there (as many as ``speculative_tokens``, the row's ``max_tokens`` and the context allow)."""
-        rows = [i for i, r in enumerate(reqs)
-                if r._mtp_draft is not None and r.slot is not None and r.state == RUNNING and not r._cancel]
-        for i in list(rows):
-            r = reqs[i]
-            r._mtp_draft = []
-            if r._head_len != starts[i]:   # (never expected: the head ran over every earlier position)
-                log.warning("request %s: its MTP head entries end at %d, not %d: it drafts no more", r.id,
-                            r._head_len, starts[i])
-                r._mtp_draft = None
-                rows.remove(i)
-        if not rows:
-            return
-        try:
-            self._mtp_run(reqs, rows, starts, next_ids, hidden_BTD, last)
-        except Exception:   # drafts only propose: a failing head stops them for these requests, not the requests
-            log.exception("the MTP head failed; requests %s draft no more", [reqs[i].id for i in rows])
-            for i in rows:
-                reqs[i]._mtp_draft = None
-
-    def _mtp_run(self, reqs: list[Request], rows: list[int], starts: list[int], next_ids: list[list[int]],
-                 hidden_BTD: Tensor, last: list[int | None]) -> None:
-        """:meth:`_mtp_pass` for the rows of ``reqs`` listed in ``rows``."""
-        dev = hidden_BTD.device
-        T = hidden_BTD.size(1)
-        sel = torch.tensor(rows, device=dev)
-        slots = torch.tensor([reqs[i].slot for i in rows], dtype=torch.long, device=self.device)
-        positions = torch.tensor([starts[i] for i in rows], device=dev)[:, None] + torch.arange(T, device=dev)
-        nxt = torch.tensor([next_ids[i] for i in rows], dtype=torch.long, device=dev)
-        g = self.model.mtp_fill(nxt, hidden_BTD[sel], positions, self.cache, slots)
-        draft_rows, ks = [], []
-        bs = self.cache.block_size
-        for j, i in enumerate(rows):
-            r = reqs[i]
-            r._head_len = r._computed
-            if last[i] is None:
-                continue
-            C = r._computed   # the next step feeds position C (its last token) and the drafts after it
-            k = min(self.speculative_tokens, r.max_tokens - len(r.output_ids) - 1, self.capacity - C - 1)
-            if k > 1:   # drafts 2..k write head entries at positions C..C+k-2
-                try:
-                    self.cache.reserve(r.slot, C + k - 1)
-                except OutOfBlocks:
-                    k = min(k, len(self.cache.blocks(r.slot)) * bs - C + 1)
-            if k >= 1:
-                draft_rows.append(j)
-                ks.append(k)
-        if not draft_rows:
-            return
-        idx = torch.tensor(draft_rows, device=dev)
-        at = torch.tensor([last[rows[j]] for j in draft_rows], device=dev)
-        drafts = self.model.mtp_drafts(g[idx, at], positions[idx, at], self.cache, slots[idx.to(slots.device)], ks)
-        for j, d in zip(draft_rows, drafts):
-            reqs[rows[j]]._mtp_draft = d
-
-    def _prefill(self, events: list[TokenEvent], decoded: int) -> None:
-        """Prefill chunks, oldest request first, within the step's token budget: ``token_budget`` minus the
-        rows just decoded while others decode (so that a long prompt never stalls them), else up to
-        ``prefill_chunk`` tokens per request; a chunk shrinks (to a block at the least) to the blocks free
-        before it preempts a later request. Chunks of equal length run as one batch. Beside decoding requests,
-        a model whose forward runs a few layers at a time (``runs_in_steps``) takes one request's chunk through
-        as many layers as fit the step's time and goes on in the next steps (:meth:`_layer_steps`): a chunk
-        may then cost up to a layer count's worth of steps, each step only its share."""
-        if self._layer_run is not None:   # a chunk part way through the layers: its next layers, nothing else
-            self._layer_steps(events)
-            return
-        stepped = bool(decoded) and self._in_steps
-        limit = min(self.prefill_chunk or self.max_seq_len, self._chunk_cap or self.max_seq_len)
-        budget = self._prefill_budget(decoded) if decoded else None
-        with self._lock:
-            todo = sorted((r for r in self._running if not r._decoding and not r._cancel), key=lambda r: r._order)
-        chunks: dict[int, list[Request]] = {}
-        for r in todo:
-            if budget is not None and budget <= 0:
-                break
-            if r.state != RUNNING:
-                continue
-            n = min(r.num_tokens - r._computed, limit, budget if budget is not None else limit)
-            # a shorter chunk in the free blocks rather than preempting a later request for a longer one
-            n = max(min(n, self.cache.block_size), min(n, self.cache.room(r.slot) - r._computed))
-            if not self._make_room(r, r._computed + n, victims_after=True):
-                break   # the pool is full of older requests' blocks: wait for them
-            chunks.setdefault(n, []).append(r)
-            if budget is not None:
-                budget -= n
-            if stepped:
-                # one request's chunk, through the layers over the next steps -- if the decoding requests keep
-                # room for the blocks they may take meanwhile (else the chunk runs whole: its blocks are held
-                # until it is done, and a window's old blocks go back only then)
-                layers = len(self.model.model.layers)
-                stepped = self.cache.pool.num_free >= decoded * (-(-layers // self.cache.block_size) + 1)
-                break
-        for n, group in chunks.items():
-            group = [r for r in group if r.state == RUNNING]
-            if not group:
-                continue
-            head = any(r._mtp_draft is not None for r in group)
-            starts = [r._computed for r in group]
-            ids = [r.tokens(r._computed, r._computed + n) for r in group]
-            if stepped:
-                self._layer_run = _LayerRun(group, n, starts, head, self._begin(group, ids, head))
-                self._layer_steps(events)
-                return
-            t0 = time.perf_counter()
-            out = self._forward(group, ids, with_hidden=head)
-            self._chunk_done(group, n, starts, out, head, time.perf_counter() - t0, events, observe=bool(decoded))
-
-    def _begin(self, reqs: list[Request], ids: list[list[int]], with_hidden: bool):
-        """:meth:`CausalLM.begin_forward` for a chunk (the arguments :meth:`_forward` gives)."""
-        ids_BT = torch.tensor(ids, dtype=torch.long, device=self.device)
-        slots_B = torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
-        keep = 1 if self._keeps_last and ids_BT.size(1) > 1 else 0
-        with torch.inference_mode():
-            return self._guarded(reqs, self.model.begin_forward, ids_BT, self.cache, slots_B, keep, with_hidden)
-
-    def _layer_steps(self, events: list[TokenEvent]) -> None:
-        """The pending chunk's next layers: at least one, another while the last one's time still fits the step's
-        target (``stall_ratio`` decode steps); each layer's time goes into the chunk-size fit (one layer is what
-        a step cannot split). Once through every layer, its logits as any chunk's."""
-        lr = self._layer_run
-        target = self.stall_ratio * (self._decode_s or 0.0)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            while True:
-                t1 = time.perf_counter()
-                done = self._guarded(lr.group, self.model.run_some_layers, lr.run, 1)
-                t2 = time.perf_counter()
-                self._chunk_cost.observe(lr.n * len(lr.group), t2 - t1)
-                if done or (t2 - t0) + (t2 - t1) > target:
-                    break
-            out = self._guarded(lr.group, self.model.end_forward, lr.run) if done else None
-        dt = time.perf_counter() - t0
-        lr.seconds += dt
-        if not done:
-            self.totals["prefill_s"] += dt
-            return
-        self._layer_run = None
-        self.totals["prefill_s"] -= lr.seconds - dt   # (_chunk_done counts the whole chunk)
-        self._chunk_done(lr.group, lr.n, lr.starts, out, lr.head, lr.seconds, events, observe=False)
-
     def _guarded(self, reqs: list[Request], fn, *args):
         """``fn(*args)`` for a forward over ``reqs``; on an error they end with it (their slots' cache contents
         are undefined now) and the caller sees it."""
@@ -719,37 +464,6 @@ class GenerationEngine:
                     if r.state != FINISHED:
                         self._finish(r, "error", error=f"{type(err).__name__}: {err}")
             raise
-
-    def _chunk_done(self, group: list[Request], n: int, starts: list[int], out, head: bool, seconds: float,
-                    events: list[TokenEvent], observe: bool) -> None:
-        """After a chunk's forward (``out``: its logits, or (logits, hidden) with the MTP head): the positions
-        computed, the first token of the requests whose prompt it completed, the head's pass, the prefix blocks."""
-        logits, hidden = out if head else (out, None)
-        t0 = time.perf_counter()
-        done = []
-        for r in group:
-            r._computed += n
-            if r._computed == r.num_tokens:
-                r._decoding = True
-                done.append(r)
-        if done:
-            rows = torch.tensor([group.index(r) for r in done], device=logits.device)
-            self._sample_and_emit(done, logits[rows, -1], events)
-        if head:   # the head over the chunk (the token after its last position: the prompt's, or the one chosen)
-            self._mtp_pass(group, starts, [r.tokens(s + 1, s + n + 1) if r.num_tokens > s + n else [0] * n
-                                           for r, s in zip(group, starts)],
-                           hidden, [n - 1 if r in done else None for r in group])
-        self._prefix.register(group)
-        self._trim(group)
-        dt = seconds + time.perf_counter() - t0
-        self.totals["prefill_s"] += dt
-        if observe:
-            self._chunk_cost.observe(n * len(group), dt)
-        self.totals["prefill_tokens"] += n * len(group)
-        for r in done:
-            if not r._preempted:
-                self.totals["prompt_tokens"] += len(r.prompt_ids)
-                self.totals["cached_tokens"] += r.stats.cached_tokens
 
     def _trim(self, reqs: list[Request]) -> None:
         """Give back the blocks out of the window of every layer (sliding-window models)."""

@@ -1,0 +1,161 @@
+"""Prefill chunks of :class:`~dynamoe.engine.engine.GenerationEngine` (a mixin of it): how many prompt tokens a step
+takes beside decoding requests (:mod:`dynamoe.engine.budget`), chunks of equal length batched, and -- for a model
+whose forward runs a few layers at a time -- one request's chunk taken through the layers over several steps.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .request import RUNNING, Request, TokenEvent
+
+__all__ = ["ChunkedPrefill"]
+
+
+@dataclass
+class _LayerRun:
+    """A chunk's forward part way through the model's layers (:meth:`GenerationEngine._layer_steps`)."""
+
+    group: list
+    n: int
+    starts: list
+    head: bool
+    run: object
+    seconds: float = 0.0
+
+
+class ChunkedPrefill:
+    """The engine's prefill steps (state: ``token_budget``, ``adaptive_budget``, ``stall_ratio``, ``_chunk_cost``,
+    ``_in_steps``, ``_layer_run``; see :class:`~dynamoe.engine.engine.GenerationEngine`)."""
+
+    def _prefill_budget(self, decoded: int) -> int:
+        """Prefill tokens for a step that decoded ``decoded`` rows: ``token_budget`` - decoded (at least one)
+        when it is fixed, else what takes ``stall_ratio`` decode steps at the measured speeds (:mod:`.budget`),
+        at least a block, at most ``default_token_budget`` - decoded."""
+        top = max(1, self.token_budget - decoded)
+        if not self.adaptive_budget:
+            return top
+        # (the fit is of whatever a step runs of a chunk at once: the whole forward, or one layer where the forward
+        # runs in steps -- _layer_steps)
+        n = None if self._decode_s is None else self._chunk_cost.tokens_within(self.stall_ratio * self._decode_s, top)
+        # at least a block: where a forward's fixed part alone is over the target (a long context on a slow
+        # machine), smaller chunks would not shorten the stall, only the progress
+        return min(top, max(self.cache.block_size, n or 0))
+
+    def _prefill(self, events: list[TokenEvent], decoded: int) -> None:
+        """Prefill chunks, oldest request first, within the step's token budget: ``token_budget`` minus the
+        rows just decoded while others decode (so that a long prompt never stalls them), else up to
+        ``prefill_chunk`` tokens per request; a chunk shrinks (to a block at the least) to the blocks free
+        before it preempts a later request. Chunks of equal length run as one batch. Beside decoding requests,
+        a model whose forward runs a few layers at a time (``runs_in_steps``) takes one request's chunk through
+        as many layers as fit the step's time and goes on in the next steps (:meth:`_layer_steps`): a chunk
+        may then cost up to a layer count's worth of steps, each step only its share."""
+        if self._layer_run is not None:   # a chunk part way through the layers: its next layers, nothing else
+            self._layer_steps(events)
+            return
+        stepped = bool(decoded) and self._in_steps
+        limit = min(self.prefill_chunk or self.max_seq_len, self._chunk_cap or self.max_seq_len)
+        budget = self._prefill_budget(decoded) if decoded else None
+        with self._lock:
+            todo = sorted((r for r in self._running if not r._decoding and not r._cancel), key=lambda r: r._order)
+        chunks: dict[int, list[Request]] = {}
+        for r in todo:
+            if budget is not None and budget <= 0:
+                break
+            if r.state != RUNNING:
+                continue
+            n = min(r.num_tokens - r._computed, limit, budget if budget is not None else limit)
+            # a shorter chunk in the free blocks rather than preempting a later request for a longer one
+            n = max(min(n, self.cache.block_size), min(n, self.cache.room(r.slot) - r._computed))
+            if not self._make_room(r, r._computed + n, victims_after=True):
+                break   # the pool is full of older requests' blocks: wait for them
+            chunks.setdefault(n, []).append(r)
+            if budget is not None:
+                budget -= n
+            if stepped:
+                # one request's chunk, through the layers over the next steps -- if the decoding requests keep
+                # room for the blocks they may take meanwhile (else the chunk runs whole: its blocks are held
+                # until it is done, and a window's old blocks go back only then)
+                layers = len(self.model.model.layers)
+                stepped = self.cache.pool.num_free >= decoded * (-(-layers // self.cache.block_size) + 1)
+                break
+        for n, group in chunks.items():
+            group = [r for r in group if r.state == RUNNING]
+            if not group:
+                continue
+            head = any(r._mtp_draft is not None for r in group)
+            starts = [r._computed for r in group]
+            ids = [r.tokens(r._computed, r._computed + n) for r in group]
+            if stepped:
+                self._layer_run = _LayerRun(group, n, starts, head, self._begin(group, ids, head))
+                self._layer_steps(events)
+                return
+            t0 = time.perf_counter()
+            out = self._forward(group, ids, with_hidden=head)
+            self._chunk_done(group, n, starts, out, head, time.perf_counter() - t0, events, observe=bool(decoded))
+
+    def _begin(self, reqs: list[Request], ids: list[list[int]], with_hidden: bool):
+        """:meth:`CausalLM.begin_forward` for a chunk (the arguments :meth:`_forward` gives)."""
+        ids_BT = torch.tensor(ids, dtype=torch.long, device=self.device)
+        slots_B = torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
+        keep = 1 if self._keeps_last and ids_BT.size(1) > 1 else 0
+        with torch.inference_mode():
+            return self._guarded(reqs, self.model.begin_forward, ids_BT, self.cache, slots_B, keep, with_hidden)
+
+    def _layer_steps(self, events: list[TokenEvent]) -> None:
+        """The pending chunk's next layers: at least one, another while the last one's time still fits the step's
+        target (``stall_ratio`` decode steps); each layer's time goes into the chunk-size fit (one layer is what
+        a step cannot split). Once through every layer, its logits as any chunk's."""
+        lr = self._layer_run
+        target = self.stall_ratio * (self._decode_s or 0.0)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            while True:
+                t1 = time.perf_counter()
+                done = self._guarded(lr.group, self.model.run_some_layers, lr.run, 1)
+                t2 = time.perf_counter()
+                self._chunk_cost.observe(lr.n * len(lr.group), t2 - t1)
+                if done or (t2 - t0) + (t2 - t1) > target:
+                    break
+            out = self._guarded(lr.group, self.model.end_forward, lr.run) if done else None
+        dt = time.perf_counter() - t0
+        lr.seconds += dt
+        if not done:
+            self.totals["prefill_s"] += dt
+            return
+        self._layer_run = None
+        self.totals["prefill_s"] -= lr.seconds - dt   # (_chunk_done counts the whole chunk)
+        self._chunk_done(lr.group, lr.n, lr.starts, out, lr.head, lr.seconds, events, observe=False)
+
+    def _chunk_done(self, group: list[Request], n: int, starts: list[int], out, head: bool, seconds: float,
+                    events: list[TokenEvent], observe: bool) -> None:
+        """After a chunk's forward (``out``: its logits, or (logits, hidden) with the MTP head): the positions
+        computed, the first token of the requests whose prompt it completed, the head's pass, the prefix blocks."""
+        logits, hidden = out if head else (out, None)
+        t0 = time.perf_counter()
+        done = []
+        for r in group:
+            r._computed += n
+            if r._computed == r.num_tokens:
+                r._decoding = True
+                done.append(r)
+        if done:
+            rows = torch.tensor([group.index(r) for r in done], device=logits.device)
+            self._sample_and_emit(done, logits[rows, -1], events)
+        if head:   # the head over the chunk (the token after its last position: the prompt's, or the one chosen)
+            self._mtp_pass(group, starts, [r.tokens(s + 1, s + n + 1) if r.num_tokens > s + n else [0] * n
+                                           for r, s in zip(group, starts)],
+                           hidden, [n - 1 if r in done else None for r in group])
+        self._prefix.register(group)
+        self._trim(group)
+        dt = seconds + time.perf_counter() - t0
+        self.totals["prefill_s"] += dt
+        if observe:
+            self._chunk_cost.observe(n * len(group), dt)
+        self.totals["prefill_tokens"] += n * len(group)
+        for r in done:
+            if not r._preempted:
+                self.totals["prompt_tokens"] += len(r.prompt_ids)
+                self.totals["cached_tokens"] += r.stats.cached_tokens
