@@ -181,3 +181,28 @@ def check_mtp_drafts(model, reference, vocab: int, k: int = 4) -> None:
         want, g_ref = reference(ref, r, k)
         torch.testing.assert_close(g_BD[b].double(), g_ref, atol=2e-4, rtol=2e-4)
         assert drafts[b] == want[:k - b], b
+
+
+def check_engine_mtp_drafts_follow_the_head(model, reference, vocab: int) -> None:
+    """After every engine step (draft='mtp', two requests of different lengths), each decoding request's drafts
+    for the next step equal ``reference(float64 copy, tokens so far, k)[0]``: the head's cache entries stay right
+    after rejected drafts (a random head: most are)."""
+    import copy
+
+    from dynamoe.engine import GenerationEngine, SamplingParams
+    from dynamoe.engine.request import RUNNING
+
+    ref = copy.deepcopy(model).double()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (10, 7)]
+    e = GenerationEngine(model, max_seq_len=96, max_batch=2, block_size=4, speculative_tokens=3, draft="mtp")
+    reqs = [e.add_request(p, SamplingParams(temperature=0.0), 8, ignore_eos=True) for p in prompts]
+    checked = 0
+    while e.has_work():
+        e.step()
+        for r in reqs:
+            if r._mtp_draft and r.state == RUNNING and r._decoding:
+                tokens = (r.prompt_ids + r.output_ids)[:r._computed]
+                assert r._mtp_draft == reference(ref, tokens, len(r._mtp_draft))[0], (r.id, tokens)
+                checked += 1
+    assert checked >= 6

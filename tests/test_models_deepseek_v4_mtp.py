@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models_util import check_mtp_drafts, one_thread  # noqa: F401 (autouse fixture)
+from models_util import check_engine_mtp_drafts_follow_the_head, check_mtp_drafts, one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, save_tiny
 from test_models_deepseek_v4 import SIZES, VARIANTS, _randomize
 
@@ -233,23 +233,7 @@ def test_engine_mtp_drafts_give_plain_tokens(mtp):
 
 @pytest.mark.parametrize("mtp", ["sliding"], indirect=True)   # every kind's cached path: the recomputation test
 def test_head_cache_stays_consistent_in_the_engine(mtp):
-    from dynamoe.engine.request import RUNNING
-
-    kind, model, _ = mtp
-    ref = copy.deepcopy(model).double()
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (10, 7)]
-    e = GenerationEngine(model, max_seq_len=96, max_batch=2, block_size=4, speculative_tokens=3, draft="mtp")
-    reqs = [e.add_request(p, GREEDY, 8, ignore_eos=True) for p in prompts]
-    checked = 0
-    while e.has_work():
-        e.step()
-        for r in reqs:
-            if r._mtp_draft and r.state == RUNNING and r._decoding:
-                tokens = (r.prompt_ids + r.output_ids)[:r._computed]
-                assert r._mtp_draft == reference_v4_drafts(ref, tokens, len(r._mtp_draft))[0], (r.id, tokens)
-                checked += 1
-    assert checked >= 6
+    check_engine_mtp_drafts_follow_the_head(mtp[1], reference_v4_drafts, VOCAB)
 
 
 def test_head_that_predicts_the_model_is_accepted(tmp_path):

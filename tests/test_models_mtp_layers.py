@@ -5,7 +5,6 @@ transformers' classes with MTP layers added in the hub's names and shapes. Every
 the head's drafts equal a float64 recomputation without a cache, the engine's greedy tokens with draft='mtp' are
 plain decoding's (a batch with a shared prefix), and a head built to compute the model's own next token (every
 sublayer's output zeroed: a bigram model) has nearly every draft accepted."""
-import copy
 import json
 import os
 import shutil
@@ -14,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models_util import check_mtp_drafts, one_thread  # noqa: F401 (autouse fixture)
+from models_util import check_engine_mtp_drafts_follow_the_head, check_mtp_drafts, one_thread  # noqa: F401 (autouse fixture)
 from models_util import VOCAB, randomize_
 from models_mla_util import add_mtp_layers, reference_mtp_drafts
 
@@ -214,26 +213,8 @@ def test_engine_mtp_drafts_give_plain_tokens(family):
 
 
 def test_engine_drafts_follow_the_head_after_rejections(family):
-    """After every engine step, each request's drafts for the next one equal the head's drafts recomputed from
-    scratch (float64, no cache) over its tokens so far: the head's cache entries stay right after rejected drafts
-    (a random head: most are), in a batch at different lengths."""
-    from dynamoe.engine.request import RUNNING
-
-    _, want, model, _ = family
-    ref = copy.deepcopy(model).double()
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (10, 7)]
-    e = GenerationEngine(model, max_seq_len=96, max_batch=2, block_size=4, speculative_tokens=3, draft="mtp")
-    reqs = [e.add_request(p, GREEDY, 8, ignore_eos=True) for p in prompts]
-    checked = 0
-    while e.has_work():
-        e.step()
-        for r in reqs:
-            if r._mtp_draft and r.state == RUNNING and r._decoding:
-                tokens = (r.prompt_ids + r.output_ids)[:r._computed]
-                assert r._mtp_draft == reference_mtp_drafts(ref, tokens, len(r._mtp_draft))[0], (r.id, tokens)
-                checked += 1
-    assert checked >= 6
+    """The head's drafts after every engine step equal a recomputation over the tokens so far."""
+    check_engine_mtp_drafts_follow_the_head(family[2], reference_mtp_drafts, VOCAB)
 
 
 def test_head_that_predicts_the_model_is_accepted(family, tmp_path):
