@@ -17,7 +17,7 @@ by step, never by a jump a noisy fit suggests.
 """
 from __future__ import annotations
 
-__all__ = ["ChunkCost"]
+__all__ = ["ChunkCost", "moving_average"]
 
 #: the least spread of the chunk sizes seen (standard deviation / mean) the fit reads a slope from
 SPREAD = 0.2
@@ -63,7 +63,9 @@ class ChunkCost:
             # one chunk size so far, and it took longer than the target: whether a smaller chunk would be quicker
             # (per-token cost) or not (a fixed part) cannot be told from one size -- try twice the size once, so that
             # the fit sees two (a fixed part over the target then gets chunks of a / b tokens, not the least ones)
-            return max(1, min(cap, 2 * int(seen)))
+            # (where the cap holds it at that size, half of it)
+            size = int(seen)
+            return max(1, min(cap, 2 * size) if size < cap else size // 2)
         n = (seconds - a) / b if seconds > a + b else a / b
         return max(1, min(cap, int(n), max(int(2 * seen) + 1, GROWTH_FLOOR)))
 
@@ -72,3 +74,8 @@ class ChunkCost:
         give a slope that is all noise."""
         n, _, nn, _ = self._m
         return nn - n * n <= (SPREAD * n) ** 2
+
+
+def moving_average(old: float | None, new: float, weight: float = 0.25) -> float:
+    """Exponential moving average (the first value as it is)."""
+    return new if old is None else old + weight * (new - old)

@@ -1,6 +1,8 @@
 """Prefill chunks of :class:`~dynamoe.engine.engine.GenerationEngine` (a mixin of it): how many prompt tokens a step
-takes beside decoding requests (:mod:`dynamoe.engine.budget`), chunks of equal length batched, and -- for a model
-whose forward runs a few layers at a time -- one request's chunk taken through the layers over several steps.
+takes beside decoding requests (:mod:`dynamoe.engine.budget`); where the model's decode plan runs every layer
+natively, a prompt's chunk as rows of the decoding requests' own forward (one pass over the weights, one native
+call); else chunks of equal length batched, and -- for a model whose forward runs a few layers at a time -- one
+request's chunk taken through the layers over several steps.
 """
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.cache import OutOfBlocks
+from ..ops.fused import MAX_ROWS
+from .budget import moving_average
 from .request import RUNNING, Request, TokenEvent
 
 __all__ = ["ChunkedPrefill"]
@@ -43,6 +48,61 @@ class ChunkedPrefill:
         # at least a block: where a forward's fixed part alone is over the target (a long context on a slow
         # machine), smaller chunks would not shorten the stall, only the progress
         return min(top, max(self.cache.block_size, n or 0))
+
+    def _chunk_beside(self, ready: list[Request]) -> tuple[Request, int] | None:
+        """The oldest waiting prompt's next chunk to run as rows of ``ready``'s decode forward, (request, tokens),
+        or None: the model's decode plan must run every layer natively (``rows_plan``), no MTP head, no chunk part
+        way through the layers, and the chunk's blocks free now (a chunk that needs a preemption runs on its own,
+        :meth:`_prefill`). It takes the rows the row limit leaves (at most ``token_budget`` - the decode rows when
+        that is fixed). Such a step reads the prompt's keys and values of every layer, a cost that grows with its
+        context: once these steps take longer than ``1 + stall_ratio`` plain decode steps (moving averages), the
+        prompt's later chunks run on their own (:meth:`_prefill`: larger ones, a few layers a step)."""
+        room = MAX_ROWS - len(ready)
+        if room < 1 or self._mtp or self._layer_run is not None:
+            return None
+        with self._lock:
+            todo = [r for r in self._running if not r._decoding and not r._cancel and r.state == RUNNING]
+        if not todo:
+            return None
+        r = min(todo, key=lambda x: x._order)
+        n = min(room, r.num_tokens - r._computed, self.prefill_chunk or room, self._chunk_cap or room)
+        if not self.adaptive_budget:
+            n = min(n, self.token_budget - len(ready))
+        if n < 1 or r._chunks_apart or (self.adaptive_budget and self._decode_s is None):
+            return None   # (the budget compares with a plain decode step: one runs first)
+        rows_plan = getattr(self.model, "rows_plan", None)
+        if rows_plan is None or rows_plan(self.cache) is None:
+            return None
+        if self._rows_for is not r:
+            self._rows_for, self._rows_s = r, None
+        if self.adaptive_budget and self._rows_s is not None and self._rows_s > (1 + self.stall_ratio) * self._decode_s:
+            r._chunks_apart = True
+            return None
+        try:
+            self.cache.reserve(r.slot, r._computed + n)
+        except OutOfBlocks:
+            return None
+        return r, n
+
+    def _rows_step(self, ready: list[Request], r: Request, n: int, events: list[TokenEvent]) -> None:
+        """One forward of ``ready``'s decode rows (their last tokens) and ``r``'s next ``n`` prompt tokens
+        (:meth:`CausalLM.forward_rows`): the decode rows' tokens sampled, the chunk done as any chunk."""
+        start = r._computed
+        ids = [q.output_ids[-1] for q in ready] + r.tokens(start, start + n)
+        B = len(ready)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            logits = self._guarded([*ready, r], self.model.forward_rows, torch.tensor(ids, dtype=torch.long),
+                                   self.cache, torch.tensor([q.slot for q in ready] + [r.slot] * n, dtype=torch.long),
+                                   list(range(B)) + [B + n - 1])
+        dt = time.perf_counter() - t0
+        self._rows_s = moving_average(self._rows_s, dt)
+        for q in ready:
+            q._computed += 1
+        self._sample_and_emit(ready, logits[:B], events)
+        share = dt * n / (B + n)   # (the step's time, split by rows between decode and prefill in the totals)
+        self.totals["decode_s"] += dt - share
+        self._chunk_done([r], n, [start], logits[B:, None], False, share, events, observe=False)
 
     def _prefill(self, events: list[TokenEvent], decoded: int) -> None:
         """Prefill chunks, oldest request first, within the step's token budget: ``token_budget`` minus the

@@ -12,7 +12,10 @@ fill ``max_seq_len``, usually far fewer). Requests wait in a FIFO queue. Each :m
    tokens as take about ``stall_ratio`` times a decode step (measured as the engine runs: the budget follows
    the hardware, the model and the context lengths), or a fixed ``token_budget``; so a long prompt arriving
    holds the running streams' next token back by a small factor, never by its whole prefill. With nothing
-   decoding, prompts prefill in chunks of up to ``prefill_chunk``.
+   decoding, prompts prefill in chunks of up to ``prefill_chunk``. Where the model's decode plan runs every
+   layer natively (``model.rows_plan(cache)``), the oldest prompt's next chunk instead rides in step 2's
+   forward as more rows (``model.forward_rows``: up to the row limit, one native call for both) while such
+   steps stay within ``1 + stall_ratio`` plain decode steps -- a short context; past that, as above.
 
 When the pool runs out of blocks the request that arrived last is preempted: its blocks go back (its full
 ones stay cached) and it waits first in line, then recomputes what it had and goes on -- never a crash or
@@ -49,7 +52,7 @@ import torch
 from torch import Tensor
 
 from ..models.cache import DEFAULT_BLOCK_SIZE, OutOfBlocks
-from .budget import ChunkCost
+from .budget import ChunkCost, moving_average
 from .chunks import ChunkedPrefill, _LayerRun
 from .detokenizer import IncrementalDecoder, StopStrings, decode_keeping, special_token_ids
 from .drafts import SpeculativeSteps, speculates
@@ -70,11 +73,6 @@ def _model_device(model) -> torch.device:
     for p in itertools.chain(model.parameters(), model.buffers()):
         return p.device
     return torch.device("cpu")
-
-
-def _average(old: float | None, new: float, weight: float = 0.25) -> float:
-    """Exponential moving average (the first value as it is)."""
-    return new if old is None else old + weight * (new - old)
 
 
 def _check_int(name: str, v, low: int = 1, none: bool = False) -> None:
@@ -157,6 +155,8 @@ class GenerationEngine(SpeculativeSteps, ChunkedPrefill):
         self.draft = draft
         self._decode_s: float | None = None      # moving average: seconds of a decode step
         self._chunk_cost = ChunkCost()           # prefill chunk seconds = a + b * tokens, while requests decode
+        self._rows_s: float | None = None        # moving average: seconds of a decode step with _rows_for's chunk
+        self._rows_for: Request | None = None
         # beside decoding requests, a chunk's forward a few layers a step (the model runs its layers in steps)
         self._in_steps = self.adaptive_budget and bool(getattr(model, "runs_in_steps", False))
         self._layer_run: _LayerRun | None = None
@@ -338,8 +338,9 @@ class GenerationEngine(SpeculativeSteps, ChunkedPrefill):
                 self._admit()
             events: list[TokenEvent] = []
             try:
-                decoded = self._decode(events)
-                self._prefill(events, decoded)
+                decoded, chunk_ran = self._decode(events)
+                if not chunk_ran:
+                    self._prefill(events, decoded)
             finally:
                 with self._lock:
                     self._stepping = False
@@ -405,10 +406,11 @@ class GenerationEngine(SpeculativeSteps, ChunkedPrefill):
                     if victim is r:
                         return False
 
-    def _decode(self, events: list[TokenEvent]) -> int:
+    def _decode(self, events: list[TokenEvent]) -> tuple[int, bool]:
         """One token for every decoding request -- or, with n-gram drafts, the last token and the drafts of
-        every request in one forward and the drafts' verified prefix kept (:mod:`.speculative`); returns how
-        many rows ran."""
+        every request in one forward and the drafts' verified prefix kept (:mod:`.speculative`); without drafts,
+        a waiting prompt's next chunk may ride in the same forward (:meth:`_chunk_beside`). Returns how many
+        requests decoded, and whether a chunk ran with them (the step's prefill then is done)."""
         with self._lock:
             batch = [r for r in self._running if r._decoding and not r._cancel]
         batch.sort(key=lambda r: r._order)
@@ -417,10 +419,13 @@ class GenerationEngine(SpeculativeSteps, ChunkedPrefill):
         ready = [r for r in batch if r.state == RUNNING and self._make_room(r, r._computed + 1 + K, victims_after=False)]
         ready = [r for r in ready if r.state == RUNNING]
         if not ready:
-            return 0
+            return 0, False
         t0 = time.perf_counter()
         hidden = None
-        if K == 0:
+        beside = self._chunk_beside(ready) if K == 0 else None
+        if beside is not None:   # one forward: these rows and a prompt chunk's (chunks.py)
+            self._rows_step(ready, *beside, events)
+        elif K == 0:
             starts = [r._computed for r in ready]
             logits = self._forward(ready, [[r.output_ids[-1]] for r in ready], with_hidden=self._mtp)
             if self._mtp:
@@ -447,10 +452,11 @@ class GenerationEngine(SpeculativeSteps, ChunkedPrefill):
                     self.cache.end_history()
         self._prefix.register(ready)
         self._trim(ready)
-        dt = time.perf_counter() - t0
-        self.totals["decode_s"] += dt
-        self._decode_s = _average(self._decode_s, dt)
-        return len(ready)
+        if beside is None:
+            dt = time.perf_counter() - t0
+            self.totals["decode_s"] += dt
+            self._decode_s = moving_average(self._decode_s, dt)
+        return len(ready), beside is not None
 
     def _guarded(self, reqs: list[Request], fn, *args):
         """``fn(*args)`` for a forward over ``reqs``; on an error they end with it (their slots' cache contents

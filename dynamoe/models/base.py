@@ -214,6 +214,64 @@ class CausalLM(nn.Module):
             run.next_layer = len(self.model.layers)
         return self.end_forward(run)
 
+    def rows_plan(self, cache: KVCache) -> DecodePlan | None:
+        """The decode plan that runs every layer natively for this model's dtype and ``cache`` -- what
+        :meth:`forward_rows` runs on --, or None: a family with a forward of its own, a layer without a fused
+        kernel, training, another device (the plan's conditions, :meth:`_decode_plan`)."""
+        if type(self).forward is not CausalLM.forward:
+            return None
+        h = torch.empty(1, 1, self.model.embed_tokens.weight.size(-1), dtype=self.dtype, device=self.device)
+        with torch.no_grad():   # (the question is about inference steps, whoever asks)
+            plan = self._decode_plan(h, cache, torch.zeros(1, dtype=torch.long))
+        return plan if plan is not None and plan.fully_fused else None
+
+    def forward_rows(self, input_ids: Tensor, cache: KVCache, slots: Tensor, logits_rows: list[int]) -> Tensor:
+        """One token per row through every layer in one native call of the decode plan (:meth:`rows_plan`; raises
+        without one): rows of distinct sequences, one token each at its slot's next position (a decode step), and
+        consecutive rows of one slot at its next positions -- a prompt chunk beside them, each of whose rows sees
+        the chunk's earlier rows. ``input_ids``, ``slots``: int64 [N], 1 <= N <= MAX_ROWS, a slot's rows one after
+        the other. Returns the logits [len(logits_rows), V] of the rows ``logits_rows``; each slot's cache advances
+        by its rows."""
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 1 or input_ids.dtype != torch.long:
+            raise ValueError(f"input_ids must be an int64 tensor [rows], got {getattr(input_ids, 'shape', input_ids)}")
+        if not isinstance(slots, Tensor) or slots.shape != input_ids.shape or slots.dtype != torch.long:
+            raise ValueError(f"slots must be an int64 tensor of input_ids' shape {tuple(input_ids.shape)}, got {getattr(slots, 'shape', slots)}")
+        if torch.is_grad_enabled():
+            raise RuntimeError("forward_rows runs inference kernels: call it under torch.inference_mode() or no_grad()")
+        N = input_ids.numel()
+        if not 1 <= N <= MAX_ROWS:
+            raise ValueError(f"forward_rows takes 1..{MAX_ROWS} rows, got {N}")
+        plan = self.rows_plan(cache)
+        if plan is None:
+            raise RuntimeError(f"{type(self).__name__}: no decode plan runs every layer natively here (rows_plan)")
+        slot_list = slots.tolist()
+        if min(slot_list) < 0 or max(slot_list) >= cache.num_slots:
+            raise ValueError(f"slots must be in [0, {cache.num_slots}), got {slot_list}")
+        counts: dict[int, int] = {}
+        offsets = []
+        for i, s in enumerate(slot_list):
+            if s in counts and slot_list[i - 1] != s:
+                raise ValueError(f"the rows of slot {s} must come one after the other, got slots {slot_list}")
+            offsets.append(counts.get(s, 0))
+            counts[s] = counts.get(s, 0) + 1
+        for s, c in counts.items():
+            if int(cache.lengths[s]) + c > cache.max_seq_len:
+                raise ValueError(f"sequence length {int(cache.lengths[s]) + c} exceeds max_seq_len={cache.max_seq_len}")
+            cache.reserve(s, int(cache.lengths[s]) + c)
+        positions = (cache.lengths[slots] + torch.tensor(offsets, dtype=torch.long)).to(self.device)[:, None]
+        prompt = None
+        rotary = getattr(self.model, "rotary_emb", None)
+        if getattr(getattr(rotary, "rope", None), "rope_type", None) == "dynamic":
+            prompt = cache.prompt_lengths_for(slots, positions)
+        h = self.model.embed_tokens(input_ids.to(self.device)[:, None])
+        run = LayerRun(h, positions, cache, slots.to(self.device), int(positions.max()) + 1, 1, 0, False, prompt)
+        with self._rope_prompt(run):
+            h_ND = plan.run(h.view(N, -1), positions, cache, run.slots, run.kv_len)
+        logits = self.lm_head(self.model.norm(h_ND[logits_rows]))
+        for s, c in counts.items():
+            cache.lengths[s] += c
+        return logits
+
     def begin_forward(self, input_ids: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,
                       logits_to_keep: int = 0, return_hidden: bool = False) -> "LayerRun":
         """The first part of :meth:`forward`: the arguments checked, positions and the embeddings, as a

@@ -153,6 +153,12 @@ class DecodePlan:
         """Whether any layer runs fused (else the plan only watches for the model to change)."""
         return any(e.fused for e in self.entries)
 
+    @property
+    def fully_fused(self) -> bool:
+        """Whether every layer runs in the native calls (none as a module): a step of rows that share a slot
+        (:meth:`CausalLM.forward_rows`) needs it -- only the kernels take them."""
+        return all(type(s) is _FusedRun for s in self.steps)
+
     def describe(self) -> str:
         """Which layers run fused and, for the others, why not (one line per distinct reason)."""
         fused = [i for i, e in enumerate(self.entries) if e.fused]

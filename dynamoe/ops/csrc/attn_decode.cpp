@@ -1,5 +1,6 @@
-// A decode step (one new token for each of B <= 16 sequences) through a decoder layer's attention block
-// in one call (CPU, bf16 or fp32), reading the layer's AttentionWeights (decode_weights.h). Per row b:
+// A decode step (B <= 16 rows: one new token of each of several sequences, and consecutive positions of one
+// sequence's prompt chunk beside them) through a decoder layer's attention block in one call (CPU, bf16 or fp32),
+// reading the layer's AttentionWeights (decode_weights.h). Per row b:
 //   x = RMSNorm(h_b) (scale w or 1 + w); q, k, v = x W_qkv^T (+ b); q/k RMSNorm per head (optional); RoPE on q and k at
 //   position pos_b (none on a NoPE layer); k, v written into the paged cache at (slot_b, pos_b) -- block
 //   table[slot_b][pos_b / bs], offset pos_b % bs; per query head, softmax(q k_j^T * scale) over the keys j
@@ -7,6 +8,7 @@
 //   window), with an optional per-head sink logit in the softmax's denominator (GPT-OSS); an optional
 //   output gate: each head's attention output times act(x W_gate^T (+ b)), one gate per head or per channel,
 //   act sigmoid or softplus (AFMoE, Step-3.5, Qwen3-Next, Laguna);
+//   every row's k and v are written before any row attends, so a chunk's row sees the chunk's earlier rows;
 //   out_b = h_b + (attention W_o^T (+ b)). The projections run as GEMVs over all B rows at once: dense ones
 //   through gemv_blocks.h, packed ones (LinearWeights, decode_weights.h) through packed_gemv.cpp's kernels.
 // It replaces ~40 small ops per layer and step. Roundings follow the op-by-op path where it rounds
@@ -21,6 +23,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 #include "decode_rows.h"
 #include "gemv_blocks.h"
@@ -99,51 +103,301 @@ struct Paged {
   }
 };
 
-// per row b and query head h (KV head h / G): the softmax-weighted sum of the keys [j0_b, pos_b] of the
-// row's slot in the paged cache. One work item per (row, KV head): its G query heads share every key and
-// value row, converted to fp32 once; scores by 16-lane dot products, the softmax's exponentials 16 at a
-// time (decode_rows.h), the weighted sum of values over fp32 arrays.
+// The rows of keys j0, j0 + 1, ... of (slot, KV head kv) in one cache tensor, block by block (no division per key).
+template <typename scalar_t>
+struct KeyWalk {
+  const scalar_t* cache;
+  const Paged& pg;
+  const int64_t* table;  // the slot's block table
+  int64_t kv, block, off;
+  KeyWalk(const scalar_t* c, const Paged& p, int64_t slot, int64_t kv_, int64_t j0)
+      : cache(c), pg(p), table(p.table + slot * p.width), kv(kv_), block(j0 / p.bs), off(j0 % p.bs) {}
+  const scalar_t* row() const { return cache + ((kv * pg.blocks + table[block]) * pg.bs + off) * pg.d; }
+  void next() {
+    if (++off == pg.bs) {
+      off = 0;
+      ++block;
+    }
+  }
+};
+
+// A cache row as fp32: the row itself for an fp32 cache, else converted into buf.
+inline const float* row_f32(const float* src, float*, int64_t) { return src; }
+inline const float* row_f32(const c10::BFloat16* src, float* buf, int64_t d) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= d; i += 16)
+    _mm512_storeu_ps(buf + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16)));
+#endif
+  for (; i < d; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+
+// One row's attention, query heads of KV head kv: the softmax-weighted sum of the keys [j0, pos] of its slot.
+// Its G query heads share every key and value row, converted to fp32 once; scores by 16-lane dot products,
+// the softmax's exponentials 16 at a time (decode_rows.h), the weighted sum of values over fp32 arrays.
+struct RowScratch {
+  std::vector<float> p, acc, qf, row, den;
+};
+
+template <typename scalar_t>
+void attend_row(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const Paged& pg, int64_t slot,
+                int64_t pos, int64_t kv, int64_t window, int64_t H, int64_t G, float scale, const float* sinks,
+                scalar_t* out, RowScratch& s) {
+  const int64_t d = pg.d;
+  const int64_t j0 = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, n = pos + 1 - j0;
+  s.p.resize(G * n);
+  s.acc.assign(G * d, 0.f);
+  s.qf.resize(G * d);
+  s.row.resize(d);
+  s.den.resize(G);
+  float* p = s.p.data();
+  float* row = s.row.data();
+  for (int64_t i = 0; i < G * d; ++i) s.qf[i] = static_cast<float>(q[kv * G * d + i]);
+  KeyWalk<scalar_t> keys(k_cache, pg, slot, kv, j0);
+  for (int64_t j = 0; j < n; ++j, keys.next()) {
+    const float* kf = row_f32(keys.row(), row, d);
+    for (int64_t g = 0; g < G; ++g) p[g * n + j] = dynamoe::dot_rows(s.qf.data() + g * d, kf, d) * scale;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* pg_ = p + g * n;
+    const int64_t h = kv * G + g;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, pg_[j]);
+    if (sinks) mx = std::max(mx, sinks[h]);
+    s.den[g] = dynamoe::exp_shifted(pg_, n, mx) + (sinks ? std::exp(sinks[h] - mx) : 0.f);
+  }
+  KeyWalk<scalar_t> vals(v_cache, pg, slot, kv, j0);
+  for (int64_t j = 0; j < n; ++j, vals.next()) {
+    const float* vf = row_f32(vals.row(), row, d);
+    for (int64_t g = 0; g < G; ++g) {
+      const float wj = p[g * n + j] / s.den[g];
+      float* __restrict__ ag = s.acc.data() + g * d;
+      const float* __restrict__ vr = vf;
+      for (int64_t i = 0; i < d; ++i) ag[i] += wj * vr[i];
+    }
+  }
+  scalar_t* o = out + kv * G * d;
+  for (int64_t i = 0; i < G * d; ++i) o[i] = static_cast<scalar_t>(s.acc[i]);
+}
+
+// R > 1 rows of one slot at consecutive positions pos0 + r (a prefill chunk decoded beside other rows), KV head
+// kv: row r's G query heads over the keys [j0_r, pos0 + r] (its own and the earlier rows' keys were written
+// before). Its Q = R * G queries share each key and value row. q and out: row r's heads at r * H * d.
+#if defined(__AVX512F__)
+// Which keys each query lane sees: row[q] (-1: a padding lane) and the first key first[q] its window keeps;
+// key j (relative to the first key read) is seen by lane q when j - base <= row[q] and j >= first[q].
+struct LaneBounds {
+  const int32_t* row;
+  const int32_t* first;
+  int64_t base;
+};
+
+// Scores of keys [lo, lo + n) of (slot, kv) for NV * 16 query lanes (qt: the queries transposed, [d][ldq]):
+// p[j * ldq + lane] = q . k_j * scale where seen, else -inf; mx[v] the running maxima.
+template <int NV, typename scalar_t>
+void scores_pass(const scalar_t* k_cache, const Paged& pg, int64_t slot, int64_t kv, int64_t lo, int64_t n, int64_t d,
+                 const float* qt, int64_t ldq, float scale, const LaneBounds& lanes, float* p, __m512* mx) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sc = _mm512_set1_ps(scale);
+  __m512 m[NV];
+  __m512i row[NV], first[NV];
+  for (int v = 0; v < NV; ++v) {
+    m[v] = mx[v];
+    row[v] = _mm512_loadu_si512(lanes.row + 16 * v);
+    first[v] = _mm512_loadu_si512(lanes.first + 16 * v);
+  }
+  constexpr int64_t KU = NV <= 2 ? 4 : 2;  // keys at a time: independent multiply-add chains
+  KeyWalk<scalar_t> keys(k_cache, pg, slot, kv, lo);
+  for (int64_t j0 = 0; j0 < n; j0 += KU) {
+    const int64_t nk = std::min(KU, n - j0);
+    const scalar_t* kr[KU];
+    for (int64_t u = 0; u < KU; ++u) {
+      kr[u] = u < nk ? keys.row() : kr[u - 1];
+      if (u < nk) keys.next();
+    }
+    __m512 acc[KU][NV];
+    for (int64_t u = 0; u < KU; ++u)
+      for (int v = 0; v < NV; ++v) acc[u][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; ++i) {
+      __m512 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qt + i * ldq + 16 * v);
+      for (int64_t u = 0; u < KU; ++u) {
+        const __m512 kb = _mm512_set1_ps(static_cast<float>(kr[u][i]));
+        for (int v = 0; v < NV; ++v) acc[u][v] = _mm512_fmadd_ps(kb, qv[v], acc[u][v]);
+      }
+    }
+    for (int64_t u = 0; u < nk; ++u) {
+      const int64_t j = j0 + u;
+      const __m512i jr = _mm512_set1_epi32(static_cast<int32_t>(j - lanes.base));
+      const __m512i jj = _mm512_set1_epi32(static_cast<int32_t>(j));
+      for (int v = 0; v < NV; ++v) {
+        const __mmask16 seen = _mm512_cmpge_epi32_mask(row[v], jr) & _mm512_cmple_epi32_mask(first[v], jj);
+        const __m512 sv = _mm512_mask_mul_ps(ninf, seen, acc[u][v], sc);
+        _mm512_storeu_ps(p + j * ldq + 16 * v, sv);
+        m[v] = _mm512_max_ps(m[v], sv);
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) mx[v] = m[v];
+}
+
+// acc[0, 16 DV) += sum over j < count of w[j * ldw] * vals[j * 16 DV ...] (fp32 value rows, zero padded)
+template <int DV>
+void weighted_values_n(const float* w, int64_t ldw, int64_t count, const float* vals, float* acc) {
+  __m512 o[DV];
+  for (int c = 0; c < DV; ++c) o[c] = _mm512_loadu_ps(acc + 16 * c);
+  for (int64_t j = 0; j < count; ++j) {
+    const __m512 wj = _mm512_set1_ps(w[j * ldw]);
+    const float* vr = vals + j * DV * 16;
+    for (int c = 0; c < DV; ++c) o[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vr + 16 * c), o[c]);
+  }
+  for (int c = 0; c < DV; ++c) _mm512_storeu_ps(acc + 16 * c, o[c]);
+}
+
+template <int... DVs>
+void weighted_values_any(int64_t DV, const float* w, int64_t ldw, int64_t count, const float* vals, float* acc,
+                         std::integer_sequence<int, DVs...>) {
+  ((DV == DVs + 1 ? (weighted_values_n<DVs + 1>(w, ldw, count, vals, acc), true) : false) || ...);
+}
+
+// the value accumulators of one query in registers: DV = ceil(head dim / 16) <= 16
+inline void weighted_values(int64_t DV, const float* w, int64_t ldw, int64_t count, const float* vals, float* acc) {
+  weighted_values_any(DV, w, ldw, count, vals, acc, std::make_integer_sequence<int, 16>{});
+}
+
+// With AVX-512 the queries are the vector lanes: scores of one key for 16 queries per multiply-add (the
+// queries transposed once, [d][Qp]), the softmax's maxima and sums per lane, and the weighted values
+// accumulated per query over blocks of value rows converted to fp32 once.
+template <typename scalar_t>
+void attend_rows_of_slot(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const Paged& pg,
+                         int64_t slot, int64_t pos0, int64_t R, int64_t kv, int64_t window, int64_t H, int64_t G,
+                         float scale, const float* sinks, scalar_t* out, RowScratch& s) {
+  constexpr int64_t kVBlock = 64;  // value rows converted at a time
+  constexpr int64_t kMaxDV = 16;   // value accumulators of one query in registers: head dims up to 256
+  const int64_t d = pg.d, Q = R * G, Qp = (Q + 15) / 16 * 16, NV = Qp / 16, DV = (d + 15) / 16;
+  if (DV > kMaxDV) {  // (no such head yet) each row as a decode row of its own
+    for (int64_t r = 0; r < R; ++r)
+      attend_row(q + r * H * d, k_cache, v_cache, pg, slot, pos0 + r, kv, window, H, G, scale, sinks, out + r * H * d, s);
+    return;
+  }
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0, n = pos0 + R - lo;
+  s.qf.assign(d * Qp, 0.f);   // queries transposed: qf[i * Qp + qi]
+  s.p.resize(n * Qp);         // scores, then weights: p[j * Qp + qi]
+  s.acc.assign(Q * DV * 16, 0.f);
+  s.row.resize(kVBlock * DV * 16);
+  for (int64_t qi = 0; qi < Q; ++qi) {
+    const scalar_t* qr = q + (qi / G) * H * d + (kv * G + qi % G) * d;
+    for (int64_t i = 0; i < d; ++i) s.qf[i * Qp + qi] = static_cast<float>(qr[i]);
+  }
+  // per lane: its row (for the causal bound), the first key its window keeps, whether it is a query at all
+  std::vector<int32_t> rows(Qp, -1), firsts(Qp, 0);
+  std::vector<float> sink(Qp, -std::numeric_limits<float>::infinity());
+  for (int64_t qi = 0; qi < Q; ++qi) {
+    rows[qi] = static_cast<int32_t>(qi / G);
+    firsts[qi] = static_cast<int32_t>((window > 0 ? std::max<int64_t>(0, pos0 + qi / G - window + 1) : 0) - lo);
+    if (sinks) sink[qi] = sinks[kv * G + qi % G];
+  }
+  const int64_t base = pos0 - lo;  // row r sees keys up to base + r
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  std::vector<__m512> mx(NV, ninf), den(NV, _mm512_setzero_ps());
+  float* p = s.p.data();
+  const LaneBounds lanes{rows.data(), firsts.data(), base};
+  switch (NV) {  // the score accumulators in registers
+    case 1: scores_pass<1, scalar_t>(k_cache, pg, slot, kv, lo, n, d, s.qf.data(), Qp, scale, lanes, p, mx.data()); break;
+    case 2: scores_pass<2, scalar_t>(k_cache, pg, slot, kv, lo, n, d, s.qf.data(), Qp, scale, lanes, p, mx.data()); break;
+    case 3: scores_pass<3, scalar_t>(k_cache, pg, slot, kv, lo, n, d, s.qf.data(), Qp, scale, lanes, p, mx.data()); break;
+    case 4: scores_pass<4, scalar_t>(k_cache, pg, slot, kv, lo, n, d, s.qf.data(), Qp, scale, lanes, p, mx.data()); break;
+    default:
+      for (int64_t v0 = 0; v0 < NV; v0 += 4) {  // four lanes' worth of queries at a time
+        const int64_t nv = std::min<int64_t>(4, NV - v0);
+        const LaneBounds part{rows.data() + 16 * v0, firsts.data() + 16 * v0, base};
+        auto run = [&](auto tag) {
+          scores_pass<decltype(tag)::value, scalar_t>(k_cache, pg, slot, kv, lo, n, d, s.qf.data() + 16 * v0, Qp, scale,
+                                                      part, p + 16 * v0, mx.data() + v0);
+        };
+        if (nv == 4) run(std::integral_constant<int, 4>{});
+        else if (nv == 3) run(std::integral_constant<int, 3>{});
+        else if (nv == 2) run(std::integral_constant<int, 2>{});
+        else run(std::integral_constant<int, 1>{});
+      }
+  }
+  for (int64_t v = 0; v < NV; ++v) mx[v] = _mm512_max_ps(mx[v], _mm512_loadu_ps(sink.data() + 16 * v));
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t v = 0; v < NV; ++v) {
+      const __m512 e = dynamoe::exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j * Qp + 16 * v), mx[v]));
+      _mm512_storeu_ps(p + j * Qp + 16 * v, e);
+      den[v] = _mm512_add_ps(den[v], e);
+    }
+  for (int64_t v = 0; v < NV; ++v) {  // (exp of -inf - -inf: padded lanes; their weights are never read)
+    if (sinks) den[v] = _mm512_add_ps(den[v], dynamoe::exp16(_mm512_sub_ps(_mm512_loadu_ps(sink.data() + 16 * v), mx[v])));
+    den[v] = _mm512_div_ps(_mm512_set1_ps(1.f), den[v]);
+  }
+  float* vb = s.row.data();
+  KeyWalk<scalar_t> vals(v_cache, pg, slot, kv, lo);
+  for (int64_t j0 = 0; j0 < n; j0 += kVBlock) {
+    const int64_t nb = std::min(kVBlock, n - j0);
+    for (int64_t l = 0; l < nb; ++l, vals.next()) {
+      float* dst = vb + l * DV * 16;
+      const float* vf = row_f32(vals.row(), dst, d);
+      if (vf != dst) std::copy(vf, vf + d, dst);
+      for (int64_t i = d; i < DV * 16; ++i) dst[i] = 0.f;
+      for (int64_t v = 0; v < NV; ++v)  // weights = e / den
+        _mm512_storeu_ps(p + (j0 + l) * Qp + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(p + (j0 + l) * Qp + 16 * v), den[v]));
+    }
+    for (int64_t qi = 0; qi < Q; ++qi) {
+      // the keys of this block query qi sees (the rest weigh 0 but for padding: skip them all the same)
+      const int64_t a = std::max<int64_t>(j0, firsts[qi]), b = std::min<int64_t>(j0 + nb, base + rows[qi] + 1);
+      if (a < b) weighted_values(DV, p + a * Qp + qi, Qp, b - a, vb + (a - j0) * DV * 16, s.acc.data() + qi * DV * 16);
+    }
+  }
+  for (int64_t qi = 0; qi < Q; ++qi) {
+    scalar_t* o = out + (qi / G) * H * d + (kv * G + qi % G) * d;
+    const float* ag = s.acc.data() + qi * DV * 16;
+    for (int64_t i = 0; i < d; ++i) o[i] = static_cast<scalar_t>(ag[i]);
+  }
+}
+#else
+// Without AVX-512: each row as a decode row of its own (the keys it sees are its slot's, written before).
+template <typename scalar_t>
+void attend_rows_of_slot(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const Paged& pg,
+                         int64_t slot, int64_t pos0, int64_t R, int64_t kv, int64_t window, int64_t H, int64_t G,
+                         float scale, const float* sinks, scalar_t* out, RowScratch& s) {
+  for (int64_t r = 0; r < R; ++r)
+    attend_row(q + r * H * pg.d, k_cache, v_cache, pg, slot, pos0 + r, kv, window, H, G, scale, sinks,
+               out + r * H * pg.d, s);
+}
+#endif
+
+// Every row's attention. Rows of distinct slots: one work item per (row, KV head) (attend_row). Consecutive rows
+// of one slot at consecutive positions (a prefill chunk beside decoding rows): one item per (run of rows, KV
+// head), the rows sharing each key (attend_rows_of_slot).
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const Paged& pg, const int64_t* slots,
             const int64_t* pos, int64_t window, int64_t B, int64_t H, int64_t K, float scale, const float* sinks,
             scalar_t* out) {
   const int64_t G = H / K, d = pg.d;
+  std::vector<std::pair<int64_t, int64_t>> runs;  // [first row, rows)
+  for (int64_t b = 0; b < B; ++b) {
+    if (!runs.empty() && slots[b] == slots[runs.back().first]) ++runs.back().second;
+    else runs.emplace_back(b, 1);
+  }
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, pos[b] + 1);
+  const int64_t items = static_cast<int64_t>(runs.size()) * K;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (longest * d * G));
-  at::parallel_for(0, B * K, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(G * longest), acc(G * d), qf(G * d), row(d), den(G);
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    RowScratch s;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / K, kv = item % K;
-      const int64_t j0 = window > 0 ? std::max<int64_t>(0, pos[b] - window + 1) : 0, n = pos[b] + 1 - j0;
-      const scalar_t* qr = q + (b * H + kv * G) * d;  // the G query heads of this KV head, consecutive
-      for (int64_t i = 0; i < G * d; ++i) qf[i] = static_cast<float>(qr[i]);
-      for (int64_t j = 0; j < n; ++j) {
-        const scalar_t* kr = k_cache + pg.at(slots[b], kv, j0 + j);
-        for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(kr[i]);
-        for (int64_t g = 0; g < G; ++g) p[g * n + j] = dynamoe::dot_rows(qf.data() + g * d, row.data(), d) * scale;
+      const auto [b, R] = runs[item / K];
+      const int64_t kv = item % K;
+      if (R == 1) {
+        attend_row(q + b * H * d, k_cache, v_cache, pg, slots[b], pos[b], kv, window, H, G, scale, sinks,
+                   out + b * H * d, s);
+      } else {
+        attend_rows_of_slot(q + b * H * d, k_cache, v_cache, pg, slots[b], pos[b], R, kv, window, H, G, scale, sinks,
+                            out + b * H * d, s);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* pg_ = p.data() + g * n;
-        const int64_t h = kv * G + g;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, pg_[j]);
-        if (sinks) mx = std::max(mx, sinks[h]);
-        den[g] = dynamoe::exp_shifted(pg_, n, mx) + (sinks ? std::exp(sinks[h] - mx) : 0.f);
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const scalar_t* vr_ = v_cache + pg.at(slots[b], kv, j0 + j);
-        for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(vr_[i]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float wj = p[g * n + j] / den[g];
-          float* __restrict__ ag = acc.data() + g * d;
-          const float* __restrict__ vr = row.data();
-          for (int64_t i = 0; i < d; ++i) ag[i] += wj * vr[i];
-        }
-      }
-      scalar_t* o = out + (b * H + kv * G) * d;
-      for (int64_t i = 0; i < G * d; ++i) o[i] = static_cast<scalar_t>(acc[i]);
     }
   });
 }
@@ -204,7 +458,14 @@ void attn_decode(const torch::Tensor& h, const torch::Tensor& norm_w, double nor
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(sp[b] >= 0 && sp[b] < S && pp[b] >= 0 && pp[b] < L, "slot ", sp[b], " / position ", pp[b],
                 " outside the cache [", S, ", ", L, "]");
-    for (int64_t c = 0; c < b; ++c) TORCH_CHECK(sp[c] != sp[b], "slots must be distinct, got ", sp[b], " twice");
+    // a slot's rows come one after the other, at consecutive positions (a chunk of its prompt)
+    if (b > 0 && sp[b - 1] == sp[b]) {
+      TORCH_CHECK(pp[b] == pp[b - 1] + 1, "rows of slot ", sp[b], " must be at consecutive positions, got ", pp[b - 1],
+                  " then ", pp[b]);
+    } else {
+      for (int64_t c = 0; c < b; ++c)
+        TORCH_CHECK(sp[c] != sp[b], "the rows of slot ", sp[b], " must come one after the other");
+    }
     for (int64_t i = 0; i <= pp[b] / pg.bs; ++i) {
       const int64_t blk = pg.table[sp[b] * pg.width + i];
       TORCH_CHECK(blk >= 0 && blk < pg.blocks, "slot ", sp[b], "'s block ", i, " is ", blk, ", outside the pool of ",

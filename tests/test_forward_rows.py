@@ -1,0 +1,139 @@
+"""CausalLM.forward_rows: decode rows of some sequences and a prompt chunk of another as the rows of one native
+decode-plan call, against the same model's two ordinary forwards (the decode step, then the chunk through the
+prefill path); and the engine that runs a waiting prompt's chunks beside decoding requests that way: the same
+tokens as with every chunk on its own."""
+import copy
+
+import pytest
+import torch
+
+from models_util import one_thread  # noqa: F401 (autouse fixture)
+from models_util import save_family
+
+transformers = pytest.importorskip("transformers")
+
+import dynamoe.models as dm  # noqa: E402
+from dynamoe.engine import GenerationEngine, SamplingParams  # noqa: E402
+from dynamoe.models.base import CausalLM  # noqa: E402
+from dynamoe.ops import cpu_kernels  # noqa: E402
+from dynamoe.ops.fused import MAX_ROWS  # noqa: E402
+
+COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+              tie_word_embeddings=False)
+FAMILIES = {
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        mlp_only_layers=[1], **COMMON)),
+    # sinks, and a window shorter than the chunk's reach: rows of one chunk see different key ranges
+    "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, **COMMON)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def folder(request, tmp_path_factory):
+    return save_family(FAMILIES, request.param, tmp_path_factory)
+
+
+def _model(folder, dtype):
+    return copy.deepcopy(dm.load(folder, dtype=dtype, progress=False))
+
+
+def _prefilled(model, dtype, ids):
+    """A cache with ids[0, :20] in slot 2 and ids[1, :9] in slot 0."""
+    cache = model.new_cache(3, 64, dtype=dtype, block_size=4)
+    with torch.inference_mode():
+        model(ids[:1, :20], cache=cache, slots=torch.tensor([2]))
+        model(ids[1:, :9], cache=cache, slots=torch.tensor([0]))
+    return cache
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [2, 7, MAX_ROWS - 1])
+def test_decode_rows_and_a_chunk_equal_separate_forwards(folder, dtype, chunk):
+    """Against the chunk's tokens decoded one by one (the same kernels: equal but for the order of the attention's
+    sums) and, in fp32, against the chunk through the prefill path."""
+    model = _model(folder, dtype)
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(3))
+    assert model.rows_plan(model.new_cache(1, 8, dtype=dtype)) is not None
+    a, b, c = (_prefilled(model, dtype, ids) for _ in range(3))
+    with torch.inference_mode():
+        rows = torch.cat([ids[0, 20:21], ids[1, 9:9 + chunk]])
+        slots = torch.tensor([2] + [0] * chunk)
+        got = model.forward_rows(rows, a, slots, list(range(chunk + 1)))
+        want = [model(ids[:1, 20:21], cache=b, slots=torch.tensor([2]))[0, -1]]
+        want += [model(ids[1:, t:t + 1], cache=b, slots=torch.tensor([0]))[0, -1] for t in range(9, 9 + chunk)]
+        prefill = model(ids[1:, 9:9 + chunk], cache=c, slots=torch.tensor([0]))[0]
+    tight = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+    torch.testing.assert_close(got, torch.stack(want), **tight)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[1:], prefill, rtol=1e-4, atol=1e-4)
+    assert torch.equal(a.lengths, b.lengths) and a.lengths.tolist() == [9 + chunk, 0, 21]
+    for la, lb in zip(a.layers, b.layers):   # the same keys and values written (the blocks may differ)
+        for name in ("k", "v"):
+            for slot, n in ((2, 21), (0, 9 + chunk)):
+                torch.testing.assert_close(a.rows(la[name], torch.tensor([slot]), n),
+                                           b.rows(lb[name], torch.tensor([slot]), n), **tight)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
+def test_forward_rows_refuses_what_it_cannot_run(folder):
+    model = _model(folder, torch.float32)
+    cache = model.new_cache(3, 16, block_size=4)
+    ids = torch.zeros(3, dtype=torch.long)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="one after the other"):
+            model.forward_rows(ids, cache, torch.tensor([0, 1, 0]), [0])
+        with pytest.raises(ValueError, match=f"1..{MAX_ROWS} rows"):
+            model.forward_rows(torch.zeros(MAX_ROWS + 1, dtype=torch.long), cache,
+                               torch.zeros(MAX_ROWS + 1, dtype=torch.long), [0])
+        with pytest.raises(ValueError, match="exceeds max_seq_len=16"):
+            model.forward_rows(ids, _full(cache, 0, 14), torch.tensor([0, 0, 0]), [0])
+        twin = copy.deepcopy(model)
+        twin.use_decode_plan = False
+        assert twin.rows_plan(cache) is None
+        with pytest.raises(RuntimeError, match="rows_plan"):
+            twin.forward_rows(ids, cache, torch.tensor([0, 0, 1]), [0])
+
+
+def _full(cache, slot, length):
+    cache.reserve(slot, length)
+    cache.lengths[slot] = length
+    return cache
+
+
+def _generate(model, prompts, rows_beside: bool, monkeypatch, **engine_kw):
+    """Greedy tokens of every prompt: the first ones decode, the last arrives once they have two tokens each."""
+    calls = []
+    if rows_beside:
+        real = CausalLM.forward_rows
+
+        def spy(self, ids, cache, slots, logits_rows):
+            calls.append(len(set(slots.tolist())) < slots.numel())
+            return real(self, ids, cache, slots, logits_rows)
+        monkeypatch.setattr(CausalLM, "forward_rows", spy)
+    else:
+        monkeypatch.setattr(CausalLM, "rows_plan", lambda self, cache: None)
+    eng = GenerationEngine(model, None, max_seq_len=200, max_batch=4, block_size=4, **engine_kw)
+    reqs = [eng.add_request(p, SamplingParams(temperature=0), max_tokens=12, ignore_eos=True) for p in prompts[:-1]]
+    while min(len(r.output_ids) for r in reqs) < 2:
+        eng.step()
+    reqs.append(eng.add_request(prompts[-1], SamplingParams(temperature=0), max_tokens=6, ignore_eos=True))
+    while any(not r.finished for r in reqs):
+        eng.step()
+    monkeypatch.undo()
+    return [r.output_ids for r in reqs], calls
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
+@pytest.mark.parametrize("engine_kw", [{}, {"token_budget": 8}])
+def test_engine_runs_a_prompt_beside_decoding_requests_in_their_forward(folder, engine_kw, monkeypatch):
+    model = _model(folder, torch.float32)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 9, 60)]
+    beside, calls = _generate(model, prompts, True, monkeypatch, **engine_kw)
+    alone, _ = _generate(model, prompts, False, monkeypatch, **engine_kw)
+    assert beside == alone
+    assert sum(calls) >= 60 // (MAX_ROWS - 2)   # the long prompt's chunks rode in the decode forwards
