@@ -47,6 +47,22 @@ def save_tiny(model, path, **kwargs) -> str:
     return str(path)
 
 
+def fused_families(transformers, max_position_embeddings: int = 64) -> dict:
+    """Tiny transformers models whose every layer has a fused decode kernel (what a decode plan runs as one native
+    call): Qwen3-MoE with a dense MLP in layer 1 (its own kernel, in the same DecodeStack), GPT-OSS with sinks,
+    router biases and a window of 5 (shorter than the sequences)."""
+    common = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=max_position_embeddings, bos_token_id=None, eos_token_id=None,
+                  tie_word_embeddings=False)
+    return {
+        "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+            mlp_only_layers=[1], **common)),
+        "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, **common)),
+    }
+
+
 def save_family(families: dict, name: str, tmp_path_factory) -> str:
     """``families[name]()`` (a tiny transformers model) with :func:`randomize_` weights (sinks at
     full scale), saved to a fresh folder."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models_util import one_thread  # noqa: F401 (autouse fixture)
-from models_util import save_family
+from models_util import fused_families, save_family
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,17 +21,7 @@ from spying import record_calls  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
 
-COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, max_position_embeddings=64, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
-FAMILIES = {
-    # layer 1 a dense MLP (its own kernel, in the same DecodeStack)
-    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        mlp_only_layers=[1], **COMMON)),
-    # sinks and router biases: fp32 copies the plan holds; a window shorter than the sequence
-    "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
-        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, **COMMON)),
-}
+FAMILIES = fused_families(transformers)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -27,7 +27,7 @@ def model(tmp_path_factory):
     hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
     randomize_(hf, seed=4)
     model = dm.load(save_tiny(hf, str(tmp_path_factory.mktemp("steps"))), progress=False)
-    model.rows_plan = lambda cache: None   # (chunks beside decode rows: not these tests' path)
+    model.rows_plan = lambda cache, slots=None: None   # (chunks beside decode rows: not these tests' path)
     return model
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models_util import one_thread  # noqa: F401 (autouse fixture)
-from models_util import save_family
+from models_util import fused_families, save_family
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,17 +18,7 @@ from dynamoe.models.base import CausalLM  # noqa: E402
 from dynamoe.ops import cpu_kernels  # noqa: E402
 from dynamoe.ops.fused import MAX_ROWS  # noqa: E402
 
-COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
-              tie_word_embeddings=False)
-FAMILIES = {
-    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        mlp_only_layers=[1], **COMMON)),
-    # sinks, and a window shorter than the chunk's reach: rows of one chunk see different key ranges
-    "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
-        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, **COMMON)),
-}
+FAMILIES = fused_families(transformers, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -115,7 +105,7 @@ def _generate(model, prompts, rows_beside: bool, monkeypatch, **engine_kw):
             return real(self, ids, cache, slots, logits_rows)
         monkeypatch.setattr(CausalLM, "forward_rows", spy)
     else:
-        monkeypatch.setattr(CausalLM, "rows_plan", lambda self, cache: None)
+        monkeypatch.setattr(CausalLM, "rows_plan", lambda self, cache, slots=None: None)
     eng = GenerationEngine(model, None, max_seq_len=200, max_batch=4, block_size=4, **engine_kw)
     reqs = [eng.add_request(p, SamplingParams(temperature=0), max_tokens=12, ignore_eos=True) for p in prompts[:-1]]
     while min(len(r.output_ids) for r in reqs) < 2:

@@ -71,7 +71,7 @@ class ChunkedPrefill:
         if n < 1 or r._chunks_apart or (self.adaptive_budget and self._decode_s is None):
             return None   # (the budget compares with a plain decode step: one runs first)
         rows_plan = getattr(self.model, "rows_plan", None)
-        if rows_plan is None or rows_plan(self.cache) is None:
+        if rows_plan is None or rows_plan(self.cache, torch.tensor([q.slot for q in (*ready, r)])) is None:
             return None
         if self._rows_for is not r:
             self._rows_for, self._rows_s = r, None

@@ -214,15 +214,16 @@ class CausalLM(nn.Module):
             run.next_layer = len(self.model.layers)
         return self.end_forward(run)
 
-    def rows_plan(self, cache: KVCache) -> DecodePlan | None:
-        """The decode plan that runs every layer natively for this model's dtype and ``cache`` -- what
-        :meth:`forward_rows` runs on --, or None: a family with a forward of its own, a layer without a fused
-        kernel, training, another device (the plan's conditions, :meth:`_decode_plan`)."""
-        if type(self).forward is not CausalLM.forward:
+    def rows_plan(self, cache: KVCache, slots: Tensor | None = None) -> DecodePlan | None:
+        """The decode plan that runs every layer natively for this model's dtype and ``cache`` (for rows of
+        ``slots``, int64: a family's plan may hold only for some of its sequences) -- what :meth:`forward_rows`
+        runs on --, or None: a family with a forward of its own, a layer without a fused kernel, training, another
+        device (the plan's conditions, :meth:`_decode_plan`)."""
+        if not self.runs_in_steps:   # (the shared forward and layer loop: what the plan stands for)
             return None
         h = torch.empty(1, 1, self.model.embed_tokens.weight.size(-1), dtype=self.dtype, device=self.device)
         with torch.no_grad():   # (the question is about inference steps, whoever asks)
-            plan = self._decode_plan(h, cache, torch.zeros(1, dtype=torch.long))
+            plan = self._decode_plan(h, cache, torch.zeros(1, dtype=torch.long) if slots is None else slots)
         return plan if plan is not None and plan.fully_fused else None
 
     def forward_rows(self, input_ids: Tensor, cache: KVCache, slots: Tensor, logits_rows: list[int]) -> Tensor:
@@ -241,7 +242,7 @@ class CausalLM(nn.Module):
         N = input_ids.numel()
         if not 1 <= N <= MAX_ROWS:
             raise ValueError(f"forward_rows takes 1..{MAX_ROWS} rows, got {N}")
-        plan = self.rows_plan(cache)
+        plan = self.rows_plan(cache, slots)
         if plan is None:
             raise RuntimeError(f"{type(self).__name__}: no decode plan runs every layer natively here (rows_plan)")
         slot_list = slots.tolist()
