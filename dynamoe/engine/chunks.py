@@ -1,8 +1,8 @@
 """Prefill chunks of :class:`~dynamoe.engine.engine.GenerationEngine` (a mixin of it): how many prompt tokens a step
-takes beside decoding requests (:mod:`dynamoe.engine.budget`); where the model's decode plan runs every layer
-natively, a prompt's chunk as rows of the decoding requests' own forward (one pass over the weights, one native
-call); else chunks of equal length batched, and -- for a model whose forward runs a few layers at a time -- one
-request's chunk taken through the layers over several steps.
+takes beside decoding requests (:mod:`dynamoe.engine.budget`), chunks of equal length batched, and -- for a model
+whose forward runs a few layers at a time -- one request's chunk taken through the layers over several steps; where
+the model's decode plan runs every layer natively, a prompt's last few tokens as rows of the decoding requests' own
+forward (one pass over the weights, one native call).
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 
 from ..models.cache import OutOfBlocks
 from ..ops.fused import MAX_ROWS
-from .budget import moving_average
 from .request import RUNNING, Request, TokenEvent
 
 __all__ = ["ChunkedPrefill"]
@@ -50,13 +49,14 @@ class ChunkedPrefill:
         return min(top, max(self.cache.block_size, n or 0))
 
     def _chunk_beside(self, ready: list[Request]) -> tuple[Request, int] | None:
-        """The oldest waiting prompt's next chunk to run as rows of ``ready``'s decode forward, (request, tokens),
-        or None: the model's decode plan must run every layer natively (``rows_plan``), no MTP head, no chunk part
-        way through the layers, and the chunk's blocks free now (a chunk that needs a preemption runs on its own,
-        :meth:`_prefill`). It takes the rows the row limit leaves (at most ``token_budget`` - the decode rows when
-        that is fixed). Such a step reads the prompt's keys and values of every layer, a cost that grows with its
-        context: once these steps take longer than ``1 + stall_ratio`` plain decode steps (moving averages), the
-        prompt's later chunks run on their own (:meth:`_prefill`: larger ones, a few layers a step)."""
+        """The oldest waiting prompt's remaining tokens as rows of ``ready``'s decode forward, (request, tokens) --
+        when they all fit the row limit beside the decode rows (a short prompt, a chat turn past its cached prefix, a
+        long prompt's last chunk: one pass over the weights instead of a forward of their own) --, or None: more
+        tokens (they prefill in larger chunks first, :meth:`_prefill`: rows cost more per token than a chunk's
+        matrix products), an MTP head, a chunk part way through the layers, a decode plan that does not run every
+        layer natively (``rows_plan``), blocks not free now, or -- with the measured budget -- such a step expected
+        to take more than ``stall_ratio`` decode steps beyond its own: it reads the prompt's keys and values of every
+        layer at once (``_rows_cost``: a fit of that extra time against the prompt's length)."""
         room = MAX_ROWS - len(ready)
         if room < 1 or self._mtp or self._layer_run is not None:
             return None
@@ -65,18 +65,19 @@ class ChunkedPrefill:
         if not todo:
             return None
         r = min(todo, key=lambda x: x._order)
-        n = min(room, r.num_tokens - r._computed, self.prefill_chunk or room, self._chunk_cap or room)
-        if not self.adaptive_budget:
-            n = min(n, self.token_budget - len(ready))
-        if n < 1 or r._chunks_apart or (self.adaptive_budget and self._decode_s is None):
-            return None   # (the budget compares with a plain decode step: one runs first)
+        n = r.num_tokens - r._computed
+        if n > min(room, self.prefill_chunk or room, self._chunk_cap or room):
+            return None
+        if not self.adaptive_budget and n > self.token_budget - len(ready):
+            return None
+        if self.adaptive_budget:
+            if self._decode_s is None:   # (the budget compares with a plain decode step: one runs first)
+                return None
+            ab = self._rows_cost.fit()
+            if ab is not None and ab[0] + ab[1] * (r._computed + n) > self.stall_ratio * self._decode_s:
+                return None
         rows_plan = getattr(self.model, "rows_plan", None)
         if rows_plan is None or rows_plan(self.cache, torch.tensor([q.slot for q in (*ready, r)])) is None:
-            return None
-        if self._rows_for is not r:
-            self._rows_for, self._rows_s = r, None
-        if self.adaptive_budget and self._rows_s is not None and self._rows_s > (1 + self.stall_ratio) * self._decode_s:
-            r._chunks_apart = True
             return None
         try:
             self.cache.reserve(r.slot, r._computed + n)
@@ -96,7 +97,8 @@ class ChunkedPrefill:
                                    self.cache, torch.tensor([q.slot for q in ready] + [r.slot] * n, dtype=torch.long),
                                    list(range(B)) + [B + n - 1])
         dt = time.perf_counter() - t0
-        self._rows_s = moving_average(self._rows_s, dt)
+        if self._decode_s is not None:   # what the chunk's rows added to a decode step, at its prompt's length
+            self._rows_cost.observe(start + n, max(0.0, dt - self._decode_s))
         for q in ready:
             q._computed += 1
         self._sample_and_emit(ready, logits[:B], events)

@@ -13,9 +13,10 @@ fill ``max_seq_len``, usually far fewer). Requests wait in a FIFO queue. Each :m
    the hardware, the model and the context lengths), or a fixed ``token_budget``; so a long prompt arriving
    holds the running streams' next token back by a small factor, never by its whole prefill. With nothing
    decoding, prompts prefill in chunks of up to ``prefill_chunk``. Where the model's decode plan runs every
-   layer natively (``model.rows_plan(cache)``), the oldest prompt's next chunk instead rides in step 2's
-   forward as more rows (``model.forward_rows``: up to the row limit, one native call for both) while such
-   steps stay within ``1 + stall_ratio`` plain decode steps -- a short context; past that, as above.
+   layer natively (``model.rows_plan(cache)``), a prompt whose remaining tokens fit the row limit beside the
+   decode rows (a short prompt, a chat turn past its cached prefix, a long prompt's last chunk) rides in step
+   2's forward as more rows instead (``model.forward_rows``: one native call, one pass over the weights) --
+   unless that step is expected to take more than ``stall_ratio`` decode steps beyond its own (a long context).
 
 When the pool runs out of blocks the request that arrived last is preempted: its blocks go back (its full
 ones stay cached) and it waits first in line, then recomputes what it had and goes on -- never a crash or
@@ -155,8 +156,7 @@ class GenerationEngine(SpeculativeSteps, ChunkedPrefill):
         self.draft = draft
         self._decode_s: float | None = None      # moving average: seconds of a decode step
         self._chunk_cost = ChunkCost()           # prefill chunk seconds = a + b * tokens, while requests decode
-        self._rows_s: float | None = None        # moving average: seconds of a decode step with _rows_for's chunk
-        self._rows_for: Request | None = None
+        self._rows_cost = ChunkCost()            # what a prompt's last rows add to a decode step = a + b * its length
         # beside decoding requests, a chunk's forward a few layers a step (the model runs its layers in steps)
         self._in_steps = self.adaptive_budget and bool(getattr(model, "runs_in_steps", False))
         self._layer_run: _LayerRun | None = None

@@ -116,8 +116,6 @@ class Request:
         self._keys: list[bytes] = []
         self._registered = 0
         self._ngram = None   # its n-gram index, once it drafts (dynamoe.engine.speculative)
-        # its prompt's chunks no longer ride in decode forwards: its context made that step too slow (chunks.py)
-        self._chunks_apart = False
         # with MTP drafts (draft="mtp"): its drafts for the next step (None: it does not run the head), and the
         # positions whose head cache entries are written (dynamoe.models.mtp)
         self._mtp_draft: list[int] | None = None

@@ -96,6 +96,7 @@ class LayerRun:
     return_hidden: bool
     prompt_lengths: Tensor | None
     next_layer: int = 0
+    rows_of_slots: dict | None = None   # (CausalLM.begin_rows) each slot's rows: what its cache advances by
 
 
 class CausalLM(nn.Module):
@@ -232,22 +233,34 @@ class CausalLM(nn.Module):
         consecutive rows of one slot at its next positions -- a prompt chunk beside them, each of whose rows sees
         the chunk's earlier rows. ``input_ids``, ``slots``: int64 [N], 1 <= N <= MAX_ROWS, a slot's rows one after
         the other. Returns the logits [len(logits_rows), V] of the rows ``logits_rows``; each slot's cache advances
-        by its rows."""
+        by its rows. (:meth:`begin_rows` / :meth:`run_some_layers` / :meth:`end_rows`: the same a few layers at a
+        time, each layer's fused kernels.)"""
+        run = self.begin_rows(input_ids, cache, slots)
+        plan = self.rows_plan(cache, run.slots)
+        with self._rope_prompt(run):
+            run.h = plan.run(run.h.view(run.h.size(0), -1), run.positions, cache, run.slots, run.kv_len)[:, None]
+        run.next_layer = len(self.model.layers)
+        return self.end_rows(run, logits_rows)
+
+    def begin_rows(self, input_ids: Tensor, cache: KVCache, slots: Tensor) -> "LayerRun":
+        """The first part of :meth:`forward_rows` (its arguments checked, the slots' blocks reserved, positions and
+        embeddings) as a :class:`LayerRun` of N rows of one token for :meth:`run_some_layers`: every layer runs its
+        fused decode kernels, which take such rows (:meth:`rows_plan` must hold)."""
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 1 or input_ids.dtype != torch.long:
             raise ValueError(f"input_ids must be an int64 tensor [rows], got {getattr(input_ids, 'shape', input_ids)}")
         if not isinstance(slots, Tensor) or slots.shape != input_ids.shape or slots.dtype != torch.long:
-            raise ValueError(f"slots must be an int64 tensor of input_ids' shape {tuple(input_ids.shape)}, got {getattr(slots, 'shape', slots)}")
+            raise ValueError(f"slots must be an int64 tensor of input_ids' shape {tuple(input_ids.shape)}, "
+                             f"got {getattr(slots, 'shape', slots)}")
         if torch.is_grad_enabled():
             raise RuntimeError("forward_rows runs inference kernels: call it under torch.inference_mode() or no_grad()")
         N = input_ids.numel()
         if not 1 <= N <= MAX_ROWS:
             raise ValueError(f"forward_rows takes 1..{MAX_ROWS} rows, got {N}")
-        plan = self.rows_plan(cache, slots)
-        if plan is None:
-            raise RuntimeError(f"{type(self).__name__}: no decode plan runs every layer natively here (rows_plan)")
         slot_list = slots.tolist()
         if min(slot_list) < 0 or max(slot_list) >= cache.num_slots:
             raise ValueError(f"slots must be in [0, {cache.num_slots}), got {slot_list}")
+        if self.rows_plan(cache, slots) is None:
+            raise RuntimeError(f"{type(self).__name__}: no decode plan runs every layer natively here (rows_plan)")
         counts: dict[int, int] = {}
         offsets = []
         for i, s in enumerate(slot_list):
@@ -265,12 +278,15 @@ class CausalLM(nn.Module):
         if getattr(getattr(rotary, "rope", None), "rope_type", None) == "dynamic":
             prompt = cache.prompt_lengths_for(slots, positions)
         h = self.model.embed_tokens(input_ids.to(self.device)[:, None])
-        run = LayerRun(h, positions, cache, slots.to(self.device), int(positions.max()) + 1, 1, 0, False, prompt)
-        with self._rope_prompt(run):
-            h_ND = plan.run(h.view(N, -1), positions, cache, run.slots, run.kv_len)
-        logits = self.lm_head(self.model.norm(h_ND[logits_rows]))
-        for s, c in counts.items():
-            cache.lengths[s] += c
+        return LayerRun(h, positions, cache, slots.to(self.device), int(positions.max()) + 1, 1, 0, False, prompt,
+                        rows_of_slots=counts)
+
+    def end_rows(self, run: "LayerRun", logits_rows: list[int]) -> Tensor:
+        """The last part of :meth:`forward_rows`: the logits [len(logits_rows), V] of those rows; each slot's cache
+        advances by its rows."""
+        logits = self.lm_head(self.model.norm(run.h[logits_rows, 0]))
+        for s, c in run.rows_of_slots.items():
+            run.cache.lengths[s] += c
         return logits
 
     def begin_forward(self, input_ids: Tensor, cache: KVCache | None = None, slots: Tensor | None = None,

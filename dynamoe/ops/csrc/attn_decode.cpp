@@ -194,11 +194,12 @@ struct LaneBounds {
   int64_t base;
 };
 
-// Scores of keys [lo, lo + n) of (slot, kv) for NV * 16 query lanes (qt: the queries transposed, [d][ldq]):
-// p[j * ldq + lane] = q . k_j * scale where seen, else -inf; mx[v] the running maxima.
+// Scores of the n keys from lo + jstart of (slot, kv) for NV * 16 query lanes (qt: the queries transposed,
+// [d][ldq]): p[j * ldq + lane] = q . k_(jstart + j) * scale where seen, else -inf; mx[v] the running maxima.
 template <int NV, typename scalar_t>
-void scores_pass(const scalar_t* k_cache, const Paged& pg, int64_t slot, int64_t kv, int64_t lo, int64_t n, int64_t d,
-                 const float* qt, int64_t ldq, float scale, const LaneBounds& lanes, float* p, __m512* mx) {
+void scores_pass(const scalar_t* k_cache, const Paged& pg, int64_t slot, int64_t kv, int64_t lo, int64_t jstart,
+                 int64_t n, int64_t d, const float* qt, int64_t ldq, float scale, const LaneBounds& lanes, float* p,
+                 __m512* mx) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sc = _mm512_set1_ps(scale);
   __m512 m[NV];
   __m512i row[NV], first[NV];
@@ -208,7 +209,7 @@ void scores_pass(const scalar_t* k_cache, const Paged& pg, int64_t slot, int64_t
     first[v] = _mm512_loadu_si512(lanes.first + 16 * v);
   }
   constexpr int64_t KU = NV <= 2 ? 4 : 2;  // keys at a time: independent multiply-add chains
-  KeyWalk<scalar_t> keys(k_cache, pg, slot, kv, lo);
+  KeyWalk<scalar_t> keys(k_cache, pg, slot, kv, lo + jstart);
   for (int64_t j0 = 0; j0 < n; j0 += KU) {
     const int64_t nk = std::min(KU, n - j0);
     const scalar_t* kr[KU];
@@ -229,8 +230,8 @@ void scores_pass(const scalar_t* k_cache, const Paged& pg, int64_t slot, int64_t
     }
     for (int64_t u = 0; u < nk; ++u) {
       const int64_t j = j0 + u;
-      const __m512i jr = _mm512_set1_epi32(static_cast<int32_t>(j - lanes.base));
-      const __m512i jj = _mm512_set1_epi32(static_cast<int32_t>(j));
+      const __m512i jr = _mm512_set1_epi32(static_cast<int32_t>(jstart + j - lanes.base));
+      const __m512i jj = _mm512_set1_epi32(static_cast<int32_t>(jstart + j));
       for (int v = 0; v < NV; ++v) {
         const __mmask16 seen = _mm512_cmpge_epi32_mask(row[v], jr) & _mm512_cmple_epi32_mask(first[v], jj);
         const __m512 sv = _mm512_mask_mul_ps(ninf, seen, acc[u][v], sc);
@@ -266,14 +267,34 @@ inline void weighted_values(int64_t DV, const float* w, int64_t ldw, int64_t cou
   weighted_values_any(DV, w, ldw, count, vals, acc, std::make_integer_sequence<int, 16>{});
 }
 
+// scores_pass for any number of lane vectors NV: 1-4 at once, more four at a time
+template <typename scalar_t>
+void scores_block(int64_t NV, const scalar_t* k_cache, const Paged& pg, int64_t slot, int64_t kv, int64_t lo,
+                  int64_t jstart, int64_t n, int64_t d, const float* qt, int64_t ldq, float scale,
+                  const LaneBounds& lanes, float* p, __m512* mx) {
+  for (int64_t v0 = 0; v0 < NV; v0 += 4) {
+    const int64_t nv = std::min<int64_t>(4, NV - v0);
+    const LaneBounds part{lanes.row + 16 * v0, lanes.first + 16 * v0, lanes.base};
+    auto run = [&](auto tag) {
+      scores_pass<decltype(tag)::value, scalar_t>(k_cache, pg, slot, kv, lo, jstart, n, d, qt + 16 * v0, ldq, scale,
+                                                  part, p + 16 * v0, mx + v0);
+    };
+    if (nv == 4) run(std::integral_constant<int, 4>{});
+    else if (nv == 3) run(std::integral_constant<int, 3>{});
+    else if (nv == 2) run(std::integral_constant<int, 2>{});
+    else run(std::integral_constant<int, 1>{});
+  }
+}
+
 // With AVX-512 the queries are the vector lanes: scores of one key for 16 queries per multiply-add (the
-// queries transposed once, [d][Qp]), the softmax's maxima and sums per lane, and the weighted values
-// accumulated per query over blocks of value rows converted to fp32 once.
+// queries transposed once, [d][Qp]); keys in blocks of kBlock with an online softmax (per lane: the running
+// maximum and sum, the weighted values rescaled as the maximum grows), so that only the keys and values stream
+// from memory; value rows converted to fp32 once per block.
 template <typename scalar_t>
 void attend_rows_of_slot(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const Paged& pg,
                          int64_t slot, int64_t pos0, int64_t R, int64_t kv, int64_t window, int64_t H, int64_t G,
                          float scale, const float* sinks, scalar_t* out, RowScratch& s) {
-  constexpr int64_t kVBlock = 64;  // value rows converted at a time
+  constexpr int64_t kBlock = 64;   // keys per block: its scores and fp32 value rows stay in L1
   constexpr int64_t kMaxDV = 16;   // value accumulators of one query in registers: head dims up to 256
   const int64_t d = pg.d, Q = R * G, Qp = (Q + 15) / 16 * 16, NV = Qp / 16, DV = (d + 15) / 16;
   if (DV > kMaxDV) {  // (no such head yet) each row as a decode row of its own
@@ -283,78 +304,75 @@ void attend_rows_of_slot(const scalar_t* q, const scalar_t* k_cache, const scala
   }
   const int64_t lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0, n = pos0 + R - lo;
   s.qf.assign(d * Qp, 0.f);   // queries transposed: qf[i * Qp + qi]
-  s.p.resize(n * Qp);         // scores, then weights: p[j * Qp + qi]
+  s.p.resize(kBlock * Qp);    // one block's scores, then weights: p[j * Qp + qi]
   s.acc.assign(Q * DV * 16, 0.f);
-  s.row.resize(kVBlock * DV * 16);
+  s.row.resize(kBlock * DV * 16);
   for (int64_t qi = 0; qi < Q; ++qi) {
     const scalar_t* qr = q + (qi / G) * H * d + (kv * G + qi % G) * d;
     for (int64_t i = 0; i < d; ++i) s.qf[i * Qp + qi] = static_cast<float>(qr[i]);
   }
-  // per lane: its row (for the causal bound), the first key its window keeps, whether it is a query at all
+  // per lane: its row (for the causal bound), the first key its window keeps (padding lanes: row -1)
   std::vector<int32_t> rows(Qp, -1), firsts(Qp, 0);
-  std::vector<float> sink(Qp, -std::numeric_limits<float>::infinity());
+  std::vector<float> m0(Qp, -std::numeric_limits<float>::infinity()), alpha(Qp), den(Qp);
   for (int64_t qi = 0; qi < Q; ++qi) {
     rows[qi] = static_cast<int32_t>(qi / G);
     firsts[qi] = static_cast<int32_t>((window > 0 ? std::max<int64_t>(0, pos0 + qi / G - window + 1) : 0) - lo);
-    if (sinks) sink[qi] = sinks[kv * G + qi % G];
+    if (sinks) m0[qi] = sinks[kv * G + qi % G];  // the sink's logit: in every lane's maximum from the start
   }
   const int64_t base = pos0 - lo;  // row r sees keys up to base + r
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  std::vector<__m512> mx(NV, ninf), den(NV, _mm512_setzero_ps());
-  float* p = s.p.data();
   const LaneBounds lanes{rows.data(), firsts.data(), base};
-  switch (NV) {  // the score accumulators in registers
-    case 1: scores_pass<1, scalar_t>(k_cache, pg, slot, kv, lo, n, d, s.qf.data(), Qp, scale, lanes, p, mx.data()); break;
-    case 2: scores_pass<2, scalar_t>(k_cache, pg, slot, kv, lo, n, d, s.qf.data(), Qp, scale, lanes, p, mx.data()); break;
-    case 3: scores_pass<3, scalar_t>(k_cache, pg, slot, kv, lo, n, d, s.qf.data(), Qp, scale, lanes, p, mx.data()); break;
-    case 4: scores_pass<4, scalar_t>(k_cache, pg, slot, kv, lo, n, d, s.qf.data(), Qp, scale, lanes, p, mx.data()); break;
-    default:
-      for (int64_t v0 = 0; v0 < NV; v0 += 4) {  // four lanes' worth of queries at a time
-        const int64_t nv = std::min<int64_t>(4, NV - v0);
-        const LaneBounds part{rows.data() + 16 * v0, firsts.data() + 16 * v0, base};
-        auto run = [&](auto tag) {
-          scores_pass<decltype(tag)::value, scalar_t>(k_cache, pg, slot, kv, lo, n, d, s.qf.data() + 16 * v0, Qp, scale,
-                                                      part, p + 16 * v0, mx.data() + v0);
-        };
-        if (nv == 4) run(std::integral_constant<int, 4>{});
-        else if (nv == 3) run(std::integral_constant<int, 3>{});
-        else if (nv == 2) run(std::integral_constant<int, 2>{});
-        else run(std::integral_constant<int, 1>{});
-      }
-  }
-  for (int64_t v = 0; v < NV; ++v) mx[v] = _mm512_max_ps(mx[v], _mm512_loadu_ps(sink.data() + 16 * v));
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t v = 0; v < NV; ++v) {
-      const __m512 e = dynamoe::exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j * Qp + 16 * v), mx[v]));
-      _mm512_storeu_ps(p + j * Qp + 16 * v, e);
-      den[v] = _mm512_add_ps(den[v], e);
-    }
-  for (int64_t v = 0; v < NV; ++v) {  // (exp of -inf - -inf: padded lanes; their weights are never read)
-    if (sinks) den[v] = _mm512_add_ps(den[v], dynamoe::exp16(_mm512_sub_ps(_mm512_loadu_ps(sink.data() + 16 * v), mx[v])));
-    den[v] = _mm512_div_ps(_mm512_set1_ps(1.f), den[v]);
-  }
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), zero = _mm512_setzero_ps();
+  // online softmax over blocks of keys: running maxima m, sums l, and weighted values scaled as m grows
+  std::vector<__m512> m(NV), l(NV, zero), bm(NV), safe(NV);
+  for (int64_t v = 0; v < NV; ++v) m[v] = _mm512_loadu_ps(m0.data() + 16 * v);
+  float* p = s.p.data();
   float* vb = s.row.data();
   KeyWalk<scalar_t> vals(v_cache, pg, slot, kv, lo);
-  for (int64_t j0 = 0; j0 < n; j0 += kVBlock) {
-    const int64_t nb = std::min(kVBlock, n - j0);
-    for (int64_t l = 0; l < nb; ++l, vals.next()) {
-      float* dst = vb + l * DV * 16;
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t nb = std::min(kBlock, n - j0);
+    for (int64_t v = 0; v < NV; ++v) bm[v] = ninf;
+    scores_block(NV, k_cache, pg, slot, kv, lo, j0, nb, d, s.qf.data(), Qp, scale, lanes, p, bm.data());
+    for (int64_t v = 0; v < NV; ++v) {
+      const __m512 mn = _mm512_max_ps(m[v], bm[v]);
+      // (a lane that has seen nothing yet keeps -inf: subtract 0 there, so its exponentials are 0, not NaN)
+      safe[v] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), mn, zero);
+      const __m512 al = dynamoe::exp16(_mm512_sub_ps(m[v], safe[v]));
+      _mm512_storeu_ps(alpha.data() + 16 * v, al);
+      l[v] = _mm512_mul_ps(l[v], al);
+      m[v] = mn;
+    }
+    for (int64_t j = 0; j < nb; ++j)
+      for (int64_t v = 0; v < NV; ++v) {
+        const __m512 e = dynamoe::exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j * Qp + 16 * v), safe[v]));
+        _mm512_storeu_ps(p + j * Qp + 16 * v, e);
+        l[v] = _mm512_add_ps(l[v], e);
+      }
+    for (int64_t l_ = 0; l_ < nb; ++l_, vals.next()) {
+      float* dst = vb + l_ * DV * 16;
       const float* vf = row_f32(vals.row(), dst, d);
       if (vf != dst) std::copy(vf, vf + d, dst);
       for (int64_t i = d; i < DV * 16; ++i) dst[i] = 0.f;
-      for (int64_t v = 0; v < NV; ++v)  // weights = e / den
-        _mm512_storeu_ps(p + (j0 + l) * Qp + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(p + (j0 + l) * Qp + 16 * v), den[v]));
     }
     for (int64_t qi = 0; qi < Q; ++qi) {
-      // the keys of this block query qi sees (the rest weigh 0 but for padding: skip them all the same)
+      float* ag = s.acc.data() + qi * DV * 16;
+      if (alpha[qi] != 1.f) {
+        const __m512 al = _mm512_set1_ps(alpha[qi]);
+        for (int64_t c = 0; c < DV; ++c) _mm512_storeu_ps(ag + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(ag + 16 * c), al));
+      }
+      // the keys of this block query qi sees (the rest weigh 0: skip them)
       const int64_t a = std::max<int64_t>(j0, firsts[qi]), b = std::min<int64_t>(j0 + nb, base + rows[qi] + 1);
-      if (a < b) weighted_values(DV, p + a * Qp + qi, Qp, b - a, vb + (a - j0) * DV * 16, s.acc.data() + qi * DV * 16);
+      if (a < b) weighted_values(DV, p + (a - j0) * Qp + qi, Qp, b - a, vb + (a - j0) * DV * 16, ag);
     }
+  }
+  for (int64_t v = 0; v < NV; ++v) {  // + the sink's share of the denominator
+    if (sinks) l[v] = _mm512_add_ps(l[v], dynamoe::exp16(_mm512_sub_ps(_mm512_loadu_ps(m0.data() + 16 * v), safe[v])));
+    _mm512_storeu_ps(den.data() + 16 * v, l[v]);
   }
   for (int64_t qi = 0; qi < Q; ++qi) {
     scalar_t* o = out + (qi / G) * H * d + (kv * G + qi % G) * d;
     const float* ag = s.acc.data() + qi * DV * 16;
-    for (int64_t i = 0; i < d; ++i) o[i] = static_cast<scalar_t>(ag[i]);
+    const float inv = 1.f / den[qi];
+    for (int64_t i = 0; i < d; ++i) o[i] = static_cast<scalar_t>(ag[i] * inv);
   }
 }
 #else
