@@ -241,6 +241,7 @@ def test_chunk_cost_fit_and_the_tokens_within_a_time():
     assert c.fit() == (0.0, pytest.approx(0.003)) and c.tokens_within(0.060, 100) == 20
     # ... but over the target, one size cannot tell a fixed part from per-token cost: twice the size, once
     assert c.tokens_within(0.015, 100) == 20
+    assert c.tokens_within(0.015, 10) == 5      # (where the cap holds it at that size: half of it)
     c.observe(11, 0.031)                       # nearby sizes are still one (their slope would be noise)
     assert c.fit()[0] == 0.0 and c.tokens_within(0.015, 100) == 2 * int(c._m[0])
     for n in (4, 16, 8, 32, 4, 64, 12):        # a = 20 ms fixed, b = 1 ms a token
