@@ -9,9 +9,10 @@ engine core's scenarios (``--scenario``).
 
 Scenarios (the server this script starts gets ``--max_seq_len 32768`` and a model of as many positions):
 
-* ``long-prompt``: ``--streams`` requests stream; once each has 8 tokens, a ``--long-tokens`` prompt arrives.
+* ``long-prompt``: ``--streams`` requests stream; once each has 16 tokens, a ``--long-tokens`` prompt arrives.
   Reports the streams' inter-token gaps before it arrived (median) and while it prefilled (median, p99, max,
-  max / the median before) and the long prompt's time to first token.
+  max / the median before), the long prompt's time to first token, and a control: the same streams again alone,
+  their median gap between the same tokens (they decode slower as they grow) and the max above over it.
 * ``shared-prefix``: one warm request with a ``--prefix-tokens`` prefix, then ``--clients`` requests sent
   together with the same prefix and their own tails; then as many with prefixes of their own (nothing to
   share: the baseline of the same run). Reports TTFT p50/max and the cached tokens usage reports.
@@ -184,23 +185,25 @@ def words_for(url: str, headers: dict, model: str, tokens: int) -> int:
 
 
 async def long_prompt(url: str, headers: dict, model: str, streams: int, long_tokens: int) -> dict:
-    """Streams running; a long prompt arrives: their gaps before it and while it prefills."""
+    """Streams running; a long prompt arrives: their gaps before it and while it prefills -- and, as a control, the
+    same streams again without it, up to the same tokens: their gaps between the same tokens (the streams' own
+    decode steps get slower as they grow, whatever arrives)."""
     import httpx
 
     n_words = words_for(url, headers, model, long_tokens)
     async with httpx.AsyncClient(timeout=None, headers=headers, limits=httpx.Limits(max_connections=streams + 4)) as c:
         await one_request(c, url, model, "warm up", 4)
-        arrivals: list[list[float]] = [[] for _ in range(streams)]
 
-        async def stream(i):
-            body = {"model": model, "messages": [{"role": "user", "content": text(12, seed=i)}], "max_tokens": 8192,
-                    "stream": True, "temperature": 0, "ignore_eos": True}
+        async def stream(i, arrivals, max_tokens=8192):
+            body = {"model": model, "messages": [{"role": "user", "content": text(12, seed=i)}],
+                    "max_tokens": max_tokens, "stream": True, "temperature": 0, "ignore_eos": True}
             async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data: {") and '"content":' in line:
-                        arrivals[i].append(time.perf_counter())
+                        arrivals.append(time.perf_counter())
 
-        tasks = [asyncio.create_task(stream(i)) for i in range(streams)]
+        arrivals: list[list[float]] = [[] for _ in range(streams)]
+        tasks = [asyncio.create_task(stream(i, arrivals[i])) for i in range(streams)]
         while min(len(a) for a in arrivals) < 16:
             await asyncio.sleep(0.01)
         t_long = time.perf_counter()
@@ -209,9 +212,14 @@ async def long_prompt(url: str, headers: dict, model: str, streams: int, long_to
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # (j: the gap from token j to j + 1 of a stream) those while the long prompt prefilled
+        spans = [[j for j, (a, b) in enumerate(zip(arr, arr[1:])) if t_long <= b and a <= t_first] for arr in arrivals]
+        alone: list[list[float]] = [[] for _ in range(streams)]
+        await asyncio.gather(*(stream(i, alone[i], max(js, default=0) + 2) for i, js in enumerate(spans)))
     before = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if b < t_long]
-    during = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if t_long <= b and a <= t_first]
-    return {"before": before, "during": during, "ttft": long["ttft"], "words": n_words}
+    during = [arr[j + 1] - arr[j] for arr, js in zip(arrivals, spans) for j in js]
+    control = [arr[j + 1] - arr[j] for arr, js in zip(alone, spans) for j in js if j + 1 < len(arr)]
+    return {"before": before, "during": during, "control": control, "ttft": long["ttft"], "words": n_words}
 
 
 async def shared_prefix(url: str, headers: dict, model: str, clients: int, prefix_tokens: int) -> dict:
@@ -272,11 +280,12 @@ def run_scenario(args, url: str, headers: dict, model: str) -> None:
         med = statistics.median(r["before"])
         print(f"\n{args.streams} streams; a {args.long_tokens}-token prompt arrives ({r['words']} words)\n")
         print("| gap before, p50 ms | while it prefills: p50 ms | p99 ms | max ms | max / p50 before | "
-              "long prompt TTFT s |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+              "same tokens without it: p50 ms | max / that | long prompt TTFT s |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         d = r["during"] or [float("nan")]
+        alone = statistics.median(r["control"]) if r["control"] else float("nan")
         print(f"| {ms(med)} | {ms(statistics.median(d))} | {ms(pct(d, 99))} | {ms(max(d))} | "
-              f"{max(d) / med:.1f}x | {r['ttft']:.2f} |")
+              f"{max(d) / med:.1f}x | {ms(alone)} | {max(d) / alone:.1f}x | {r['ttft']:.2f} |")
     elif args.scenario == "shared-prefix":
         r = asyncio.run(shared_prefix(url, headers, model, args.clients, args.prefix_tokens))
         print(f"\n{args.clients} requests sent together, {args.prefix_tokens}-token prefix\n")
