@@ -129,3 +129,18 @@ def test_engine_runs_a_short_prompt_in_the_decode_forward(folder, engine_kw, mon
     alone, _ = _generate(model, prompts, False, monkeypatch, **engine_kw)
     assert beside == alone
     assert sum(calls) >= 1   # (the short prompt's rows beside the decode rows)
+
+
+def test_the_prefill_budget_after_rows_beside(folder):
+    """What a prompt's rows took in the decode forward comes off the step's prefill budget (tokens when it is fixed,
+    seconds when it is measured): none left, no chunk that step."""
+    model = _model(folder, torch.float32)
+    fixed = GenerationEngine(model, None, max_seq_len=64, max_batch=2, block_size=4, token_budget=8)
+    assert fixed._prefill_budget(2) == 6 and fixed._prefill_budget(2, (3, 0.0)) == 3
+    assert fixed._prefill_budget(2, (6, 0.0)) == 0
+    measured = GenerationEngine(model, None, max_seq_len=64, max_batch=2, block_size=4)
+    measured._decode_s = 0.010   # stall_ratio 2: 20 ms of prefill a step
+    for n in (8, 16, 32):
+        measured._chunk_cost.observe(n, 0.001 * n)
+    assert measured._prefill_budget(2, (3, 0.025)) == 0
+    assert measured._prefill_budget(2, (3, 0.010)) < measured._prefill_budget(2)

@@ -34,16 +34,22 @@ class ChunkedPrefill:
     """The engine's prefill steps (state: ``token_budget``, ``adaptive_budget``, ``stall_ratio``, ``_chunk_cost``,
     ``_in_steps``, ``_layer_run``; see :class:`~dynamoe.engine.engine.GenerationEngine`)."""
 
-    def _prefill_budget(self, decoded: int) -> int:
-        """Prefill tokens for a step that decoded ``decoded`` rows: ``token_budget`` - decoded (at least one)
-        when it is fixed, else what takes ``stall_ratio`` decode steps at the measured speeds (:mod:`.budget`),
-        at least a block, at most ``default_token_budget`` - decoded."""
-        top = max(1, self.token_budget - decoded)
+    def _prefill_budget(self, decoded: int, beside: tuple[int, float] | None = None) -> int:
+        """Prefill tokens for a step that decoded ``decoded`` rows (and ``beside``: (tokens, seconds) a prompt's rows
+        took in that forward): ``token_budget`` - decoded - those tokens when it is fixed, else what takes
+        ``stall_ratio`` decode steps less those seconds at the measured speeds (:mod:`.budget`), at least a block, at
+        most ``default_token_budget`` - decoded; 0 when the rows took it all."""
+        tokens, spent = beside or (0, 0.0)
+        top = self.token_budget - decoded - tokens
         if not self.adaptive_budget:
-            return top
+            return max(1, top) if not tokens else max(0, top)
+        top = max(1, top)
+        seconds = None if self._decode_s is None else self.stall_ratio * self._decode_s - spent
+        if seconds is not None and seconds <= 0:
+            return 0
         # (the fit is of whatever a step runs of a chunk at once: the whole forward, or one layer where the forward
         # runs in steps -- _layer_steps)
-        n = None if self._decode_s is None else self._chunk_cost.tokens_within(self.stall_ratio * self._decode_s, top)
+        n = None if seconds is None else self._chunk_cost.tokens_within(seconds, top)
         # at least a block: where a forward's fixed part alone is over the target (a long context on a slow
         # machine), smaller chunks would not shorten the stall, only the progress
         return min(top, max(self.cache.block_size, n or 0))
@@ -85,9 +91,10 @@ class ChunkedPrefill:
             return None
         return r, n
 
-    def _rows_step(self, ready: list[Request], r: Request, n: int, events: list[TokenEvent]) -> None:
+    def _rows_step(self, ready: list[Request], r: Request, n: int, events: list[TokenEvent]) -> tuple[int, float]:
         """One forward of ``ready``'s decode rows (their last tokens) and ``r``'s next ``n`` prompt tokens
-        (:meth:`CausalLM.forward_rows`): the decode rows' tokens sampled, the chunk done as any chunk."""
+        (:meth:`CausalLM.forward_rows`): the decode rows' tokens sampled, the chunk done as any chunk. Returns the
+        tokens and what they added to the decode step (seconds: the step's prefill budget spent)."""
         start = r._computed
         ids = [q.output_ids[-1] for q in ready] + r.tokens(start, start + n)
         B = len(ready)
@@ -97,16 +104,18 @@ class ChunkedPrefill:
                                    self.cache, torch.tensor([q.slot for q in ready] + [r.slot] * n, dtype=torch.long),
                                    list(range(B)) + [B + n - 1])
         dt = time.perf_counter() - t0
-        if self._decode_s is not None:   # what the chunk's rows added to a decode step, at its prompt's length
-            self._rows_cost.observe(start + n, max(0.0, dt - self._decode_s))
+        extra = max(0.0, dt - (self._decode_s or 0.0))   # what the chunk's rows added to a decode step
+        if self._decode_s is not None:   # (against its prompt's length)
+            self._rows_cost.observe(start + n, extra)
         for q in ready:
             q._computed += 1
         self._sample_and_emit(ready, logits[:B], events)
         share = dt * n / (B + n)   # (the step's time, split by rows between decode and prefill in the totals)
         self.totals["decode_s"] += dt - share
         self._chunk_done([r], n, [start], logits[B:, None], False, share, events, observe=False)
+        return n, extra
 
-    def _prefill(self, events: list[TokenEvent], decoded: int) -> None:
+    def _prefill(self, events: list[TokenEvent], decoded: int, beside: tuple[int, float] | None = None) -> None:
         """Prefill chunks, oldest request first, within the step's token budget: ``token_budget`` minus the
         rows just decoded while others decode (so that a long prompt never stalls them), else up to
         ``prefill_chunk`` tokens per request; a chunk shrinks (to a block at the least) to the blocks free
@@ -119,7 +128,7 @@ class ChunkedPrefill:
             return
         stepped = bool(decoded) and self._in_steps
         limit = min(self.prefill_chunk or self.max_seq_len, self._chunk_cap or self.max_seq_len)
-        budget = self._prefill_budget(decoded) if decoded else None
+        budget = self._prefill_budget(decoded, beside) if decoded else None
         with self._lock:
             todo = sorted((r for r in self._running if not r._decoding and not r._cancel), key=lambda r: r._order)
         chunks: dict[int, list[Request]] = {}

@@ -338,9 +338,8 @@ class GenerationEngine(SpeculativeSteps, ChunkedPrefill):
                 self._admit()
             events: list[TokenEvent] = []
             try:
-                decoded, chunk_ran = self._decode(events)
-                if not chunk_ran:
-                    self._prefill(events, decoded)
+                decoded, beside = self._decode(events)
+                self._prefill(events, decoded, beside)
             finally:
                 with self._lock:
                     self._stepping = False
@@ -406,11 +405,12 @@ class GenerationEngine(SpeculativeSteps, ChunkedPrefill):
                     if victim is r:
                         return False
 
-    def _decode(self, events: list[TokenEvent]) -> tuple[int, bool]:
+    def _decode(self, events: list[TokenEvent]) -> tuple[int, tuple[int, float] | None]:
         """One token for every decoding request -- or, with n-gram drafts, the last token and the drafts of
         every request in one forward and the drafts' verified prefix kept (:mod:`.speculative`); without drafts,
-        a waiting prompt's next chunk may ride in the same forward (:meth:`_chunk_beside`). Returns how many
-        requests decoded, and whether a chunk ran with them (the step's prefill then is done)."""
+        a waiting prompt's last tokens may ride in the same forward (:meth:`_chunk_beside`). Returns how many
+        requests decoded, and (tokens, seconds added) of the prompt rows that ran with them, if any (what the
+        step's prefill budget has spent)."""
         with self._lock:
             batch = [r for r in self._running if r._decoding and not r._cancel]
         batch.sort(key=lambda r: r._order)
@@ -419,12 +419,13 @@ class GenerationEngine(SpeculativeSteps, ChunkedPrefill):
         ready = [r for r in batch if r.state == RUNNING and self._make_room(r, r._computed + 1 + K, victims_after=False)]
         ready = [r for r in ready if r.state == RUNNING]
         if not ready:
-            return 0, False
+            return 0, None
         t0 = time.perf_counter()
         hidden = None
-        beside = self._chunk_beside(ready) if K == 0 else None
-        if beside is not None:   # one forward: these rows and a prompt chunk's (chunks.py)
-            self._rows_step(ready, *beside, events)
+        chunk = self._chunk_beside(ready) if K == 0 else None
+        beside = None
+        if chunk is not None:   # one forward: these rows and a prompt's last ones (chunks.py)
+            beside = self._rows_step(ready, *chunk, events)
         elif K == 0:
             starts = [r._computed for r in ready]
             logits = self._forward(ready, [[r.output_ids[-1]] for r in ready], with_hidden=self._mtp)
@@ -456,7 +457,7 @@ class GenerationEngine(SpeculativeSteps, ChunkedPrefill):
             dt = time.perf_counter() - t0
             self.totals["decode_s"] += dt
             self._decode_s = moving_average(self._decode_s, dt)
-        return len(ready), beside is not None
+        return len(ready), beside
 
     def _guarded(self, reqs: list[Request], fn, *args):
         """``fn(*args)`` for a forward over ``reqs``; on an error they end with it (their slots' cache contents
