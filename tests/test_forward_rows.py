@@ -18,6 +18,8 @@ from dynamoe.models.base import CausalLM  # noqa: E402
 from dynamoe.ops import cpu_kernels  # noqa: E402
 from dynamoe.ops.fused import MAX_ROWS  # noqa: E402
 
+# (make test sets DYNAMOE_REQUIRE_CPU_KERNELS: a failed build raises there instead of skipping)
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
 FAMILIES = fused_families(transformers, max_position_embeddings=256)
 
 
@@ -39,7 +41,6 @@ def _prefilled(model, dtype, ids):
     return cache
 
 
-@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [2, 7, MAX_ROWS - 1])
 def test_decode_rows_and_a_chunk_equal_separate_forwards(folder, dtype, chunk):
@@ -68,7 +69,6 @@ def test_decode_rows_and_a_chunk_equal_separate_forwards(folder, dtype, chunk):
                                            b.rows(lb[name], torch.tensor([slot]), n), **tight)
 
 
-@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
 def test_forward_rows_refuses_what_it_cannot_run(folder):
     model = _model(folder, torch.float32)
     cache = model.new_cache(3, 16, block_size=4)
@@ -117,7 +117,6 @@ def _generate(model, prompts, rows_beside: bool, monkeypatch, **engine_kw):
     return [r.output_ids for r in reqs], calls
 
 
-@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels could not be built here")
 @pytest.mark.parametrize("engine_kw", [{}, {"token_budget": 8}])
 def test_engine_runs_a_short_prompt_in_the_decode_forward(folder, engine_kw, monkeypatch):
     """A short prompt arriving rides in the decoding requests' forward (and a long one's chunks run on their own):

@@ -17,7 +17,7 @@ by step, never by a jump a noisy fit suggests.
 """
 from __future__ import annotations
 
-__all__ = ["ChunkCost", "moving_average"]
+__all__ = ["ChunkCost"]
 
 #: the least spread of the chunk sizes seen (standard deviation / mean) the fit reads a slope from
 SPREAD = 0.2
@@ -75,7 +75,3 @@ class ChunkCost:
         n, _, nn, _ = self._m
         return nn - n * n <= (SPREAD * n) ** 2
 
-
-def moving_average(old: float | None, new: float, weight: float = 0.25) -> float:
-    """Exponential moving average (the first value as it is)."""
-    return new if old is None else old + weight * (new - old)

@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from ..models.cache import DEFAULT_BLOCK_SIZE, OutOfBlocks
-from .budget import ChunkCost, moving_average
+from .budget import ChunkCost
 from .chunks import ChunkedPrefill, _LayerRun
 from .detokenizer import IncrementalDecoder, StopStrings, decode_keeping, special_token_ids
 from .drafts import SpeculativeSteps, speculates
@@ -74,6 +74,11 @@ def _model_device(model) -> torch.device:
     for p in itertools.chain(model.parameters(), model.buffers()):
         return p.device
     return torch.device("cpu")
+
+
+def _average(old: float | None, new: float, weight: float = 0.25) -> float:
+    """Exponential moving average (the first value as it is)."""
+    return new if old is None else old + weight * (new - old)
 
 
 def _check_int(name: str, v, low: int = 1, none: bool = False) -> None:
@@ -456,7 +461,7 @@ class GenerationEngine(SpeculativeSteps, ChunkedPrefill):
         if beside is None:
             dt = time.perf_counter() - t0
             self.totals["decode_s"] += dt
-            self._decode_s = moving_average(self._decode_s, dt)
+            self._decode_s = _average(self._decode_s, dt)
         return len(ready), beside
 
     def _guarded(self, reqs: list[Request], fn, *args):

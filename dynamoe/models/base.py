@@ -235,8 +235,7 @@ class CausalLM(nn.Module):
         the other. Returns the logits [len(logits_rows), V] of the rows ``logits_rows``; each slot's cache advances
         by its rows. (:meth:`begin_rows` / :meth:`run_some_layers` / :meth:`end_rows`: the same a few layers at a
         time, each layer's fused kernels.)"""
-        run = self.begin_rows(input_ids, cache, slots)
-        plan = self.rows_plan(cache, run.slots)
+        run, plan = self._rows_run(input_ids, cache, slots)
         with self._rope_prompt(run):
             run.h = plan.run(run.h.view(run.h.size(0), -1), run.positions, cache, run.slots, run.kv_len)[:, None]
         run.next_layer = len(self.model.layers)
@@ -246,6 +245,10 @@ class CausalLM(nn.Module):
         """The first part of :meth:`forward_rows` (its arguments checked, the slots' blocks reserved, positions and
         embeddings) as a :class:`LayerRun` of N rows of one token for :meth:`run_some_layers`: every layer runs its
         fused decode kernels, which take such rows (:meth:`rows_plan` must hold)."""
+        return self._rows_run(input_ids, cache, slots)[0]
+
+    def _rows_run(self, input_ids: Tensor, cache: KVCache, slots: Tensor) -> tuple["LayerRun", DecodePlan]:
+        """:meth:`begin_rows`'s run, and the plan that holds for it."""
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 1 or input_ids.dtype != torch.long:
             raise ValueError(f"input_ids must be an int64 tensor [rows], got {getattr(input_ids, 'shape', input_ids)}")
         if not isinstance(slots, Tensor) or slots.shape != input_ids.shape or slots.dtype != torch.long:
@@ -259,7 +262,8 @@ class CausalLM(nn.Module):
         slot_list = slots.tolist()
         if min(slot_list) < 0 or max(slot_list) >= cache.num_slots:
             raise ValueError(f"slots must be in [0, {cache.num_slots}), got {slot_list}")
-        if self.rows_plan(cache, slots) is None:
+        plan = self.rows_plan(cache, slots)
+        if plan is None:
             raise RuntimeError(f"{type(self).__name__}: no decode plan runs every layer natively here (rows_plan)")
         counts: dict[int, int] = {}
         offsets = []
@@ -279,7 +283,7 @@ class CausalLM(nn.Module):
             prompt = cache.prompt_lengths_for(slots, positions)
         h = self.model.embed_tokens(input_ids.to(self.device)[:, None])
         return LayerRun(h, positions, cache, slots.to(self.device), int(positions.max()) + 1, 1, 0, False, prompt,
-                        rows_of_slots=counts)
+                        rows_of_slots=counts), plan
 
     def end_rows(self, run: "LayerRun", logits_rows: list[int]) -> Tensor:
         """The last part of :meth:`forward_rows`: the logits [len(logits_rows), V] of those rows; each slot's cache
