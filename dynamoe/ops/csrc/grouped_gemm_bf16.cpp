@@ -295,7 +295,6 @@ constexpr int64_t kTileK = 32;     // bf16 values along k in one A tile row (64 
 constexpr int64_t kTileRows = 16;  // rows of every tile
 constexpr int64_t kBlockRows = 2 * kTileRows, kBlockCols = 32;
 constexpr int64_t kCbufCols = kPanel;  // fp32 results of one row block of one panel
-constexpr int64_t kKBlock = 256;       // k values per pass over a panel's rows: a and b blocks stay in L1
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // Row stride of an A block of kpad values: one cache line more than kpad, so that the 16 rows of a tile
@@ -336,38 +335,23 @@ struct TileScope {
   TileScope& operator=(const TileScope&) = delete;
 };
 
-// c[32 x 32] fp32 (rows ldc apart; the halves that exist) (+)= a [32 x kc] (row-major, lda apart, zero
-// padded) x b (packed pairs, rows ldb elements apart) over kc / 2 pairs, of which the first kp_valid exist
-// in b: the rest read as zero (copied to a padded tail tile, never loaded from b). accumulate: c holds
-// partial sums to add to.
+// GCC's _tile_loadd is an asm statement without a memory operand or clobber: to the compiler it reads
+// nothing, so stores into a buffer that only tiles read (a zero-padded tail, a gathered A block) could be
+// dropped or moved past it. This compiler barrier orders them; it emits no instruction.
+inline void tile_loads_fence() { asm volatile("" ::: "memory"); }
+
+// c[32 x 32] fp32 (rows kCbufCols apart; the halves that exist) = a [32 x kpad] (row-major, lda apart, zero
+// padded) x b (packed pairs, rows kPairStride elements apart) over all of k, the C tiles held throughout
+// (no partial sums through memory). b's k pairs from kp_valid on read as zero: the last step's rows are
+// copied to a zero-padded tile instead of loaded past the packed pairs.
 template <bool TWO_ROWS, bool TWO_COLS>
-void amx_block(const bf16* a, int64_t lda, int64_t kc, const bf16* b, int64_t ldb, int64_t kp_valid, float* c,
-               int64_t ldc, bool accumulate) {
-  alignas(64) bf16 tail[kTileRows * 2 * kBlockCols];
-  const int64_t cs = ldc * 4;
-  if (accumulate) {
-    _tile_loadd(0, c, cs);
-    if (TWO_COLS) _tile_loadd(1, c + kTileRows, cs);
-    if (TWO_ROWS) _tile_loadd(2, c + kTileRows * ldc, cs);
-    if (TWO_ROWS && TWO_COLS) _tile_loadd(3, c + kTileRows * ldc + kTileRows, cs);
-  } else {
-    _tile_zero(0);
-    if (TWO_COLS) _tile_zero(1);
-    if (TWO_ROWS) _tile_zero(2);
-    if (TWO_ROWS && TWO_COLS) _tile_zero(3);
-  }
-  const int64_t width = (TWO_COLS ? 2 : 1) * 2 * kTileRows;  // elements of one b row that the tiles read
-  for (int64_t k0 = 0; k0 < kc; k0 += kTileK) {
-    const int64_t kp0 = k0 / 2;
-    const bf16* bt = b + kp0 * ldb;
-    int64_t bstride = ldb * 2;
-    if (kp0 + kTileRows > kp_valid) {
-      const int64_t have = kp_valid - kp0;
-      std::memset(tail, 0, sizeof(tail));
-      for (int64_t r = 0; r < have; ++r) std::memcpy(tail + r * 2 * kBlockCols, bt + r * ldb, sizeof(bf16) * width);
-      bt = tail;
-      bstride = sizeof(bf16) * 2 * kBlockCols;
-    }
+void amx_block(const bf16* a, int64_t lda, int64_t kpad, const bf16* b, int64_t kp_valid, float* c) {
+  tile_loads_fence();  // the caller's A block was just written
+  _tile_zero(0);
+  if (TWO_COLS) _tile_zero(1);
+  if (TWO_ROWS) _tile_zero(2);
+  if (TWO_ROWS && TWO_COLS) _tile_zero(3);
+  auto step = [&](int64_t k0, const bf16* bt, int64_t bstride) {
     _tile_loadd(4, a + k0, lda * 2);
     _tile_loadd(6, bt, bstride);
     if (TWO_COLS) _tile_loadd(7, bt + 2 * kTileRows, bstride);
@@ -378,34 +362,38 @@ void amx_block(const bf16* a, int64_t lda, int64_t kc, const bf16* b, int64_t ld
       _tile_dpbf16ps(2, 5, 6);
       if (TWO_COLS) _tile_dpbf16ps(3, 5, 7);
     }
+  };
+  const int64_t full = std::min(kpad, kp_valid / kTileRows * kTileK);  // k values whose 16 pairs all exist in b
+  for (int64_t k0 = 0; k0 < full; k0 += kTileK) step(k0, b + (k0 / 2) * kPairStride, kPairStride * 2);
+  if (full < kpad) {  // at most one step: kpad - full < kTileK + 2
+    alignas(64) bf16 tail[kTileRows * 2 * kBlockCols];
+    std::memset(tail, 0, sizeof(tail));
+    const int64_t width = (TWO_COLS ? 2 : 1) * 2 * kTileRows;  // elements of one b row that the tiles read
+    for (int64_t r = 0; r < kp_valid - full / 2; ++r)
+      std::memcpy(tail + r * 2 * kBlockCols, b + (full / 2 + r) * kPairStride, sizeof(bf16) * width);
+    tile_loads_fence();
+    step(full, tail, sizeof(bf16) * 2 * kBlockCols);
   }
+  const int64_t cs = kCbufCols * 4;
   _tile_stored(0, c, cs);
   if (TWO_COLS) _tile_stored(1, c + kTileRows, cs);
-  if (TWO_ROWS) _tile_stored(2, c + kTileRows * ldc, cs);
-  if (TWO_ROWS && TWO_COLS) _tile_stored(3, c + kTileRows * ldc + kTileRows, cs);
+  if (TWO_ROWS) _tile_stored(2, c + kTileRows * kCbufCols, cs);
+  if (TWO_ROWS && TWO_COLS) _tile_stored(3, c + kTileRows * kCbufCols + kTileRows, cs);
 }
 
-// cbuf [rows x kCbufCols] fp32 = a [rows x kpad] (row-major, lda apart, zero padded; rows <= kRowBlock)
-// x the 16-column groups [0, nv) of one packed panel b (kp_valid k pairs exist). k runs in blocks of
-// kKBlock, 32-row blocks inside: a block's b stays in L1 for all of them.
+// cbuf [rows x kCbufCols] fp32 = a [rows x kpad] (row-major, lda apart, zero padded; rows <= kBlockRows)
+// x the 16-column groups [0, nv) of one packed panel b (kp_valid k pairs exist).
 void amx_panel(const bf16* a, int64_t lda, int64_t kpad, int64_t rows, const bf16* b, int64_t kp_valid, int nv,
                float* cbuf) {
-  for (int64_t kb = 0; kb < kpad; kb += kKBlock) {
-    const int64_t kc = std::min(kKBlock, kpad - kb), kv = kp_valid - kb / 2;
-    const bool acc = kb > 0;
-    for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows) {
-      const bool two_rows = rows - m0 > kTileRows;
-      const bf16* am = a + m0 * lda + kb;
-      for (int v = 0; v < nv; v += 2) {
-        const bool two_cols = v + 1 < nv;
-        const bf16* bv = b + (kb / 2) * kPairStride + v * 2 * kTileRows;
-        float* cv = cbuf + m0 * kCbufCols + v * kTileRows;
-        if (two_rows && two_cols) amx_block<true, true>(am, lda, kc, bv, kPairStride, kv, cv, kCbufCols, acc);
-        else if (two_rows) amx_block<true, false>(am, lda, kc, bv, kPairStride, kv, cv, kCbufCols, acc);
-        else if (two_cols) amx_block<false, true>(am, lda, kc, bv, kPairStride, kv, cv, kCbufCols, acc);
-        else amx_block<false, false>(am, lda, kc, bv, kPairStride, kv, cv, kCbufCols, acc);
-      }
-    }
+  const bool two_rows = rows > kTileRows;
+  for (int v = 0; v < nv; v += 2) {
+    const bool two_cols = v + 1 < nv;
+    const bf16* bv = b + v * 2 * kTileRows;
+    float* cv = cbuf + v * kTileRows;
+    if (two_rows && two_cols) amx_block<true, true>(a, lda, kpad, bv, kp_valid, cv);
+    else if (two_rows) amx_block<true, false>(a, lda, kpad, bv, kp_valid, cv);
+    else if (two_cols) amx_block<false, true>(a, lda, kpad, bv, kp_valid, cv);
+    else amx_block<false, false>(a, lda, kpad, bv, kp_valid, cv);
   }
 }
 
@@ -430,16 +418,20 @@ void rows_tile_amx(const RowsPlan& P, int64_t g, int64_t n0, int64_t rows, int64
     }
     std::memset(dst + have, 0, sizeof(bf16) * (kpad - have));
   }
-  alignas(64) float cbuf[kRowBlock * kCbufCols];
+  alignas(64) float cbuf[kBlockRows * kCbufCols];
   const bf16* bg = P.b + g * P.b_group;
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t c0 = p * kPanel, valid = std::min(kPanel, P.cols - c0);
-    const int nv = static_cast<int>((valid + 15) / 16);
-    amx_panel(a, lda, kpad, rows, bg + p * P.KP * kPairStride, P.KP, nv, cbuf);
-    for (int64_t i = 0; i < rows; ++i) {
-      __m512 acc[4];
-      for (int v = 0; v < nv; ++v) acc[v] = _mm512_load_ps(cbuf + i * kCbufCols + v * 16);
-      store_row(P, g, n0 + i, c0, nv, acc);
+  // 32 rows at a time across every panel: their A rows stay in L1 while the panels stream from L2
+  for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows) {
+    const int64_t mr = std::min(kBlockRows, rows - m0);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t c0 = p * kPanel, valid = std::min(kPanel, P.cols - c0);
+      const int nv = static_cast<int>((valid + 15) / 16);
+      amx_panel(a + m0 * lda, lda, kpad, mr, bg + p * P.KP * kPairStride, P.KP, nv, cbuf);
+      for (int64_t i = 0; i < mr; ++i) {
+        __m512 acc[4];
+        for (int v = 0; v < nv; ++v) acc[v] = _mm512_load_ps(cbuf + i * kCbufCols + v * 16);
+        store_row(P, g, n0 + m0 + i, c0, nv, acc);
+      }
     }
   }
 }
