@@ -113,3 +113,64 @@ def test_a_long_prompt_chunked_equals_it_whole():
         chunk = attend(q[:, :, L - T:], k, v, torch.arange(L - T, L)[None], torch.arange(L)[None], 0.25)
     assert attention._is_chunk_over_its_prefix(q[:, :, L - T:], k, v, torch.arange(L - T, L)[None])
     torch.testing.assert_close(chunk, whole[:, :, L - T:], atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(blocks=st.permutations(list(range(12))), start=st.integers(0, 47), n=st.integers(0, 48))
+def test_cache_spans_are_the_rows_run_by_run(blocks, start, n):
+    """KVCache.spans: views over each run of consecutive blocks, together the positions rows() gathers."""
+    from dynamoe.models.cache import KVCache
+
+    cache = KVCache(1, 48, 1, block_size=4, num_blocks=12)
+    cache.set_blocks(0, blocks, 48)
+    pool = cache.kv_pool(0, "k", 2, 3)
+    pool.copy_(torch.randn(pool.shape))
+    stop = min(48, start + n)
+    runs = sum(1 for a, b in zip(blocks[start // 4:-(-stop // 4)], blocks[start // 4 + 1:-(-stop // 4)]) if b != a + 1) + 1
+    runs = runs if stop > start else 0
+    got = cache.spans(pool, 0, start, stop, most=12)
+    assert len(got) == runs and all(t._base is not None for t in got)                      # views, no copies
+    want = cache.rows(pool, torch.tensor([0]), 48)[:, :, start:stop]
+    assert torch.equal(torch.cat(got, dim=2), want) if got else want.size(2) == 0
+    assert runs == 0 or cache.spans(pool, 0, start, stop, most=runs - 1) is None             # past the most: None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("blocks", [list(range(40)), [7] + list(range(20, 59)), [3, 4] + list(range(30, 45)) + [9]
+                                    + list(range(50, 72)), list(range(79, 39, -1))])
+def test_a_chunk_over_a_prefix_in_runs_of_blocks_equals_the_reference(blocks, dtype):
+    """Attention.attend_cached for a chunk whose cached prefix lies in one run of blocks, in a few (a prefix-cached
+    prompt: its shared blocks, then its own), or in one run per block (past the most runs: one gathered copy):
+    attention run by run straight from the blocks, the same as the float64 reference over all its keys."""
+    from dynamoe.models import attention
+    from dynamoe.models.cache import KVCache
+
+    K, G, d, bs, T = 2, 3, 16, 8, 24
+    L = len(blocks) * bs - 5
+    P = L - T
+    g = torch.Generator().manual_seed(len(blocks))
+    k, v = (torch.randn(1, K, L, d, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(1, K * G, T, d, generator=g).to(dtype)
+    cache = KVCache(1, 80 * bs, 1, dtype, block_size=bs, num_blocks=80)
+    cache.set_blocks(0, blocks, 0)
+    slots = torch.tensor([0])
+    layer = attention.Attention.__new__(attention.Attention)
+    torch.nn.Module.__init__(layer)
+    layer.layer_idx, layer.scale = 0, 0.3
+    cache.put(0, slots, torch.arange(P)[None], k=k[:, :, :P], v=v[:, :, :P])   # the cached prefix
+    calls = []
+    runs = attention._runs_then_causal
+    with torch.inference_mode(), \
+            mock_patch(attention, "_runs_then_causal", lambda q_, ks, *a: calls.append(len(ks)) or runs(q_, ks, *a)):
+        got = layer.attend_cached(q, k[:, :, P:], v[:, :, P:], torch.arange(P, L)[None], cache, slots, L)
+    cuts = sum(1 for a, b in zip(blocks[:-(-P // bs)], blocks[1:-(-P // bs)]) if b != a + 1)
+    assert calls == [cuts + 1 if cuts + 1 <= attention._MOST_PREFIX_RUNS else 1]
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    want = reference(q, k, v, torch.arange(P, L)[None], torch.arange(L)[None], 0.3)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def mock_patch(obj, name, value):
+    from unittest import mock
+
+    return mock.patch.object(obj, name, value)

@@ -244,6 +244,27 @@ class KVCache:
         rows = pool.index_select(1, idx).view(K, B, n, bs, d)   # ~8x faster than advanced indexing here
         return rows.transpose(0, 1).reshape(B, K, n * bs, d)[:, :, :kv_len]
 
+    def spans(self, pool: Tensor, slot: int, start: int, stop: int, most: int) -> list[Tensor] | None:
+        """Slot ``slot``'s positions ``start``..``stop``-1 of a paged tensor as views [1, K, n_i, d], one per run
+        of consecutive blocks, in order (no copy: attention can go over each and merge, where :meth:`rows` would
+        gather a sequence whose blocks are in several runs -- a prefix-cached prompt's own blocks after its shared
+        ones), or None when they are more than ``most`` runs."""
+        K, _, bs, d = pool.shape
+        if stop <= start:
+            return []
+        first, last = start // bs, -(-stop // bs)
+        table = self.block_tables[slot, first:last]
+        cuts = (torch.nonzero(table[1:] != table[:-1] + 1).view(-1) + 1).tolist()
+        if len(cuts) >= most:
+            return None
+        out = []
+        for a, b in zip([0] + cuts, cuts + [last - first]):
+            b0 = int(table[a])
+            lo, hi = max(start, (first + a) * bs), min(stop, (first + b) * bs)
+            off = lo - (first + a) * bs
+            out.append(pool[:, b0:b0 + b - a].reshape(K, (b - a) * bs, d)[None, :, off:off + hi - lo])
+        return out
+
     # --- positions and blocks -----------------------------------------------------------------------
     def check_room(self, slots: Tensor, new_tokens: int) -> Tensor:
         """Positions [B] where the new tokens of each slot start, with the blocks for them in place (taken
