@@ -332,6 +332,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-memory", default="64MiB", help="capacity: the server's --kv-cache-memory")
     p.add_argument("--capacity-tokens", type=int, default=1500, help="capacity: prompt tokens per request")
     p.add_argument("--max-seq-len", type=int, default=32768, help="the server's --max_seq_len in the scenarios")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the server's --dtype (weights, activations and KV cache); default: the checkpoint's (fp32)")
     args = p.parse_args(argv)
     scenario = args.scenario != "concurrency"
 
@@ -350,6 +352,8 @@ def main(argv=None) -> int:
                                                     args.experts, args.top_k,
                                                     args.max_seq_len if scenario else 2048)
             extra = ["--max_seq_len", str(args.max_seq_len)] if scenario else []
+            if args.dtype:
+                extra += ["--dtype", args.dtype]
             if args.scenario == "capacity":
                 extra += ["--kv-cache-memory", args.kv_cache_memory]
             proc, url = start_server(model_dir, max(args.concurrency), args.threads, extra)

@@ -239,11 +239,16 @@ def test_chunk_cost_fit_and_the_tokens_within_a_time():
     assert c.tokens_within(1.0, 100) is None
     c.observe(10, 0.030)                       # one size: all of it per token
     assert c.fit() == (0.0, pytest.approx(0.003)) and c.tokens_within(0.060, 100) == 20
-    # ... but over the target, one size cannot tell a fixed part from per-token cost: twice the size, once
-    assert c.tokens_within(0.015, 100) == 20
-    assert c.tokens_within(0.015, 10) == 5      # (where the cap holds it at that size: half of it)
+    # ... but over the target, one size cannot tell a fixed part from per-token cost: half the size (a second size
+    # for the fit, and a stall no longer than the last one's -- twice the size doubled the longest gaps)
+    assert c.tokens_within(0.015, 100) == 5
+    assert c.tokens_within(0.015, 8) == 4       # (half of what the cap allows)
     c.observe(11, 0.031)                       # nearby sizes are still one (their slope would be noise)
-    assert c.fit()[0] == 0.0 and c.tokens_within(0.015, 100) == 2 * int(c._m[0])
+    assert c.fit()[0] == 0.0 and c.tokens_within(0.015, 100) == int(c._m[0]) // 2
+    one = ChunkCost()
+    one.observe(1, 0.030)
+    assert one.tokens_within(0.015, 100) == 2   # from one token: two (nothing smaller to try)
+    assert c.tokens_within(0.015, 100, least=8) == 2 * int(c._m[0])   # half is below the least chunk: twice
     for n in (4, 16, 8, 32, 4, 64, 12):        # a = 20 ms fixed, b = 1 ms a token
         c.observe(n, 0.020 + 0.001 * n)
     a, b = c.fit()
@@ -257,6 +262,14 @@ def test_chunk_cost_fit_and_the_tokens_within_a_time():
     for _ in range(40):
         c.observe(300, 0.020 + 0.001 * 300)
     assert c.tokens_within(1.0, 1000) == int(2 * c._m[0]) + 1 > GROWTH_FLOOR
+    # settled on one size (the budget's steady state), each chunk dearer (a growing context): the slope last read,
+    # scaled to that size's time now -- no probe, and no answer past the target
+    for _ in range(60):
+        c.observe(30, 0.075)
+    a, b = c.fit()
+    assert c._degenerate() and a > 0 and b > 0 and a + b * 30 == pytest.approx(0.075, rel=1e-3)
+    assert a / b == pytest.approx(c._shape[0] / c._shape[1])
+    assert 1 <= c.tokens_within(0.060, 100) < 30 and c.tokens_within(0.090, 100) > 30
 
 
 def test_the_prefill_budget_follows_the_measured_speeds(model):

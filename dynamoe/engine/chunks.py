@@ -49,7 +49,7 @@ class ChunkedPrefill:
             return 0
         # (the fit is of whatever a step runs of a chunk at once: the whole forward, or one layer where the forward
         # runs in steps -- _layer_steps)
-        n = None if seconds is None else self._chunk_cost.tokens_within(seconds, top)
+        n = None if seconds is None else self._chunk_cost.tokens_within(seconds, top, self.cache.block_size)
         # at least a block: where a forward's fixed part alone is over the target (a long context on a slow
         # machine), smaller chunks would not shorten the stall, only the progress
         return min(top, max(self.cache.block_size, n or 0))
