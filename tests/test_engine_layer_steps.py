@@ -36,7 +36,7 @@ def _ids(seed, n):
 
 
 def _alone(model, prompt, n):
-    e = GenerationEngine(model, max_seq_len=256, max_batch=1, block_size=4)
+    e = GenerationEngine(model, max_seq_len=512, max_batch=1, block_size=4)
     r = e.add_request(prompt, GREEDY, n, ignore_eos=True)
     e.run_until_done()
     return r.output_ids
@@ -126,3 +126,31 @@ def test_a_request_leaving_mid_chunk_drops_the_pending_layers(model, how):
     else:
         assert long.finish_reason == "cancelled"
     engine.cache.pool.check()
+
+
+def test_a_prompt_on_cached_blocks_attends_over_them_in_place(model, monkeypatch):
+    """A prompt whose first blocks come from the prefix cache holds them and then a run of its own: its chunks
+    attend over the prefix run by run straight from the blocks (attention._runs_then_causal with two runs or
+    more, no gathered copy), and it generates what it generates without the prefix cache."""
+    from dynamoe.models import attention
+
+    runs = []
+    merge = attention._runs_then_causal
+    monkeypatch.setattr(attention, "_runs_then_causal", lambda q, ks, *a: runs.append(len(ks)) or merge(q, ks, *a))
+    shared, own = _ids(20, 320), _ids(21, 150)
+    outputs = []
+    for caching in (True, False):
+        e = GenerationEngine(model, max_seq_len=512, max_batch=2, block_size=16, prefill_chunk=64,
+                             prefix_caching=caching)
+        first = e.add_request(shared + _ids(22, 5), GREEDY, 60, ignore_eos=True)
+        while not first.output_ids:
+            e.step()
+        runs.clear()   # (the first request still runs: its blocks after the shared ones are taken)
+        second = e.add_request(shared + own, GREEDY, 8, ignore_eos=True)
+        e.run_until_done()
+        assert second.stats.cached_tokens == (320 if caching else 0)
+        assert first.output_ids == _alone(model, first.prompt_ids, 60)
+        if caching:
+            assert runs and max(runs) >= 2   # the cached blocks, then its own
+        outputs.append(second.output_ids)
+    assert outputs[0] == outputs[1]
