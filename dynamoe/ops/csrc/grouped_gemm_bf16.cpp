@@ -435,6 +435,53 @@ void rows_tile_amx(const RowsPlan& P, int64_t g, int64_t n0, int64_t rows, int64
     }
   }
 }
+// r[j] holds row j of a 16 x 16 dword matrix; afterwards r[i] holds its column i.
+inline void transpose16x16_epi32(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {  // (then the 4 x 4 grid of 128-bit lanes)
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// A [32 x kpad] row-major block (rows lda apart) from kp_count k pairs of mr <= 32 packed rows (src: pair kp's
+// dwords for rows 0.. at src + kp * kPairStride): a[i] holds row i's pairs as dwords -- a dword transpose, in
+// 16 x 16 blocks, the edges one by one --; the k values past the pairs and the rows past mr zero.
+void transpose_pairs(const bf16* src, int64_t kp_count, int64_t mr, bf16* a, int64_t lda, int64_t kpad) {
+  const int64_t kp16 = kp_count / 16 * 16, m16 = mr / 16 * 16;
+  for (int64_t i0 = 0; i0 < m16; i0 += 16)
+    for (int64_t kp0 = 0; kp0 < kp16; kp0 += 16) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(src + (kp0 + j) * kPairStride + 2 * i0);
+      transpose16x16_epi32(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(a + (i0 + i) * lda + 2 * kp0, r[i]);
+    }
+  for (int64_t i = 0; i < mr; ++i)
+    for (int64_t kp = i < m16 ? kp16 : 0; kp < kp_count; ++kp) std::memcpy(a + i * lda + 2 * kp, src + kp * kPairStride + 2 * i, 4);
+  for (int64_t i = 0; i < kBlockRows; ++i) {
+    const int64_t from = i < mr ? 2 * kp_count : 0;
+    std::memset(a + i * lda + from, 0, sizeof(bf16) * (kpad - from));
+  }
+}
+
 // weight_grad's rows [r, r + rows) of out[g] on AMX tiles: per 32 output rows, the packed A (k along the
 // rows) transposed into a row-major [32 x kpad] block (its k pairs are dwords: a dword transpose),
 // then every panel of the packed B.
@@ -447,11 +494,7 @@ void weight_grad_rows_amx(const bf16* ag, const bf16* bg, int64_t count, int64_t
   for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows) {
     const int64_t mr = std::min(kBlockRows, rows - m0), ma = r + m0;  // ma % 32 == 0: within one panel
     const bf16* src = ag + (ma / kPanel) * KP * kPairStride + (ma % kPanel) * 2;
-    std::memset(a, 0, sizeof(bf16) * kBlockRows * lda);
-    for (int64_t kp = 0; kp < KP; ++kp) {
-      const bf16* row = src + kp * kPairStride;
-      for (int64_t i = 0; i < mr; ++i) std::memcpy(a + i * lda + 2 * kp, row + 2 * i, 4);
-    }
+    transpose_pairs(src, KP, mr, a, lda, kpad);
     for (int64_t p = 0; p < NPb; ++p) {
       const int64_t c0 = p * kPanel, valid = std::min(kPanel, n - c0);
       const int nv = static_cast<int>((valid + 15) / 16);
