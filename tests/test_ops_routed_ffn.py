@@ -146,13 +146,14 @@ def test_amx_and_dot_products_agree_on_layer_sized_work():
         assert _rel(a, b) < 2e-2
 
 
-@pytest.mark.parametrize("K", [33, 48, 80, 100, 130])
-@pytest.mark.parametrize("counts", [[5], [20, 0, 16], [40, 3]])
+@pytest.mark.parametrize("K", [33, 48, 80, 100, 130, 300, 600])
+@pytest.mark.parametrize("counts", [[5], [20, 0, 16], [40, 3], [301]])
 def test_k_tails_of_the_tile_path_are_zero_padded(K, counts, path):
     """A K that is not a multiple of 32 makes the tile path copy its last k pairs into a zero-padded tail
     tile, and weight-gradient groups of rows off the 32 grid do the same along their k: those copies are
     read only by tile loads, which the compiler does not see as memory reads (GCC's _tile_loadd), so a
-    missing barrier let it drop them -- NaNs or garbage in outputs and gradients. Finite and equal to fp32."""
+    missing barrier let it drop them -- NaNs or garbage in outputs and gradients. Finite and equal to fp32;
+    also where k runs in several blocks (K 300 and 600, a group of 301 rows: the C tiles carried between them)."""
     _check(24, K, K + 16, K, counts, bias=True, seed=K)
     x, token, s, w1, b1, w2, b2 = _problem(24, K, K + 16, K, counts, True, seed=K)
     leaves = [x, s, w1, b1, w2, b2]

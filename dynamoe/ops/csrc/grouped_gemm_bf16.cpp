@@ -295,6 +295,7 @@ constexpr int64_t kTileK = 32;     // bf16 values along k in one A tile row (64 
 constexpr int64_t kTileRows = 16;  // rows of every tile
 constexpr int64_t kBlockRows = 2 * kTileRows, kBlockCols = 32;
 constexpr int64_t kCbufCols = kPanel;  // fp32 results of one row block of one panel
+constexpr int64_t kKBlock = 256;       // k values of one pass over a panel's 32 rows: A and B blocks in L1
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // Row stride of an A block of kpad values: one cache line more than kpad, so that the 16 rows of a tile
@@ -340,17 +341,26 @@ struct TileScope {
 // dropped or moved past it. This compiler barrier orders them; it emits no instruction.
 inline void tile_loads_fence() { asm volatile("" ::: "memory"); }
 
-// c[32 x 32] fp32 (rows kCbufCols apart; the halves that exist) = a [32 x kpad] (row-major, lda apart, zero
-// padded) x b (packed pairs, rows kPairStride elements apart) over all of k, the C tiles held throughout
-// (no partial sums through memory). b's k pairs from kp_valid on read as zero: the last step's rows are
-// copied to a zero-padded tile instead of loaded past the packed pairs.
+// c[32 x 32] fp32 (rows kCbufCols apart; the halves that exist) (+)= a [32 x kpad] (row-major, lda apart, zero
+// padded) x b (packed pairs, rows kPairStride elements apart) over k values [k_lo, k_hi) (multiples of kTileK,
+// or kpad); accumulate: c holds the sum over the k before k_lo. b's k pairs from kp_valid on read as zero: the
+// last step's rows are copied to a zero-padded tile instead of loaded past the packed pairs.
 template <bool TWO_ROWS, bool TWO_COLS>
-void amx_block(const bf16* a, int64_t lda, int64_t kpad, const bf16* b, int64_t kp_valid, float* c) {
+void amx_block(const bf16* a, int64_t lda, int64_t k_lo, int64_t k_hi, const bf16* b, int64_t kp_valid, float* c,
+               bool accumulate) {
   tile_loads_fence();  // the caller's A block was just written
-  _tile_zero(0);
-  if (TWO_COLS) _tile_zero(1);
-  if (TWO_ROWS) _tile_zero(2);
-  if (TWO_ROWS && TWO_COLS) _tile_zero(3);
+  const int64_t cs = kCbufCols * 4;
+  if (accumulate) {
+    _tile_loadd(0, c, cs);
+    if (TWO_COLS) _tile_loadd(1, c + kTileRows, cs);
+    if (TWO_ROWS) _tile_loadd(2, c + kTileRows * kCbufCols, cs);
+    if (TWO_ROWS && TWO_COLS) _tile_loadd(3, c + kTileRows * kCbufCols + kTileRows, cs);
+  } else {
+    _tile_zero(0);
+    if (TWO_COLS) _tile_zero(1);
+    if (TWO_ROWS) _tile_zero(2);
+    if (TWO_ROWS && TWO_COLS) _tile_zero(3);
+  }
   auto step = [&](int64_t k0, const bf16* bt, int64_t bstride) {
     _tile_loadd(4, a + k0, lda * 2);
     _tile_loadd(6, bt, bstride);
@@ -363,9 +373,9 @@ void amx_block(const bf16* a, int64_t lda, int64_t kpad, const bf16* b, int64_t 
       if (TWO_COLS) _tile_dpbf16ps(3, 5, 7);
     }
   };
-  const int64_t full = std::min(kpad, kp_valid / kTileRows * kTileK);  // k values whose 16 pairs all exist in b
-  for (int64_t k0 = 0; k0 < full; k0 += kTileK) step(k0, b + (k0 / 2) * kPairStride, kPairStride * 2);
-  if (full < kpad) {  // at most one step: kpad - full < kTileK + 2
+  const int64_t full = std::min(k_hi, kp_valid / kTileRows * kTileK);  // k values whose 16 pairs all exist in b
+  for (int64_t k0 = k_lo; k0 < full; k0 += kTileK) step(k0, b + (k0 / 2) * kPairStride, kPairStride * 2);
+  if (full < k_hi) {  // at most one step (the last block's): k_hi - full < kTileK + 2
     alignas(64) bf16 tail[kTileRows * 2 * kBlockCols];
     std::memset(tail, 0, sizeof(tail));
     const int64_t width = (TWO_COLS ? 2 : 1) * 2 * kTileRows;  // elements of one b row that the tiles read
@@ -374,7 +384,6 @@ void amx_block(const bf16* a, int64_t lda, int64_t kpad, const bf16* b, int64_t 
     tile_loads_fence();
     step(full, tail, sizeof(bf16) * 2 * kBlockCols);
   }
-  const int64_t cs = kCbufCols * 4;
   _tile_stored(0, c, cs);
   if (TWO_COLS) _tile_stored(1, c + kTileRows, cs);
   if (TWO_ROWS) _tile_stored(2, c + kTileRows * kCbufCols, cs);
@@ -382,18 +391,24 @@ void amx_block(const bf16* a, int64_t lda, int64_t kpad, const bf16* b, int64_t 
 }
 
 // cbuf [rows x kCbufCols] fp32 = a [rows x kpad] (row-major, lda apart, zero padded; rows <= kBlockRows)
-// x the 16-column groups [0, nv) of one packed panel b (kp_valid k pairs exist).
+// x the 16-column groups [0, nv) of one packed panel b (kp_valid k pairs exist), k in blocks of kKBlock: a
+// block's A rows and B columns stay in L1 for all its steps (the C tiles go through cbuf between blocks).
 void amx_panel(const bf16* a, int64_t lda, int64_t kpad, int64_t rows, const bf16* b, int64_t kp_valid, int nv,
                float* cbuf) {
   const bool two_rows = rows > kTileRows;
-  for (int v = 0; v < nv; v += 2) {
-    const bool two_cols = v + 1 < nv;
-    const bf16* bv = b + v * 2 * kTileRows;
-    float* cv = cbuf + v * kTileRows;
-    if (two_rows && two_cols) amx_block<true, true>(a, lda, kpad, bv, kp_valid, cv);
-    else if (two_rows) amx_block<true, false>(a, lda, kpad, bv, kp_valid, cv);
-    else if (two_cols) amx_block<false, true>(a, lda, kpad, bv, kp_valid, cv);
-    else amx_block<false, false>(a, lda, kpad, bv, kp_valid, cv);
+  for (int64_t k_lo = 0; k_lo < kpad; k_lo += kKBlock) {
+    const int64_t k_hi = kpad - k_lo <= kKBlock + kTileK ? kpad : k_lo + kKBlock;  // (no lone step at the end)
+    const bool acc = k_lo > 0;
+    for (int v = 0; v < nv; v += 2) {
+      const bool two_cols = v + 1 < nv;
+      const bf16* bv = b + v * 2 * kTileRows;
+      float* cv = cbuf + v * kTileRows;
+      if (two_rows && two_cols) amx_block<true, true>(a, lda, k_lo, k_hi, bv, kp_valid, cv, acc);
+      else if (two_rows) amx_block<true, false>(a, lda, k_lo, k_hi, bv, kp_valid, cv, acc);
+      else if (two_cols) amx_block<false, true>(a, lda, k_lo, k_hi, bv, kp_valid, cv, acc);
+      else amx_block<false, false>(a, lda, k_lo, k_hi, bv, kp_valid, cv, acc);
+    }
+    if (k_hi == kpad) break;
   }
 }
 
