@@ -2,7 +2,8 @@
 
 Every number is measured in the same run, interleaved over rounds (method order rotates each
 round), and reported as a median. All methods use the same weights and FFN experts (fc1 -> ReLU ->
-fc2, no biases), so the floor is exactly "one dense matmul pair over T*k rows" in the same dtype
+fc2, no biases), so the floor is exactly "one dense matmul pair over T*k rows" in the same dtype (with the
+backward: its four products), into buffers allocated once
 (oneDNN: AMX tiles where the CPU has AMX-BF16, AVX512-BF16 dot products where it has those).
 
     python benchmarks/moe_layer.py                      # A, C, D1, D8 x fp32/bf16 x fwd/fwd+bwd x cf 0/1
@@ -117,10 +118,6 @@ def run_decode_train(name, dtype, rounds, warmup):
     return {m: statistics.median(v) for m, v in res.items()}
 
 
-def floor_pair(x_rows, w1_DF, w2_FD):
-    return (x_rows @ w1_DF) @ w2_FD
-
-
 def read_bandwidth_gbs(dtype) -> float:
     """Memory read bandwidth (GB/s) from summing a buffer much larger than the caches."""
     buf = torch.ones(256 * 2**20 // torch.tensor([], dtype=dtype).element_size(), dtype=dtype)
@@ -147,9 +144,6 @@ def run_config(name, dtype, rounds, backward, bw_gbs, warmup, capacity_factor=0.
     x_rows = torch.randn(T * k, D, dtype=dtype)
     w1_DF = torch.randn(D, Fh, dtype=dtype) / D ** 0.5
     w2_FD = torch.randn(Fh, D, dtype=dtype) / Fh ** 0.5
-    if backward:
-        for t in (x_rows, w1_DF, w2_FD):
-            t.requires_grad_()
 
     def ours(x):
         if backward:
@@ -169,13 +163,22 @@ def run_config(name, dtype, rounds, backward, bw_gbs, warmup, capacity_factor=0.
             with torch.no_grad():
                 hf_loop(x, gate_w, w1, w2, k)
 
+    # the floor's products write into buffers allocated once: fresh 16-32 MB outputs cost page faults that vary
+    # run to run (up to 2x the matmuls' own time on the SPR VM), which are not the matmuls' floor
+    N = T * k
+    buf = {"h": (N, Fh), "y": (N, D), "dh": (N, Fh), "dx": (N, D), "dw1": (D, Fh), "dw2": (Fh, D)}
+    buf = {n: torch.empty(*shape, dtype=dtype) for n, shape in buf.items()}
+    g_rows = torch.ones(N, D, dtype=dtype)
+
     def floor(_x):
-        if backward:
-            y = floor_pair(x_rows, w1_DF, w2_FD)
-            y.backward(torch.ones_like(y))
-        else:
-            with torch.no_grad():
-                floor_pair(x_rows, w1_DF, w2_FD)
+        with torch.no_grad():
+            h = torch.mm(x_rows, w1_DF, out=buf["h"])
+            torch.mm(h, w2_FD, out=buf["y"])
+            if backward:   # the pair's backward: dh, dW2, dx, dW1
+                dh = torch.mm(g_rows, w2_FD.t(), out=buf["dh"])
+                torch.mm(h.t(), g_rows, out=buf["dw2"])
+                torch.mm(dh, w1_DF.t(), out=buf["dx"])
+                torch.mm(x_rows.t(), dh, out=buf["dw1"])
 
     methods = {"ours": ours, "hf": hf, "floor": floor}
     for _ in range(warmup):  # oneDNN builds kernels per shape on first use: keep that out of the timing
