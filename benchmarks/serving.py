@@ -6,6 +6,7 @@ engine core's scenarios (``--scenario``).
     python benchmarks/serving.py --scenario long-prompt [--long-tokens 12000] [--streams 4]
     python benchmarks/serving.py --scenario shared-prefix [--prefix-tokens 6000] [--clients 6]
     python benchmarks/serving.py --scenario capacity [--kv-cache-memory 64MiB] [--capacity-tokens 1500]
+    python benchmarks/serving.py --scenario speculative [--num-speculative-tokens 4] [--rounds 2]
 
 Scenarios (the server this script starts gets ``--max_seq_len 32768`` and a model of as many positions):
 
@@ -19,6 +20,12 @@ Scenarios (the server this script starts gets ``--max_seq_len 32768`` and a mode
 * ``capacity``: with ``--kv-cache-memory``, as many requests of ``--capacity-tokens`` prompt tokens as slots
   (``--concurrency``'s largest) at once; reports the most sequences running together (``/metrics``), the
   preemptions, and what a cache of whole-context slots would hold in the same memory.
+* ``speculative``: a code-editing-style workload on the embedded demo model (the default ``--model`` here: it
+  was trained to write six Python functions; a random model would accept no draft): each function asked for,
+  then asked for again after its own answer (the repeated context an agent resends, the code to write mostly
+  on the page already). Two servers, one with ``--num-speculative-tokens`` n-gram drafts, requests one at a
+  time, interleaved over ``--rounds``. Reports generated tokens/s of both kinds of request on each, the
+  speed-up, the draft tokens accepted (``/metrics``), and whether every output is the same on both (greedy).
 
 Without ``--url`` it starts ``dynamoe serve`` itself on a random Qwen3-MoE checkpoint it writes to a temp
 folder (``--hidden 256 --layers 4 --experts 16 --top-k 4``; transformers writes it), or on ``--model DIR``.
@@ -270,6 +277,82 @@ async def capacity(url: str, headers: dict, model: str, clients: int, prompt_tok
             "tokens": sum(r["tokens"] for r in reqs)}
 
 
+async def _chat(client, url: str, model: str, messages: list[dict], max_tokens: int) -> tuple[str, int, float]:
+    """One greedy streaming chat completion: (text, completion tokens, seconds)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0}
+    t0, parts, tokens = time.perf_counter(), [], 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for ch in chunk.get("choices", []):
+                parts.append(ch.get("delta", {}).get("content") or "")
+    return "".join(parts), tokens, time.perf_counter() - t0
+
+
+async def code_edits(url: str, headers: dict, model: str, max_tokens: int) -> dict:
+    """The speculative scenario's workload on one server: per function, its first request and the repeat."""
+    import httpx
+
+    from dynamoe.examples.demo_code import CANONICAL_CODE_PROMPTS
+
+    out = {"first": [], "again": [], "texts": []}
+    async with httpx.AsyncClient(timeout=None, headers=headers) as c:
+        for prompt in CANONICAL_CODE_PROMPTS.values():
+            ask = [{"role": "user", "content": prompt}]
+            text1, n1, s1 = await _chat(c, url, model, ask, max_tokens)
+            again = ask + [{"role": "assistant", "content": text1}, {"role": "user", "content": prompt}]
+            text2, n2, s2 = await _chat(c, url, model, again, max_tokens)
+            out["first"].append((n1, s1))
+            out["again"].append((n2, s2))
+            out["texts"] += [text1, text2]
+    return out
+
+
+def spec_counters(url: str, headers: dict) -> tuple[int, int]:
+    """(draft tokens verified, accepted) so far, every draft source, from /metrics."""
+    import httpx
+
+    drafted = accepted = 0
+    for line in httpx.get(url + "/metrics", headers=headers).text.splitlines():
+        if line.startswith("dynamoe_spec_draft_tokens_total"):
+            drafted += int(float(line.rsplit(" ", 1)[1]))
+        elif line.startswith("dynamoe_spec_accepted_tokens_total"):
+            accepted += int(float(line.rsplit(" ", 1)[1]))
+    return drafted, accepted
+
+
+def run_speculative(args, servers: dict, headers: dict) -> None:
+    """Both servers (name -> url), the workload interleaved over the rounds; prints the table."""
+    res = {name: {"first": [], "again": [], "texts": []} for name in servers}
+    for r in range(args.rounds):
+        for name, url in (list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]):
+            one = asyncio.run(code_edits(url, headers, "bench", args.max_tokens))
+            for key in res[name]:
+                res[name][key] += one[key]
+    same = res["plain"]["texts"] == res["speculative"]["texts"]
+    drafted, accepted = spec_counters(servers["speculative"], headers)
+    print(f"\ncode-editing workload (6 functions, each asked for and then again after its answer), "
+          f"{args.rounds} rounds, --num-speculative-tokens {args.num_speculative_tokens}\n")
+    print("| server | first ask: tok/s | asked again: tok/s | tokens generated |")
+    print("| --- | ---: | ---: | ---: |")
+    rate = {}
+    for name, r in res.items():
+        tps = [sum(n for n, _ in r[k]) / sum(t for _, t in r[k]) for k in ("first", "again")]
+        rate[name] = tps
+        print(f"| {name} | {tps[0]:.1f} | {tps[1]:.1f} | {sum(n for k in ('first', 'again') for n, _ in r[k])} |")
+    print(f"\nspeed-up: first ask {rate['speculative'][0] / rate['plain'][0]:.2f}x, asked again "
+          f"{rate['speculative'][1] / rate['plain'][1]:.2f}x; draft tokens accepted {accepted} of {drafted} "
+          f"({accepted / max(drafted, 1):.0%}); outputs {'identical' if same else 'DIFFER'} on both servers")
+
+
 def ms(x: float) -> str:
     return f"{1000 * x:.1f}"
 
@@ -310,6 +393,31 @@ def run_scenario(args, url: str, headers: dict, model: str) -> None:
               f"{r['tokens'] / r['wall']:.1f} |")
 
 
+def main_speculative(args) -> int:
+    """The speculative scenario: two servers on --model (default: the embedded demo model)."""
+    from dynamoe.serve.cli import DEMO_MODEL_DIR
+
+    if args.url:
+        raise SystemExit("--scenario speculative starts its own two servers: drop --url")
+    model_dir = args.model or DEMO_MODEL_DIR
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    procs = []
+    try:
+        servers = {}
+        for name, extra in (("plain", []), ("speculative", ["--num-speculative-tokens", str(args.num_speculative_tokens)])):
+            extra = extra + (["--dtype", args.dtype] if args.dtype else [])
+            proc, url = start_server(model_dir, 1, args.threads, extra)
+            procs.append(proc)
+            servers[name] = url
+        print(f"servers {servers}, model {model_dir}, scenario speculative")
+        run_speculative(args, servers, headers)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", help="a running server (host:port or URL); default: start one")
@@ -323,7 +431,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--scenario", choices=["concurrency", "long-prompt", "shared-prefix", "capacity"],
+    p.add_argument("--scenario", choices=["concurrency", "long-prompt", "shared-prefix", "capacity", "speculative"],
                    default="concurrency")
     p.add_argument("--streams", type=int, default=4, help="long-prompt: running streams")
     p.add_argument("--long-tokens", type=int, default=12000, help="long-prompt: tokens of the arriving prompt")
@@ -332,6 +440,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-memory", default="64MiB", help="capacity: the server's --kv-cache-memory")
     p.add_argument("--capacity-tokens", type=int, default=1500, help="capacity: prompt tokens per request")
     p.add_argument("--max-seq-len", type=int, default=32768, help="the server's --max_seq_len in the scenarios")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="speculative: the draft tokens per step of the second server")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="the server's --dtype (weights, activations and KV cache); default: the checkpoint's (fp32)")
     args = p.parse_args(argv)
@@ -341,6 +451,8 @@ def main(argv=None) -> int:
 
     proc = None
     tmp = None
+    if args.scenario == "speculative":
+        return main_speculative(args)
     try:
         if args.url:
             url = args.url if args.url.startswith("http") else "http://" + args.url
