@@ -132,11 +132,13 @@ def start_server(model_dir: str, max_num_seqs: int, threads: int | None, extra=(
     raise SystemExit("server did not start in 180 s")
 
 
-async def one_request(client, url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True}
+async def stream_chat(client, url: str, model: str, messages: list[dict], max_tokens: int | None, **extra) -> dict:
+    """One greedy streaming chat completion: its content, the times its content chunks arrived (and when it was
+    sent), and the usage it reports (completion and cached prompt tokens)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0, **extra}
     t0 = time.perf_counter()
-    arrivals, tokens, cached = [], 0, 0
+    parts, arrivals, tokens, cached = [], [], 0, 0
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -150,9 +152,17 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
                 cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             for ch in chunk.get("choices", []):
                 if ch.get("delta", {}).get("content"):
+                    parts.append(ch["delta"]["content"])
                     arrivals.append(time.perf_counter())
-    return {"ttft": arrivals[0] - t0 if arrivals else float("nan"),
-            "itl": [b - a for a, b in zip(arrivals, arrivals[1:])], "tokens": tokens, "cached": cached,
+    return {"text": "".join(parts), "sent": t0, "arrivals": arrivals, "tokens": tokens, "cached": cached,
+            "seconds": time.perf_counter() - t0}
+
+
+async def one_request(client, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    r = await stream_chat(client, url, model, [{"role": "user", "content": prompt}], max_tokens, ignore_eos=True)
+    arrivals = r["arrivals"]
+    return {"ttft": arrivals[0] - r["sent"] if arrivals else float("nan"),
+            "itl": [b - a for a, b in zip(arrivals, arrivals[1:])], "tokens": r["tokens"], "cached": r["cached"],
             "arrivals": arrivals}
 
 
@@ -277,26 +287,6 @@ async def capacity(url: str, headers: dict, model: str, clients: int, prompt_tok
             "tokens": sum(r["tokens"] for r in reqs)}
 
 
-async def _chat(client, url: str, model: str, messages: list[dict], max_tokens: int) -> tuple[str, int, float]:
-    """One greedy streaming chat completion: (text, completion tokens, seconds)."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0}
-    t0, parts, tokens = time.perf_counter(), [], 0
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            raise RuntimeError(f"HTTP {r.status_code}: {r.text}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            for ch in chunk.get("choices", []):
-                parts.append(ch.get("delta", {}).get("content") or "")
-    return "".join(parts), tokens, time.perf_counter() - t0
-
-
 async def code_edits(url: str, headers: dict, model: str, max_tokens: int) -> dict:
     """The speculative scenario's workload on one server: per function, its first request and the repeat."""
     import httpx
@@ -307,12 +297,12 @@ async def code_edits(url: str, headers: dict, model: str, max_tokens: int) -> di
     async with httpx.AsyncClient(timeout=None, headers=headers) as c:
         for prompt in CANONICAL_CODE_PROMPTS.values():
             ask = [{"role": "user", "content": prompt}]
-            text1, n1, s1 = await _chat(c, url, model, ask, max_tokens)
-            again = ask + [{"role": "assistant", "content": text1}, {"role": "user", "content": prompt}]
-            text2, n2, s2 = await _chat(c, url, model, again, max_tokens)
-            out["first"].append((n1, s1))
-            out["again"].append((n2, s2))
-            out["texts"] += [text1, text2]
+            first = await stream_chat(c, url, model, ask, max_tokens)
+            again = await stream_chat(c, url, model, ask + [{"role": "assistant", "content": first["text"]},
+                                                             {"role": "user", "content": prompt}], max_tokens)
+            out["first"].append((first["tokens"], first["seconds"]))
+            out["again"].append((again["tokens"], again["seconds"]))
+            out["texts"] += [first["text"], again["text"]]
     return out
 
 
