@@ -11,12 +11,12 @@ is sized so that its own tokens cost as much as the fixed part (``n = a / b``): 
 possible stall, for a useful amount of progress. (While it has seen about one chunk size only, and that took
 longer than the target, it asks for half that size: one size cannot tell a fixed part from a per-token cost, and
 reading it all as per-token cost would keep every later chunk at the least size, however large the fixed part.
-Half, not twice: the probe stalls no longer than the last chunk; twice only from the least chunk the caller runs. Once the budget settles on one size, the sizes
-are about one again: the fit then keeps the last slope it could read, scaled to what that size takes now -- a
-growing context makes every chunk dearer -- instead of probing again.) The fit is
-trusted only near the chunk sizes it saw: an
-answer is at most twice their (weighted) mean plus one (or :data:`GROWTH_FLOOR`), so the budget grows step
-by step, never by a jump a noisy fit suggests.
+Half, not twice: the probe stalls no longer than the last chunk; twice only from the least chunk the caller
+runs. Once the budget settles on one size, the sizes are about one again: the fit then keeps the last slope it
+could read, scaled to what that size takes now -- a growing context makes every chunk dearer -- instead of
+probing again.) The fit is trusted only near the chunk sizes it saw: an answer is at most twice their
+(weighted) mean plus one (or :data:`GROWTH_FLOOR`), so the budget grows step by step, never by a jump a noisy
+fit suggests.
 """
 from __future__ import annotations
 
