@@ -394,7 +394,8 @@ def main_speculative(args) -> int:
     procs = []
     try:
         servers = {}
-        for name, extra in (("plain", []), ("speculative", ["--num-speculative-tokens", str(args.num_speculative_tokens)])):
+        drafting = ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+        for name, extra in (("plain", []), ("speculative", drafting)):
             extra = extra + (["--dtype", args.dtype] if args.dtype else [])
             proc, url = start_server(model_dir, 1, args.threads, extra)
             procs.append(proc)

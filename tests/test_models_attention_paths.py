@@ -126,8 +126,8 @@ def test_cache_spans_are_the_rows_run_by_run(blocks, start, n):
     pool = cache.kv_pool(0, "k", 2, 3)
     pool.copy_(torch.randn(pool.shape))
     stop = min(48, start + n)
-    runs = sum(1 for a, b in zip(blocks[start // 4:-(-stop // 4)], blocks[start // 4 + 1:-(-stop // 4)]) if b != a + 1) + 1
-    runs = runs if stop > start else 0
+    used = blocks[start // 4:-(-stop // 4)]
+    runs = sum(1 for a, b in zip(used, used[1:]) if b != a + 1) + 1 if stop > start else 0
     got = cache.spans(pool, 0, start, stop, most=12)
     assert len(got) == runs and all(t._base is not None for t in got)                      # views, no copies
     want = cache.rows(pool, torch.tensor([0]), 48)[:, :, start:stop]

@@ -490,7 +490,8 @@ void transpose_pairs(const bf16* src, int64_t kp_count, int64_t mr, bf16* a, int
       for (int i = 0; i < 16; ++i) _mm512_storeu_si512(a + (i0 + i) * lda + 2 * kp0, r[i]);
     }
   for (int64_t i = 0; i < mr; ++i)
-    for (int64_t kp = i < m16 ? kp16 : 0; kp < kp_count; ++kp) std::memcpy(a + i * lda + 2 * kp, src + kp * kPairStride + 2 * i, 4);
+    for (int64_t kp = i < m16 ? kp16 : 0; kp < kp_count; ++kp)
+      std::memcpy(a + i * lda + 2 * kp, src + kp * kPairStride + 2 * i, 4);
   for (int64_t i = 0; i < kBlockRows; ++i) {
     const int64_t from = i < mr ? 2 * kp_count : 0;
     std::memset(a + i * lda + from, 0, sizeof(bf16) * (kpad - from));
