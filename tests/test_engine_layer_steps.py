@@ -60,7 +60,9 @@ def test_a_chunk_runs_a_layer_a_step_beside_streams(model, monkeypatch):
     assert model.runs_in_steps
     engine = GenerationEngine(model, max_seq_len=256, max_batch=3, block_size=4)
     engine.stall_ratio = 1e-9   # (every layer over the target: one layer a step)
-    running = [engine.add_request(_ids(i, 6), GREEDY, 60, ignore_eos=True) for i in range(2)]
+    # (streams long enough to outlast the prompt whatever chunk sizes the measured times give: at least a block of
+    # 4 tokens a chunk, 4 layers a chunk -> at most 152 steps for its 150 tokens)
+    running = [engine.add_request(_ids(i, 6), GREEDY, 200, ignore_eos=True) for i in range(2)]
     engine.step()
     spy = _Spy(model, monkeypatch)
     long = engine.add_request(_ids(9, 150), GREEDY, 4, ignore_eos=True)
@@ -77,7 +79,7 @@ def test_a_chunk_runs_a_layer_a_step_beside_streams(model, monkeypatch):
     engine.run_until_done()
     assert long.output_ids == _alone(model, long.prompt_ids, 4)
     for r in running:
-        assert r.output_ids == _alone(model, r.prompt_ids, 60)
+        assert r.output_ids == _alone(model, r.prompt_ids, 200)
     engine.cache.pool.check()
 
 
