@@ -128,11 +128,12 @@ def test_cache_spans_are_the_rows_run_by_run(blocks, start, n):
     stop = min(48, start + n)
     used = blocks[start // 4:-(-stop // 4)]
     runs = sum(1 for a, b in zip(used, used[1:]) if b != a + 1) + 1 if stop > start else 0
-    got = cache.spans(pool, 0, start, stop, most=12)
+    got, again = cache.spans((pool, pool.neg()), 0, start, stop, most=12)
+    assert len(again) == len(got) and all(torch.equal(a, -b) for a, b in zip(again, got))   # one table, each pool
     assert len(got) == runs and all(t._base is not None for t in got)                      # views, no copies
     want = cache.rows(pool, torch.tensor([0]), 48)[:, :, start:stop]
     assert torch.equal(torch.cat(got, dim=2), want) if got else want.size(2) == 0
-    assert runs == 0 or cache.spans(pool, 0, start, stop, most=runs - 1) is None             # past the most: None
+    assert runs == 0 or cache.spans((pool,), 0, start, stop, most=runs - 1) is None          # past the most: None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

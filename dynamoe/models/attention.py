@@ -212,12 +212,14 @@ def _chunk_over_runs(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor
         return None
     pools = cache.put(layer, slots, positions_BT, k=k, v=v)
     slot = int(slots[0])
-    ks, vs = (cache.spans(pools[n], slot, 0, P, _MOST_PREFIX_RUNS) for n in ("k", "v"))
-    if ks is None:   # blocks all over the pool: one gathered copy
-        k_all, v_all = (cache.rows(pools[n], slots, kv_len).to(q.dtype) for n in ("k", "v"))
+    kv = (pools["k"], pools["v"])
+    prefix = cache.spans(kv, slot, 0, P, _MOST_PREFIX_RUNS)
+    if prefix is None:   # blocks all over the pool: one gathered copy
+        k_all, v_all = (cache.rows(pool, slots, kv_len).to(q.dtype) for pool in kv)
         return _prefix_then_causal(q, k_all, v_all, scale)
-    own = [torch.cat(cache.spans(pools[n], slot, P, kv_len, T + 1), dim=2).to(q.dtype) for n in ("k", "v")]
-    return _runs_then_causal(q, [t.to(q.dtype) for t in ks], [t.to(q.dtype) for t in vs], own[0], own[1], scale)
+    k_t, v_t = (torch.cat(views, dim=2).to(q.dtype) for views in cache.spans(kv, slot, P, kv_len, T + 1))
+    ks, vs = ([t.to(q.dtype) for t in views] for views in prefix)
+    return _runs_then_causal(q, ks, vs, k_t, v_t, scale)
 
 
 def _masked(q: Tensor, k: Tensor, v: Tensor, q_pos_BT: Tensor, k_pos_BL: Tensor, scale: float,

@@ -38,6 +38,8 @@ holds about ``window`` positions of blocks, not all of its length.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
@@ -244,25 +246,29 @@ class KVCache:
         rows = pool.index_select(1, idx).view(K, B, n, bs, d)   # ~8x faster than advanced indexing here
         return rows.transpose(0, 1).reshape(B, K, n * bs, d)[:, :, :kv_len]
 
-    def spans(self, pool: Tensor, slot: int, start: int, stop: int, most: int) -> list[Tensor] | None:
-        """Slot ``slot``'s positions ``start``..``stop``-1 of a paged tensor as views [1, K, n_i, d], one per run
-        of consecutive blocks, in order (no copy: attention can go over each and merge, where :meth:`rows` would
-        gather a sequence whose blocks are in several runs -- a prefix-cached prompt's own blocks after its shared
-        ones), or None when they are more than ``most`` runs."""
-        K, _, bs, d = pool.shape
+    def spans(self, pools: Sequence[Tensor], slot: int, start: int, stop: int,
+              most: int) -> tuple[list[Tensor], ...] | None:
+        """Slot ``slot``'s positions ``start``..``stop``-1 of each paged tensor in ``pools`` (a layer's keys and
+        values: one block table) as views [1, K, n_i, d], one per run of consecutive blocks, in order (no copy:
+        attention can go over each and merge, where :meth:`rows` would gather a sequence whose blocks are in
+        several runs -- a prefix-cached prompt's own blocks after its shared ones), or None when they are more
+        than ``most`` runs."""
+        bs = self.block_size
         if stop <= start:
-            return []
+            return tuple([] for _ in pools)
         first, last = start // bs, -(-stop // bs)
         table = self.block_tables[slot, first:last]
         cuts = (torch.nonzero(table[1:] != table[:-1] + 1).view(-1) + 1).tolist()
         if len(cuts) >= most:
             return None
-        out = []
+        out = tuple([] for _ in pools)
         for a, b in zip([0] + cuts, cuts + [last - first]):
             b0 = int(table[a])
             lo, hi = max(start, (first + a) * bs), min(stop, (first + b) * bs)
             off = lo - (first + a) * bs
-            out.append(pool[:, b0:b0 + b - a].reshape(K, (b - a) * bs, d)[None, :, off:off + hi - lo])
+            for pool, views in zip(pools, out):
+                K, d = pool.size(0), pool.size(-1)
+                views.append(pool[:, b0:b0 + b - a].reshape(K, (b - a) * bs, d)[None, :, off:off + hi - lo])
         return out
 
     # --- positions and blocks -----------------------------------------------------------------------
