@@ -102,8 +102,10 @@ def check_logits(hf, ours, ids: torch.Tensor) -> None:
     with torch.no_grad():
         ref, got = hf_logits(hf, ids), ours(ids)
     assert got.shape == ref.shape
-    assert ref.abs().max() > 1.0, "random model too close to zero to test anything"
-    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    scale = ref.abs().max().item()
+    assert scale > 1.0, "random model too close to zero to test anything"
+    # fp32 sums in another order (oneDNN/MKL kernels differ by CPU): differences grow with the logits' scale
+    torch.testing.assert_close(got, ref, atol=ATOL * scale, rtol=0)
 
 
 def check_greedy(hf, ours, ids: torch.Tensor, new_tokens: int = 16) -> None:

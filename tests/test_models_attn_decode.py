@@ -77,7 +77,9 @@ def test_fp32_steps_equal_full_recompute(folder, monkeypatch, plan):
         assert used and all(used) and len(used) == 2 * (IDS.size(1) - 6)
     with torch.no_grad():
         full = model(IDS)
-    torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+    # fp32 logits up to ~6 through two layers summed in another order (8-, 16-lane or scalar partial sums
+    # by build): ~1e-5 apart already at the prompt's positions
+    torch.testing.assert_close(got, full, atol=3e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

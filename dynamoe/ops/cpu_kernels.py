@@ -9,9 +9,10 @@ third of the read bandwidth on this kind of CPU. The extension is compiled once 
 is impossible (no compiler, ``DYNAMOE_NO_CPU_KERNELS=1``) ``load()`` returns None and callers use the
 pure-torch dequantize-then-matmul path, which gives the same results. With ``DYNAMOE_REQUIRE_CPU_KERNELS=1``
 (``make test`` sets it) a failed build on a CPU the kernels are written for raises instead, with the
-compiler's output, so that CI fails rather than skipping every kernel test. ``build()`` compiles the
-sources with other flags into another folder (the scalar paths: ``march="x86-64-v3"``), leaving the
-cached build alone.
+compiler's output, so that CI fails rather than skipping every kernel test. Without AVX-512 the kernels take
+AVX2 + FMA paths (``csrc/simd_avx2.h``), else scalar loops. ``build()`` compiles the sources with other
+flags into another folder (the AVX2 paths: ``march="x86-64-v3"``; the scalar loops: ``"x86-64-v2"``),
+leaving the cached build alone.
 """
 from __future__ import annotations
 
@@ -173,7 +174,8 @@ def _ninja_on_path() -> None:
 def build(build_directory: str, march: str = "native", sources=SOURCES, extra_sources=(), name: str | None = None):
     """Compile ``sources`` (names in ``csrc/``) plus ``extra_sources`` (paths) with ``-march=march`` into
     ``build_directory`` and import the result; torch's cached build that ``load()`` uses is not touched.
-    ``march="x86-64-v3"`` (AVX2, no AVX-512) compiles the scalar code paths. Raises on a failed build."""
+    ``march="x86-64-v3"`` (AVX2, no AVX-512) compiles the AVX2 paths, ``"x86-64-v2"`` the scalar loops. Raises on
+    a failed build."""
     from torch.utils import cpp_extension
 
     _ninja_on_path()

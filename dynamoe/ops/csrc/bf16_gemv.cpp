@@ -1,5 +1,6 @@
 // bf16 GEMV for decode-sized batches: out[t, o] = sum_i x[t, i] * W[o, i] (+ bias[o]), x and W bf16,
-// fp32 accumulation (AVX512-BF16 dot products where the CPU has them, a scalar loop elsewhere).
+// fp32 accumulation (AVX512-BF16 dot products where the CPU has them, AVX2 FMAs on the widened words where
+// it has those, a scalar loop elsewhere).
 // Registered in packed_gemv.cpp's module (one extension).
 #include <torch/extension.h>
 #include "decode_ops.h"
@@ -9,9 +10,10 @@
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cstdint>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+#include "simd_avx2.h"
 
 namespace {
 constexpr int kRowBlock = dynamoe::kGemvRowBlock;
@@ -42,6 +44,24 @@ void bf16_rows(const c10::BFloat16* w, int64_t I, const c10::BFloat16* x, int64_
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc_s[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+#elif defined(DYNAMOE_AVX2)
+  // 16 bf16 words per load: the even words widened by a shift, the odd ones by a mask -- the same
+  // permutation of x and w, so their dot product is the sum of both halves' FMAs
+  __m256 acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (; i + 16 <= I; i += 16) {
+    __m256 we[R], wo[R];
+    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * I + i) + kPrefetchAhead, _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) dynamoe::avx2::bf16x16_even_odd(w + r * I + i, we[r], wo[r]);
+    for (int t = 0; t < TT; ++t) {
+      __m256 xe, xo;
+      dynamoe::avx2::bf16x16_even_odd(x + t * x_stride + i, xe, xo);
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(wo[r], xo, _mm256_fmadd_ps(we[r], xe, acc[r][t]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc_s[r][t] = dynamoe::avx2::reduce_add(acc[r][t]);
 #endif
   for (; i < I; ++i)
     for (int r = 0; r < R; ++r) {

@@ -5,6 +5,7 @@
 #pragma once
 #include <torch/extension.h>
 #include "decode_weights.h"
+#include "packed_int8.h"
 
 inline void bind_decode_enums(pybind11::module& m) {
   namespace py = pybind11;
@@ -26,4 +27,9 @@ inline void bind_decode_enums(pybind11::module& m) {
       .value("softplus", dynamoe::kSoftplusGate);
   py::enum_<dynamoe::ExpertKind>(m, "ExpertKind", py::module_local(), "GLU or Tutel's FFN experts")
       .value("glu", dynamoe::kGlu).value("ffn", dynamoe::kFfn);
+  using dynamoe::packed::PackedActs;
+  py::enum_<PackedActs>(m, "PackedActs", py::module_local(),
+                        "how the packed-weight kernels take their activations (csrc/packed_int8.h)")
+      .value("exact", PackedActs::kExact, "as given (fp32, or bf16 where the AVX512-BF16 kernels are built): exact products")
+      .value("int8", PackedActs::kInt8, "quantized to int8 per 32 elements with fp32 scales, VNNI dot products (4-bit formats)");
 }

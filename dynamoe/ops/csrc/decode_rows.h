@@ -7,6 +7,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "simd_avx2.h"
 
 namespace dynamoe {
 // sum_i x[i] * w[i] in fp32 (x fp32, w bf16 or fp32), 16 independent partial sums so that the compiler
@@ -33,6 +34,10 @@ inline float dot_rows(const float* a, const float* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
   s = _mm512_reduce_add_ps(acc);
+#elif defined(DYNAMOE_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  s = avx2::reduce_add(acc);
 #endif
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
@@ -56,6 +61,26 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
+#elif defined(DYNAMOE_AVX2)
+// exp16's method on 8 lanes; 2^n from its exponent bits (n in [-151, 128] after the clamp: the product is
+// formed in two steps so that neither factor leaves fp32's normal range)
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-104.f), _mm256_min_ps(_mm256_set1_ps(88.72f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+  auto pow2 = [](__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); };
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow2(half)), pow2(_mm256_sub_epi32(ni, half)));
+}
 #endif
 
 // p[j] = e^(p[j] - mx) for j < n; returns their sum (softmax numerators and denominator)
@@ -71,6 +96,15 @@ inline float exp_shifted(float* p, int64_t n, float mx) {
     acc = _mm512_add_ps(acc, e);
   }
   s = _mm512_reduce_add_ps(acc);
+#elif defined(DYNAMOE_AVX2)
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), m));
+    _mm256_storeu_ps(p + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  s = avx2::reduce_add(acc);
 #endif
   for (; j < n; ++j) {
     p[j] = std::exp(p[j] - mx);

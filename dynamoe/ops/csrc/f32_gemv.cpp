@@ -1,12 +1,13 @@
 // fp32 GEMV row blocks for decode-sized batches (used by the fused decode kernels): R weight rows
-// at once for TT tokens, AVX-512 FMAs where compiled in, a scalar loop elsewhere.
+// at once for TT tokens, AVX-512 (or else AVX2) FMAs where compiled in, a scalar loop elsewhere.
 #include "gemv_blocks.h"
 #include "token_chunks.h"
 #include <algorithm>
 #include <cstdint>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+#include "simd_avx2.h"
 
 namespace {
 template <int TT, int R>
@@ -31,6 +32,21 @@ void f32_rows(const float* w, int64_t I, const float* x, int64_t x_stride, float
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc_s[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+#elif defined(DYNAMOE_AVX2)
+  __m256 acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (; i + 8 <= I; i += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * I + i) + 8192, _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + r * I + i);
+    for (int t = 0; t < TT; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x + t * x_stride + i);
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc_s[r][t] = dynamoe::avx2::reduce_add(acc[r][t]);
 #endif
   for (; i < I; ++i)
     for (int r = 0; r < R; ++r) {

@@ -288,9 +288,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_stack(m);
   register_grouped_gemm(m);
   register_dequantize(m);
-  py::enum_<PackedActs>(m, "PackedActs", "how the packed-weight kernels take their activations (csrc/packed_int8.h)")
-      .value("exact", PackedActs::kExact, "as given (fp32, or bf16 where the AVX512-BF16 kernels are built): exact products")
-      .value("int8", PackedActs::kInt8, "quantized to int8 per 32 elements with fp32 scales, VNNI dot products (4-bit formats)");
   m.def("has_avx512_vnni", &has_avx512_vnni, "whether the AVX512-VNNI int8 kernels were compiled in (else a scalar loop)");
   m.def("route_decode_out", &route_decode_out, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "router of a decode step: fp32 logits of x [T, D] @ W^T (+ bias), softmax (0) or DeepSeek sigmoid-group (1) "

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include "simd_avx2.h"
 #include "token_chunks.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -149,6 +150,28 @@ void fp4_row(const uint8_t* packed, int64_t h, const float* xe, const float* xo,
     }
   }
   for (int t = 0; t < TT; ++t) acc_s[t] = _mm512_reduce_add_ps(acc[t]);
+#elif defined(DYNAMOE_AVX2)
+  // 8 bytes (16 elements, one scale group: groups are 8 or 16 bytes) per step; a nibble's value from the
+  // table's two halves (vpermps takes 8 entries), picked by the nibble's bit 3
+  const __m256 lut_lo = _mm256_loadu_ps(Codec::values), lut_hi = _mm256_loadu_ps(Codec::values + 8);
+  auto value = [&](__m256i n) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, n), _mm256_permutevar8x32_ps(lut_hi, n),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(n, 28)));
+  };
+  __m256 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
+  for (; j + 8 <= h; j += 8) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + j)));
+    const __m256 vlo = value(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    const __m256 vhi = value(_mm256_srli_epi32(b, 4));
+    const __m256 scale = _mm256_set1_ps(gscale[j / kBytesPerGroup]);
+    for (int t = 0; t < TT; ++t) {
+      const __m256 g = _mm256_fmadd_ps(vhi, _mm256_loadu_ps(xo + t * x_stride + j),
+                                       _mm256_mul_ps(vlo, _mm256_loadu_ps(xe + t * x_stride + j)));
+      acc[t] = _mm256_fmadd_ps(g, scale, acc[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) acc_s[t] = dynamoe::avx2::reduce_add(acc[t]);
 #endif
   for (; j < h; ++j) {
     const float s = gscale[j / kBytesPerGroup];
@@ -183,6 +206,23 @@ void fp8_row(const uint8_t* row, int64_t I, const float* xp, const float* srow, 
       }
     }
     for (int t = 0; t < TT; ++t) acc_s[t] = _mm512_reduce_add_ps(acc[t]);
+  }
+#elif defined(DYNAMOE_AVX2)
+  if (b1 % 8 == 0) {  // as the AVX-512 path, 8 elements a step (vcvtph2ps: F16C)
+    __m256 acc[TT];
+    for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
+    const __m128i sign_mask = _mm_set1_epi16(0x80), body_mask = _mm_set1_epi16(0x7F);
+    for (int64_t blk = 0; blk + b1 <= I; blk += b1) {
+      const __m256 sv = _mm256_set1_ps(srow[blk / b1] * 256.f);
+      for (i = blk; i < blk + b1; i += 8) {
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i)));
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, sign_mask), 8),
+                                       _mm_slli_epi16(_mm_and_si128(b, body_mask), 7));
+        const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), sv);
+        for (int t = 0; t < TT; ++t) acc[t] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xp + t * I + i), acc[t]);
+      }
+    }
+    for (int t = 0; t < TT; ++t) acc_s[t] = dynamoe::avx2::reduce_add(acc[t]);
   }
 #endif
   for (; i < I; ++i) {

@@ -51,6 +51,8 @@ inline const float* row_f32(const c10::BFloat16* src, float* buf, int64_t d) {
   for (; i + 16 <= d; i += 16)
     _mm512_storeu_ps(buf + i, _mm512_castsi512_ps(_mm512_slli_epi32(
                                   _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16)));
+#elif defined(DYNAMOE_AVX2)
+  for (; i + 8 <= d; i += 8) _mm256_storeu_ps(buf + i, avx2::bf16x8(src + i));
 #endif
   for (; i < d; ++i) buf[i] = static_cast<float>(src[i]);
   return buf;
