@@ -102,20 +102,25 @@ def test_moe_glu_decode(scalar_kernels, monkeypatch, act, dtype, T, k):
     assert torch.equal(got_load, load) and max_load == int(load.max())
 
 
-@pytest.mark.parametrize("fmt,options", [("mxfp4", {}), ("nvfp4", {}), ("int4", {}), ("int4", {"group_size": 16}),
-                                         ("fp8_block", {}), ("fp8_block", {"block": (16, 40)})])
+@pytest.mark.parametrize("fmt,options,acts", [
+    ("mxfp4", {}, None), ("nvfp4", {}, None), ("int4", {}, None), ("int4", {"group_size": 16}, None),
+    ("fp8_block", {}, None), ("fp8_block", {"block": (16, 40)}, None),
+    ("mxfp4", {}, "int8"), ("nvfp4", {}, "int8"), ("int4", {}, "int8"),   # packed_int8.h's rows
+])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T,k", [(1, 2), (5, 3)])
-def test_packed_moe_glu_decode(scalar_kernels, monkeypatch, fmt, options, dtype, T, k):
-    """The packed row kernels (packed_rows.h: fp4_row over MXFP4/NVFP4/INT4 nibbles, fp8_row) against the
-    dequantized experts in float64; D = 224: whole 16- and 32-element steps, FP8 scale blocks with a partial last one."""
+def test_packed_moe_glu_decode(scalar_kernels, monkeypatch, fmt, options, acts, dtype, T, k):
+    """The packed row kernels (packed_rows.h: fp4_row over MXFP4/NVFP4/INT4 nibbles, fp8_row; with int8
+    activations packed_int8.h's rows) against the dequantized experts in float64; D = 224: whole 16- and
+    32-element steps, a partial last 128-element step, FP8 scale blocks with a partial last one."""
     from dynamoe import quant
 
     monkeypatch.setattr(moe_decode.cpu_kernels, "load", lambda: scalar_kernels)
     E, D, Fh = 6, 224, 64
     g = torch.Generator().manual_seed(1)
     experts = quant.QuantizedExperts(quant.quantize(torch.randn(E, 2 * Fh, D, generator=g) / 8, fmt, **options),
-                                     quant.quantize(torch.randn(E, D, Fh, generator=g) / 6, fmt, **options), "glu")
+                                     quant.quantize(torch.randn(E, D, Fh, generator=g) / 6, fmt, **options), "glu",
+                                     act_quant=acts)
     x_TD = torch.randn(T, D, generator=g).to(dtype)
     w, ids = torch.rand(T, E, generator=g).softmax(-1).topk(k, dim=-1)
     with torch.inference_mode():
@@ -129,7 +134,7 @@ def test_packed_moe_glu_decode(scalar_kernels, monkeypatch, fmt, options, dtype,
             gate, up = (w1[e] @ x_TD[t].double()).split(Fh)
             h = F.silu(gate) * up
             want[t] += float(w[t, j]) * (w2[e] @ (h.to(dtype).double() if dtype == torch.bfloat16 else h))
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    tol = 3e-2 if acts else 2e-2 if dtype == torch.bfloat16 else 1e-4  # (int8: 1/254 of each block's largest)
     torch.testing.assert_close(got[0].double(), want, atol=tol * want.abs().max().item(), rtol=tol)
 
 

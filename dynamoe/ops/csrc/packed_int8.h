@@ -14,6 +14,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 #include "packed_rows.h"
 
@@ -165,8 +166,52 @@ void fp4_row_i8(const uint8_t* packed, int64_t h, const I8Acts& a, int64_t t0, c
 }
 #endif  // DYNAMOE_PACKED_INT8
 
+#if defined(DYNAMOE_AVX2) && !defined(DYNAMOE_PACKED_INT8)
+// fp4_row_i8 on AVX2 (no VNNI): a step's 16 lanes as two halves of 8; vpmaddubsw sums two byte products into
+// an int16 (at most 2 * 24 * 127: no saturation), vpmaddwd two of those into the lane's int32 -- the same
+// integer sums per lane as the VNNI kernel, then the same fp32 scaling.
+template <int TT, int kBytesPerGroup, class Codec = E2M1Codec>
+void fp4_row_i8_avx2(const uint8_t* packed, int64_t h, const I8Acts& a, int64_t t0, const float* gs, float* out,
+                     int64_t out_stride) {
+  static_assert(kBytesPerGroup == 16 || kBytesPerGroup == 8, "MXFP4 (16 bytes) or NVFP4 (8 bytes) groups");
+  const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(I8Codes<Codec>::codes)));
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  __m256 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
+  auto half = [&](const uint8_t* bytes, int64_t s, int hh) {  // lanes 8 hh .. 8 hh + 7 of step s
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(b, low4));
+    const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(b, 4), low4));
+    const __m256 sc = kBytesPerGroup == 16
+        ? _mm256_set_m128(_mm_set1_ps(gs[4 * s + 2 * hh + 1]), _mm_set1_ps(gs[4 * s + 2 * hh]))
+        : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(gs + 8 * s + 4 * hh)), pairs);
+    for (int t = 0; t < TT; ++t) {
+      const int8_t* qs = a.qt(t0 + t) + s * 128 + 32 * hh;
+      const __m256i dl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs))), ones);
+      const __m256i dh = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64))), ones);
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.ct(t0 + t) + s * 16 + 8 * hh));
+      const __m256i dot = _mm256_add_epi32(c, _mm256_add_epi32(dl, dh));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sc, _mm256_loadu_ps(a.dt(t0 + t) + s * 16 + 8 * hh)), acc[t]);
+    }
+  };
+  const int64_t full = h / kFp4StepBytes, rest = h % kFp4StepBytes;
+  for (int64_t s = 0; s < full; ++s) {
+    half(packed + s * kFp4StepBytes, s, 0);
+    half(packed + s * kFp4StepBytes + 32, s, 1);
+  }
+  if (rest) {  // the last step's bytes zero-padded (zero codes meet zero activations and scales)
+    alignas(32) uint8_t tail[kFp4StepBytes] = {};
+    std::memcpy(tail, packed + full * kFp4StepBytes, rest);
+    half(tail, full, 0);
+    if (rest > 32) half(tail + 32, full, 1);
+  }
+  for (int t = 0; t < TT; ++t) out[t * out_stride] = dynamoe::avx2::reduce_add(acc[t]);
+}
+#endif
+
 // Portable reference of fp4_row_i8 (the same integer sums per lane, the same fp32 scaling; the sum over
-// lanes in order): builds without VNNI run this.
+// lanes in order): builds without VNNI or AVX2 run this.
 template <int kBytesPerGroup, class Codec = E2M1Codec>
 void fp4_row_i8_scalar(const uint8_t* packed, int64_t h, const I8Acts& a, int64_t t, const float* gs, float* out) {
   const int8_t* q = a.qt(t);
@@ -194,6 +239,10 @@ void fp4_row_tokens_i8(const uint8_t* packed, int64_t h, int64_t T, const I8Acts
 #if defined(DYNAMOE_PACKED_INT8)
   dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
     fp4_row_i8<TT, kBytesPerGroup, Codec>(packed, h, a, t_first + t0, gs, out + t0 * out_stride, out_stride);
+  });
+#elif defined(DYNAMOE_AVX2)
+  dynamoe::for_token_chunks(T, [&]<int TT>(int64_t t0) {
+    fp4_row_i8_avx2<TT, kBytesPerGroup, Codec>(packed, h, a, t_first + t0, gs, out + t0 * out_stride, out_stride);
   });
 #else
   for (int64_t t = 0; t < T; ++t) fp4_row_i8_scalar<kBytesPerGroup, Codec>(packed, h, a, t_first + t, gs, out + t * out_stride);

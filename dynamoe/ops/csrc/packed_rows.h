@@ -44,6 +44,27 @@ struct Int4Codec {
       0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
 };
 
+// A codec's values as int8 multiples of `unit` (E2M1: halves; INT4: ones) -- exact for both -- for the AVX2
+// rows' byte-shuffle lookup
+template <class Codec>
+struct Int8Values {
+  static constexpr float unit = Codec::values[1] == 0.5f ? 0.5f : 1.f;
+  struct Table {
+    int8_t v[16];
+  };
+  static constexpr Table make() {
+    Table t{};
+    for (int i = 0; i < 16; ++i) t.v[i] = static_cast<int8_t>(Codec::values[i] / unit);
+    return t;
+  }
+  static constexpr Table table = make();
+  static_assert([] {
+    for (int i = 0; i < 16; ++i)
+      if (static_cast<float>(table.v[i]) * unit != Codec::values[i]) return false;
+    return true;
+  }(), "the codec's values are not int8 multiples of its unit");
+};
+
 inline float e4m3_value(uint8_t b) {
   const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
   if (e == 15 && m == 7) return NAN;
@@ -151,24 +172,28 @@ void fp4_row(const uint8_t* packed, int64_t h, const float* xe, const float* xo,
   }
   for (int t = 0; t < TT; ++t) acc_s[t] = _mm512_reduce_add_ps(acc[t]);
 #elif defined(DYNAMOE_AVX2)
-  // 8 bytes (16 elements, one scale group: groups are 8 or 16 bytes) per step; a nibble's value from the
-  // table's two halves (vpermps takes 8 entries), picked by the nibble's bit 3
-  const __m256 lut_lo = _mm256_loadu_ps(Codec::values), lut_hi = _mm256_loadu_ps(Codec::values + 8);
-  auto value = [&](__m256i n) {
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, n), _mm256_permutevar8x32_ps(lut_hi, n),
-                            _mm256_castsi256_ps(_mm256_slli_epi32(n, 28)));
-  };
+  // 16 bytes (32 elements) a step: the nibbles' values as int8 by one byte shuffle (the codec's values are
+  // small integers times kInt8Unit), widened to fp32 8 at a time; bytes 0-7 and 8-15 take their own group's
+  // scale (groups are 8 or 16 bytes)
+  const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(Int8Values<Codec>::table.v));
+  const __m128i low4 = _mm_set1_epi8(15);
   __m256 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
-  for (; j + 8 <= h; j += 8) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + j)));
-    const __m256 vlo = value(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-    const __m256 vhi = value(_mm256_srli_epi32(b, 4));
-    const __m256 scale = _mm256_set1_ps(gscale[j / kBytesPerGroup]);
+  auto widen = [](__m128i v8) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v8)); };
+  for (; j + 16 <= h; j += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + j));
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, low4));
+    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+    const __m256 lo0 = widen(lo), lo1 = widen(_mm_srli_si128(lo, 8));
+    const __m256 hi0 = widen(hi), hi1 = widen(_mm_srli_si128(hi, 8));
+    const __m256 s0 = _mm256_set1_ps(gscale[j / kBytesPerGroup] * Int8Values<Codec>::unit);
+    const __m256 s1 = _mm256_set1_ps(gscale[(j + 8) / kBytesPerGroup] * Int8Values<Codec>::unit);
     for (int t = 0; t < TT; ++t) {
-      const __m256 g = _mm256_fmadd_ps(vhi, _mm256_loadu_ps(xo + t * x_stride + j),
-                                       _mm256_mul_ps(vlo, _mm256_loadu_ps(xe + t * x_stride + j)));
-      acc[t] = _mm256_fmadd_ps(g, scale, acc[t]);
+      const float* e = xe + t * x_stride + j;
+      const float* o = xo + t * x_stride + j;
+      const __m256 g0 = _mm256_fmadd_ps(hi0, _mm256_loadu_ps(o), _mm256_mul_ps(lo0, _mm256_loadu_ps(e)));
+      const __m256 g1 = _mm256_fmadd_ps(hi1, _mm256_loadu_ps(o + 8), _mm256_mul_ps(lo1, _mm256_loadu_ps(e + 8)));
+      acc[t] = _mm256_fmadd_ps(g1, s1, _mm256_fmadd_ps(g0, s0, acc[t]));
     }
   }
   for (int t = 0; t < TT; ++t) acc_s[t] = dynamoe::avx2::reduce_add(acc[t]);
