@@ -140,7 +140,9 @@ def ep_worker(rank, world, dirs):
             # cached prefill + decode steps too (decode-sized batches take other expert paths)
             cache = ep.new_cache(2, 16)
             steps = [ep(IDS[:, :9], cache=cache)] + [ep(IDS[:, t:t + 1], cache=cache) for t in range(9, 12)]
-            torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-5, rtol=0, msg=name)
+            # (the decode kernels sum in another order than the prefill's matmuls: 8-, 16-lane or scalar partial
+            # sums by build; gpt_oss's fp32 logits, up to ~6, end ~1e-5 apart -- tests/test_models_attn_decode.py)
+            torch.testing.assert_close(torch.cat(steps, 1), want, atol=3e-5, rtol=0, msg=name)
         # ranks with different batches still pair their exchanges (each gets its own rows' logits)
         with torch.no_grad():
             rows = IDS[:1, :5] if rank == 0 else IDS
