@@ -16,7 +16,14 @@ weights each step reads (distinct active experts x their packed size).
 
 GB/s = packed bytes read / time. ``--act-quant int8`` adds the int8-activation kernels as extra rows.
 
+``--prefill`` times prefill-sized grouped products instead: one projection of ``--experts`` experts of gpt-oss-20b's
+shape ([5760, 2880], the gate/up projection) with ``--rows`` bf16 rows each, per format, through
+``quantized_grouped_mm`` (the grouped GEMM over panels decoded on the fly, csrc/panel_decode.h), against the
+path it replaces, written out here: each expert's dense bf16 copy (``dense``, the native dequantize) then
+``torch.mm``; and the bf16 weights' ``torch.mm`` alone (no decoding: the floor). Interleaved rounds, medians.
+
     python benchmarks/quant_matmul.py [--rounds 31] [--tokens 1 2 4 8] [--kernels] [--act-quant int8]
+    python benchmarks/quant_matmul.py --prefill [--rows 17 32 128] [--experts 4] [--rounds 7]
 """
 from __future__ import annotations
 
@@ -33,7 +40,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dynamoe import quant  # noqa: E402
 from dynamoe.moe import ExpertConfig, GateConfig, MoEConfig, MoELayer  # noqa: E402
 from dynamoe.ops import cpu_kernels, moe_decode  # noqa: E402
-from dynamoe.quant.matmul import packed_gemv  # noqa: E402
+from dynamoe.quant.dequantize import dense  # noqa: E402
+from dynamoe.quant.matmul import packed_gemv, quantized_grouped_mm  # noqa: E402
 
 E, K, D, F = 64, 8, 1024, 512
 FORMATS = ["fp8_block", "mxfp4", "nvfp4", "int4"]
@@ -158,6 +166,37 @@ def kernel_tables(args, kernels) -> None:
                   flush=True)
 
 
+def prefill_table(args) -> None:
+    """--prefill: the grouped products of the module docstring."""
+    O, I = 5760, 2880
+    torch.manual_seed(3)
+    wf = torch.randn(args.experts, O, I) * 0.02
+    weights = {fmt: quant.quantize(wf, fmt) for fmt in FORMATS}
+    wb = wf.to(torch.bfloat16)
+    print(f"# {args.experts} experts x [{O}, {I}]; ms per product; speed-up: the dense path's time / the panels'")
+    print(f"{'rows/expert':>11} {'format':10} {'panels ms':>10} {'dense+mm ms':>12} {'speed-up':>9} {'bf16 mm ms':>11}")
+    for rows in args.rows:
+        counts = [rows] * args.experts
+        x = torch.randn(rows * args.experts, I, dtype=torch.bfloat16)
+
+        def floor():
+            for e in range(args.experts):
+                torch.mm(x[e * rows:(e + 1) * rows], wb[e].t())
+
+        for fmt, w in weights.items():
+            def via_dense(w=w):
+                out = x.new_empty(x.size(0), O)
+                for e in range(args.experts):
+                    torch.mm(x[e * rows:(e + 1) * rows], dense(w[e], torch.bfloat16).t(), out=out[e * rows:(e + 1) * rows])
+                return out
+
+            def panels(w=w):
+                return quantized_grouped_mm(x, w, counts)
+            ms = interleaved({"panels": panels, "dense": via_dense, "floor": floor}, args.rounds, 2)
+            print(f"{rows:>11} {fmt:10} {ms['panels']:10.1f} {ms['dense']:12.1f} {ms['dense'] / ms['panels']:8.2f}x "
+                  f"{ms['floor']:11.1f}", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=31)
@@ -165,12 +204,21 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--kernels", action="store_true", help="time the kernels alone (GEMVs, fused MoE decode) instead")
     p.add_argument("--act-quant", choices=["int8"], default=None, help="also run the int8-activation kernels")
+    p.add_argument("--prefill", action="store_true", help="time prefill-sized grouped products instead")
+    p.add_argument("--rows", type=int, nargs="+", default=[17, 32, 128], help="--prefill: rows per expert")
+    p.add_argument("--experts", type=int, default=4, help="--prefill: experts of one product")
     args = p.parse_args(argv)
     if args.rounds < 1 or any(t < 1 for t in args.tokens):
         p.error("--rounds and --tokens must be positive")
     kernels = cpu_kernels.load()
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; packed-weight kernels: "
           f"{'built' + (' (AVX-512)' if kernels.has_avx512() else ' (scalar)') if kernels else 'unavailable (dequantize-then-matmul)'}")
+    if args.prefill:
+        if min(args.rows) < 1 or args.experts < 1:
+            p.error("--rows and --experts must be positive")
+        with torch.no_grad():
+            prefill_table(args)
+        return
     if args.kernels:
         with torch.no_grad():
             kernel_tables(args, kernels)

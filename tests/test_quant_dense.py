@@ -81,12 +81,14 @@ def test_kernel_refuses_bad_arguments_by_name():
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block", "int4_g32"])
 def test_prefill_matmuls_use_it(fmt, monkeypatch):
-    """Rows above the decode kernels' limit: the matmuls go through dense() and equal x @ dequantize()^T."""
+    """Rows above the decode kernels' limit, fp32 activations: the matmuls go through dense() and equal
+    x @ dequantize()^T (bf16 ones take the grouped GEMM's decoded panels where the build has it:
+    test_quant_panels.py)."""
     w = _weights((3, 96, 128), 2)[fmt]()
-    x = torch.randn(40, 128).to(torch.bfloat16)
+    x = torch.randn(40, 128)
     calls = _spy(monkeypatch)
     y = quantized_grouped_mm(x, w, [17, 0, 23])
     assert len(calls) == 2  # the two experts that got rows, one dense copy each
-    ref = torch.cat([x[:17] @ w[0].dequantize().t(), x[17:] @ w[2].dequantize().t()])
+    ref = torch.cat([x[:17] @ w[0].dequantize(x.dtype).t(), x[17:] @ w[2].dequantize(x.dtype).t()])
     _same(y, ref)
-    _same(quantized_linear(x, w[1]), x @ w[1].dequantize().t())
+    _same(quantized_linear(x, w[1]), x @ w[1].dequantize(x.dtype).t())

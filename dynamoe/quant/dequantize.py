@@ -21,7 +21,7 @@ from .int4 import INT4_OFFSET, INT4Weight
 from .mxfp4 import MXFP4Weight
 from .nvfp4 import NV_GROUP, NVFP4Weight
 
-__all__ = ["dense"]
+__all__ = ["dense", "packed_b"]
 
 _INT4_VALUES = torch.arange(16, dtype=torch.float32) - INT4_OFFSET
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
@@ -29,17 +29,35 @@ _KERNEL_FORMATS = (MXFP4Weight, NVFP4Weight, BlockFP8Weight, INT4Weight)
 
 
 def _parts(w: QuantizedWeight):
-    """(codes uint8 [R, row_bytes], bits, code table, fp32 scales, group, block_rows) of one of the
-    _KERNEL_FORMATS' [out, in] weights."""
-    rows = w.shape[0]
+    """(codes uint8 [..., R, row_bytes], bits, code table, fp32 scales [..., R / block_rows, C / group], group,
+    block_rows) of one of the _KERNEL_FORMATS' [..., out, in] weights (views where the format stores them so)."""
+    *lead, rows, _ = w.shape
     if isinstance(w, MXFP4Weight):
-        return w.blocks.reshape(rows, -1), 4, E2M1_VALUES, e8m0_decode(w.scales), 32, 1
+        return w.blocks.reshape(*lead, rows, -1), 4, E2M1_VALUES, e8m0_decode(w.scales), 32, 1
     if isinstance(w, NVFP4Weight):
-        scales = e4m3_decode(w.weight_scale) * w.weight_scale_2.reshape(1, 1)
+        scales = e4m3_decode(w.weight_scale) * w.weight_scale_2.reshape(*lead, 1, 1)
         return w.weight.view(torch.uint8), 4, E2M1_VALUES, scales, NV_GROUP, 1
     if isinstance(w, BlockFP8Weight):
         return w.weight.view(torch.uint8), 8, _lut("e4m3", torch.float32, w.weight.device), w.scales(), w.block[1], w.block[0]
     return w.weight_packed.contiguous().view(torch.uint8), 4, _INT4_VALUES, w.weight_scale.float(), w.group_size, 1
+
+
+def packed_b(w: QuantizedWeight):
+    """The grouped GEMM's ``PackedB`` (csrc/panel_decode.h) of a CPU [E, out, in] or [out, in] (E = 1) weight, for
+    products whose panels are decoded on the fly with dense()'s bits; None where that does not apply (kernels
+    without the grouped bf16 GEMM, another device or format, more than one leading dim)."""
+    k = cpu_kernels.load()
+    device = getattr(w, w._tensor_fields()[0]).device
+    if (k is None or device.type != "cpu" or not isinstance(w, _KERNEL_FORMATS) or w.num_leading > 1
+            or not k.has_grouped_gemm_bf16()):
+        return None
+    codes, bits, lut, scales, group, block_rows = _parts(w)
+    if not w.num_leading:
+        codes, scales = codes.unsqueeze(0), scales.unsqueeze(0)
+    b = k.PackedB()
+    b.codes, b.bits, b.lut = codes.contiguous(), bits, lut.contiguous()
+    b.scales, b.group, b.block_rows = scales.float().contiguous(), int(group), int(block_rows)
+    return b
 
 
 def dense(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> Tensor:

@@ -1,7 +1,8 @@
 """Matmuls on packed weights. Decode-sized work (at most 16 rows per weight, no autograd, CPU) runs
-the fused kernels of ``cpu_kernels`` that decode the weight in registers; everything else
-dequantizes one Linear / one expert at a time into the activation's dtype, uses it and drops it --
-never a dequantized copy of the whole model or layer.
+the fused kernels of ``cpu_kernels`` that decode the weight in registers; larger bf16 inference products on CPU
+(prefill) run the grouped bf16 GEMM over panels of 64 output features decoded on the fly into L2
+(:func:`panel_gemm`, where the build has that GEMM); everything else dequantizes one Linear / one expert at a
+time into the activation's dtype, uses it and drops it -- never a dequantized copy of the whole model or layer.
 
 Legend: N rows, E experts, I input features, O output features.
 """
@@ -19,14 +20,14 @@ from ..ops.linear_decode import int4_kernel_applies
 from ..ops.triton import FLOAT_DTYPES, use_triton
 from .act_quant import ACT_QUANT, ActQuant, act_quant_of, fp8_activation_quant, int8_activation_quant
 from .base import QuantizedWeight
-from .dequantize import dense
+from .dequantize import dense, packed_b
 from .fp8_block import BlockFP8Weight
 from .int4 import INT4Weight
 from .mxfp4 import MXFP4Weight
 from .nvfp4 import NVFP4Weight
 
 __all__ = ["ACT_QUANT", "ActQuant", "fp8_activation_quant", "int8_activation_quant", "packed_gemv", "int4_kernel_applies",
-           "quantized_linear", "quantized_grouped_mm"]
+           "quantized_linear", "quantized_grouped_mm", "panel_gemm"]
 
 INT8_KERNEL_FORMATS = (MXFP4Weight, NVFP4Weight, INT4Weight)  # the formats with int8-activation kernels
 
@@ -60,6 +61,44 @@ def packed_gemv(x_TI: Tensor, w: QuantizedWeight, act_quant: ActQuant | str | No
     return None
 
 
+def panel_gemm(x_NI: Tensor, w: QuantizedWeight, counts: Sequence[int], bias: Tensor | None = None,
+               out: Tensor | None = None) -> Tensor | None:
+    """Inference y [N, O] = rows sorted by group times each group's packed weight (group g uses expert g % E of a
+    [E, O, I] weight; a [O, I] weight is E = 1), + bias [E, O] -- on CPU in bf16, through the grouped GEMM whose
+    panels are decoded from the packed bytes as it goes (csrc/panel_decode.h: dense()'s values, each weight read
+    once per call, nothing the size of a weight written). Groups whose count is at most ``cpu_kernels.MAX_ROWS``
+    are left to the caller (their rows of ``out`` untouched: the decode kernels take them). None where it does
+    not apply (another dtype or device, autograd, a kernel build without the grouped bf16 GEMM)."""
+    if x_NI.dtype != torch.bfloat16 or x_NI.device.type != "cpu" or not _no_grad(x_NI, bias):
+        return None
+    b = packed_b(w)
+    if b is None:
+        return None
+    k = cpu_kernels.load()
+    counts = [int(c) for c in counts]
+    big = [c if c > cpu_kernels.MAX_ROWS else 0 for c in counts]
+    O = w.shape[-2]
+    if out is None:
+        out = x_NI.new_empty(x_NI.size(0), O)
+    args = k.RowsGemm()
+    args.a, args.packed_b, args.cols, args.counts = x_NI.contiguous(), b, O, big
+    args.amx = True
+    if bias is not None:
+        args.bias = bias.to(torch.bfloat16).reshape(-1, O).contiguous()
+    if not any(big):
+        return out
+    if big == counts:   # (every group's rows)
+        args.out = out
+        k.grouped_rows_gemm(args=args)
+        return out
+    offsets = [0, *itertools.accumulate(counts)]
+    rows = torch.cat([torch.arange(offsets[g], offsets[g + 1]) for g, c in enumerate(big) if c])
+    args.a_index, args.out = rows, x_NI.new_empty(rows.numel(), O)
+    k.grouped_rows_gemm(args=args)
+    out.index_copy_(0, rows, args.out)
+    return out
+
+
 def _no_grad(*ts: Tensor | None) -> bool:
     return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in ts)
 
@@ -85,6 +124,10 @@ def quantized_linear(x: Tensor, w: QuantizedWeight, bias: Tensor | None = None, 
         if y is not None:
             y = y if bias is None else y + bias.float()
             return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+        big = x2.size(0) > cpu_kernels.MAX_ROWS and act_quant is not ActQuant.INT8
+        y = panel_gemm(x2, w, [x2.size(0)], bias) if big else None
+        if y is not None:
+            return y.reshape(*x.shape[:-1], w.shape[0])
     if act_quant is ActQuant.INT8:  # the emulation of the int8 kernels: int8-rounded activations, fp32 matmul
         y = F.linear(int8_activation_quant(x), dense(w, torch.float32), None if bias is None else bias.float())
         return y.to(x.dtype)
@@ -137,12 +180,13 @@ def quantized_grouped_mm(x_NI: Tensor, w: QuantizedWeight, counts: Sequence[int]
     pieces: dict[int, Tensor] = {}
     if not track and out is None:
         out = x_NI.new_empty(x_NI.size(0), O)
+    paneled = not track and not int8 and panel_gemm(x_NI, w, counts, bias, out) is not None
     offsets = [0, *itertools.accumulate(counts)]
     for e in range(E):
         w_e = None
         for g in range(e, len(counts), E):
             off, c = offsets[g], counts[g]
-            if not c:
+            if not c or (paneled and c > cpu_kernels.MAX_ROWS):   # (the panels' groups: done)
                 continue
             x_e = x_NI.narrow(0, off, c)
             b_e = None if bias is None else bias[e].to(x_NI.dtype)

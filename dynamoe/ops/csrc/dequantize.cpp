@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include "panel_decode.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -28,15 +29,8 @@ struct Dequantize {
 };
 
 #if defined(__AVX512F__)
-// fp32 -> bf16 bits, round to nearest even, NaN kept quiet: c10::BFloat16's rounding (vcvtneps2bf16
-// would flush denormals, which torch keeps)
-inline __m256i bf16_round(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(r);
-}
+// fp32 -> bf16 bits (c10::BFloat16's rounding: denormals kept, NaN quiet), packed to 16-bit words
+inline __m256i bf16_round(__m512 v) { return _mm512_cvtepi32_epi16(dynamoe::panel_round_bf16(v)); }
 
 // 32 columns from 16 bytes of nibbles: the code table in one register, the two 16-column halves
 // scaled by s_lo / s_hi.

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include "panel_decode.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -68,10 +69,12 @@ void check_bf16(const at::Tensor& t, const char* name) {
 struct RowsGemm {
   at::Tensor a;                          // [S, K] bf16, rows contiguous
   c10::optional<at::Tensor> a_index;     // [N] int64: row n reads a[a_index[n]] (fused gather)
-  at::Tensor b;                          // [G, NP, KP, 64, 2] bf16 from pack_weight; group g uses b[g]
+  at::Tensor b;                          // [E, NP, KP, 64, 2] bf16 from pack_weight; group g uses b[g % E]
+  c10::optional<PackedB> packed_b;       // instead of b: E packed (quantized) weights [E, cols, K], each panel
+                                         // decoded on the fly (panel_decode.h); store epilogue only
   int64_t cols = 0;                      // output columns (unpadded)
   std::vector<int64_t> counts;           // rows per group, summing to N
-  c10::optional<at::Tensor> bias;        // [G, cols] bf16
+  c10::optional<at::Tensor> bias;        // [E, cols] bf16
   int64_t activation = kNone;            // kStore only
   c10::optional<at::Tensor> row_scale;   // [N] fp32 combine weight, used as bf16
   int64_t epilogue = kStore;
@@ -181,8 +184,9 @@ struct RowsPlan {
   const bf16* a;
   int64_t lda, K, KP, cols, NP;
   const int64_t* a_index;
-  const bf16* b;
-  int64_t b_group;  // elements per packed group
+  const bf16* b;    // (null with a packed b)
+  int64_t b_group;  // elements per packed weight
+  int64_t E;        // weights: group g uses weight g % E
   const bf16* bias;
   int64_t activation, epilogue;
   const float* scale;
@@ -201,7 +205,7 @@ void store_row(const RowsPlan& P, int64_t g, int64_t n, int64_t c0, int nv, cons
     const int64_t c = c0 + 16 * v;
     const __mmask16 mk = col_mask(P.cols - c);
     __m512 r = acc[v];
-    if (P.bias) r = _mm512_add_ps(r, load_bf16x16(P.bias + g * P.cols + c, mk));
+    if (P.bias) r = _mm512_add_ps(r, load_bf16x16(P.bias + (g % P.E) * P.cols + c, mk));
     if (P.epilogue == kReluGrad) {
       r = round16(r);
       const __m512 h = load_bf16x16(P.h + n * P.cols + c, mk);
@@ -224,14 +228,14 @@ void store_row(const RowsPlan& P, int64_t g, int64_t n, int64_t c0, int nv, cons
   if (P.epilogue == kReluGrad) P.row_dot[n] += dot;
 }
 
-// rows [n0, n0 + rows) of group g (all of them in one group) times panels [p0, p1).
-void rows_tile(const RowsPlan& P, int64_t g, int64_t n0, int64_t rows, int64_t p0, int64_t p1) {
-  const bf16* bg = P.b + g * P.b_group;
+// rows [n0, n0 + rows) of group g (all of them in one group) times panels [p0, p1); bg: panel p0 (the rest
+// follow it).
+void rows_tile(const RowsPlan& P, int64_t g, const bf16* bg, int64_t n0, int64_t rows, int64_t p0, int64_t p1) {
   const bool k_tail = P.K % 2;
   const int64_t KPfull = P.K / 2;
   alignas(64) __m512 acc[kMR * 4];
   for (int64_t p = p0; p < p1; ++p) {
-    const bf16* bp = bg + p * P.KP * kPairStride;
+    const bf16* bp = bg + (p - p0) * P.KP * kPairStride;
     const int64_t c0 = p * kPanel, valid = std::min(kPanel, P.cols - c0);
     const int nv = static_cast<int>((valid + 15) / 16);
     for (int64_t m0 = 0; m0 < rows; m0 += kMR) {
@@ -420,7 +424,7 @@ bf16* amx_abuf(int64_t elements) {
 }
 
 // rows_tile on AMX tiles: the block's A rows gathered once into a zero-padded buffer, then every panel.
-void rows_tile_amx(const RowsPlan& P, int64_t g, int64_t n0, int64_t rows, int64_t p0, int64_t p1) {
+void rows_tile_amx(const RowsPlan& P, int64_t g, const bf16* bg, int64_t n0, int64_t rows, int64_t p0, int64_t p1) {
   const int64_t kpad = round_up(P.K, kTileK), rpad = round_up(rows, kTileRows), lda = a_stride(kpad);
   bf16* a = amx_abuf(rpad * lda);
   for (int64_t i = 0; i < rpad; ++i) {
@@ -434,14 +438,13 @@ void rows_tile_amx(const RowsPlan& P, int64_t g, int64_t n0, int64_t rows, int64
     std::memset(dst + have, 0, sizeof(bf16) * (kpad - have));
   }
   alignas(64) float cbuf[kBlockRows * kCbufCols];
-  const bf16* bg = P.b + g * P.b_group;
   // 32 rows at a time across every panel: their A rows stay in L1 while the panels stream from L2
   for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows) {
     const int64_t mr = std::min(kBlockRows, rows - m0);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t c0 = p * kPanel, valid = std::min(kPanel, P.cols - c0);
       const int nv = static_cast<int>((valid + 15) / 16);
-      amx_panel(a + m0 * lda, lda, kpad, mr, bg + p * P.KP * kPairStride, P.KP, nv, cbuf);
+      amx_panel(a + m0 * lda, lda, kpad, mr, bg + (p - p0) * P.KP * kPairStride, P.KP, nv, cbuf);
       for (int64_t i = 0; i < mr; ++i) {
         __m512 acc[4];
         for (int v = 0; v < nv; ++v) acc[v] = _mm512_load_ps(cbuf + i * kCbufCols + v * 16);
@@ -450,33 +453,6 @@ void rows_tile_amx(const RowsPlan& P, int64_t g, int64_t n0, int64_t rows, int64
     }
   }
 }
-// r[j] holds row j of a 16 x 16 dword matrix; afterwards r[i] holds its column i.
-inline void transpose16x16_epi32(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {  // (then the 4 x 4 grid of 128-bit lanes)
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-  }
-}
-
 // A [32 x kpad] row-major block (rows lda apart) from kp_count k pairs of mr <= 32 packed rows (src: pair kp's
 // dwords for rows 0.. at src + kp * kPairStride): a[i] holds row i's pairs as dwords -- a dword transpose, in
 // 16 x 16 blocks, the edges one by one --; the k values past the pairs and the rows past mr zero.
@@ -486,7 +462,7 @@ void transpose_pairs(const bf16* src, int64_t kp_count, int64_t mr, bf16* a, int
     for (int64_t kp0 = 0; kp0 < kp16; kp0 += 16) {
       __m512i r[16];
       for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(src + (kp0 + j) * kPairStride + 2 * i0);
-      transpose16x16_epi32(r);
+      dynamoe::transpose16x16_epi32(r);
       for (int i = 0; i < 16; ++i) _mm512_storeu_si512(a + (i0 + i) * lda + 2 * kp0, r[i]);
     }
   for (int64_t i = 0; i < mr; ++i)
@@ -680,28 +656,43 @@ void pack_rows(const PackRows& A) {
   });
 }
 
+// This thread's buffer for one decoded panel of a packed b.
+static bf16* panel_buffer(int64_t elements) {
+  thread_local std::vector<bf16> buf;
+  if (static_cast<int64_t>(buf.size()) < elements) buf.resize(elements);
+  return buf.data();
+}
+
 void grouped_rows_gemm(const RowsGemm& A) {
   check_bf16(A.a, "a");
-  check_bf16(A.b, "b");
   check_bf16(A.out, "out");
   TORCH_CHECK(A.a.dim() == 2 && A.a.stride(1) == 1, "a must be [S, K] with contiguous rows");
-  TORCH_CHECK(A.b.dim() == 5 && A.b.size(3) == kPanel && A.b.size(4) == 2 && A.b.is_contiguous(),
-              "b must be a packed weight [G, NP, KP, 64, 2] (pack_weight)");
   const int64_t K = A.a.size(1), G = static_cast<int64_t>(A.counts.size());
-  TORCH_CHECK(A.b.size(0) == G, "counts has ", G, " groups but b packs ", A.b.size(0));
-  TORCH_CHECK(A.b.size(2) == pairs(K) && A.b.size(1) == panels(A.cols), "b packs K=", 2 * A.b.size(2), " x ",
-              A.b.size(1) * kPanel, " columns, not K=", K, " x ", A.cols);
+  RowsPlan P{};
+  dynamoe::PanelSource packed{};
+  if (A.packed_b) {
+    TORCH_CHECK(A.epilogue == kStore, "a packed b takes the store epilogue only");
+    packed = dynamoe::check_packed(*A.packed_b, K, A.cols);
+    P.E = packed.E;
+  } else {
+    check_bf16(A.b, "b");
+    TORCH_CHECK(A.b.dim() == 5 && A.b.size(3) == kPanel && A.b.size(4) == 2 && A.b.is_contiguous(),
+                "b must be a packed weight [E, NP, KP, 64, 2] (pack_weight)");
+    TORCH_CHECK(A.b.size(2) == pairs(K) && A.b.size(1) == panels(A.cols), "b packs K=", 2 * A.b.size(2), " x ",
+                A.b.size(1) * kPanel, " columns, not K=", K, " x ", A.cols);
+    P.E = A.b.size(0);
+    P.b = A.b.data_ptr<bf16>();
+    P.b_group = A.b.stride(0);
+  }
+  TORCH_CHECK(P.E >= 1 && G % P.E == 0, "counts has ", G, " groups, not a multiple of the ", P.E, " weights");
   const std::vector<int64_t> offs = row_offsets(A.counts);
   const int64_t N = offs.back();
-  RowsPlan P{};
   P.a = A.a.data_ptr<bf16>();
   P.lda = A.a.stride(0);
   P.K = K;
   P.KP = pairs(K);
   P.cols = A.cols;
   P.NP = panels(A.cols);
-  P.b = A.b.data_ptr<bf16>();
-  P.b_group = A.b.stride(0);
   P.activation = A.activation;
   P.epilogue = A.epilogue;
   TORCH_CHECK(A.epilogue >= kStore && A.epilogue <= kReluGrad, "epilogue must be 0 (store), 1 (scatter-add) or 2 (relu grad)");
@@ -717,7 +708,7 @@ void grouped_rows_gemm(const RowsGemm& A) {
   if (!P.a_index) TORCH_CHECK(A.a.size(0) >= N, "a has fewer rows than the counts sum to");
   if (A.bias) {
     check_bf16(*A.bias, "bias");
-    TORCH_CHECK(A.bias->is_contiguous() && A.bias->numel() == G * A.cols, "bias must be a contiguous [G, cols]");
+    TORCH_CHECK(A.bias->is_contiguous() && A.bias->numel() == P.E * A.cols, "bias must be a contiguous [E, cols]");
     P.bias = A.bias->data_ptr<bf16>();
   }
   if (A.row_scale) {
@@ -751,6 +742,29 @@ void grouped_rows_gemm(const RowsGemm& A) {
 #else
   const auto tile = &rows_tile;
 #endif
+  if (A.packed_b) {
+    // (weight, panel) items: each decodes its panel once into this thread's buffer, then every group of that
+    // weight runs its rows over it
+    std::vector<std::pair<int64_t, int64_t>> items;
+    for (int64_t e = 0; e < P.E; ++e) {
+      bool rows = false;
+      for (int64_t g = e; g < G; g += P.E) rows = rows || A.counts[g] > 0;
+      for (int64_t p = 0; rows && p < P.NP; ++p) items.emplace_back(e, p);
+    }
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+      bf16* panel = panel_buffer(P.KP * kPairStride);
+      with_tiles(amx, [&] {
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t e = items[i].first, p = items[i].second;
+          dynamoe::decode_panel(packed, e, p, reinterpret_cast<uint16_t*>(panel));
+          for (int64_t g = e; g < G; g += P.E)
+            for (int64_t r = 0; r < A.counts[g]; r += kRowBlock)
+              tile(P, g, panel, offs[g] + r, std::min(kRowBlock, A.counts[g] - r), p, p + 1);
+        }
+      });
+    });
+    return;
+  }
   if (A.epilogue == kScatterAdd) {
     // Rows of one token land in several groups: each thread owns a range of columns, and walks every
     // group's rows in order (index_add's order, so the same bf16 sums)
@@ -761,7 +775,8 @@ void grouped_rows_gemm(const RowsGemm& A) {
         for (int64_t t = t0; t < t1; ++t)
           for (int64_t g = 0; g < G; ++g)
             for (int64_t r = 0; r < A.counts[g]; r += kRowBlock)
-              tile(P, g, offs[g] + r, std::min(kRowBlock, A.counts[g] - r), t * per, std::min(P.NP, (t + 1) * per));
+              tile(P, g, P.b + (g % P.E) * P.b_group + t * per * P.KP * kPairStride, offs[g] + r,
+                   std::min(kRowBlock, A.counts[g] - r), t * per, std::min(P.NP, (t + 1) * per));
       });
     });
     return;
@@ -773,7 +788,7 @@ void grouped_rows_gemm(const RowsGemm& A) {
     with_tiles(amx, [&] {
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t g = tiles[i].first, r = tiles[i].second;
-        tile(P, g, offs[g] + r, std::min(kRowBlock, A.counts[g] - r), 0, P.NP);
+        tile(P, g, P.b + (g % P.E) * P.b_group, offs[g] + r, std::min(kRowBlock, A.counts[g] - r), 0, P.NP);
       }
     });
   });
@@ -829,11 +844,20 @@ void register_grouped_gemm(pybind11::module& m) {
   py::enum_<Activation>(m, "GemmActivation", "activation fused into grouped_rows_gemm's store")
       .value("NONE", kNone)
       .value("RELU", kRelu);
+  py::class_<PackedB>(m, "PackedB", "a packed (quantized) b for grouped_rows_gemm (see csrc/panel_decode.h)")
+      .def(py::init<>())
+      .def_readwrite("codes", &PackedB::codes)
+      .def_readwrite("bits", &PackedB::bits)
+      .def_readwrite("lut", &PackedB::lut)
+      .def_readwrite("scales", &PackedB::scales)
+      .def_readwrite("group", &PackedB::group)
+      .def_readwrite("block_rows", &PackedB::block_rows);
   py::class_<RowsGemm>(m, "RowsGemm", "arguments of grouped_rows_gemm (see csrc/grouped_gemm_bf16.cpp)")
       .def(py::init<>())
       .def_readwrite("a", &RowsGemm::a)
       .def_readwrite("a_index", &RowsGemm::a_index)
       .def_readwrite("b", &RowsGemm::b)
+      .def_readwrite("packed_b", &RowsGemm::packed_b)
       .def_readwrite("cols", &RowsGemm::cols)
       .def_readwrite("counts", &RowsGemm::counts)
       .def_readwrite("bias", &RowsGemm::bias)
