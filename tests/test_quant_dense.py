@@ -68,15 +68,18 @@ def test_nan_scale_and_other_dtypes():
 
 
 def test_kernel_refuses_bad_arguments_by_name():
-    args = K.Dequantize()
-    args.codes, args.bits = torch.zeros(4, 8, dtype=torch.uint8), 3
-    args.lut, args.scales = torch.zeros(16), torch.zeros(4, 1)
-    args.out = torch.empty(4, 16, dtype=torch.bfloat16)
+    w = K.PackedCodes()
+    w.codes, w.bits = torch.zeros(1, 4, 8, dtype=torch.uint8), 3
+    w.lut, w.scales = torch.zeros(16), torch.zeros(1, 4, 1)
+    out = torch.empty(1, 4, 16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
-        K.dequantize(args=args)
-    args.bits, args.scales = 4, torch.zeros(4, 3)
+        K.dequantize(w=w, out=out)
+    w.bits, w.scales = 4, torch.zeros(1, 4, 3)
     with pytest.raises(RuntimeError, match="scales must be"):
-        K.dequantize(args=args)
+        K.dequantize(w=w, out=out)
+    w.scales = torch.zeros(1, 4, 1, dtype=torch.uint8)   # (scale codes without their table)
+    with pytest.raises(RuntimeError, match="scale_lut"):
+        K.dequantize(w=w, out=out)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block", "int4_g32"])

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dynamoe.ops import cpu_kernels
 from dynamoe.quant import BlockFP8Weight, INT4Weight, MXFP4Weight, NVFP4Weight, quantized_grouped_mm, quantized_linear
-from dynamoe.quant.dequantize import dense, packed_b
+from dynamoe.quant.dequantize import dense, packed_codes
 from dynamoe.quant.matmul import panel_gemm
 
 K = cpu_kernels.load()
@@ -42,7 +42,7 @@ def _gemm(x, w, counts, bias=None, packed=True):
     args = K.RowsGemm()
     args.a, args.cols, args.counts = x, w.shape[-2], counts
     if packed:
-        args.packed_b = packed_b(w)
+        args.packed_b = packed_codes(w)
     else:
         args.b = K.pack_weight(dense(w, torch.bfloat16), False)
     if bias is not None:
@@ -146,23 +146,23 @@ def test_refuses_bad_arguments_by_name():
     w = _weight("mxfp4", (1, 64, 64), 4)
     x = torch.randn(20, 64).bfloat16()
     args = K.RowsGemm()
-    args.a, args.cols, args.counts, args.packed_b = x, 64, [20], packed_b(w)
+    args.a, args.cols, args.counts, args.packed_b = x, 64, [20], packed_codes(w)
     args.out = torch.empty(20, 64, dtype=torch.bfloat16)
     args.epilogue = K.GemmEpilogue.SCATTER_ADD
     args.out_index = torch.arange(20)
     with pytest.raises(RuntimeError, match="packed b takes the store epilogue only"):
         K.grouped_rows_gemm(args=args)
     args.epilogue, args.out_index = K.GemmEpilogue.STORE, None
-    bad = packed_b(w)
+    bad = packed_codes(w)
     bad.bits = 3
     args.packed_b = bad
     with pytest.raises(RuntimeError, match="packed_b.bits must be 4 or 8"):
         K.grouped_rows_gemm(args=args)
-    bad = packed_b(w)
+    bad = packed_codes(w)
     bad.scales = bad.scales[:, :10].contiguous()
     args.packed_b = bad
     with pytest.raises(RuntimeError, match="packed_b.scales must be"):
         K.grouped_rows_gemm(args=args)
-    args.packed_b, args.counts = packed_b(_weight("mxfp4", (2, 64, 64), 4)), [10, 5, 5]
+    args.packed_b, args.counts = packed_codes(_weight("mxfp4", (2, 64, 64), 4)), [10, 5, 5]
     with pytest.raises(RuntimeError, match="not a multiple of the 2 weights"):
         K.grouped_rows_gemm(args=args)

@@ -20,7 +20,7 @@ from ..ops.linear_decode import int4_kernel_applies
 from ..ops.triton import FLOAT_DTYPES, use_triton
 from .act_quant import ACT_QUANT, ActQuant, act_quant_of, fp8_activation_quant, int8_activation_quant
 from .base import QuantizedWeight
-from .dequantize import dense, packed_b
+from .dequantize import dense, packed_codes
 from .fp8_block import BlockFP8Weight
 from .int4 import INT4Weight
 from .mxfp4 import MXFP4Weight
@@ -71,7 +71,7 @@ def panel_gemm(x_NI: Tensor, w: QuantizedWeight, counts: Sequence[int], bias: Te
     not apply (another dtype or device, autograd, a kernel build without the grouped bf16 GEMM)."""
     if x_NI.dtype != torch.bfloat16 or x_NI.device.type != "cpu" or not _no_grad(x_NI, bias):
         return None
-    b = packed_b(w)
+    b = packed_codes(w)
     if b is None:
         return None
     k = cpu_kernels.load()

@@ -1,32 +1,20 @@
-// Packed weights to dense, for the work too large for the decode kernels (prefill, training forward):
-// out[r][c] = round(lut[code(r, c)] * scales[r / block_rows][c / group]) into bf16 or fp32 -- the
-// value and the fp32 product that the formats' torch dequantize() computes, so the same bits, at memory
-// speed instead of a chain of torch passes (30-80 ms per 2880 x 2880 weight on the SPR VM).
-//
-// Codes: 4-bit (two per byte, the even column in the low nibble) or 8-bit, one row of row_bytes each.
-// The caller (dynamoe/quant/dequantize.py) gives each format's code table and its fp32 scale grid.
+// Packed weights to dense, for the work too large for the decode kernels (training forward, fp32 prefill):
+// out[e][r][c] = round(value(e, r, c)) into bf16 or fp32 for a PackedCodes (packed_codes.h) -- the value and the
+// fp32 product that the formats' torch dequantize() computes, so the same bits, at memory speed instead of a
+// chain of torch passes (30-80 ms per 2880 x 2880 weight on the SPR VM).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 #include "panel_decode.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
-
-struct Dequantize {
-  at::Tensor codes;        // uint8 [R, row_bytes], contiguous
-  int64_t bits = 4;        // 4 (nibbles) or 8 (bytes)
-  at::Tensor lut;          // fp32 [2^bits]: the value of each code
-  at::Tensor scales;       // fp32 [ceil(R / block_rows), ceil(C / group)], contiguous
-  int64_t group = 32;      // columns per scale
-  int64_t block_rows = 1;  // rows per scale
-  at::Tensor out;          // bf16 or fp32 [R, C], contiguous
-};
 
 #if defined(__AVX512F__)
 // fp32 -> bf16 bits (c10::BFloat16's rounding: denormals kept, NaN quiet), packed to 16-bit words
@@ -54,75 +42,64 @@ inline void nibbles32(const uint8_t* bytes, __m512 table, __m512 s_lo, __m512 s_
 #endif
 
 template <class T>
-void dequantize_rows(const Dequantize& A, int64_t R, int64_t C) {
-  const uint8_t* codes = A.codes.data_ptr<uint8_t>();
-  const int64_t row_bytes = A.codes.size(1), ns = A.scales.size(1);
-  const float* lut = A.lut.data_ptr<float>();
-  const float* scales = A.scales.data_ptr<float>();
-  T* out = A.out.data_ptr<T>();
-  const bool nibbles = A.bits == 4;
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* row = codes + r * row_bytes;
-      const float* srow = scales + (r / A.block_rows) * ns;
-      T* orow = out + r * C;
+void dequantize_rows(const dynamoe::CodesView& S, T* out) {
+  const bool nibbles = S.bits == 4;
+  const int64_t C = S.C;
+  at::parallel_for(0, S.E * S.R, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> sbuf(S.scale_cols);
+    for (int64_t er = r0; er < r1; ++er) {
+      const int64_t e = er / S.R, r = er % S.R;
+      const uint8_t* row = S.codes + er * S.row_bytes;
+      const float* srow = S.scale_row(e, r, sbuf.data());
+      T* orow = out + er * C;
       int64_t done = 0;  // columns written by the vector loop
 #if defined(__AVX512F__)
-      if (nibbles && (A.group % 32 == 0 || A.group == 16)) {
-        const __m512 table = _mm512_loadu_ps(lut);
+      if (nibbles && (S.group % 32 == 0 || S.group == 16)) {
+        const __m512 table = _mm512_loadu_ps(S.lut);
         for (; done + 32 <= C; done += 32) {
-          const float s0 = srow[done / A.group], s1 = srow[(done + 16) / A.group];
+          const float s0 = srow[done / S.group], s1 = srow[(done + 16) / S.group];
           nibbles32(row + done / 2, table, _mm512_set1_ps(s0), _mm512_set1_ps(s1), orow + done);
         }
       }
 #endif
-      for (int64_t g = done / A.group; g * A.group < C; ++g) {
+      for (int64_t g = done / S.group; g * S.group < C; ++g) {
         const float s = srow[g];
-        const int64_t c1 = std::min(C, (g + 1) * A.group), c0 = std::max(done, g * A.group);
+        const int64_t c1 = std::min(C, (g + 1) * S.group), c0 = std::max(done, g * S.group);
         if (nibbles) {
-          for (int64_t c = c0; c < c1; ++c) orow[c] = static_cast<T>(lut[(row[c >> 1] >> ((c & 1) * 4)) & 15] * s);
+          for (int64_t c = c0; c < c1; ++c) orow[c] = static_cast<T>(S.lut[(row[c >> 1] >> ((c & 1) * 4)) & 15] * s);
         } else {
-          for (int64_t c = c0; c < c1; ++c) orow[c] = static_cast<T>(lut[row[c]] * s);
+          for (int64_t c = c0; c < c1; ++c) orow[c] = static_cast<T>(S.lut[row[c]] * s);
         }
       }
     }
   });
 }
 
-void dequantize(const Dequantize& A) {
-  TORCH_CHECK(A.bits == 4 || A.bits == 8, "bits must be 4 or 8, got ", A.bits);
-  TORCH_CHECK(A.group >= 1 && A.block_rows >= 1, "group and block_rows must be >= 1");
-  TORCH_CHECK(A.codes.device().is_cpu() && A.codes.scalar_type() == at::kByte && A.codes.dim() == 2 &&
-                  A.codes.is_contiguous(), "codes must be a contiguous CPU uint8 [R, row_bytes]");
-  TORCH_CHECK(A.out.device().is_cpu() && A.out.dim() == 2 && A.out.is_contiguous() &&
-                  (A.out.scalar_type() == at::kBFloat16 || A.out.scalar_type() == at::kFloat),
-              "out must be a contiguous CPU bf16 or fp32 [R, C]");
-  const int64_t R = A.out.size(0), C = A.out.size(1);
-  TORCH_CHECK(A.codes.size(0) == R && A.codes.size(1) * (8 / A.bits) >= C, "codes [", A.codes.size(0), ", ",
-              A.codes.size(1), "] do not hold ", R, " rows of ", C, " ", A.bits, "-bit codes");
-  TORCH_CHECK(A.lut.scalar_type() == at::kFloat && A.lut.is_contiguous() && A.lut.numel() == (int64_t{1} << A.bits),
-              "lut must be a contiguous fp32 [", (1 << A.bits), "]");
-  TORCH_CHECK(A.scales.scalar_type() == at::kFloat && A.scales.is_contiguous() && A.scales.dim() == 2 &&
-                  A.scales.size(0) == (R + A.block_rows - 1) / A.block_rows &&
-                  A.scales.size(1) == (C + A.group - 1) / A.group,
-              "scales must be a contiguous fp32 [ceil(R / block_rows), ceil(C / group)], got ", A.scales.sizes());
-  if (A.out.scalar_type() == at::kBFloat16) dequantize_rows<c10::BFloat16>(A, R, C);
-  else dequantize_rows<float>(A, R, C);
+void dequantize(const PackedCodes& w, const at::Tensor& out) {
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 3 && out.is_contiguous() &&
+                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+              "out must be a contiguous CPU bf16 or fp32 [E, R, C]");
+  const dynamoe::CodesView S = dynamoe::view_codes(w, out.size(2), "w");
+  TORCH_CHECK(out.size(0) == S.E && out.size(1) == S.R, "out ", out.sizes(), " is not [", S.E, ", ", S.R, ", C] as ",
+              "w.codes ", w.codes.sizes());
+  if (out.scalar_type() == at::kBFloat16) dequantize_rows(S, out.data_ptr<c10::BFloat16>());
+  else dequantize_rows(S, out.data_ptr<float>());
 }
 
 }  // namespace
 
 void register_dequantize(pybind11::module& m) {
   namespace py = pybind11;
-  py::class_<Dequantize>(m, "Dequantize", "arguments of dequantize (see csrc/dequantize.cpp)")
+  py::class_<PackedCodes>(m, "PackedCodes", "a stack of packed weights for the native decoders (csrc/packed_codes.h)")
       .def(py::init<>())
-      .def_readwrite("codes", &Dequantize::codes)
-      .def_readwrite("bits", &Dequantize::bits)
-      .def_readwrite("lut", &Dequantize::lut)
-      .def_readwrite("scales", &Dequantize::scales)
-      .def_readwrite("group", &Dequantize::group)
-      .def_readwrite("block_rows", &Dequantize::block_rows)
-      .def_readwrite("out", &Dequantize::out);
-  m.def("dequantize", &dequantize, py::arg("args"), py::call_guard<py::gil_scoped_release>(),
-        "out = lut[code] * scales[row / block_rows][col / group], rounded to out's dtype");
+      .def_readwrite("codes", &PackedCodes::codes)
+      .def_readwrite("bits", &PackedCodes::bits)
+      .def_readwrite("lut", &PackedCodes::lut)
+      .def_readwrite("scales", &PackedCodes::scales)
+      .def_readwrite("scale_lut", &PackedCodes::scale_lut)
+      .def_readwrite("scale_mul", &PackedCodes::scale_mul)
+      .def_readwrite("group", &PackedCodes::group)
+      .def_readwrite("block_rows", &PackedCodes::block_rows);
+  m.def("dequantize", &dequantize, py::arg("w"), py::arg("out"), py::call_guard<py::gil_scoped_release>(),
+        "out [E, R, C] = w's values (lut[code] times its scale), rounded to out's dtype");
 }

@@ -70,7 +70,7 @@ struct RowsGemm {
   at::Tensor a;                          // [S, K] bf16, rows contiguous
   c10::optional<at::Tensor> a_index;     // [N] int64: row n reads a[a_index[n]] (fused gather)
   at::Tensor b;                          // [E, NP, KP, 64, 2] bf16 from pack_weight; group g uses b[g % E]
-  c10::optional<PackedB> packed_b;       // instead of b: E packed (quantized) weights [E, cols, K], each panel
+  c10::optional<PackedCodes> packed_b;   // instead of b: E packed (quantized) weights [E, cols, K], each panel
                                          // decoded on the fly (panel_decode.h); store epilogue only
   int64_t cols = 0;                      // output columns (unpadded)
   std::vector<int64_t> counts;           // rows per group, summing to N
@@ -656,9 +656,14 @@ void pack_rows(const PackRows& A) {
   });
 }
 
-// This thread's buffer for one decoded panel of a packed b.
+// This thread's buffers for one decoded panel of a packed b and its rows' scales.
 static bf16* panel_buffer(int64_t elements) {
   thread_local std::vector<bf16> buf;
+  if (static_cast<int64_t>(buf.size()) < elements) buf.resize(elements);
+  return buf.data();
+}
+static float* panel_scales(int64_t elements) {
+  thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < elements) buf.resize(elements);
   return buf.data();
 }
@@ -669,10 +674,11 @@ void grouped_rows_gemm(const RowsGemm& A) {
   TORCH_CHECK(A.a.dim() == 2 && A.a.stride(1) == 1, "a must be [S, K] with contiguous rows");
   const int64_t K = A.a.size(1), G = static_cast<int64_t>(A.counts.size());
   RowsPlan P{};
-  dynamoe::PanelSource packed{};
+  dynamoe::CodesView packed{};
   if (A.packed_b) {
     TORCH_CHECK(A.epilogue == kStore, "a packed b takes the store epilogue only");
-    packed = dynamoe::check_packed(*A.packed_b, K, A.cols);
+    packed = dynamoe::view_codes(*A.packed_b, K, "packed_b");
+    TORCH_CHECK(packed.R == A.cols, "packed_b.codes has ", packed.R, " rows per weight, not cols=", A.cols);
     P.E = packed.E;
   } else {
     check_bf16(A.b, "b");
@@ -753,10 +759,11 @@ void grouped_rows_gemm(const RowsGemm& A) {
     }
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
       bf16* panel = panel_buffer(P.KP * kPairStride);
+      float* sbuf = panel_scales(16 * packed.scale_cols);
       with_tiles(amx, [&] {
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t e = items[i].first, p = items[i].second;
-          dynamoe::decode_panel(packed, e, p, reinterpret_cast<uint16_t*>(panel));
+          dynamoe::decode_panel(packed, e, p, reinterpret_cast<uint16_t*>(panel), sbuf);
           for (int64_t g = e; g < G; g += P.E)
             for (int64_t r = 0; r < A.counts[g]; r += kRowBlock)
               tile(P, g, panel, offs[g] + r, std::min(kRowBlock, A.counts[g] - r), p, p + 1);
@@ -844,14 +851,6 @@ void register_grouped_gemm(pybind11::module& m) {
   py::enum_<Activation>(m, "GemmActivation", "activation fused into grouped_rows_gemm's store")
       .value("NONE", kNone)
       .value("RELU", kRelu);
-  py::class_<PackedB>(m, "PackedB", "a packed (quantized) b for grouped_rows_gemm (see csrc/panel_decode.h)")
-      .def(py::init<>())
-      .def_readwrite("codes", &PackedB::codes)
-      .def_readwrite("bits", &PackedB::bits)
-      .def_readwrite("lut", &PackedB::lut)
-      .def_readwrite("scales", &PackedB::scales)
-      .def_readwrite("group", &PackedB::group)
-      .def_readwrite("block_rows", &PackedB::block_rows);
   py::class_<RowsGemm>(m, "RowsGemm", "arguments of grouped_rows_gemm (see csrc/grouped_gemm_bf16.cpp)")
       .def(py::init<>())
       .def_readwrite("a", &RowsGemm::a)

@@ -3,10 +3,9 @@
 // that stays in L2 and runs every row of the expert over it, instead of writing the whole dense weight to
 // memory and reading it back (dequantize.cpp + a matmul).
 //
-// The codes are those of csrc/dequantize.cpp (the caller, dynamoe/quant/dequantize.py, gives each format's
-// code table and fp32 scale grid), with a leading expert dimension: value(e, c, k) = lut[code] *
-// scales[e][c / block_rows][k / group], rounded to bf16 as c10::BFloat16 does (denormals kept, NaN quiet) --
-// the bits of dense(w, bf16), so a product over decoded panels equals one over pack_weight(dense(w)).
+// The codes are a PackedCodes (packed_codes.h) whose R rows are the output columns and C columns the k values:
+// value(e, c, k) rounded to bf16 as c10::BFloat16 does (denormals kept, NaN quiet) -- the bits of dense(w, bf16),
+// so a product over decoded panels equals one over pack_weight(dense(w)).
 //
 // Panel layout (grouped_gemm_bf16.cpp): element (k, c) of panel p at (k / 2) * 128 + (c - 64 p) * 2 + k % 2,
 // KP = ceil(K / 2) pairs, zero padded. A step decodes 16 weight rows x 32 k values (16 pairs: one zmm of
@@ -19,53 +18,16 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include "packed_codes.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-struct PackedB {
-  at::Tensor codes;        // uint8 [E, O, row_bytes], contiguous: 4-bit (even k in the low nibble) or 8-bit
-  int64_t bits = 4;        // 4 or 8
-  at::Tensor lut;          // fp32 [2^bits]: the value of each code
-  at::Tensor scales;       // fp32 [E, ceil(O / block_rows), ceil(K / group)], contiguous
-  int64_t group = 32;      // k values per scale
-  int64_t block_rows = 1;  // output columns (weight rows) per scale
-};
-
 namespace dynamoe {
 
-// The raw pointers of a PackedB, checked once (check_packed).
-struct PanelSource {
-  const uint8_t* codes;
-  int64_t E, O, K, row_bytes, bits;
-  const float* lut;
-  const float* scales;
-  int64_t scale_rows, scale_cols, group, block_rows;
-};
-
-inline PanelSource check_packed(const PackedB& B, int64_t K, int64_t O) {
-  TORCH_CHECK(B.bits == 4 || B.bits == 8, "packed_b.bits must be 4 or 8, got ", B.bits);
-  TORCH_CHECK(B.group >= 1 && B.block_rows >= 1, "packed_b.group and block_rows must be >= 1");
-  TORCH_CHECK(B.codes.device().is_cpu() && B.codes.scalar_type() == at::kByte && B.codes.dim() == 3 &&
-                  B.codes.is_contiguous(), "packed_b.codes must be a contiguous CPU uint8 [E, O, row_bytes]");
-  TORCH_CHECK(B.codes.size(1) == O && B.codes.size(2) * (8 / B.bits) >= K, "packed_b.codes ", B.codes.sizes(),
-              " do not hold ", O, " rows of ", K, " ", B.bits, "-bit codes");
-  TORCH_CHECK(B.lut.scalar_type() == at::kFloat && B.lut.is_contiguous() && B.lut.numel() == (int64_t{1} << B.bits),
-              "packed_b.lut must be a contiguous fp32 [", (1 << B.bits), "]");
-  const int64_t E = B.codes.size(0), sr = (O + B.block_rows - 1) / B.block_rows, sc = (K + B.group - 1) / B.group;
-  TORCH_CHECK(B.scales.scalar_type() == at::kFloat && B.scales.is_contiguous() && B.scales.dim() == 3 &&
-                  B.scales.size(0) == E && B.scales.size(1) == sr && B.scales.size(2) == sc,
-              "packed_b.scales must be a contiguous fp32 [", E, ", ", sr, ", ", sc, "], got ", B.scales.sizes());
-  return PanelSource{B.codes.data_ptr<uint8_t>(), E, O, K, B.codes.size(2), B.bits, B.lut.data_ptr<float>(),
-                     B.scales.data_ptr<float>(), sr, sc, B.group, B.block_rows};
-}
-
-// One value, rounded to bf16 bits (the scalar path: tails and groups the vector steps do not cover).
-inline uint16_t panel_value(const PanelSource& S, int64_t e, int64_t c, int64_t k) {
-  const uint8_t* row = S.codes + (e * S.O + c) * S.row_bytes;
-  const int code = S.bits == 4 ? (row[k >> 1] >> ((k & 1) * 4)) & 15 : row[k];
-  const float s = S.scales[(e * S.scale_rows + c / S.block_rows) * S.scale_cols + k / S.group];
-  const c10::BFloat16 v(S.lut[code] * s);
+// One value of weight e, row c (its scales srow), column k, as bf16 bits (the scalar path: tails, other groups).
+inline uint16_t panel_value(const CodesView& S, int64_t e, int64_t c, const float* srow, int64_t k) {
+  const c10::BFloat16 v(S.lut[S.code(e, c, k)] * srow[k / S.group]);
   return v.x;
 }
 
@@ -110,9 +72,11 @@ inline void transpose16x16_epi32(__m512i r[16]) {
 // 32 fp32 values in k order (v0: k0..k0+15, v1: the next 16) as 16 dwords of bf16 pairs, rounded as c10 does:
 // vcvtne2ps2bf16 rounds to nearest even too but flushes denormal inputs and keeps NaN payloads, so lanes of
 // those kinds (rare: tiny or NaN scales) take the integer rounding.
+// PLAIN: the caller knows there are none (CodesView::plain scales).
+template <bool PLAIN>
 inline __m512i pairs_bf16(__m512 v0, __m512 v1) {
   constexpr int kNanOrDenormal = 0x01 | 0x80 | 0x20;  // (vfpclassps: QNaN, SNaN, denormal)
-  if (!(_mm512_fpclass_ps_mask(v0, kNanOrDenormal) | _mm512_fpclass_ps_mask(v1, kNanOrDenormal)))
+  if (PLAIN || !(_mm512_fpclass_ps_mask(v0, kNanOrDenormal) | _mm512_fpclass_ps_mask(v1, kNanOrDenormal)))
     return (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
   const __m256i w0 = _mm512_cvtepi32_epi16(panel_round_bf16(v0)), w1 = _mm512_cvtepi32_epi16(panel_round_bf16(v1));
   return _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
@@ -121,8 +85,9 @@ inline __m512i pairs_bf16(__m512 v0, __m512 v1) {
 // Row c's 16 pairs at k0 (k0 % 32 == 0, k0 + 32 <= K) as dwords, the even k's bf16 in the low half. 4-bit codes:
 // the nibbles put in k order, looked up in the 16-entry table in a register; 8-bit (e4m3) codes: fp16 bits by
 // shifts (sign << 8 | rest << 7: 2^-8 of the e4m3 value, exactly, subnormals included), widened by vcvtph2ps and
-// scaled back by 2^8 (exact), NaN bytes (0x7F, 0xFF) made NaN -- the table's values.
-inline __m512i panel_pairs(const PanelSource& S, const uint8_t* row, const float* srow, int64_t k0, __m512 table) {
+// scaled back by 2^8 (exact), NaN bytes (0x7F, 0xFF) made NaN -- the table's values (CodesView::e4m3_lut).
+template <bool PLAIN>
+inline __m512i panel_pairs(const CodesView& S, const uint8_t* row, const float* srow, int64_t k0, __m512 table) {
   __m512 v0, v1;
   if (S.bits == 4) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
@@ -145,16 +110,29 @@ inline __m512i panel_pairs(const PanelSource& S, const uint8_t* row, const float
   // the scales: one per 32 k values, or (group 16) one per half
   const int64_t g = k0 / S.group;
   const __m512 s0 = _mm512_set1_ps(srow[g]), s1 = S.group == 16 ? _mm512_set1_ps(srow[g + 1]) : s0;
-  return pairs_bf16(_mm512_mul_ps(v0, s0), _mm512_mul_ps(v1, s1));
+  return pairs_bf16<PLAIN>(_mm512_mul_ps(v0, s0), _mm512_mul_ps(v1, s1));
 }
 
-// Panel p of expert e: `out` [KP][64][2] bf16 bits (KP = ceil(K / 2)); columns past O and the pair of an odd
-// K's last value are zero.
-inline void decode_panel(const PanelSource& S, int64_t e, int64_t p, uint16_t* out) {
-  const int64_t KP = (S.K + 1) / 2, c_begin = p * 64, c_end = std::min(S.O, c_begin + 64);
-  const bool vector_steps = S.group % 32 == 0 || S.group == 16;
-  const int64_t kv = vector_steps ? S.K / 32 * 32 : 0;  // k values the vector steps decode
+// 16 rows' 16 pairs at every k0 < kv, transposed into the panel's lines (col: the block's pair 0).
+template <bool PLAIN>
+inline void panel_block(const CodesView& S, const uint8_t* const* row, const float* const* srow, int64_t rows,
+                        int64_t kv, uint16_t* col) {
   const __m512 table = S.bits == 4 ? _mm512_loadu_ps(S.lut) : _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < kv; k0 += 32) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i)
+      r[i] = i < rows ? panel_pairs<PLAIN>(S, row[i], srow[i], k0, table) : _mm512_setzero_si512();
+    transpose16x16_epi32(r);
+    for (int j = 0; j < 16; ++j) _mm512_storeu_si512(col + (k0 / 2 + j) * 128, r[j]);
+  }
+}
+
+// Panel p of expert e: `out` [KP][64][2] bf16 bits (KP = ceil(C / 2)); columns past R and the pair of an odd
+// C's last value are zero. sbuf: room for 16 rows of decoded scales (16 * S.scale_cols floats).
+inline void decode_panel(const CodesView& S, int64_t e, int64_t p, uint16_t* out, float* sbuf) {
+  const int64_t KP = (S.C + 1) / 2, c_begin = p * 64, c_end = std::min(S.R, c_begin + 64);
+  const bool vector_steps = (S.group % 32 == 0 || S.group == 16) && (S.bits == 4 || S.e4m3_lut);
+  const int64_t kv = vector_steps ? S.C / 32 * 32 : 0;  // k values the vector steps decode
   for (int64_t c0 = c_begin; c0 < c_begin + 64; c0 += 16) {
     const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(16, c_end - c0));
     uint16_t* col = out + (c0 - c_begin) * 2;  // this block's 16 columns of pair 0
@@ -164,23 +142,21 @@ inline void decode_panel(const PanelSource& S, int64_t e, int64_t p, uint16_t* o
     }
     const uint8_t* row[16];
     const float* srow[16];
+    bool plain = true;
     for (int i = 0; i < 16; ++i) {
       const int64_t c = c0 + std::min<int64_t>(i, rows - 1);
-      row[i] = S.codes + (e * S.O + c) * S.row_bytes;
-      srow[i] = S.scales + (e * S.scale_rows + c / S.block_rows) * S.scale_cols;
+      row[i] = S.codes + (e * S.R + c) * S.row_bytes;
+      srow[i] = i < rows ? S.scale_row(e, c, sbuf + i * S.scale_cols) : srow[i - 1];
+      plain = plain && (i >= rows || S.plain(srow[i]));
     }
-    for (int64_t k0 = 0; k0 < kv; k0 += 32) {
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i) r[i] = i < rows ? panel_pairs(S, row[i], srow[i], k0, table) : _mm512_setzero_si512();
-      transpose16x16_epi32(r);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(col + (k0 / 2 + j) * 128, r[j]);
-    }
-    for (int64_t kp = kv / 2; kp < KP; ++kp) {  // the tail (or every pair where the group is not 16 or 32 n)
+    if (plain) panel_block<true>(S, row, srow, rows, kv, col);
+    else panel_block<false>(S, row, srow, rows, kv, col);
+    for (int64_t kp = kv / 2; kp < KP; ++kp) {  // the tail (or every pair where the steps do not apply)
       uint16_t* dst = col + kp * 128;
       for (int i = 0; i < 16; ++i) {
         const int64_t k = 2 * kp;
-        dst[2 * i] = i < rows ? panel_value(S, e, c0 + i, k) : 0;
-        dst[2 * i + 1] = i < rows && k + 1 < S.K ? panel_value(S, e, c0 + i, k + 1) : 0;
+        dst[2 * i] = i < rows ? panel_value(S, e, c0 + i, srow[i], k) : 0;
+        dst[2 * i + 1] = i < rows && k + 1 < S.C ? panel_value(S, e, c0 + i, srow[i], k + 1) : 0;
       }
     }
   }
