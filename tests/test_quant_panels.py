@@ -95,6 +95,24 @@ def test_nan_and_tiny_scales():
     assert got[:20, 3].isnan().all() and not got[:20, :3].isnan().any()
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4_g32", "nvfp4"])
+def test_scales_across_the_whole_range(fmt):
+    """Scales from the bottom of fp32's range to the top: power-of-two ones (the integer path: the table's bf16
+    words with the scale's exponent added), those whose products would leave the normal range (the checked path:
+    denormals, infinities), NaN -- mixed within 16-row blocks -- all as dense() rounds them."""
+    g = torch.Generator().manual_seed(6)
+    w = _weight(fmt, (2, 80, 96), 6)
+    if fmt == "mxfp4":
+        w.scales.copy_(torch.randint(0, 256, w.scales.shape, generator=g, dtype=torch.uint8))
+    elif fmt == "nvfp4":
+        w.weight_scale_2 = torch.tensor([2.0 ** -120, 2.0 ** 100])
+    else:
+        j = torch.randint(-134, 128, w.weight_scale.shape, generator=g).float()
+        w.weight_scale = torch.exp2(j).to(w.weight_scale.dtype)
+    x = torch.randn(40, 96).bfloat16()
+    _same(_gemm(x, w, [20, 20]), _gemm(x, w, [20, 20], packed=False))
+
+
 def _reference(x, w, counts):
     """float64 rows x dequantize()^T per group (g % E)."""
     E, out, off = w.shape[0], [], 0

@@ -50,7 +50,12 @@ struct CodesView {
   const float* scale_mul;     // or null
   int64_t scale_rows, scale_cols, group, block_rows;
   bool e4m3_lut;              // 8-bit codes whose table is e4m3fn's (the vector decoders compute it)
-  float plain_scale_min;      // a finite scale s with s == 0 or |s| >= this makes every lut * s a normal fp32 or 0
+  // Rows the vector decoders may take faster (panel_decode.h): a finite scale s with s == 0 or |s| >=
+  // plain_scale_min makes every lut * s a normal fp32 or zero -- no NaN, no denormal, which vcvtne2ps2bf16 would
+  // round otherwise than c10; with a 4-bit table exact in bf16, a scale 2^(b - 127), b in [pow2_lo, pow2_hi],
+  // makes every nonzero lut * s bf16(lut) with b - 127 added to its exponent (pow2_lo > pow2_hi: never).
+  float plain_scale_min;
+  int pow2_lo, pow2_hi;
 
   // The fp32 scales of row r of weight e: the grid's own row, or its codes decoded into buf [scale_cols].
   const float* scale_row(int64_t e, int64_t r, float* buf) const {
@@ -60,15 +65,6 @@ struct CodesView {
     for (int64_t j = 0; j < scale_cols; ++j)
       buf[j] = scale_mul ? scale_lut[scale_codes[at + j]] * mul : scale_lut[scale_codes[at + j]];
     return buf;
-  }
-  // Whether every product with this row's scales is a normal fp32 or zero (no NaN, no denormal): what lets the
-  // vector decoders round with vcvtne2ps2bf16 (which flushes denormals and keeps NaN payloads) unchecked.
-  bool plain(const float* srow) const {
-    for (int64_t j = 0; j < scale_cols; ++j) {
-      const float a = std::fabs(srow[j]);
-      if (!(a <= FLT_MAX) || (a != 0.f && a < plain_scale_min)) return false;
-    }
-    return true;
   }
   uint8_t code(int64_t e, int64_t r, int64_t c) const {
     const uint8_t* row = codes + (e * R + r) * row_bytes;
@@ -111,18 +107,29 @@ inline CodesView view_codes(const PackedCodes& w, int64_t C, const std::string& 
   v.scale_mul = w.scale_mul ? w.scale_mul->data_ptr<float>() : nullptr;
   v.scale_rows = sr, v.scale_cols = sc, v.group = w.group, v.block_rows = w.block_rows;
   float smallest = INFINITY;  // the smallest nonzero |lut| value; a NaN value (4-bit) keeps rows off the plain path
-  bool nan4 = false;
+  bool nan4 = false, bf16_exact = w.bits == 4;
+  int exp_lo = 255, exp_hi = 0;  // biased exponents of the nonzero values
   v.e4m3_lut = w.bits == 8;
   for (int64_t i = 0; i < (int64_t{1} << w.bits); ++i) {
     const float x = v.lut[i];
+    uint32_t xb;
+    std::memcpy(&xb, &x, 4);
     if (std::isnan(x)) nan4 = nan4 || w.bits == 4;
     else if (x != 0.f) smallest = std::min(smallest, std::fabs(x));
+    if (x != 0.f) {
+      const int ex = static_cast<int>((xb >> 23) & 255);
+      exp_lo = std::min(exp_lo, ex), exp_hi = std::max(exp_hi, ex);
+      bf16_exact = bf16_exact && !(xb & 0xFFFF) && ex > 0 && ex < 255;
+    }
     if (w.bits == 8) {
       const float want = e4m3fn_value(static_cast<uint8_t>(i));
       v.e4m3_lut = v.e4m3_lut && (std::isnan(want) ? std::isnan(x) : std::memcmp(&want, &x, 4) == 0);
     }
   }
   v.plain_scale_min = nan4 ? INFINITY : smallest == INFINITY ? 0.f : FLT_MIN / smallest * 2.f;
+  // result exponent exp + b - 127 within [1, 254] for every value, and the scale itself normal
+  v.pow2_lo = bf16_exact ? std::max(1, 128 - exp_lo) : 1;
+  v.pow2_hi = bf16_exact ? std::min(254, 381 - exp_hi) : 0;
   return v;
 }
 

@@ -16,6 +16,7 @@
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cstdint>
+#include <cfloat>
 #include <cstring>
 #include <limits>
 #include "packed_codes.h"
@@ -72,6 +73,11 @@ inline void transpose16x16_epi32(__m512i r[16]) {
 // 32 fp32 values in k order (v0: k0..k0+15, v1: the next 16) as 16 dwords of bf16 pairs, rounded as c10 does:
 // vcvtne2ps2bf16 rounds to nearest even too but flushes denormal inputs and keeps NaN payloads, so lanes of
 // those kinds (rare: tiny or NaN scales) take the integer rounding.
+// How a block of rows is decoded: products checked for NaN / denormals, known to have none (CodesView::plain), or
+// (4-bit tables exact in bf16, power-of-two scales: CodesView::pow2) bf16 table words with the scale's exponent
+// added -- no fp32 at all.
+enum class PanelMode { kChecked, kPlain, kPow2 };
+
 // PLAIN: the caller knows there are none (CodesView::plain scales).
 template <bool PLAIN>
 inline __m512i pairs_bf16(__m512 v0, __m512 v1) {
@@ -86,8 +92,28 @@ inline __m512i pairs_bf16(__m512 v0, __m512 v1) {
 // the nibbles put in k order, looked up in the 16-entry table in a register; 8-bit (e4m3) codes: fp16 bits by
 // shifts (sign << 8 | rest << 7: 2^-8 of the e4m3 value, exactly, subnormals included), widened by vcvtph2ps and
 // scaled back by 2^8 (exact), NaN bytes (0x7F, 0xFF) made NaN -- the table's values (CodesView::e4m3_lut).
+// kPow2: the 4-bit codes put in k order as 32 words, looked up in the table's bf16 words (table16) and, where
+// nonzero, the scale's exponent added (one per 32 k values, or per half for group 16).
+inline __m512i panel_pairs_pow2(const CodesView& S, const uint8_t* row, const float* srow, int64_t k0, int64_t g,
+                                __m512i table16) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
+  const __m128i nib = _mm_set1_epi8(15);
+  const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+  const __m512i codes = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
+  const __m512i v = _mm512_permutexvar_epi16(codes, table16);
+  auto delta = [](float s) {
+    uint32_t bits;
+    std::memcpy(&bits, &s, 4);
+    return static_cast<short>((static_cast<int>(bits >> 23) - 127) * 128);
+  };
+  const short d0 = delta(srow[g]), d1 = S.group == 16 ? delta(srow[g + 1]) : d0;
+  const __m512i d = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(d0), _mm512_set1_epi16(d1));
+  return _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF)), v, d);
+}
+
 template <bool PLAIN>
-inline __m512i panel_pairs(const CodesView& S, const uint8_t* row, const float* srow, int64_t k0, __m512 table) {
+inline __m512i panel_pairs(const CodesView& S, const uint8_t* row, const float* srow, int64_t k0, int64_t g,
+                           __m512 table) {
   __m512 v0, v1;
   if (S.bits == 4) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
@@ -108,20 +134,63 @@ inline __m512i panel_pairs(const CodesView& S, const uint8_t* row, const float* 
     v1 = _mm512_mask_mov_ps(v1, static_cast<__mmask16>(nan >> 16), qnan);
   }
   // the scales: one per 32 k values, or (group 16) one per half
-  const int64_t g = k0 / S.group;
   const __m512 s0 = _mm512_set1_ps(srow[g]), s1 = S.group == 16 ? _mm512_set1_ps(srow[g + 1]) : s0;
   return pairs_bf16<PLAIN>(_mm512_mul_ps(v0, s0), _mm512_mul_ps(v1, s1));
 }
 
+// CodesView::scale_row, plain and pow2 of one row, 16 scales at a time (a decoded 16-row block reads 16 rows of
+// scales: as scalar loops these cost a third of a 4-bit panel's decode).
+inline const float* scale_row_classified(const CodesView& S, int64_t e, int64_t r, float* buf, bool& plain,
+                                         bool& pow2) {
+  const int64_t at = (e * S.scale_rows + r / S.block_rows) * S.scale_cols;
+  const __m512 mul = _mm512_set1_ps(S.scale_mul ? S.scale_mul[e] : 1.f);
+  const __m512 big = _mm512_set1_ps(FLT_MAX), least = _mm512_set1_ps(S.plain_scale_min);
+  const __m512i lo = _mm512_set1_epi32(S.pow2_lo), hi = _mm512_set1_epi32(S.pow2_hi);
+  __mmask16 odd = 0, not_pow2 = 0;
+  const float* src = S.scales ? S.scales + at : buf;
+  for (int64_t j = 0; j < S.scale_cols; j += 16) {
+    const __mmask16 m = static_cast<__mmask16>(S.scale_cols - j >= 16 ? 0xFFFF : (1u << (S.scale_cols - j)) - 1);
+    __m512 v;
+    if (S.scales) {
+      v = _mm512_maskz_loadu_ps(m, S.scales + at + j);
+    } else {
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, S.scale_codes + at + j));
+      v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, S.scale_lut, 4);
+      if (S.scale_mul) v = _mm512_mul_ps(v, mul);
+      _mm512_mask_storeu_ps(buf + j, m, v);
+    }
+    const __m512 a = _mm512_abs_ps(v);
+    odd |= m & (~_mm512_cmp_ps_mask(a, big, _CMP_LE_OQ) |
+                (_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_OQ) & _mm512_cmp_ps_mask(a, least, _CMP_LT_OQ)));
+    const __m512i b = _mm512_castps_si512(v), ex = _mm512_srli_epi32(b, 23);
+    not_pow2 |= m & (_mm512_test_epi32_mask(b, _mm512_set1_epi32(0x7FFFFF)) | _mm512_cmplt_epi32_mask(ex, lo) |
+                     _mm512_cmpgt_epi32_mask(ex, hi));
+  }
+  plain = !odd;
+  pow2 = !not_pow2;
+  return src;
+}
+
 // 16 rows' 16 pairs at every k0 < kv, transposed into the panel's lines (col: the block's pair 0).
-template <bool PLAIN>
+template <PanelMode MODE>
 inline void panel_block(const CodesView& S, const uint8_t* const* row, const float* const* srow, int64_t rows,
                         int64_t kv, uint16_t* col) {
   const __m512 table = S.bits == 4 ? _mm512_loadu_ps(S.lut) : _mm512_setzero_ps();
+  alignas(64) uint16_t words[32] = {};
+  if (MODE == PanelMode::kPow2)
+    for (int i = 0; i < 16; ++i) words[i] = c10::BFloat16(S.lut[i]).x;  // (exact: CodesView::pow2_lo <= pow2_hi)
+  const __m512i table16 = _mm512_load_si512(words);
+  const int64_t ahead = 256 / (8 / S.bits);  // k values 256 bytes of codes ahead: the 16 rows are 16 streams
   for (int64_t k0 = 0; k0 < kv; k0 += 32) {
+    const int64_t g = k0 / S.group;  // (the step's first scale)
     __m512i r[16];
+    for (int i = 0; i < rows; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(row[i] + (k0 + ahead) * S.bits / 8), _MM_HINT_T0);
     for (int i = 0; i < 16; ++i)
-      r[i] = i < rows ? panel_pairs<PLAIN>(S, row[i], srow[i], k0, table) : _mm512_setzero_si512();
+      r[i] = i >= rows                      ? _mm512_setzero_si512()
+             : MODE == PanelMode::kPow2     ? panel_pairs_pow2(S, row[i], srow[i], k0, g, table16)
+             : MODE == PanelMode::kPlain    ? panel_pairs<true>(S, row[i], srow[i], k0, g, table)
+                                            : panel_pairs<false>(S, row[i], srow[i], k0, g, table);
     transpose16x16_epi32(r);
     for (int j = 0; j < 16; ++j) _mm512_storeu_si512(col + (k0 / 2 + j) * 128, r[j]);
   }
@@ -142,15 +211,22 @@ inline void decode_panel(const CodesView& S, int64_t e, int64_t p, uint16_t* out
     }
     const uint8_t* row[16];
     const float* srow[16];
-    bool plain = true;
+    bool plain = true, pow2 = S.bits == 4 && S.pow2_lo <= S.pow2_hi;
     for (int i = 0; i < 16; ++i) {
       const int64_t c = c0 + std::min<int64_t>(i, rows - 1);
       row[i] = S.codes + (e * S.R + c) * S.row_bytes;
-      srow[i] = i < rows ? S.scale_row(e, c, sbuf + i * S.scale_cols) : srow[i - 1];
-      plain = plain && (i >= rows || S.plain(srow[i]));
+      if (i >= rows) {
+        srow[i] = srow[i - 1];
+        continue;
+      }
+      bool row_plain, row_pow2;
+      srow[i] = scale_row_classified(S, e, c, sbuf + i * S.scale_cols, row_plain, row_pow2);
+      plain = plain && row_plain;
+      pow2 = pow2 && row_pow2;
     }
-    if (plain) panel_block<true>(S, row, srow, rows, kv, col);
-    else panel_block<false>(S, row, srow, rows, kv, col);
+    if (pow2) panel_block<PanelMode::kPow2>(S, row, srow, rows, kv, col);
+    else if (plain) panel_block<PanelMode::kPlain>(S, row, srow, rows, kv, col);
+    else panel_block<PanelMode::kChecked>(S, row, srow, rows, kv, col);
     for (int64_t kp = kv / 2; kp < KP; ++kp) {  // the tail (or every pair where the steps do not apply)
       uint16_t* dst = col + kp * 128;
       for (int i = 0; i < 16; ++i) {
