@@ -68,25 +68,23 @@ def panel_gemm(x_NI: Tensor, w: QuantizedWeight, counts: Sequence[int], bias: Te
     panels are decoded from the packed bytes as it goes (csrc/panel_decode.h: dense()'s values, each weight read
     once per call, nothing the size of a weight written). Groups whose count is at most ``cpu_kernels.MAX_ROWS``
     are left to the caller (their rows of ``out`` untouched: the decode kernels take them). None where it does
-    not apply (another dtype or device, autograd, a kernel build without the grouped bf16 GEMM)."""
-    if x_NI.dtype != torch.bfloat16 or x_NI.device.type != "cpu" or not _no_grad(x_NI, bias):
+    not apply (no group above the limit, another dtype or device, autograd, a kernel build without the grouped bf16
+    GEMM)."""
+    counts = [int(c) for c in counts]
+    big = [c if c > cpu_kernels.MAX_ROWS else 0 for c in counts]
+    if not any(big) or x_NI.dtype != torch.bfloat16 or x_NI.device.type != "cpu" or not _no_grad(x_NI, bias):
         return None
     b = packed_codes(w)
     if b is None:
         return None
     k = cpu_kernels.load()
-    counts = [int(c) for c in counts]
-    big = [c if c > cpu_kernels.MAX_ROWS else 0 for c in counts]
     O = w.shape[-2]
     if out is None:
         out = x_NI.new_empty(x_NI.size(0), O)
     args = k.RowsGemm()
     args.a, args.packed_b, args.cols, args.counts = x_NI.contiguous(), b, O, big
-    args.amx = True
     if bias is not None:
         args.bias = bias.to(torch.bfloat16).reshape(-1, O).contiguous()
-    if not any(big):
-        return out
     if big == counts:   # (every group's rows)
         args.out = out
         k.grouped_rows_gemm(args=args)
