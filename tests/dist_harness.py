@@ -2,18 +2,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_port
 
 
 def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
@@ -45,7 +40,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> None:
     or when they do not finish within ``timeout`` seconds."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = mp.start_processes(_entry, args=(world, _free_port(), fn, args, errors), nprocs=world, join=False,
+    procs = mp.start_processes(_entry, args=(world, free_port(), fn, args, errors), nprocs=world, join=False,
                                start_method="spawn")
     import time
     deadline = time.monotonic() + timeout

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from engine_testing import write_tokenizer_dir
+from ports import free_port
 
 from dynamoe.models.cache import KVCache
 
@@ -74,12 +74,6 @@ def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_checkpoint(path: str) -> str:

@@ -4,7 +4,6 @@ plus their one-process behaviour."""
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -12,17 +11,12 @@ import pytest
 import torch
 
 from dynamoe.examples import bandwidth_test, helloworld, helloworld_switch, nccl_all_gather_v, nccl_all_to_all_v
+from ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--batch_size", "2", "--num_tokens", "16", "--model_dim", "16", "--hidden_size", "32",
         "--num_local_experts", "2", "--num_steps", "3", "--device", "cpu"]
 STEP_RE = re.compile(r"^STEP-(\d+): loss = (\S+), step_time = \S+ sec, perf = \S+ tflops\.$", re.M)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -35,7 +29,7 @@ def _env() -> dict:
 def torchrun(module: str, *args: str) -> str:
     """Run ``-m dynamoe.examples.<module>`` on 2 ranks; returns rank 0's (and rank 1's) stdout."""
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
          "-m", f"dynamoe.examples.{module}", *args],
         capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

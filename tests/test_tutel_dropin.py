@@ -7,7 +7,6 @@ import inspect
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 
 import dynamoe
 from dist_harness import run_ranks
+from ports import free_port
 from dynamoe import moe as tutel_moe
 from dynamoe import net, system
 from dynamoe.moe import MoEConfig, MoELayer, GateConfig, ExpertConfig
@@ -428,12 +428,6 @@ print("DONE", flush=True)
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(script: str, *args: str, done: str = "DONE") -> str:
     """Run a script on 2 ranks. A script in Tutel's style ends through the interpreter's own shutdown,
     where gloo's threads now and then abort a rank (SIGABRT after all its work; seen with Tutel itself,
@@ -444,7 +438,7 @@ def _torchrun(script: str, *args: str, done: str = "DONE") -> str:
         env.pop(name, None)
     for attempt in range(2):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               f"--master_port={_free_port()}", script, *args],
+                               f"--master_port={free_port()}", script, *args],
                               capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
         aborted_at_exit = "SIGABRT" in proc.stderr and proc.stdout.count(done) == 2
         if proc.returncode == 0 or not aborted_at_exit:
@@ -585,7 +579,7 @@ def _torchrun_module(module: str, *args: str) -> str:
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={_free_port()}", "-m", f"dynamoe.examples.{module}", *args],
+                           f"--master_port={free_port()}", "-m", f"dynamoe.examples.{module}", *args],
                           capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
